@@ -1,0 +1,36 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Shared fixtures: an isolated segment directory and stats directory per test."""
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def shm_env(monkeypatch):
+    """Point the mechanism at a fresh directory in /dev/shm; yield its path.
+
+    Fails the test if anything is left in it afterwards.
+    """
+    seg_dir = tempfile.mkdtemp(prefix="shm-embeds-test-", dir="/dev/shm")
+    stats_dir = tempfile.mkdtemp(prefix="shm-embeds-stats-")
+    monkeypatch.setenv("VLLM_SHM_EMBEDS", "1")
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_DIR", seg_dir)
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_STATS_DIR", stats_dir)
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_MIN_BYTES", "0")
+    try:
+        yield seg_dir
+        left = os.listdir(seg_dir)
+        assert not left, f"segments leaked: {left}"
+    finally:
+        shutil.rmtree(seg_dir, ignore_errors=True)
+        shutil.rmtree(stats_dir, ignore_errors=True)
+
+
+def ours_in_dev_shm() -> list[str]:
+    """Files of ours directly in /dev/shm (segments use this prefix)."""
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("vllm-shm-embeds"))

@@ -1,0 +1,228 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Unit tests of the mechanism (vllm/_shm_embeds.py): handles, segments, lifetime."""
+
+import errno
+import multiprocessing as mp
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vllm import _shm_embeds as shm
+
+
+class _Req:
+    """Stands for vLLM's NewRequestData (only ``prompt_embeds`` matters)."""
+
+    def __init__(self, prompt_embeds):
+        self.prompt_embeds = prompt_embeds
+
+
+def _reader(handles, index, q):
+    try:
+        out = []
+        for h in handles:
+            t = shm.open_tensor(h, index)
+            out.append((t.dtype, tuple(t.shape), t.float().tolist()))
+        q.put(out)
+    except Exception as e:  # surface to the parent
+        q.put(e)
+
+
+def _delta(before, key):
+    return shm.stats().get(key, 0) - before.get(key, 0)
+
+
+def test_round_trip_across_spawned_readers(shm_env):
+    """fp32/fp16/bf16 with 0, 1 and 37 rows, mapped by two spawned readers."""
+    srcs = [
+        torch.randn(rows, 48).to(dtype)
+        for dtype in (torch.float32, torch.float16, torch.bfloat16)
+        for rows in (0, 1, 37)
+    ]
+    before = shm.stats()
+    handles = [shm.externalize(src, readers=2) for src in srcs]
+    assert all(len(pickle.dumps(h)) < 300 for h in handles)
+    assert [h.nbytes for h in handles] == [s.nbytes for s in srcs]
+    assert _delta(before, "copied_bytes") == sum(s.nbytes for s in srcs)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_reader, args=(handles, i, q)) for i in range(2)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=180) for _ in procs]
+    for p in procs:
+        p.join(60)
+    for r in results:
+        assert not isinstance(r, Exception), r
+        for src, (dtype, shape, values) in zip(srcs, r):
+            assert dtype == src.dtype and shape == tuple(src.shape)
+            assert values == src.float().tolist()
+    # Both readers set their flags: the names go at the next collect().
+    assert shm.collect() == len(srcs)
+    assert os.listdir(shm_env) == []
+
+
+def test_reused_without_copy_and_released_on_free(shm_env):
+    src = torch.arange(4096, dtype=torch.float32).view(64, 64)
+    h1 = shm.externalize(src, readers=1)
+    before = shm.stats()
+    h2 = shm.externalize(src, readers=1)  # same tensor, still linked
+    assert h2.name == h1.name
+    assert _delta(before, "copied_bytes") == 0
+    assert _delta(before, "hop2_reused_tensors") == 1
+    assert shm.collect() == 0  # reader has not mapped it yet
+    t = shm.open_tensor(h1, 0)
+    assert torch.equal(t, src)
+    assert shm.collect() == 1
+    # The mapping stays valid after the name is gone.
+    assert torch.equal(t, src)
+
+
+def test_adopt_renames_to_owner_and_hop2_reuses_it(shm_env):
+    src = torch.randn(10, 32)
+    sent = shm.share_tensor(src)  # hop 1 sender (owner: us, then the adopter)
+    adopted = shm.adopt_tensor(sent)
+    names = os.listdir(shm_env)
+    assert len(names) == 1 and names[0] != sent.name
+    assert names[0].startswith(shm._owner_prefix())
+    assert torch.equal(adopted, src)
+    before = shm.stats()
+    h = shm.externalize(adopted, readers=1)
+    assert h.name == names[0]
+    assert _delta(before, "copied_bytes") == 0  # one copy in total (at hop 1)
+    shm.open_tensor(h, 0)
+    assert shm.collect() == 1
+
+
+def test_adopted_but_never_broadcast_is_unlinked_when_freed(shm_env):
+    adopted = shm.adopt_tensor(shm.share_tensor(torch.randn(4, 4)))
+    assert len(os.listdir(shm_env)) == 1
+    del adopted  # e.g. the request was aborted before it was scheduled
+    assert os.listdir(shm_env) == []
+
+
+def test_missing_segment_is_a_clear_error(shm_env):
+    h = shm.SharedTensorHandle(f"{shm.SEGMENT_PREFIX}.1.1.1", "float32", (2, 2))
+    with pytest.raises(shm.ShmEmbedsError, match="not found"):
+        shm.open_tensor(h)
+    with pytest.raises(shm.ShmEmbedsError, match="not a shm-embeds segment"):
+        shm.SharedTensorHandle.from_meta({"name": "../etc/x", "dtype": "float32", "shape": [1]})
+
+
+@pytest.mark.parametrize(
+    "tensor,reason",
+    [
+        (torch.randn(8, 8).t(), "non_contiguous"),
+        (torch.randn(8, 8).to_sparse(), "sparse"),
+        (torch.empty(8, 8, device="meta"), "not_cpu"),
+    ],
+)
+def test_ineligible_tensors_keep_stock_path(shm_env, tensor, reason):
+    req = _Req(tensor)
+    before = shm.stats()
+    assert shm.externalize_prompt_embeds([req], readers=2) == []
+    assert req.prompt_embeds is tensor
+    assert _delta(before, f"fallback.hop2.{reason}") == 1
+    assert _delta(before, "hop2_stock_tensors") == 1
+
+
+def test_small_tensor_keeps_stock_path(shm_env, monkeypatch):
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_MIN_BYTES", str(1 << 20))
+    req = _Req(torch.randn(4, 4))
+    assert shm.externalize_prompt_embeds([req], readers=1) == []
+    assert isinstance(req.prompt_embeds, torch.Tensor)
+
+
+def test_full_dev_shm_falls_back(shm_env, monkeypatch):
+    def no_space(fd, off, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    tensor = torch.randn(16, 16)
+    req = _Req(tensor)
+    before = shm.stats()
+    assert shm.externalize_prompt_embeds([req], readers=1) == []
+    assert req.prompt_embeds is tensor
+    assert _delta(before, "fallback.hop2.no_space") == 1
+    consumer = shm.HandleOOBConsumer()
+    consumer.arm(tensor)
+    assert consumer(tensor) is None  # inline
+    assert _delta(before, "fallback.hop1.no_space") == 1
+
+
+def test_externalize_internalize_restore(shm_env):
+    a, b = torch.randn(5, 8), torch.randn(3, 8)
+    reqs = [_Req(a), _Req(None), _Req(b)]
+    swapped = shm.externalize_prompt_embeds(reqs, readers=1)
+    assert len(swapped) == 2
+    wire = pickle.loads(pickle.dumps(reqs))  # what a worker receives
+    assert isinstance(wire[0].prompt_embeds, shm.SharedTensorHandle)
+    shm.restore_prompt_embeds(swapped)
+    assert reqs[0].prompt_embeds is a and reqs[2].prompt_embeds is b
+    assert shm.internalize_prompt_embeds(wire, reader_index=0) == 2
+    assert torch.equal(wire[0].prompt_embeds, a) and torch.equal(wire[2].prompt_embeds, b)
+    assert shm.collect() == 2
+
+
+def test_oob_consumer_provider_round_trip(shm_env):
+    tensor = torch.randn(6, 8).to(torch.bfloat16)
+    consumer = shm.HandleOOBConsumer()
+    other = torch.randn(6, 8)
+    assert consumer(other) is None  # not armed: not ours
+    consumer.arm(tensor)
+    meta = consumer(tensor)
+    assert set(meta) == {shm.META_KEY}
+    provider = shm.HandleOOBProvider()
+    got = provider("bfloat16", (6, 8), meta)
+    assert torch.equal(got, tensor) and provider.is_failed(got) is None
+    # The same handle again: the segment was adopted, so it is gone.
+    failed = provider("bfloat16", (6, 8), meta)
+    assert "not found" in provider.is_failed(failed)
+    del got
+    assert os.listdir(shm_env) == []
+
+
+def test_sweep_removes_only_dead_owners(shm_env):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead_name = f"{shm.SEGMENT_PREFIX}.{dead.stdout.strip()}.1.0"
+    live_name = f"{shm._owner_prefix()}999"
+    for name in (dead_name, live_name):
+        open(os.path.join(shm_env, name), "wb").close()
+    assert shm.sweep_stale_segments() == 1
+    assert os.listdir(shm_env) == [live_name]
+    os.unlink(os.path.join(shm_env, live_name))
+
+
+def test_shutdown_unlinks_own_segments(shm_env):
+    shm.share_tensor(torch.randn(3, 3))  # sent, never adopted
+    shm.externalize(torch.randn(3, 3), readers=2)  # broadcast, never read
+    assert len(os.listdir(shm_env)) == 2
+    shm.shutdown()
+    assert os.listdir(shm_env) == []
+
+
+_PLUGIN_PROBE = """
+import logging
+logging.basicConfig(level=logging.INFO)
+import vllm.plugins as p
+p.load_general_plugins()
+from vllm.v1.executor.multiproc_executor import MultiprocExecutor, WorkerProc
+from vllm.v1.engine.core_client import MPClient
+fns = [MultiprocExecutor.collective_rpc, WorkerProc._execute_worker_rpc, MPClient.__init__]
+print(sum(bool(getattr(f, "__shm_embeds_wrapped__", False)) for f in fns))
+"""
+
+
+@pytest.mark.parametrize("flag,expected", [("0", "0"), ("1", "3")])
+def test_plugin_patches_only_when_enabled(flag, expected):
+    env = dict(os.environ, VLLM_SHM_EMBEDS=flag)
+    out = subprocess.run([sys.executable, "-c", _PLUGIN_PROBE], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == expected
+    assert ("shm-embeds: off" in out.stdout + out.stderr) == (flag == "0")

@@ -1,0 +1,793 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Shared-memory transport for large ``prompt_embeds`` tensors (shm-embeds).
+
+This module is the *mechanism*: named shared-memory segments, the small
+picklable :class:`SharedTensorHandle` that names one, their lifetime, and
+per-process counters. It imports nothing from vLLM; the glue that wires it
+into vLLM's IPC hops lives in ``vllm._shm_embeds_glue``.
+
+Segment layout (one file in :func:`shm_dir`, ``/dev/shm`` by default)::
+
+    [0, 4096)          header: magic b"SHMEMB01", then one flag byte per
+                       reader at offset 64 + reader_index (set to 1 when
+                       that reader has mapped the segment)
+    [4096, 4096 + N)   the tensor's bytes, C-contiguous, N = numel * itemsize
+
+Segment names say who owns them: ``vllm-shm-embeds.<pid>.<start>.<seq>``,
+where ``<start>`` is the owner's start time in clock ticks since boot
+(``/proc/<pid>/stat`` field 22), so a start-up sweep can tell a dead owner's
+segments from a live one's even after pid reuse.
+
+Lifetime (one owner per segment):
+
+* hop 1 (client -> EngineCore): the client creates the segment, copies the
+  tensor in once and sends only the handle. The EngineCore *adopts* it by an
+  atomic ``rename`` to its own name and maps it; no copy.
+* hop 2 (EngineCore -> TP workers): a tensor that already lives in an owned
+  segment is sent as its handle (no copy); any other tensor is copied into a
+  new segment once. Every worker maps the same segment (no per-reader copy)
+  and sets its reader flag.
+* The owner unlinks the name as soon as every expected reader has set its
+  flag, or when the owner's tensor is freed before any broadcast. The memory
+  itself lives until the last mapping goes (kernel refcount), so nothing
+  outlives the processes that use it. Owners also unlink their remaining
+  segments at exit, and :func:`sweep_stale_segments` removes those of dead
+  owners.
+
+Environment variables (read at call time):
+
+* ``VLLM_SHM_EMBEDS``: ``1`` enables the feature (default ``0``).
+* ``VLLM_SHM_EMBEDS_MIN_BYTES``: tensors smaller than this many bytes keep the
+  stock path (default 1 MiB).
+* ``VLLM_SHM_EMBEDS_DIR``: directory for segments (default ``/dev/shm``); it
+  should be a tmpfs.
+* ``VLLM_SHM_EMBEDS_STATS_DIR``: if set, every process writes its counters to
+  ``<dir>/<pid>.json`` whenever they change (for tests and benchmarks).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import errno
+import itertools
+import json
+import mmap
+import os
+import threading
+import weakref
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+SEGMENT_PREFIX = "vllm-shm-embeds"
+HEADER_BYTES = 4096
+MAGIC = b"SHMEMB01"
+READER_FLAGS_OFFSET = 64
+MAX_READERS = HEADER_BYTES - READER_FLAGS_OFFSET
+DEFAULT_MIN_BYTES = 1 << 20
+META_KEY = "shm_embeds"
+
+
+class ShmEmbedsError(RuntimeError):
+    """A segment could not be created, found or mapped."""
+
+
+# --------------------------------------------------------------------------
+# configuration
+
+
+def enabled() -> bool:
+    """True when ``VLLM_SHM_EMBEDS`` is set to a true value (1/true/yes)."""
+    return os.environ.get("VLLM_SHM_EMBEDS", "0").strip().lower() in (
+        "1",
+        "true",
+        "yes",
+    )
+
+
+def min_bytes() -> int:
+    """Smallest tensor (bytes) that takes the shm path; ``VLLM_SHM_EMBEDS_MIN_BYTES``."""
+    return int(os.environ.get("VLLM_SHM_EMBEDS_MIN_BYTES", DEFAULT_MIN_BYTES))
+
+
+def shm_dir() -> str:
+    """Directory holding the segments; ``VLLM_SHM_EMBEDS_DIR`` or ``/dev/shm``."""
+    return os.environ.get("VLLM_SHM_EMBEDS_DIR", "/dev/shm")
+
+
+# --------------------------------------------------------------------------
+# counters
+
+
+_counters: Counter[str] = Counter()
+_counters_lock = threading.Lock()
+_role: set[str] = set()
+
+
+def set_role(role: str) -> None:
+    """Record what this process is (``client``, ``engine``, ``worker``) for stats."""
+    _role.add(role)
+
+
+def count(**deltas: int) -> None:
+    """Add to this process's counters, e.g. ``count(hop2_shm_tensors=1)``.
+
+    Counter names used: ``hop{1,2}_{shm,stock}_{tensors,bytes}``,
+    ``hop1_adopted_tensors``, ``hop2_reused_tensors`` (sent without a copy),
+    ``copied_bytes`` (bytes copied into segments), ``segments_created``,
+    ``segments_unlinked``, ``fallback.<reason>``.
+    """
+    with _counters_lock:
+        _counters.update(deltas)
+        snapshot = dict(_counters)
+    stats_dir = os.environ.get("VLLM_SHM_EMBEDS_STATS_DIR")
+    if stats_dir:
+        _write_stats(stats_dir, snapshot)
+
+
+def stats() -> dict[str, int]:
+    """A copy of this process's counters (name -> count; bytes in bytes)."""
+    with _counters_lock:
+        return dict(_counters)
+
+
+def _write_stats(stats_dir: str, snapshot: dict[str, int]) -> None:
+    pid = os.getpid()
+    path = os.path.join(stats_dir, f"{pid}.json")
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump({"pid": pid, "roles": sorted(_role), "counters": snapshot}, f)
+        os.replace(tmp, path)
+    except OSError as e:  # stats are best effort, never fail a request
+        logger.debug("shm-embeds: could not write stats to %s: %s", path, e)
+
+
+def read_stats_dir(stats_dir: str) -> list[dict[str, Any]]:
+    """All per-process stats files in ``stats_dir`` (for tests/benchmarks).
+
+    Returns a list of ``{"pid": int, "roles": [str], "counters": {str: int}}``.
+    """
+    out = []
+    for name in sorted(os.listdir(stats_dir)):
+        if name.endswith(".json"):
+            with open(os.path.join(stats_dir, name)) as f:
+                out.append(json.load(f))
+    return out
+
+
+# --------------------------------------------------------------------------
+# handles and segments
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedTensorHandle:
+    """Names a tensor stored in a shared-memory segment; a few hundred bytes pickled.
+
+    Attributes:
+        name: segment file name inside :func:`shm_dir` (no directory part).
+        dtype: torch dtype name without the ``torch.`` prefix, e.g. ``"bfloat16"``.
+        shape: tensor shape, e.g. ``(num_tokens, hidden_size)``.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dt = getattr(torch, self.dtype, None)
+        if not isinstance(dt, torch.dtype):
+            raise ShmEmbedsError(f"handle names an unknown dtype {self.dtype!r}")
+        return dt
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the tensor data in bytes (the segment is 4096 bytes larger)."""
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.torch_dtype).element_size()
+
+    def to_meta(self) -> dict[str, Any]:
+        """Plain-dict form for msgpack metadata (hop 1)."""
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> SharedTensorHandle:
+        """Inverse of :meth:`to_meta`; raises ``ShmEmbedsError`` on malformed input."""
+        try:
+            name, dtype, shape = meta["name"], meta["dtype"], meta["shape"]
+            handle = cls(str(name), str(dtype), tuple(int(s) for s in shape))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ShmEmbedsError(f"malformed shm-embeds handle {meta!r}") from e
+        if "/" in handle.name or not handle.name.startswith(SEGMENT_PREFIX + "."):
+            raise ShmEmbedsError(f"not a shm-embeds segment name: {handle.name!r}")
+        return handle
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _proc_start_time(pid: int) -> str | None:
+    """Start time of ``pid`` in clock ticks since boot, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # Field 2 (comm) may contain spaces; fields after the last ')' are fixed.
+    return stat.rsplit(b")", 1)[1].split()[19].decode()
+
+
+_seq = itertools.count()
+_owner_tag: tuple[int, str] | None = None
+
+
+def _owner_prefix() -> str:
+    """``vllm-shm-embeds.<pid>.<start>.`` for this process (recomputed after fork)."""
+    global _owner_tag
+    pid = os.getpid()
+    if _owner_tag is None or _owner_tag[0] != pid:
+        _owner_tag = (pid, _proc_start_time(pid) or "0")
+    return f"{SEGMENT_PREFIX}.{_owner_tag[0]}.{_owner_tag[1]}."
+
+
+def _path(name: str) -> str:
+    return os.path.join(shm_dir(), name)
+
+
+def eligible(tensor: Any) -> str | None:
+    """Why ``tensor`` must keep the stock path, or None if it can use shm.
+
+    Only dense (strided), CPU, C-contiguous tensors of at least
+    :func:`min_bytes` bytes qualify.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        return "not_a_tensor"
+    if tensor.layout != torch.strided:
+        return "sparse"
+    if tensor.device.type != "cpu":
+        return "not_cpu"
+    if not tensor.is_contiguous():
+        return "non_contiguous"
+    if tensor.is_quantized:
+        return "quantized"
+    if tensor.nbytes < min_bytes():
+        return "small"
+    return None
+
+
+def _map(fd: int, size: int) -> mmap.mmap:
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+
+
+def _view(mm: mmap.mmap, handle: SharedTensorHandle) -> torch.Tensor:
+    """Zero-copy tensor over the data part of a mapped segment."""
+    nbytes = handle.nbytes
+    if nbytes == 0:
+        return torch.empty(handle.shape, dtype=handle.torch_dtype)
+    raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=HEADER_BYTES)
+    return raw.view(handle.torch_dtype).view(handle.shape)
+
+
+def _create_segment(tensor: torch.Tensor) -> tuple[SharedTensorHandle, mmap.mmap]:
+    """Create an owned segment holding a copy of ``tensor`` (one memcpy).
+
+    Space is reserved with ``posix_fallocate`` first, so a full ``/dev/shm``
+    raises ``OSError(ENOSPC)`` here instead of a SIGBUS on first touch.
+    Raises OSError; the partial file is removed on failure.
+    """
+    handle = SharedTensorHandle(
+        f"{_owner_prefix()}{next(_seq)}",
+        _dtype_name(tensor.dtype),
+        tuple(tensor.shape),
+    )
+    path = _path(handle.name)
+    size = HEADER_BYTES + tensor.nbytes
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+        mm = _map(fd, size)
+        mm[: len(MAGIC)] = MAGIC
+        if tensor.nbytes:
+            dst = torch.frombuffer(
+                mm, dtype=torch.uint8, count=tensor.nbytes, offset=HEADER_BYTES
+            )
+            dst.copy_(tensor.reshape(-1).view(torch.uint8))
+            del dst
+    except BaseException:
+        _unlink_quietly(path)
+        raise
+    finally:
+        os.close(fd)
+    count(segments_created=1, copied_bytes=tensor.nbytes)
+    return handle, mm
+
+
+def _open_segment(name: str, handle: SharedTensorHandle) -> mmap.mmap:
+    """Map an existing segment read/write after checking its size and magic."""
+    try:
+        fd = os.open(_path(name), os.O_RDWR)
+    except FileNotFoundError as e:
+        raise ShmEmbedsError(
+            f"shm-embeds segment {name!r} not found in {shm_dir()} (its owner "
+            "released it, or the process is on another host)"
+        ) from e
+    try:
+        size = os.fstat(fd).st_size
+        if size != HEADER_BYTES + handle.nbytes:
+            raise ShmEmbedsError(
+                f"segment {name!r} holds {size} bytes, handle expects "
+                f"{HEADER_BYTES + handle.nbytes}"
+            )
+        mm = _map(fd, size)
+    finally:
+        os.close(fd)
+    if mm[: len(MAGIC)] != MAGIC:
+        raise ShmEmbedsError(f"segment {name!r} has no shm-embeds header")
+    return mm
+
+
+def _unlink_quietly(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+# --------------------------------------------------------------------------
+# owner-side bookkeeping
+
+
+@dataclasses.dataclass
+class _Owned:
+    mm: mmap.mmap | None
+    readers: int | None = None  # expected readers once broadcast
+    released: bool = False  # the owner's own tensor is gone
+
+
+class _OwnedSegments:
+    """Segments this process owns, and when to unlink their names."""
+
+    def __init__(self) -> None:
+        self._segs: dict[str, _Owned] = {}
+        # id(tensor) -> (weakref to tensor, segment name): tensors backed by,
+        # or already copied into, one of our segments.
+        self._by_tensor: dict[int, tuple[weakref.ref, str]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, name: str, mm: mmap.mmap, tensor: torch.Tensor | None) -> None:
+        with self._lock:
+            self._segs[name] = _Owned(mm, released=tensor is None)
+        if tensor is not None:
+            self.track(tensor, name, release_on_free=True)
+
+    def track(self, tensor: torch.Tensor, name: str, release_on_free: bool) -> None:
+        key = id(tensor)
+        with self._lock:
+            self._by_tensor[key] = (weakref.ref(tensor), name)
+        weakref.finalize(tensor, self._forget, key, name, release_on_free)
+
+    def _forget(self, key: int, name: str, release: bool) -> None:
+        with self._lock:
+            entry = self._by_tensor.get(key)
+            if entry is not None and entry[1] == name:
+                del self._by_tensor[key]
+            seg = self._segs.get(name)
+            if not release or seg is None:
+                return
+            seg.released = True
+            if seg.readers is not None:
+                return  # readers may still need the name; collect() decides
+            del self._segs[name]
+        # Freed before any broadcast (e.g. aborted while waiting): no reader
+        # will ever look for it.
+        if _unlink_quietly(_path(name)):
+            count(segments_unlinked=1)
+
+    def lookup(self, tensor: torch.Tensor) -> str | None:
+        """Name of a still-linked segment already holding ``tensor``'s bytes."""
+        with self._lock:
+            entry = self._by_tensor.get(id(tensor))
+            if entry is None or entry[0]() is not tensor or entry[1] not in self._segs:
+                return None
+            return entry[1]
+
+    def mark_broadcast(self, name: str, readers: int) -> None:
+        with self._lock:
+            self._segs[name].readers = readers
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._segs)
+
+    def collect(self) -> int:
+        """Unlink names no reader needs any more; returns how many were unlinked.
+
+        A name is done when every expected reader has set its flag, or when
+        the owner's tensor was freed before the segment was ever broadcast.
+        """
+        if not self._segs:
+            return 0
+        done = []
+        with self._lock:
+            for name, seg in self._segs.items():
+                if seg.readers is not None:
+                    assert seg.mm is not None
+                    flags = seg.mm[READER_FLAGS_OFFSET : READER_FLAGS_OFFSET + seg.readers]
+                    if b"\x00" not in flags:
+                        done.append(name)
+                elif seg.released:
+                    done.append(name)
+            for name in done:
+                del self._segs[name]
+        for name in done:
+            _unlink_quietly(_path(name))
+        if done:
+            count(segments_unlinked=len(done))
+        return len(done)
+
+    def unlink_all(self) -> int:
+        """Unlink every name this process still owns (shutdown)."""
+        with self._lock:
+            names = list(self._segs)
+            self._segs.clear()
+        n = sum(_unlink_quietly(_path(name)) for name in names)
+        # Segments created here but never adopted by a peer (hop 1 sends).
+        prefix = _owner_prefix()
+        try:
+            for name in os.listdir(shm_dir()):
+                if name.startswith(prefix):
+                    n += _unlink_quietly(_path(name))
+        except OSError:
+            pass
+        if n:
+            count(segments_unlinked=n)
+        return n
+
+
+_owned = _OwnedSegments()
+
+
+# --------------------------------------------------------------------------
+# public operations
+
+
+def share_tensor(tensor: torch.Tensor) -> SharedTensorHandle:
+    """Copy ``tensor`` into a new segment and hand its ownership to the caller's peer.
+
+    Used by hop 1 senders: the segment is *not* tracked by this process's
+    lifetime rules (the receiver adopts it with :func:`adopt_tensor`); if no
+    peer adopts it, :func:`shutdown` or a later :func:`sweep_stale_segments`
+    removes it. One copy of ``tensor.nbytes`` bytes.
+
+    Args:
+        tensor: dense, CPU, C-contiguous tensor of any dtype and shape.
+    Raises:
+        OSError: the segment could not be created (e.g. ENOSPC).
+    """
+    handle, mm = _create_segment(tensor)
+    mm.close()
+    return handle
+
+
+def adopt_tensor(handle: SharedTensorHandle) -> torch.Tensor:
+    """Take ownership of a peer's segment and map it as a tensor (no copy).
+
+    The segment is atomically renamed to this process's name, so a crash of
+    either side leaves it attributable. The returned tensor is remembered, so
+    :func:`externalize` sends it onwards (hop 2) without copying it again.
+
+    Returns:
+        tensor of ``handle.dtype`` and ``handle.shape`` backed by the segment.
+    Raises:
+        ShmEmbedsError: missing segment, wrong size or header.
+    """
+    new_name = f"{_owner_prefix()}{next(_seq)}"
+    try:
+        os.rename(_path(handle.name), _path(new_name))
+    except FileNotFoundError as e:
+        raise ShmEmbedsError(
+            f"shm-embeds segment {handle.name!r} not found in {shm_dir()}: the "
+            "sender is on another host or already released it"
+        ) from e
+    try:
+        mm = _open_segment(new_name, handle)
+    except BaseException:
+        _unlink_quietly(_path(new_name))
+        raise
+    tensor = _view(mm, handle)
+    _owned.add(new_name, mm, tensor)
+    return tensor
+
+
+def open_tensor(handle: SharedTensorHandle, reader_index: int | None = None) -> torch.Tensor:
+    """Map a segment as a tensor (reader side, no copy) and set the reader's flag.
+
+    Args:
+        handle: from the owner.
+        reader_index: 0-based index of this reader among the owner's expected
+            readers (``< MAX_READERS``), or None not to mark.
+    Returns:
+        tensor of ``handle.dtype``/``handle.shape``; it stays valid after the
+        owner unlinks the name, until the tensor is freed.
+    Raises:
+        ShmEmbedsError: missing segment, wrong size or header.
+    """
+    mm = _open_segment(handle.name, handle)
+    tensor = _view(mm, handle)
+    if reader_index is not None:
+        mm[READER_FLAGS_OFFSET + reader_index] = 1
+    return tensor
+
+
+def externalize(tensor: torch.Tensor, readers: int) -> SharedTensorHandle:
+    """Handle for ``tensor`` to broadcast to ``readers`` local readers (hop 2).
+
+    A tensor that already lives in a segment this process owns (adopted at
+    hop 1, or sent before and still linked) is sent without a copy; any other
+    tensor is copied once into a new segment. The name is unlinked once all
+    ``readers`` have mapped it (see :func:`collect`).
+
+    Raises:
+        OSError: a new segment could not be created; the caller keeps the
+            stock path.
+        ValueError: ``readers`` exceeds :data:`MAX_READERS`.
+    """
+    if not 0 < readers <= MAX_READERS:
+        raise ValueError(f"readers must be in 1..{MAX_READERS}, got {readers}")
+    name = _owned.lookup(tensor)
+    if name is not None:
+        count(hop2_reused_tensors=1)
+        handle = SharedTensorHandle(name, _dtype_name(tensor.dtype), tuple(tensor.shape))
+    else:
+        handle, mm = _create_segment(tensor)
+        _owned.add(handle.name, mm, None)
+        _owned.track(tensor, handle.name, release_on_free=False)
+    _owned.mark_broadcast(handle.name, readers)
+    return handle
+
+
+def collect() -> int:
+    """Unlink the names of owned segments that no reader needs any more.
+
+    Cheap when nothing is pending; called once per broadcast. Returns the
+    number of names unlinked.
+    """
+    return _owned.collect()
+
+
+def pending_segments() -> int:
+    """Number of segment names this process owns and has not unlinked yet."""
+    return _owned.pending()
+
+
+def externalize_prompt_embeds(
+    new_reqs: Iterable[Any], readers: int
+) -> list[tuple[Any, torch.Tensor]]:
+    """Swap each eligible ``prompt_embeds`` tensor on ``new_reqs`` for a handle.
+
+    ``new_reqs`` are objects with a ``prompt_embeds`` attribute (vLLM's
+    ``NewRequestData`` in ``SchedulerOutput.scheduled_new_reqs``). Ineligible
+    tensors, or any that cannot be placed in shared memory, stay in place
+    (stock path) and are counted as ``hop2_stock_*``.
+
+    Returns:
+        ``(obj, tensor)`` pairs to give to :func:`restore_prompt_embeds` once
+        the message has been serialized.
+    """
+    swapped: list[tuple[Any, torch.Tensor]] = []
+    for req in new_reqs:
+        tensor = getattr(req, "prompt_embeds", None)
+        if tensor is None or isinstance(tensor, SharedTensorHandle):
+            continue
+        reason = eligible(tensor)
+        if reason is None:
+            try:
+                handle = externalize(tensor, readers)
+            except OSError as e:
+                reason = "no_space" if e.errno == errno.ENOSPC else "os_error"
+                logger.warning(
+                    "shm-embeds: could not place %d bytes of prompt_embeds in %s "
+                    "(%s); using the stock path",
+                    tensor.nbytes,
+                    shm_dir(),
+                    e,
+                )
+        if reason is not None:
+            count(hop2_stock_tensors=1, hop2_stock_bytes=_nbytes(tensor))
+            count(**{f"fallback.hop2.{reason}": 1})
+            continue
+        req.prompt_embeds = handle
+        swapped.append((req, tensor))
+        count(hop2_shm_tensors=1, hop2_shm_bytes=tensor.nbytes)
+    return swapped
+
+
+def restore_prompt_embeds(swapped: list[tuple[Any, torch.Tensor]]) -> None:
+    """Put back the tensors that :func:`externalize_prompt_embeds` swapped out."""
+    for req, tensor in swapped:
+        req.prompt_embeds = tensor
+
+
+def internalize_prompt_embeds(new_reqs: Iterable[Any], reader_index: int) -> int:
+    """Replace each ``SharedTensorHandle`` in ``new_reqs[i].prompt_embeds`` by its tensor.
+
+    Runs in each TP worker before the model runner sees the step. Returns the
+    number of tensors mapped. Raises ShmEmbedsError if a segment is missing.
+    """
+    n = 0
+    for req in new_reqs:
+        handle = getattr(req, "prompt_embeds", None)
+        if isinstance(handle, SharedTensorHandle):
+            req.prompt_embeds = open_tensor(handle, reader_index)
+            count(hop2_shm_tensors=1, hop2_shm_bytes=handle.nbytes)
+            n += 1
+    return n
+
+
+def _nbytes(tensor: Any) -> int:
+    """Dense size in bytes (also defined for sparse tensors, unlike ``nbytes``)."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor.numel() * tensor.element_size()
+    return 0
+
+
+# --------------------------------------------------------------------------
+# hop 1 adapters (duck-typed to vLLM's OOB tensor consumer/provider protocol)
+
+
+class HandleOOBConsumer:
+    """Sender side of hop 1: sends the *armed* tensor as a segment handle.
+
+    Duck-types the out-of-band tensor consumer of vLLM's ``MsgpackEncoder``
+    (``vllm/v1/serial_utils.py``, 0.32/0.33: ``__call__(tensor) -> dict | None``
+    and ``new_message()``). Only the tensor passed to :meth:`arm` (the
+    request's ``prompt_embeds``) is taken; every other tensor goes to
+    ``inner`` (e.g. vLLM's multimodal ``TensorIpcSender``) or inline.
+    """
+
+    def __init__(self, inner: Any = None) -> None:
+        self.inner = inner
+        self._armed: torch.Tensor | None = None
+
+    def arm(self, tensor: torch.Tensor | None) -> None:
+        """Mark the tensor to send through shm in the next encoded message."""
+        self._armed = tensor
+
+    def new_message(self) -> None:
+        if self.inner is not None:
+            self.inner.new_message()
+
+    def __call__(self, tensor: torch.Tensor) -> dict | None:
+        if tensor is self._armed:
+            self._armed = None
+            reason = eligible(tensor)
+            if reason is None:
+                try:
+                    handle = share_tensor(tensor)
+                except OSError as e:
+                    reason = "no_space" if e.errno == errno.ENOSPC else "os_error"
+                    logger.warning(
+                        "shm-embeds: could not place %d bytes of prompt_embeds in "
+                        "%s (%s); sending them inline",
+                        tensor.nbytes,
+                        shm_dir(),
+                        e,
+                    )
+                else:
+                    count(hop1_shm_tensors=1, hop1_shm_bytes=tensor.nbytes)
+                    return {META_KEY: handle.to_meta()}
+            count(hop1_stock_tensors=1, hop1_stock_bytes=_nbytes(tensor))
+            count(**{f"fallback.hop1.{reason}": 1})
+        return self.inner(tensor) if self.inner is not None else None
+
+
+class HandleOOBProvider:
+    """Receiver side of hop 1: adopts segments named in OOB tensor metadata.
+
+    Duck-types vLLM's ``OOBTensorProvider`` (``(dtype, shape, meta) ->
+    tensor``). Metadata without our key goes to ``inner``. A handle that cannot
+    be adopted yields an empty tensor that :func:`is_failed` recognizes, so the
+    caller can reject the request instead of crashing its input thread.
+    """
+
+    def __init__(self, inner: Any = None) -> None:
+        self.inner = inner
+        self._failed: dict[int, tuple[weakref.ref, str]] = {}
+
+    def __call__(self, dtype: str, shape: tuple[int, ...], meta: dict) -> torch.Tensor:
+        if META_KEY not in meta:
+            if self.inner is None:
+                raise ShmEmbedsError("out-of-band tensor without a provider")
+            return self.inner(dtype, shape, meta)
+        try:
+            handle = SharedTensorHandle.from_meta(meta[META_KEY])
+            if handle.dtype != dtype or handle.shape != tuple(shape):
+                raise ShmEmbedsError(
+                    f"handle {handle} does not match tensor {dtype}{tuple(shape)}"
+                )
+            tensor = adopt_tensor(handle)
+        except ShmEmbedsError as e:
+            logger.error("shm-embeds: rejecting prompt_embeds: %s", e)
+            count(**{"fallback.hop1.adopt_failed": 1})
+            tensor = torch.empty(0)
+            self._failed[id(tensor)] = (weakref.ref(tensor), str(e))
+            weakref.finalize(tensor, self._failed.pop, id(tensor), None)
+            return tensor
+        count(
+            hop1_shm_tensors=1, hop1_shm_bytes=handle.nbytes, hop1_adopted_tensors=1
+        )
+        return tensor
+
+    def is_failed(self, tensor: Any) -> str | None:
+        """The error message if ``tensor`` stands for a handle that failed."""
+        entry = self._failed.get(id(tensor))
+        if entry is None or entry[0]() is not tensor:
+            return None
+        return entry[1]
+
+
+# --------------------------------------------------------------------------
+# process lifetime
+
+
+def sweep_stale_segments() -> int:
+    """Unlink segments in :func:`shm_dir` whose owner process is gone.
+
+    Only names with our prefix whose ``<pid>.<start>`` no longer matches a
+    running process are removed; live owners' segments are left alone.
+    Returns the number removed.
+    """
+    removed = 0
+    try:
+        names = os.listdir(shm_dir())
+    except OSError:
+        return 0
+    for name in names:
+        parts = name.split(".")
+        if len(parts) != 4 or parts[0] != SEGMENT_PREFIX or not parts[1].isdigit():
+            continue
+        if _proc_start_time(int(parts[1])) != parts[2]:
+            removed += _unlink_quietly(_path(name))
+    if removed:
+        logger.warning(
+            "shm-embeds: removed %d stale segment(s) of dead processes from %s",
+            removed,
+            shm_dir(),
+        )
+    return removed
+
+
+_shutdown_done = False
+
+
+def shutdown() -> None:
+    """Unlink this process's remaining segments and log its counters once."""
+    global _shutdown_done
+    n = _owned.unlink_all()
+    if _shutdown_done:
+        return
+    _shutdown_done = True
+    snapshot = stats()
+    if snapshot:
+        logger.info(
+            "shm-embeds summary (pid %d, %s): %s%s",
+            os.getpid(),
+            "/".join(sorted(_role)) or "?",
+            ", ".join(f"{k}={v}" for k, v in sorted(snapshot.items())),
+            f"; unlinked {n} segment(s) at exit" if n else "",
+        )
+
+
+atexit.register(shutdown)

