@@ -179,10 +179,10 @@ def _hop1_skip_reason(vllm_config: Any) -> str | None:
 
 def _wrap_client_init(orig: Callable) -> Callable:
     @functools.wraps(orig)
-    def __init__(self, vllm_config, *args, **kwargs):
-        orig(self, vllm_config, *args, **kwargs)
+    def __init__(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
         try:
-            reason = _hop1_skip_reason(vllm_config)
+            reason = _hop1_skip_reason(self.vllm_config)
             if reason is not None:
                 logger.info("shm-embeds: hop 1 uses the stock path: %s", reason)
                 return
@@ -190,6 +190,12 @@ def _wrap_client_init(orig: Callable) -> Callable:
             consumer = shm.HandleOOBConsumer(self.encoder.oob_tensor_consumer)
             self.encoder.oob_tensor_consumer = consumer
             self.encoder = _ArmingEncoder(self.encoder, consumer)
+            logger.info(
+                "shm-embeds: hop 1 on in pid %d: prompt_embeds >= %d bytes go to "
+                "the EngineCore as shared-memory handles",
+                os.getpid(),
+                shm.min_bytes(),
+            )
         except Exception:
             logger.exception("shm-embeds: hop 1 sender not installed; stock path")
 

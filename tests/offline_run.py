@@ -1,0 +1,89 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Run offline ``vllm.LLM`` once (TP=2, mp executor, CPU) and dump greedy outputs.
+
+Used by the integration tests, each run in its own process so that the
+plugin's environment (``VLLM_SHM_EMBEDS``) and shutdown are real.
+
+    python tests/offline_run.py --model DIR --out result.json \
+        --lengths 40,300 [--long 700] [--max-num-batched-tokens 256]
+
+For every length L it generates greedily (``--max-tokens`` tokens) from L
+fixed pseudo-random token ids, once as token ids and once as
+``{"prompt_embeds": embed_tokens(ids)}``, with the embedding weights read from
+the model's safetensors (so both inputs mean the same thing). Writes JSON:
+``{"token_ids": [[...]], "embeds": [[...]], "embeds_bytes": [...]}``.
+"""
+
+import argparse
+import json
+import os
+import time
+
+
+def embed_weights(model_dir: str):
+    """``model.embed_tokens.weight`` (vocab, hidden) from the model's safetensors."""
+    from safetensors import safe_open
+
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(model_dir, name), "pt") as f:
+                if "model.embed_tokens.weight" in f.keys():
+                    return f.get_tensor("model.embed_tokens.weight")
+    raise FileNotFoundError(f"no model.embed_tokens.weight in {model_dir}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--lengths", default="40,300")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--dtype", default="float32")
+    args = p.parse_args()
+
+    import torch
+
+    from vllm import LLM, SamplingParams
+
+    lengths = [int(x) for x in args.lengths.split(",")]
+    weights = embed_weights(args.model)
+    gen = torch.Generator().manual_seed(1234)
+    ids = [
+        torch.randint(3, weights.shape[0], (n,), generator=gen).tolist() for n in lengths
+    ]
+    dtype = getattr(torch, args.dtype)
+    embeds = [weights[torch.tensor(i)].to(dtype).contiguous() for i in ids]
+
+    t0 = time.monotonic()
+    llm = LLM(
+        model=args.model,
+        tensor_parallel_size=args.tp,
+        distributed_executor_backend="mp",
+        enable_prompt_embeds=True,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=True,
+        seed=0,
+    )
+    started = time.monotonic() - t0
+    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    out_ids = llm.generate([{"prompt_token_ids": i} for i in ids], sp, use_tqdm=False)
+    out_emb = llm.generate([{"prompt_embeds": e} for e in embeds], sp, use_tqdm=False)
+    result = {
+        "token_ids": [list(o.outputs[0].token_ids) for o in out_ids],
+        "embeds": [list(o.outputs[0].token_ids) for o in out_emb],
+        "embeds_bytes": [e.nbytes for e in embeds],
+        "engine_start_s": started,
+    }
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Integration: offline ``vllm.LLM``, TP=2, mp executor, CPU, the tiny local model.
+
+Each configuration runs in its own process (tests/offline_run.py). The shm
+run must (1) give the same greedy tokens as token-id prompts and as the stock
+path, and (2) show in every process's counters that both hops carried every
+prompt_embeds tensor through shared memory, with one copy in total: this test
+fails if either hop silently falls back.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, ours_in_dev_shm
+
+pytestmark = pytest.mark.integration
+
+LENGTHS = [40, 300, 700]  # 700 > max_num_batched_tokens: chunked prefill
+MAX_BATCHED = 256
+
+
+def tiny_model() -> str:
+    path = os.path.join(REPO, ".models", "tiny")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        subprocess.run(
+            [sys.executable, os.path.join(REPO, "tools", "make_tiny_model.py"),
+             "--out", path, "--variant", "tiny"],
+            check=True,
+        )
+    return path
+
+
+def run_offline(tmp_path, shm_on: bool, model: str, lengths, extra=()):
+    stats = tmp_path / f"stats-{int(shm_on)}"
+    stats.mkdir()
+    out = tmp_path / f"out-{int(shm_on)}.json"
+    env = dict(
+        os.environ,
+        VLLM_SHM_EMBEDS="1" if shm_on else "0",
+        VLLM_SHM_EMBEDS_MIN_BYTES="1024",
+        VLLM_SHM_EMBEDS_STATS_DIR=str(stats),
+        VLLM_CPU_OMP_THREADS_BIND="0|1",
+        VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+    )
+    before = ours_in_dev_shm()
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tests", "offline_run.py"),
+         "--model", model, "--out", str(out),
+         "--lengths", ",".join(map(str, lengths)), *extra],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert ours_in_dev_shm() == before, "segments left in /dev/shm"
+    from vllm._shm_embeds import read_stats_dir
+
+    return json.loads(out.read_text()), read_stats_dir(str(stats)), proc.stdout + proc.stderr
+
+
+def by_role(stats, role):
+    return [s["counters"] for s in stats if role in s["roles"]]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("offline")
+    model = tiny_model()
+    extra = ("--max-num-batched-tokens", str(MAX_BATCHED))
+    on = run_offline(tmp, True, model, LENGTHS, extra)
+    off = run_offline(tmp, False, model, LENGTHS, extra)
+    return on, off
+
+
+def test_outputs_match_stock_and_token_ids(runs):
+    (on, _, _), (off, _, _) = runs
+    assert on["embeds"] == off["embeds"]
+    assert on["embeds"] == on["token_ids"]
+    assert on["token_ids"] == off["token_ids"]
+
+
+def test_both_hops_carried_every_tensor_by_shm(runs):
+    (on, stats, log), _ = runs
+    n, total = len(LENGTHS), sum(on["embeds_bytes"])
+    [client] = by_role(stats, "client")
+    [engine] = by_role(stats, "engine")
+    workers = by_role(stats, "worker")
+    assert len(workers) == 2  # TP=2
+    # hop 1: every tensor went as a handle and was adopted by the EngineCore.
+    assert client.get("hop1_shm_tensors") == n and client.get("hop1_shm_bytes") == total
+    assert "hop1_stock_tensors" not in client
+    assert engine.get("hop1_adopted_tensors") == n
+    # hop 2: sent as handles, reusing the hop 1 segment (no second copy) ...
+    assert engine.get("hop2_shm_tensors") == n and engine.get("hop2_reused_tensors") == n
+    assert "hop2_stock_tensors" not in engine
+    assert "copied_bytes" not in engine
+    # ... and mapped by every TP rank.
+    for w in workers:
+        assert w.get("hop2_shm_tensors") == n and w.get("hop2_shm_bytes") == total
+    # One copy in total, done by the client; every name unlinked by its owner.
+    assert client.get("copied_bytes") == total
+    assert engine.get("segments_unlinked") == n
+    assert "shm-embeds summary" in log
+
+
+def test_feature_off_touches_nothing(runs):
+    _, (off, stats, log) = runs
+    assert stats == []  # no counter moved in any process
+    assert "shm-embeds: off" in log
+    assert "shm-embeds: enabled" not in log
