@@ -110,3 +110,30 @@ def test_feature_off_touches_nothing(runs):
     assert stats == []  # no counter moved in any process
     assert "shm-embeds: off" in log
     assert "shm-embeds: enabled" not in log
+
+
+def wide_model() -> str:
+    path = os.path.join(REPO, ".models", "wide")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        subprocess.run(
+            [sys.executable, os.path.join(REPO, "tools", "make_tiny_model.py"),
+             "--out", path, "--variant", "wide"],
+            check=True,
+        )
+    return path
+
+
+def test_256mib_embeds_same_tokens_and_both_hops_by_shm(tmp_path):
+    """8192 tokens x hidden 8192 x fp32 = 256 MiB of prompt_embeds, TP=2."""
+    model = wide_model()
+    extra = ("--max-model-len", "8448", "--max-tokens", "4")
+    on, stats, _ = run_offline(tmp_path, True, model, [8192], extra)
+    off, _, _ = run_offline(tmp_path, False, model, [8192], extra)
+    assert on["embeds_bytes"] == [256 << 20]
+    assert on["embeds"] == off["embeds"] == on["token_ids"]
+    [client] = by_role(stats, "client")
+    [engine] = by_role(stats, "engine")
+    assert client.get("hop1_shm_bytes") == 256 << 20
+    assert engine.get("hop2_reused_tensors") == 1 and "copied_bytes" not in engine
+    workers = by_role(stats, "worker")
+    assert len(workers) == 2 and all(w.get("hop2_shm_bytes") == 256 << 20 for w in workers)
