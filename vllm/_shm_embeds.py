@@ -141,7 +141,7 @@ def stats() -> dict[str, int]:
 def _write_stats(stats_dir: str, snapshot: dict[str, int]) -> None:
     pid = os.getpid()
     path = os.path.join(stats_dir, f"{pid}.json")
-    tmp = f"{path}.tmp"
+    tmp = f"{path}.{threading.get_ident()}.tmp"
     try:
         with open(tmp, "w") as f:
             json.dump({"pid": pid, "roles": sorted(_role), "counters": snapshot}, f)
@@ -790,4 +790,16 @@ def shutdown() -> None:
         )
 
 
+def _after_fork_in_child() -> None:
+    # A forked child (e.g. a TP worker under the fork start method) owns
+    # none of its parent's segments and starts with fresh counters.
+    global _owned, _shutdown_done, _counters_lock
+    _owned = _OwnedSegments()
+    _shutdown_done = False
+    _role.clear()
+    _counters_lock = threading.Lock()  # the parent's may have been held
+    _counters.clear()
+
+
 atexit.register(shutdown)
+os.register_at_fork(after_in_child=_after_fork_in_child)
