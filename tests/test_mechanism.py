@@ -226,3 +226,16 @@ def test_plugin_patches_only_when_enabled(flag, expected):
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == expected
     assert ("shm-embeds: off" in out.stdout + out.stderr) == (flag == "0")
+
+
+def test_forked_child_does_not_own_parents_segments(shm_env):
+    h = shm.externalize(torch.randn(4, 4), readers=1)
+    pid = os.fork()
+    if pid == 0:  # e.g. a TP worker under the fork start method
+        shm.shutdown()
+        os._exit(0 if shm.pending_segments() == 0 and not shm.stats() else 1)
+    _, status = os.waitpid(pid, 0)
+    assert status == 0
+    assert os.listdir(shm_env) == [h.name]
+    shm.open_tensor(h, 0)
+    assert shm.collect() == 1
