@@ -33,4 +33,18 @@ def shm_env(monkeypatch):
 
 def ours_in_dev_shm() -> list[str]:
     """Files of ours directly in /dev/shm (segments use this prefix)."""
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("vllm-shm-embeds"))
+    return ours_in("/dev/shm")
+
+
+def ours_in(seg_dir: str) -> list[str]:
+    """Our segment names in ``seg_dir``."""
+    return sorted(n for n in os.listdir(seg_dir) if n.startswith("vllm-shm-embeds"))
+
+
+def new_seg_dir() -> str:
+    """A private segment directory on the /dev/shm tmpfs for one engine run.
+
+    Tests point ``VLLM_SHM_EMBEDS_DIR`` at it so concurrent jobs on the same
+    machine cannot make a leak check pass or fail.
+    """
+    return tempfile.mkdtemp(prefix="shm-embeds-it-", dir="/dev/shm")

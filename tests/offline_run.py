@@ -19,6 +19,8 @@ import json
 import os
 import time
 
+import torch
+
 
 def embed_weights(model_dir: str):
     """``model.embed_tokens.weight`` (vocab, hidden) from the model's safetensors."""
@@ -32,6 +34,42 @@ def embed_weights(model_dir: str):
     raise FileNotFoundError(f"no model.embed_tokens.weight in {model_dir}")
 
 
+def ours() -> list[str]:
+    """Our segment names currently in the segment directory."""
+    seg_dir = os.environ.get("VLLM_SHM_EMBEDS_DIR", "/dev/shm")
+    return sorted(n for n in os.listdir(seg_dir) if n.startswith("vllm-shm-embeds"))
+
+
+def lifetime(llm, embeds, weights, sp, max_model_len: int) -> dict:
+    """Abort before/during prefill and reject an over-long prompt.
+
+    Returns what is left in the segment dir after each, while the engine runs.
+    """
+    engine = llm.llm_engine
+    out = {}
+    # Aborted before it is ever scheduled.
+    engine.add_request("abort-early", {"prompt_embeds": embeds}, sp)
+    engine.abort_request(["abort-early"])
+    # Aborted mid-prefill (after its first chunk).
+    engine.add_request("abort-mid", {"prompt_embeds": embeds}, sp)
+    engine.step()
+    engine.abort_request(["abort-mid"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("after", {"prompt_token_ids": [5, 6, 7]}, sp)
+    while engine.has_unfinished_requests():
+        engine.step()
+    out["left_after_abort"] = ours()
+    too_long = weights[torch.arange(max_model_len + 8) % weights.shape[0]]
+    try:
+        llm.generate([{"prompt_embeds": too_long}], sp, use_tqdm=False)
+        out["too_long_error"] = None
+    except Exception as e:  # expected: vLLM rejects it
+        out["too_long_error"] = f"{type(e).__name__}: {e}"[:300]
+    out["left_after_too_long"] = ours()
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
@@ -42,9 +80,18 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--backend", default="mp", help="distributed_executor_backend")
+    p.add_argument("--async-scheduling", choices=["on", "off"], default=None)
+    p.add_argument("--prefix-caching", action="store_true")
+    p.add_argument(
+        "--lifetime",
+        action="store_true",
+        help="also abort requests (before and during prefill) and send a prompt "
+        "longer than max_model_len; record what is left in the segment dir",
+    )
     args = p.parse_args()
 
-    import torch
+
 
     from vllm import LLM, SamplingParams
 
@@ -61,24 +108,34 @@ def main() -> None:
     llm = LLM(
         model=args.model,
         tensor_parallel_size=args.tp,
-        distributed_executor_backend="mp",
         enable_prompt_embeds=True,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=True,
         seed=0,
+        distributed_executor_backend=args.backend,
+        async_scheduling={"on": True, "off": False, None: None}[args.async_scheduling],
+        enable_prefix_caching=args.prefix_caching or None,
     )
     started = time.monotonic() - t0
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     out_ids = llm.generate([{"prompt_token_ids": i} for i in ids], sp, use_tqdm=False)
     out_emb = llm.generate([{"prompt_embeds": e} for e in embeds], sp, use_tqdm=False)
+    if args.prefix_caching:  # the same prompts again, now served from the cache
+        again = llm.generate([{"prompt_embeds": e} for e in embeds], sp, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == [
+            o.outputs[0].token_ids for o in out_emb
+        ], "prefix-cached embeds prompts gave different tokens"
     result = {
         "token_ids": [list(o.outputs[0].token_ids) for o in out_ids],
         "embeds": [list(o.outputs[0].token_ids) for o in out_emb],
         "embeds_bytes": [e.nbytes for e in embeds],
         "engine_start_s": started,
+        "left_after_generate": ours(),
     }
+    if args.lifetime:
+        result.update(lifetime(llm, embeds[-1], weights, sp, args.max_model_len))
     llm.llm_engine.engine_core.shutdown()
     del llm
     with open(args.out, "w") as f:

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, ours_in_dev_shm
+from conftest import REPO, new_seg_dir, ours_in
 
 pytestmark = pytest.mark.integration
 
@@ -38,15 +38,16 @@ def run_offline(tmp_path, shm_on: bool, model: str, lengths, extra=()):
     stats = tmp_path / f"stats-{int(shm_on)}"
     stats.mkdir()
     out = tmp_path / f"out-{int(shm_on)}.json"
+    seg_dir = new_seg_dir()
     env = dict(
         os.environ,
+        VLLM_SHM_EMBEDS_DIR=seg_dir,
         VLLM_SHM_EMBEDS="1" if shm_on else "0",
         VLLM_SHM_EMBEDS_MIN_BYTES="1024",
         VLLM_SHM_EMBEDS_STATS_DIR=str(stats),
         VLLM_CPU_OMP_THREADS_BIND="0|1",
         VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
     )
-    before = ours_in_dev_shm()
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "tests", "offline_run.py"),
          "--model", model, "--out", str(out),
@@ -54,7 +55,8 @@ def run_offline(tmp_path, shm_on: bool, model: str, lengths, extra=()):
         env=env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert ours_in_dev_shm() == before, "segments left in /dev/shm"
+    assert ours_in(seg_dir) == [], "segments left after shutdown"
+    os.rmdir(seg_dir)
     from vllm._shm_embeds import read_stats_dir
 
     return json.loads(out.read_text()), read_stats_dir(str(stats)), proc.stdout + proc.stderr

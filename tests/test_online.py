@@ -21,7 +21,7 @@ import pytest
 import requests
 import torch
 
-from conftest import REPO, ours_in_dev_shm
+from conftest import new_seg_dir, ours_in
 from offline_run import embed_weights
 from test_offline import by_role, tiny_model
 
@@ -48,8 +48,10 @@ def server(tmp_path_factory):
     stats.mkdir()
     model = tiny_model()
     port = _free_port()
+    seg_dir = new_seg_dir()
     env = dict(
         os.environ,
+        VLLM_SHM_EMBEDS_DIR=seg_dir,
         VLLM_SHM_EMBEDS="1",
         VLLM_SHM_EMBEDS_MIN_BYTES="1024",
         VLLM_SHM_EMBEDS_STATS_DIR=str(stats),
@@ -78,10 +80,11 @@ def server(tmp_path_factory):
         assert time.monotonic() < deadline, "server did not start"
         time.sleep(1)
     yield {"url": url, "model": model, "stats": str(stats), "proc": proc,
-           "log": tmp / "server.log"}
+           "log": tmp / "server.log", "seg_dir": seg_dir}
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(120)
+    os.rmdir(seg_dir)  # fails if anything was left in it
 
 
 def _client(server):
@@ -126,7 +129,7 @@ def test_embeds_equal_text_and_use_shm(server):
     assert engine.get("hop2_reused_tensors") == len(TEXTS)
     assert len(workers) == 2
     assert all(w.get("hop2_shm_tensors") == len(TEXTS) for w in workers)
-    assert ours_in_dev_shm() == []  # names go once both ranks mapped them
+    assert ours_in(server["seg_dir"]) == []  # names go once both ranks mapped them
 
 
 @pytest.mark.parametrize(
@@ -149,12 +152,12 @@ def test_bad_embeds_get_400_and_server_stays_healthy(server, payload):
     assert 400 <= r.status_code < 500, r.text
     ok = _client(server).completions.create(model="tiny", prompt="hello", max_tokens=2)
     assert ok.choices
-    assert ours_in_dev_shm() == []
+    assert ours_in(server["seg_dir"]) == []
 
 
 def test_clean_shutdown_leaves_nothing(server):
     proc = server["proc"]
     os.killpg(proc.pid, signal.SIGTERM)
     assert proc.wait(180) is not None
-    assert ours_in_dev_shm() == []
+    assert ours_in(server["seg_dir"]) == []
     assert "shm-embeds summary" in server["log"].read_text()

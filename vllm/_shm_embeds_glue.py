@@ -355,6 +355,28 @@ def check_sites() -> dict[str, list[str]]:
     return problems
 
 
+ENV_VARS: dict[str, Callable[[], Any]] = {
+    "VLLM_SHM_EMBEDS": shm.enabled,
+    "VLLM_SHM_EMBEDS_MIN_BYTES": shm.min_bytes,
+    "VLLM_SHM_EMBEDS_DIR": shm.shm_dir,
+    "VLLM_SHM_EMBEDS_STATS_DIR": lambda: os.environ.get("VLLM_SHM_EMBEDS_STATS_DIR"),
+}
+
+
+def _declare_env_vars() -> None:
+    """Make our variables known to vLLM (``vllm/envs.py`` ``environment_variables``).
+
+    Otherwise vLLM's ``Platform.validate_environ`` warns about every one of
+    them, or refuses to start with ``--fail-on-environ-validation``.
+    """
+    import vllm.envs as envs
+
+    table = getattr(envs, "environment_variables", None)
+    if isinstance(table, dict):
+        for name, getter in ENV_VARS.items():
+            table.setdefault(name, getter)
+
+
 def register() -> None:
     """Plugin entry point (``vllm.general_plugins``); safe to call repeatedly.
 
@@ -369,6 +391,7 @@ def register() -> None:
 
 def _register() -> None:
     pid = os.getpid()
+    _declare_env_vars()
     if not shm.enabled():
         logger.info("shm-embeds: off in pid %d (VLLM_SHM_EMBEDS is not 1)", pid)
         return
