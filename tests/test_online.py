@@ -9,6 +9,7 @@ without hurting later requests or leaking a segment.
 """
 
 import base64
+import contextlib
 import io
 import os
 import signal
@@ -41,9 +42,12 @@ def encode_embeds(tensor: torch.Tensor) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("online")
+@contextlib.contextmanager
+def start_server(tmp, *server_args, shm_on=True):
+    """Run the OpenAI server on the tiny model; yield a dict describing it.
+
+    Asserts at exit that no segment is left in its private segment dir.
+    """
     stats = tmp / "stats"
     stats.mkdir()
     model = tiny_model()
@@ -52,10 +56,10 @@ def server(tmp_path_factory):
     env = dict(
         os.environ,
         VLLM_SHM_EMBEDS_DIR=seg_dir,
-        VLLM_SHM_EMBEDS="1",
+        VLLM_SHM_EMBEDS="1" if shm_on else "0",
         VLLM_SHM_EMBEDS_MIN_BYTES="1024",
         VLLM_SHM_EMBEDS_STATS_DIR=str(stats),
-        VLLM_CPU_OMP_THREADS_BIND="0|1",
+        VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"),
         VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
     )
     log = open(tmp / "server.log", "w")
@@ -64,27 +68,36 @@ def server(tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
          "--model", model, "--served-model-name", "tiny", "--port", str(port),
-         "-tp", "2", "--enable-prompt-embeds", "--dtype", "float32",
-         "--max-model-len", "2048", "--enforce-eager"],
+         "--enable-prompt-embeds", "--dtype", "float32",
+         "--max-model-len", "2048", "--enforce-eager", *server_args],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
-    while True:
-        assert proc.poll() is None, (tmp / "server.log").read_text()[-4000:]
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except requests.ConnectionError:
-            pass
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(1)
-    yield {"url": url, "model": model, "stats": str(stats), "proc": proc,
-           "log": tmp / "server.log", "seg_dir": seg_dir}
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(120)
-    os.rmdir(seg_dir)  # fails if anything was left in it
+    try:
+        while True:
+            assert proc.poll() is None, (tmp / "server.log").read_text()[-4000:]
+            try:
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(1)
+        yield {"url": url, "model": model, "stats": str(stats), "proc": proc,
+               "log": tmp / "server.log", "seg_dir": seg_dir}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(120)
+    assert ours_in(seg_dir) == []
+    os.rmdir(seg_dir)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with start_server(tmp_path_factory.mktemp("online"), "-tp", "2") as s:
+        yield s
 
 
 def _client(server):

@@ -1,0 +1,314 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Compare prefill latency of text prompts and ``prompt_embeds`` on a vLLM server.
+
+Runs against a running OpenAI-compatible vLLM server started with
+``--enable-prompt-embeds``. For each prompt length L (tokens):
+
+* Text prompt: a *text* string whose tokenization on the server (with special
+  tokens, e.g. BOS) is exactly L tokens. It is built from random English words
+  (fixed seed), then trimmed with the server's ``/tokenize`` and
+  ``/detokenize`` until re-tokenizing gives exactly L ids. If that does not
+  converge (rare; tokenizer-dependent) the sample is sent as a token-id prompt
+  instead and marked ``token_ids`` in the output.
+* Embeds prompt: the rows of the model's input embedding matrix for the SAME L
+  token ids (BOS included), read from safetensors on disk
+  (``model.embed_tokens.weight``), sent as vLLM's online format: ``/v1/completions``
+  with ``prompt_embeds`` = base64 of the ``torch.save`` bytes of an
+  ``(L, hidden_size)`` tensor.
+
+Latency is measured as the wall time of one non-streaming ``/v1/completions``
+request with ``max_tokens=1`` (send until full response): prefill plus one
+sampled token. For embeds it includes the upload and the server's base64
+decode and ``torch.load``; payloads are encoded before the clock starts.
+Every sample uses fresh random token ids, so prefix caching never hits.
+Text and embeds samples alternate, and which goes first alternates too.
+
+Usage::
+
+    python prof_embeds.py --url http://localhost:8000 --lengths 256,1024,4096 \\
+        --repeats 5 --warmup 2 [--embeddings MODEL_DIR] [--json out.json] [--check-outputs]
+    python prof_embeds.py --compare off.json on.json
+
+Exit codes: 0 ok, 1 HTTP/connection error, 2 bad arguments or setup,
+3 ``--check-outputs`` found a text/embeds mismatch.
+"""
+
+import argparse
+import base64
+import glob
+import io
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import requests
+
+WORDS = (
+    "the of and to in is was for on that with as by at from his her they this "
+    "have had not are but were which one all their there been has when who will "
+    "more would out some into them time only other new about could then than "
+    "first people may like over such after most also made many before must "
+    "through back years where much your way well down should because each just "
+    "those great little world still long good under never while last might "
+    "house small found part place city water river train window garden report "
+    "number story morning evening engineer letter market bread music teacher "
+    "mountain island bridge captain history question answer machine weather"
+).split()
+
+
+class HttpError(RuntimeError):
+    """A request to the server failed (non-2xx status or no connection)."""
+
+
+class Client:
+    """Thin JSON client for one vLLM server.
+
+    ``timeout`` is in seconds and applies to each request.
+    """
+
+    def __init__(self, url, model, timeout):
+        self.url = url.rstrip("/")
+        self.model = model
+        self.timeout = timeout
+        self.session = requests.Session()
+
+    def post(self, path, body):
+        """POST ``body`` (a dict, or pre-encoded JSON bytes); return the parsed reply."""
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        try:
+            r = self.session.post(self.url + path, data=data, timeout=self.timeout,
+                                  headers={"Content-Type": "application/json"})
+        except requests.RequestException as e:
+            raise HttpError(f"POST {path}: {e}") from e
+        if r.status_code // 100 != 2:
+            raise HttpError(f"POST {path}: HTTP {r.status_code}: {r.text[:500]}")
+        return r.json()
+
+    def tokenize(self, text):
+        """Token ids of ``text`` as the server encodes a completion prompt."""
+        return self.post("/tokenize", {"model": self.model, "prompt": text,
+                                       "add_special_tokens": True})["tokens"]
+
+    def detokenize(self, ids):
+        """Text of ``ids`` as decoded by the server."""
+        return self.post("/detokenize", {"model": self.model, "tokens": ids})["prompt"]
+
+
+def list_models(url, timeout):
+    """Return the ``data`` list of ``GET /v1/models``."""
+    try:
+        r = requests.get(url.rstrip("/") + "/v1/models", timeout=timeout)
+    except requests.RequestException as e:
+        raise HttpError(f"GET /v1/models: {e}") from e
+    if r.status_code != 200:
+        raise HttpError(f"GET /v1/models: HTTP {r.status_code}: {r.text[:500]}")
+    return r.json()["data"]
+
+
+def load_embedding_matrix(model_dir):
+    """Read the ``(vocab, hidden_size)`` input embedding matrix from safetensors."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                if key.endswith("embed_tokens.weight"):
+                    return f.get_tensor(key)
+    raise SystemExit(f"no *embed_tokens.weight in safetensors under {model_dir}")
+
+
+def make_prompt(client, length, rng, n_special):
+    """Return ``(text, ids)``: a text prompt that tokenizes to exactly ``length`` ids.
+
+    ``text`` is None when no exact text was found; then ``ids`` (random word
+    tokens, ``length`` long) must be sent as a token-id prompt.
+    """
+    text = " ".join(rng.choice(WORDS) for _ in range(length))
+    ids = client.tokenize(text)
+    for _ in range(12):
+        if len(ids) == length:
+            return text, ids
+        if len(ids) > length:
+            text = client.detokenize(ids[n_special:length])
+        else:
+            text += " " + " ".join(rng.choice(WORDS) for _ in range(length - len(ids)))
+        ids = client.tokenize(text)
+    more = " ".join(rng.choice(WORDS) for _ in range(length))
+    return None, client.tokenize(text + " " + more)[:length]
+
+
+def embeds_b64(weights, ids):
+    """Base64 text of the ``torch.save`` bytes of ``weights[ids]``, and its size in MB."""
+    import torch
+
+    tensor = weights[torch.tensor(ids)].contiguous()
+    buf = io.BytesIO()
+    torch.save(tensor, buf)
+    return base64.b64encode(buf.getvalue()).decode(), tensor.numel() * tensor.element_size() / 1e6
+
+
+def completion_body(model, prompt=None, embeds=None, max_tokens=1):
+    """Pre-encoded JSON for a greedy ``/v1/completions`` request."""
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0,
+            "return_token_ids": True}
+    if embeds is not None:
+        body["prompt_embeds"] = embeds
+    else:
+        body["prompt"] = prompt
+    return json.dumps(body).encode()
+
+
+def timed(client, body):
+    """Send one completion request; return its latency in milliseconds."""
+    t0 = time.perf_counter()
+    client.post("/v1/completions", body)
+    return (time.perf_counter() - t0) * 1000.0
+
+
+def profile_length(client, weights, length, args, n_special):
+    """Measure one prompt length; return a result dict (latencies in ms)."""
+    text_ms, embeds_ms, kinds, mb = [], [], set(), 0.0
+    for i in range(args.warmup + args.repeats):
+        rng = random.Random(f"{args.seed}-{length}-{i}")
+        text, ids = make_prompt(client, length, rng, n_special)
+        kinds.add("text" if text is not None else "token_ids")
+        b64, mb = embeds_b64(weights, ids)
+        bodies = [("text", completion_body(client.model, text if text is not None else ids)),
+                  ("embeds", completion_body(client.model, embeds=b64))]
+        del b64
+        if i % 2:
+            bodies.reverse()
+        for kind, body in bodies:
+            ms = timed(client, body)
+            if i >= args.warmup:
+                (text_ms if kind == "text" else embeds_ms).append(ms)
+    t_med, e_med = statistics.median(text_ms), statistics.median(embeds_ms)
+    return {"length": length, "embeds_mb": mb, "prompt_kind": "+".join(sorted(kinds)),
+            "text_ms": text_ms, "embeds_ms": embeds_ms,
+            "text_median_ms": t_med, "embeds_median_ms": e_med,
+            "ratio": e_med / t_med, "embeds_minus_text_ms": e_med - t_med}
+
+
+def check_outputs(client, weights, length, args, n_special):
+    """Greedy-generate from text and from embeds of the same ids; return a result dict."""
+    rng = random.Random(f"{args.seed}-{length}-check")
+    text, ids = make_prompt(client, length, rng, n_special)
+    b64, _ = embeds_b64(weights, ids)
+    n = args.check_tokens
+    a = client.post("/v1/completions", completion_body(
+        client.model, text if text is not None else ids, max_tokens=n))["choices"][0]
+    b = client.post("/v1/completions", completion_body(
+        client.model, embeds=b64, max_tokens=n))["choices"][0]
+    prompt_ok = a.get("prompt_token_ids") in (None, ids)
+    match = prompt_ok and a.get("token_ids") == b.get("token_ids") and a["text"] == b["text"]
+    return {"length": length, "match": match, "text_prompt_ids_ok": prompt_ok,
+            "text_output": a["text"], "embeds_output": b["text"],
+            "text_token_ids": a.get("token_ids"), "embeds_token_ids": b.get("token_ids")}
+
+
+def print_table(results):
+    """Print the per-length medians (ms) of one run."""
+    print(f"{'length':>7} {'embeds MB':>10} {'text ms':>9} {'embeds ms':>10} "
+          f"{'ratio':>6} {'emb-text ms':>12}  prompt")
+    for r in results:
+        print(f"{r['length']:>7} {r['embeds_mb']:>10.2f} {r['text_median_ms']:>9.1f} "
+              f"{r['embeds_median_ms']:>10.1f} {r['ratio']:>6.2f} "
+              f"{r['embeds_minus_text_ms']:>12.1f}  {r['prompt_kind']}")
+
+
+def compare(paths):
+    """Print the medians (ms) of two ``--json`` files side by side."""
+    runs = []
+    for p in paths:
+        with open(p) as f:
+            runs.append(json.load(f))
+    a, b = runs
+    la, lb = a.get("label") or paths[0], b.get("label") or paths[1]
+    print(f"A = {la}   B = {lb}   (medians, ms)")
+    print(f"{'length':>7} {'MB':>8} {'A text':>8} {'A emb':>8} {'A e/t':>6} "
+          f"{'B text':>8} {'B emb':>8} {'B e/t':>6} {'B-A emb':>8}")
+    rb = {r["length"]: r for r in b["results"]}
+    for r in a["results"]:
+        s = rb.get(r["length"])
+        if s is None:
+            continue
+        print(f"{r['length']:>7} {r['embeds_mb']:>8.2f} {r['text_median_ms']:>8.1f} "
+              f"{r['embeds_median_ms']:>8.1f} {r['ratio']:>6.2f} {s['text_median_ms']:>8.1f} "
+              f"{s['embeds_median_ms']:>8.1f} {s['ratio']:>6.2f} "
+              f"{s['embeds_median_ms'] - r['embeds_median_ms']:>8.1f}")
+    return 0
+
+
+def main(argv=None):
+    """CLI entry point; returns a process exit code."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default="http://localhost:8000")
+    p.add_argument("--model", help="served model name (default: the first of /v1/models)")
+    p.add_argument("--embeddings", help="model dir with safetensors (default: served path)")
+    p.add_argument("--lengths", default="256,1024,4096", help="prompt lengths, tokens")
+    p.add_argument("--repeats", type=int, default=5, help="timed samples per length and kind")
+    p.add_argument("--warmup", type=int, default=2, help="untimed samples per length")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    p.add_argument("--json", help="write all samples and medians here")
+    p.add_argument("--label", help="name of this run in --json / --compare")
+    p.add_argument("--check-outputs", action="store_true",
+                   help="also compare greedy outputs of text vs embeds")
+    p.add_argument("--check-tokens", type=int, default=8, help="tokens to generate for the check")
+    p.add_argument("--compare", nargs=2, metavar="JSON", help="print two --json runs side by side")
+    args = p.parse_args(argv)
+    if args.compare:
+        return compare(args.compare)
+
+    try:
+        lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    except ValueError:
+        p.error("--lengths must be comma-separated integers")
+    try:
+        models = list_models(args.url, args.timeout)
+        card = next((m for m in models if m["id"] == args.model), None) if args.model \
+            else models[0]
+        model = args.model or card["id"]
+        candidates = [(card or {}).get("root"), model]
+        emb_dir = args.embeddings or next(
+            (c for c in candidates if c and os.path.isdir(c)), None)
+        if emb_dir is None:
+            print("cannot find the model on disk; pass --embeddings DIR", file=sys.stderr)
+            return 2
+        weights = load_embedding_matrix(emb_dir)
+        client = Client(args.url, model, args.timeout)
+        n_special = len(client.tokenize(""))
+        print(f"model {model}  embeddings {emb_dir} {tuple(weights.shape)} {weights.dtype}  "
+              f"lengths {lengths}  repeats {args.repeats}  warmup {args.warmup}", flush=True)
+
+        results, checks = [], []
+        for length in lengths:
+            results.append(profile_length(client, weights, length, args, n_special))
+            print(f"  length {length}: text {results[-1]['text_median_ms']:.1f} ms, "
+                  f"embeds {results[-1]['embeds_median_ms']:.1f} ms", flush=True)
+        if args.check_outputs:
+            checks = [check_outputs(client, weights, n, args, n_special) for n in lengths]
+    except HttpError as e:
+        print(f"HTTP error: {e}", file=sys.stderr)
+        return 1
+
+    print_table(results)
+    for c in checks:
+        print(f"check-outputs length {c['length']}: "
+              f"{'MATCH' if c['match'] else 'MISMATCH'} {c['text_token_ids']} "
+              f"vs {c['embeds_token_ids']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"label": args.label, "url": args.url, "model": model,
+                       "embeddings": emb_dir, "repeats": args.repeats,
+                       "warmup": args.warmup, "seed": args.seed,
+                       "results": results, "checks": checks}, f, indent=1)
+    return 3 if any(not c["match"] for c in checks) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
