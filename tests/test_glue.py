@@ -119,3 +119,37 @@ def test_uniproc_and_ray_executors_untouched():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def _check_tree(vllm_dir):
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "tools"))
+    from check_sites import check_site
+
+    return {
+        key: check_site(vllm_dir, s.hop, s.module, s.qualname, s.params, s.source_marks)
+        for key, s in glue.SITES.items()
+    }
+
+
+def test_static_site_check_agrees_with_installed_vllm():
+    import vllm
+
+    assert set(_check_tree(os.path.dirname(vllm.__file__)).values()) == {None}
+
+
+def test_sites_hold_in_vllm_0_33_wheel(tmp_path):
+    """vllm 0.33.0 (CUDA wheel, what GPU users run), checked from its source."""
+    import zipfile
+
+    dl = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "vllm==0.33.0",
+         "-d", str(tmp_path)], capture_output=True, text=True, timeout=900,
+    )
+    wheels = list(tmp_path.glob("vllm-0.33.0-*.whl"))
+    if dl.returncode != 0 or not wheels:
+        pytest.skip(f"cannot download vllm 0.33.0: {dl.stderr[-300:]}")
+    wanted = {f"{s.module.replace('.', '/')}.py" for s in glue.SITES.values()}
+    with zipfile.ZipFile(wheels[0]) as z:
+        for name in wanted:
+            z.extract(name, tmp_path / "src")
+    assert _check_tree(str(tmp_path / "src" / "vllm")) == {k: None for k in glue.SITES}

@@ -1,0 +1,66 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Check shm-embeds' vLLM hook sites statically against a vLLM source tree.
+
+Takes the site list from ``vllm._shm_embeds_glue.SITES`` and, for each site,
+parses the module file of the given tree with ``ast`` (nothing of that tree is
+imported, so a CUDA wheel can be checked on a CPU machine): the class and
+method must exist, accept the listed parameters and contain the listed source
+marks. This is how vllm 0.33.x is checked here:
+
+    pip download --no-deps vllm==0.33.0 -d /tmp/w
+    python -m zipfile -e /tmp/w/vllm-0.33.0-*.whl /tmp/w/src
+    python tools/check_sites.py /tmp/w/src/vllm
+
+Exit status 0 when every site holds, 1 otherwise.
+"""
+
+import argparse
+import ast
+import os
+import sys
+
+
+def check_site(vllm_dir: str, hop, module, qualname, params=(), marks=()) -> str | None:
+    """Problem with one site in the tree at ``vllm_dir``, or None."""
+    rel = module.split(".", 1)[1].replace(".", os.sep) + ".py"
+    path = os.path.join(vllm_dir, rel)
+    if not os.path.exists(path):
+        return f"{module}: no file {rel}"
+    source = open(path).read()
+    cls_name, meth = qualname.split(".")
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ClassDef) and node.name == cls_name:
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == meth:
+                    a = item.args
+                    names = {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs}
+                    missing = [p for p in params if p not in names]
+                    if missing:
+                        return f"{qualname}: lacks parameter(s) {missing}"
+                    body = ast.get_source_segment(source, item) or ""
+                    absent = [m for m in marks if m not in body]
+                    if absent:
+                        return f"{qualname}: no longer contains {absent}"
+                    return None
+            return f"{qualname}: no method {meth}"
+    return f"{module}: no class {cls_name}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("vllm_dir", help="path of a vLLM package directory (…/vllm)")
+    args = p.parse_args()
+    from vllm._shm_embeds_glue import SITES  # plain data; needs any vLLM installed
+
+    bad = 0
+    for key, s in SITES.items():
+        problem = check_site(args.vllm_dir, s.hop, s.module, s.qualname, s.params,
+                             s.source_marks)
+        print(f"{'FAIL' if problem else 'ok  '} {key:18} {s.module}.{s.qualname}"
+              + (f": {problem}" if problem else ""))
+        bad += problem is not None
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
