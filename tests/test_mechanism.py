@@ -239,3 +239,14 @@ def test_forked_child_does_not_own_parents_segments(shm_env):
     assert os.listdir(shm_env) == [h.name]
     shm.open_tensor(h, 0)
     assert shm.collect() == 1
+
+
+def test_sweep_treats_zombie_owner_as_dead(shm_env):
+    """vLLM SIGKILLs a slow EngineCore; until reaped it is a zombie."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    while shm._proc_start_time(child.pid) is not None:
+        pass  # exits, stays a zombie (not yet waited for)
+    name = f"{shm.SEGMENT_PREFIX}.{child.pid}.0.0"
+    open(os.path.join(shm_env, name), "wb").close()
+    assert shm.sweep_stale_segments() == 1
+    child.wait()

@@ -34,11 +34,17 @@ def tiny_model() -> str:
     return path
 
 
-def run_offline(tmp_path, shm_on: bool, model: str, lengths, extra=()):
+def run_offline(tmp_path, shm_on: bool, model: str, lengths, extra=(), seg_dir=None):
+    """Run tests/offline_run.py in a fresh process; return (outputs, stats, log).
+
+    Segments go to ``seg_dir`` (default: a new private dir, removed after),
+    which must be empty once the run has shut down.
+    """
     stats = tmp_path / f"stats-{int(shm_on)}"
     stats.mkdir()
     out = tmp_path / f"out-{int(shm_on)}.json"
-    seg_dir = new_seg_dir()
+    own_dir = seg_dir is None
+    seg_dir = new_seg_dir() if own_dir else seg_dir
     env = dict(
         os.environ,
         VLLM_SHM_EMBEDS_DIR=seg_dir,
@@ -56,7 +62,8 @@ def run_offline(tmp_path, shm_on: bool, model: str, lengths, extra=()):
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert ours_in(seg_dir) == [], "segments left after shutdown"
-    os.rmdir(seg_dir)
+    if own_dir:
+        os.rmdir(seg_dir)
     from vllm._shm_embeds import read_stats_dir
 
     return json.loads(out.read_text()), read_stats_dir(str(stats)), proc.stdout + proc.stderr

@@ -12,6 +12,7 @@ import base64
 import contextlib
 import io
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -43,10 +44,11 @@ def encode_embeds(tensor: torch.Tensor) -> str:
 
 
 @contextlib.contextmanager
-def start_server(tmp, *server_args, shm_on=True):
+def start_server(tmp, *server_args, shm_on=True, check_clean=True):
     """Run the OpenAI server on the tiny model; yield a dict describing it.
 
-    Asserts at exit that no segment is left in its private segment dir.
+    At exit the server is stopped (SIGTERM) and, with ``check_clean``, its
+    private segment dir must be empty.
     """
     stats = tmp / "stats"
     stats.mkdir()
@@ -90,8 +92,9 @@ def start_server(tmp, *server_args, shm_on=True):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(120)
-    assert ours_in(seg_dir) == []
-    os.rmdir(seg_dir)
+    if check_clean:
+        assert ours_in(seg_dir) == []
+    shutil.rmtree(seg_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -218,14 +218,21 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _proc_start_time(pid: int) -> str | None:
-    """Start time of ``pid`` in clock ticks since boot, or None if it is gone."""
+    """Start time of ``pid`` in clock ticks since boot, or None if it is gone.
+
+    A zombie (killed, not yet reaped by its parent) counts as gone.
+    """
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
-    # Field 2 (comm) may contain spaces; fields after the last ')' are fixed.
-    return stat.rsplit(b")", 1)[1].split()[19].decode()
+    # Field 2 (comm) may contain spaces; fields after the last ')' are fixed:
+    # [0] is the state (field 3), [19] the start time (field 22).
+    fields = stat.rsplit(b")", 1)[1].split()
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return fields[19].decode()
 
 
 _seq = itertools.count()
@@ -596,14 +603,7 @@ def externalize_prompt_embeds(
             try:
                 handle = externalize(tensor, readers)
             except OSError as e:
-                reason = "no_space" if e.errno == errno.ENOSPC else "os_error"
-                logger.warning(
-                    "shm-embeds: could not place %d bytes of prompt_embeds in %s "
-                    "(%s); using the stock path",
-                    tensor.nbytes,
-                    shm_dir(),
-                    e,
-                )
+                reason = _placement_failed("hop 2", tensor, e)
         if reason is not None:
             count(hop2_stock_tensors=1, hop2_stock_bytes=_nbytes(tensor))
             count(**{f"fallback.hop2.{reason}": 1})
@@ -634,6 +634,29 @@ def internalize_prompt_embeds(new_reqs: Iterable[Any], reader_index: int) -> int
             count(hop2_shm_tensors=1, hop2_shm_bytes=handle.nbytes)
             n += 1
     return n
+
+
+_placement_warned = False
+
+
+def _placement_failed(hop: str, tensor: torch.Tensor, e: OSError) -> str:
+    """Log why a segment could not be created (a warning once per process).
+
+    Returns the fallback reason: ``no_space`` (ENOSPC: /dev/shm full or too
+    small) or ``os_error``.
+    """
+    global _placement_warned
+    log = logger.debug if _placement_warned else logger.warning
+    _placement_warned = True
+    log(
+        "shm-embeds: could not place %d bytes of prompt_embeds in %s (%s); %s uses "
+        "the stock path for such tensors (further failures are logged at debug level)",
+        tensor.nbytes,
+        shm_dir(),
+        e,
+        hop,
+    )
+    return "no_space" if e.errno == errno.ENOSPC else "os_error"
 
 
 def _nbytes(tensor: Any) -> int:
@@ -677,14 +700,7 @@ class HandleOOBConsumer:
                 try:
                     handle = share_tensor(tensor)
                 except OSError as e:
-                    reason = "no_space" if e.errno == errno.ENOSPC else "os_error"
-                    logger.warning(
-                        "shm-embeds: could not place %d bytes of prompt_embeds in "
-                        "%s (%s); sending them inline",
-                        tensor.nbytes,
-                        shm_dir(),
-                        e,
-                    )
+                    reason = _placement_failed("hop 1", tensor, e)
                 else:
                     count(hop1_shm_tensors=1, hop1_shm_bytes=tensor.nbytes)
                     return {META_KEY: handle.to_meta()}
@@ -742,12 +758,13 @@ class HandleOOBProvider:
 # process lifetime
 
 
-def sweep_stale_segments() -> int:
+def sweep_stale_segments(expected: bool = False) -> int:
     """Unlink segments in :func:`shm_dir` whose owner process is gone.
 
     Only names with our prefix whose ``<pid>.<start>`` no longer matches a
     running process are removed; live owners' segments are left alone.
-    Returns the number removed.
+    ``expected=True`` (a parent cleaning up after children it just stopped)
+    logs at info instead of warning level. Returns the number removed.
     """
     removed = 0
     try:
@@ -761,7 +778,7 @@ def sweep_stale_segments() -> int:
         if _proc_start_time(int(parts[1])) != parts[2]:
             removed += _unlink_quietly(_path(name))
     if removed:
-        logger.warning(
+        (logger.info if expected else logger.warning)(
             "shm-embeds: removed %d stale segment(s) of dead processes from %s",
             removed,
             shm_dir(),
@@ -793,9 +810,9 @@ def shutdown() -> None:
 def _after_fork_in_child() -> None:
     # A forked child (e.g. a TP worker under the fork start method) owns
     # none of its parent's segments and starts with fresh counters.
-    global _owned, _shutdown_done, _counters_lock
+    global _owned, _shutdown_done, _counters_lock, _placement_warned
     _owned = _OwnedSegments()
-    _shutdown_done = False
+    _shutdown_done = _placement_warned = False
     _role.clear()
     _counters_lock = threading.Lock()  # the parent's may have been held
     _counters.clear()

@@ -22,7 +22,8 @@ hop 1, client -> EngineCore (``vllm/v1/engine/core_client.py``, ``core.py``)
      :class:`~vllm._shm_embeds.HandleOOBProvider`, which adopts segments.
   3. ``EngineCore.preprocess_add_request``: a request whose segment could not
      be adopted is rejected (a request-scoped error, not a dead input thread).
-  4. ``MPClient.shutdown``: unlink segments never adopted, log the summary.
+  4. ``MPClient.shutdown``: unlink segments never adopted, and those of
+     EngineCores that vLLM force-killed while stopping; log the summary.
 
 hop 2, EngineCore -> TP workers (``vllm/v1/executor/multiproc_executor.py``)
   5. ``MultiprocExecutor.collective_rpc``: ``NewRequestData.prompt_embeds`` in
@@ -303,10 +304,9 @@ def _wrap_worker_rpc(orig: Callable) -> Callable:
             for arg in rpc_args:
                 new_reqs = getattr(arg, "scheduled_new_reqs", None)
                 if new_reqs:
-                    mq = self.rpc_broadcast_mq
-                    index = getattr(mq, "local_reader_rank", -1)
-                    if shm.internalize_prompt_embeds(new_reqs, index if index >= 0 else None):
-                        shm.set_role("worker")
+                    shm.set_role("worker")
+                    index = getattr(self.rpc_broadcast_mq, "local_reader_rank", -1)
+                    shm.internalize_prompt_embeds(new_reqs, index if index >= 0 else None)
         except Exception as e:
             logger.exception("shm-embeds: could not map prompt_embeds for %s", method)
             if output_rank is None or self.rank == output_rank:
@@ -315,6 +315,21 @@ def _wrap_worker_rpc(orig: Callable) -> Callable:
         return orig(self, rpc_request, *args, **kwargs)
 
     return _mark(_execute_worker_rpc)
+
+
+def _wrap_client_shutdown(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def shutdown(self, *args, **kwargs):
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            # vLLM force-kills an EngineCore that does not stop at once (e.g.
+            # SIGTERM with requests in flight); its adopted segments are ours
+            # to remove now that it is gone.
+            shm.sweep_stale_segments(expected=True)
+            shm.shutdown()
+
+    return _mark(shutdown)
 
 
 def _wrap_shutdown(orig: Callable) -> Callable:
@@ -332,7 +347,7 @@ _WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
     "client_init": _wrap_client_init,
     "engine_input": _wrap_engine_input,
     "engine_preprocess": _wrap_engine_preprocess,
-    "client_shutdown": _wrap_shutdown,
+    "client_shutdown": _wrap_client_shutdown,
     "executor_rpc": _wrap_executor_rpc,
     "worker_rpc": _wrap_worker_rpc,
     "executor_shutdown": _wrap_shutdown,
