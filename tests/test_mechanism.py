@@ -138,10 +138,10 @@ def test_small_tensor_keeps_stock_path(shm_env, monkeypatch):
 
 
 def test_full_dev_shm_falls_back(shm_env, monkeypatch):
-    def no_space(fd, off, size):
+    def no_space(fd, buf, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    monkeypatch.setattr(os, "pwrite", no_space)
     tensor = torch.randn(16, 16)
     req = _Req(tensor)
     before = shm.stats()
