@@ -189,13 +189,16 @@ def test_oob_consumer_provider_round_trip(shm_env):
 def test_sweep_removes_only_dead_owners(shm_env):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
-    dead_name = f"{shm.SEGMENT_PREFIX}.{dead.stdout.strip()}.1.0"
+    dead_name = f"{shm.SEGMENT_PREFIX}.{shm._pid_ns()}.{dead.stdout.strip()}.1.0"
     live_name = f"{shm._owner_prefix()}999"
-    for name in (dead_name, live_name):
+    # Another PID namespace (a container sharing /dev/shm): never swept.
+    other_ns = f"{shm.SEGMENT_PREFIX}.1.{dead.stdout.strip()}.1.0"
+    for name in (dead_name, live_name, other_ns):
         open(os.path.join(shm_env, name), "wb").close()
     assert shm.sweep_stale_segments() == 1
-    assert os.listdir(shm_env) == [live_name]
+    assert sorted(os.listdir(shm_env)) == sorted([live_name, other_ns])
     os.unlink(os.path.join(shm_env, live_name))
+    os.unlink(os.path.join(shm_env, other_ns))
 
 
 def test_shutdown_unlinks_own_segments(shm_env):
@@ -218,14 +221,24 @@ print(sum(bool(getattr(f, "__shm_embeds_wrapped__", False)) for f in fns))
 """
 
 
-@pytest.mark.parametrize("flag,expected", [("0", "0"), ("1", "3")])
-def test_plugin_patches_only_when_enabled(flag, expected):
-    env = dict(os.environ, VLLM_SHM_EMBEDS=flag)
+@pytest.mark.parametrize(
+    "flag,extra,expected",
+    [
+        ("0", {}, "0"),
+        ("1", {}, "3"),
+        # A bad threshold is reported and defaulted, never raised into vLLM.
+        ("1", {"VLLM_SHM_EMBEDS_MIN_BYTES": "1MiB"}, "3"),
+        # No usable segment directory: nothing patched at all.
+        ("1", {"VLLM_SHM_EMBEDS_DIR": "/nonexistent/shm"}, "0"),
+    ],
+)
+def test_plugin_patches_only_when_enabled(flag, extra, expected):
+    env = dict(os.environ, VLLM_SHM_EMBEDS=flag, **extra)
     out = subprocess.run([sys.executable, "-c", _PLUGIN_PROBE], env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == expected
-    assert ("shm-embeds: off" in out.stdout + out.stderr) == (flag == "0")
+    assert ("shm-embeds: off" in out.stdout + out.stderr) == (expected == "0")
 
 
 def test_forked_child_does_not_own_parents_segments(shm_env):
@@ -246,7 +259,7 @@ def test_sweep_treats_zombie_owner_as_dead(shm_env):
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     while shm._proc_start_time(child.pid) is not None:
         pass  # exits, stays a zombie (not yet waited for)
-    name = f"{shm.SEGMENT_PREFIX}.{child.pid}.0.0"
+    name = f"{shm.SEGMENT_PREFIX}.{shm._pid_ns()}.{child.pid}.0.0"
     open(os.path.join(shm_env, name), "wb").close()
     assert shm.sweep_stale_segments() == 1
     child.wait()
@@ -259,3 +272,22 @@ def test_reader_writes_stay_private(shm_env):
     a.add_(1.0)  # a stray in-place op in one TP rank
     assert torch.equal(b, src)
     assert shm.collect() == 1
+
+
+def test_vanished_segment_is_copied_again(shm_env):
+    """A tmp cleaner removed an adopted segment's name: hop 2 must not send it."""
+    adopted = shm.adopt_tensor(shm.share_tensor(torch.randn(8, 8)))
+    [name] = os.listdir(shm_env)
+    os.unlink(os.path.join(shm_env, name))
+    h = shm.externalize(adopted, readers=1)
+    assert h.name != name
+    assert torch.equal(shm.open_tensor(h, 0), adopted)
+    assert shm.collect() == 1
+    assert shm.stats().get("fallback.hop2.vanished", 0) >= 1
+
+
+@pytest.mark.parametrize("raw", ["", "1MiB", "1e6", "-5"])
+def test_bad_min_bytes_defaults(monkeypatch, raw):
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_MIN_BYTES", raw)
+    assert shm.min_bytes() == shm.DEFAULT_MIN_BYTES
+    assert bool(shm.config_problems()) == bool(raw)

@@ -118,7 +118,7 @@ def test_feature_off_touches_nothing(runs):
     _, (off, stats, log) = runs
     assert stats == []  # no counter moved in any process
     assert "shm-embeds: off" in log
-    assert "shm-embeds: enabled" not in log
+    assert "shm-embeds: hooks installed" not in log
 
 
 def wide_model() -> str:

@@ -13,10 +13,11 @@ Segment layout (one file in :func:`shm_dir`, ``/dev/shm`` by default)::
                        that reader has mapped the segment)
     [4096, 4096 + N)   the tensor's bytes, C-contiguous, N = numel * itemsize
 
-Segment names say who owns them: ``vllm-shm-embeds.<pid>.<start>.<seq>``,
-where ``<start>`` is the owner's start time in clock ticks since boot
-(``/proc/<pid>/stat`` field 22), so a start-up sweep can tell a dead owner's
-segments from a live one's even after pid reuse.
+Segment names say who owns them: ``vllm-shm-embeds.<pidns>.<pid>.<start>.<seq>``,
+where ``<pidns>`` is the owner's PID namespace and ``<start>`` its start time
+in clock ticks since boot (``/proc/<pid>/stat`` field 22), so a start-up sweep
+can tell a dead owner's segments from a live one's even after pid reuse, and
+leaves other containers' segments alone.
 
 Lifetime (one owner per segment):
 
@@ -93,8 +94,35 @@ def enabled() -> bool:
 
 
 def min_bytes() -> int:
-    """Smallest tensor (bytes) that takes the shm path; ``VLLM_SHM_EMBEDS_MIN_BYTES``."""
-    return int(os.environ.get("VLLM_SHM_EMBEDS_MIN_BYTES", DEFAULT_MIN_BYTES))
+    """Smallest tensor (bytes) that takes the shm path; ``VLLM_SHM_EMBEDS_MIN_BYTES``.
+
+    Never raises: a value that is not a non-negative integer gives the default
+    (1 MiB); :func:`config_problems` reports it.
+    """
+    raw = os.environ.get("VLLM_SHM_EMBEDS_MIN_BYTES", "").strip()
+    try:
+        value = int(raw) if raw else DEFAULT_MIN_BYTES
+    except ValueError:
+        return DEFAULT_MIN_BYTES
+    return value if value >= 0 else DEFAULT_MIN_BYTES
+
+
+def config_problems() -> list[str]:
+    """What is wrong with the environment for the shm path (empty: fine).
+
+    Checks ``VLLM_SHM_EMBEDS_MIN_BYTES`` (defaulted when bad) and that
+    :func:`shm_dir` is a writable directory (the feature stays off if not).
+    """
+    problems = []
+    raw = os.environ.get("VLLM_SHM_EMBEDS_MIN_BYTES", "").strip()
+    if raw and not raw.isdigit():
+        problems.append(
+            f"VLLM_SHM_EMBEDS_MIN_BYTES={raw!r} is not a byte count; using "
+            f"{DEFAULT_MIN_BYTES}"
+        )
+    if not os.path.isdir(shm_dir()) or not os.access(shm_dir(), os.W_OK | os.X_OK):
+        problems.append(f"segment directory {shm_dir()} is missing or not writable")
+    return problems
 
 
 def shm_dir() -> str:
@@ -236,16 +264,28 @@ def _proc_start_time(pid: int) -> str | None:
 
 
 _seq = itertools.count()
-_owner_tag: tuple[int, str] | None = None
+_owner_tag: tuple[int, str] | None = None  # (pid, '<pidns>.<pid>.<start>')
+
+
+def _pid_ns() -> str:
+    """This process's PID namespace id (inode of ``/proc/self/ns/pid``), or ``0``.
+
+    Pids only mean something inside one PID namespace: two containers sharing
+    a ``/dev/shm`` must not judge each other's segments by pid.
+    """
+    try:
+        return "".join(c for c in os.readlink("/proc/self/ns/pid") if c.isdigit()) or "0"
+    except OSError:
+        return "0"
 
 
 def _owner_prefix() -> str:
-    """``vllm-shm-embeds.<pid>.<start>.`` for this process (recomputed after fork)."""
+    """``vllm-shm-embeds.<pidns>.<pid>.<start>.`` for this process (redone after fork)."""
     global _owner_tag
     pid = os.getpid()
     if _owner_tag is None or _owner_tag[0] != pid:
-        _owner_tag = (pid, _proc_start_time(pid) or "0")
-    return f"{SEGMENT_PREFIX}.{_owner_tag[0]}.{_owner_tag[1]}."
+        _owner_tag = (pid, f"{_pid_ns()}.{pid}.{_proc_start_time(pid) or '0'}")
+    return f"{SEGMENT_PREFIX}.{_owner_tag[1]}."
 
 
 def _path(name: str) -> str:
@@ -432,6 +472,11 @@ class _OwnedSegments:
                 return None
             return entry[1]
 
+    def drop(self, name: str) -> None:
+        """Forget a segment whose name is already gone."""
+        with self._lock:
+            self._segs.pop(name, None)
+
     def mark_broadcast(self, name: str, readers: int) -> None:
         with self._lock:
             self._segs[name].readers = readers
@@ -576,6 +621,13 @@ def externalize(tensor: torch.Tensor, readers: int) -> SharedTensorHandle:
     if not 0 < readers <= MAX_READERS:
         raise ValueError(f"readers must be in 1..{MAX_READERS}, got {readers}")
     name = _owned.lookup(tensor)
+    if name is not None and not os.path.exists(_path(name)):
+        # Removed behind our back (e.g. a tmp cleaner): readers could not
+        # open it, so send a fresh copy instead.
+        logger.warning("shm-embeds: segment %s vanished; copying again", name)
+        count(**{"fallback.hop2.vanished": 1})
+        _owned.drop(name)
+        name = None
     if name is not None:
         count(hop2_reused_tensors=1)
         handle = SharedTensorHandle(name, _dtype_name(tensor.dtype), tuple(tensor.shape))
@@ -794,11 +846,14 @@ def sweep_stale_segments(expected: bool = False) -> int:
         names = os.listdir(shm_dir())
     except OSError:
         return 0
+    ns = _pid_ns()
     for name in names:
         parts = name.split(".")
-        if len(parts) != 4 or parts[0] != SEGMENT_PREFIX or not parts[1].isdigit():
+        if len(parts) != 5 or parts[0] != SEGMENT_PREFIX or not parts[2].isdigit():
             continue
-        if _proc_start_time(int(parts[1])) != parts[2]:
+        if parts[1] != ns:
+            continue  # another PID namespace (container): not ours to judge
+        if _proc_start_time(int(parts[2])) != parts[3]:
             removed += _unlink_quietly(_path(name))
     if removed:
         (logger.info if expected else logger.warning)(

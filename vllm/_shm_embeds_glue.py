@@ -412,28 +412,41 @@ def _register() -> None:
         return
     if STATUS:
         return
-    STATUS.update(check_sites())
+    # Decide everything before patching anything.
+    problems = shm.config_problems()
+    fatal = [p for p in problems if "directory" in p]
+    for problem in problems:
+        logger.warning("shm-embeds: %s", problem)
+    if fatal:
+        STATUS.update({"hop1": fatal, "hop2": fatal})
+        logger.warning("shm-embeds: off in pid %d; vLLM left untouched", pid)
+        return
+    status = check_sites()
+    patches = []
     for key, site in SITES.items():
-        if STATUS[site.hop]:
-            continue
-        cls, attr, fn = site.resolve()
-        if not getattr(fn, "__shm_embeds_wrapped__", False):
-            setattr(cls, attr, _WRAPPERS[key](fn))
+        if not status[site.hop]:
+            cls, attr, fn = site.resolve()
+            if not getattr(fn, "__shm_embeds_wrapped__", False):
+                patches.append((cls, attr, _WRAPPERS[key](fn)))
+    for cls, attr, wrapped in patches:
+        setattr(cls, attr, wrapped)
+    STATUS.update(status)
     shm.sweep_stale_segments()
     on = [h for h in ("hop1", "hop2") if not STATUS[h]]
-    off = {h: p for h, p in STATUS.items() if p}
     if on:
         logger.info(
-            "shm-embeds: enabled in pid %d for %s (segments in %s, tensors >= %d bytes)",
+            "shm-embeds: hooks installed in pid %d for %s (segments in %s, tensors "
+            ">= %d bytes); each hop logs once whether it is used",
             pid,
             " and ".join(on),
             shm.shm_dir(),
             shm.min_bytes(),
         )
-    for hop, problems in off.items():
-        logger.warning(
-            "shm-embeds: %s left stock in pid %d, vLLM sites missing: %s",
-            hop,
-            pid,
-            "; ".join(problems),
-        )
+    for hop, problems in STATUS.items():
+        if problems:
+            logger.warning(
+                "shm-embeds: %s left stock in pid %d, vLLM sites missing: %s",
+                hop,
+                pid,
+                "; ".join(problems),
+            )
