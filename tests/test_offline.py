@@ -51,7 +51,7 @@ def run_offline(tmp_path, shm_on: bool, model: str, lengths, extra=(), seg_dir=N
         VLLM_SHM_EMBEDS="1" if shm_on else "0",
         VLLM_SHM_EMBEDS_MIN_BYTES="1024",
         VLLM_SHM_EMBEDS_STATS_DIR=str(stats),
-        VLLM_CPU_OMP_THREADS_BIND="0|1",
+        VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"),
         VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
     )
     proc = subprocess.run(

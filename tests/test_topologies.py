@@ -58,6 +58,14 @@ def test_async_scheduling_off(tmp_path):
     _assert_shm_both_hops(stats, tp=2)
 
 
+def test_tp4(tmp_path, monkeypatch):
+    """Four TP workers on 2 cores: each OpenMP thread pool binds one core."""
+    _, stats, _ = _run(tmp_path, "--tp", "4",
+                       env={"VLLM_CPU_OMP_THREADS_BIND": "0|1|0|1"},
+                       monkeypatch=monkeypatch)
+    _assert_shm_both_hops(stats, tp=4)
+
+
 def test_tp1_mp_executor(tmp_path):
     _, stats, _ = _run(tmp_path, "--tp", "1", "--backend", "mp")
     _assert_shm_both_hops(stats, tp=1)
