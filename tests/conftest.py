@@ -48,3 +48,18 @@ def new_seg_dir() -> str:
     machine cannot make a leak check pass or fail.
     """
     return tempfile.mkdtemp(prefix="shm-embeds-it-", dir="/dev/shm")
+
+
+def engine_env(shm_on: bool, seg_dir: str, stats_dir) -> dict:
+    """Environment for one engine run: the plugin on or off, its segment and
+    stats dirs, a 1 KiB threshold (the tiny model's prompts are small), and
+    the CPU backend's settings for TP on 2 cores."""
+    return dict(
+        os.environ,
+        VLLM_SHM_EMBEDS="1" if shm_on else "0",
+        VLLM_SHM_EMBEDS_DIR=seg_dir,
+        VLLM_SHM_EMBEDS_MIN_BYTES="1024",
+        VLLM_SHM_EMBEDS_STATS_DIR=str(stats_dir),
+        VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"),
+        VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+    )

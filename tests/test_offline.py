@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, new_seg_dir, ours_in
+from conftest import REPO, engine_env, new_seg_dir, ours_in
 
 pytestmark = pytest.mark.integration
 
@@ -23,15 +23,20 @@ LENGTHS = [40, 300, 700]  # 700 > max_num_batched_tokens: chunked prefill
 MAX_BATCHED = 256
 
 
-def tiny_model() -> str:
-    path = os.path.join(REPO, ".models", "tiny")
+def local_model(variant: str = "tiny") -> str:
+    """Path of the local random-weight model (built by tools/make_tiny_model.py)."""
+    path = os.path.join(REPO, ".models", variant)
     if not os.path.exists(os.path.join(path, "config.json")):
         subprocess.run(
             [sys.executable, os.path.join(REPO, "tools", "make_tiny_model.py"),
-             "--out", path, "--variant", "tiny"],
+             "--out", path, "--variant", variant],
             check=True,
         )
     return path
+
+
+def tiny_model() -> str:
+    return local_model("tiny")
 
 
 def run_offline(tmp_path, shm_on: bool, model: str, lengths, extra=(), seg_dir=None):
@@ -45,15 +50,7 @@ def run_offline(tmp_path, shm_on: bool, model: str, lengths, extra=(), seg_dir=N
     out = tmp_path / f"out-{int(shm_on)}.json"
     own_dir = seg_dir is None
     seg_dir = new_seg_dir() if own_dir else seg_dir
-    env = dict(
-        os.environ,
-        VLLM_SHM_EMBEDS_DIR=seg_dir,
-        VLLM_SHM_EMBEDS="1" if shm_on else "0",
-        VLLM_SHM_EMBEDS_MIN_BYTES="1024",
-        VLLM_SHM_EMBEDS_STATS_DIR=str(stats),
-        VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"),
-        VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-    )
+    env = engine_env(shm_on, seg_dir, stats)
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "tests", "offline_run.py"),
          "--model", model, "--out", str(out),
@@ -121,20 +118,9 @@ def test_feature_off_touches_nothing(runs):
     assert "shm-embeds: hooks installed" not in log
 
 
-def wide_model() -> str:
-    path = os.path.join(REPO, ".models", "wide")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        subprocess.run(
-            [sys.executable, os.path.join(REPO, "tools", "make_tiny_model.py"),
-             "--out", path, "--variant", "wide"],
-            check=True,
-        )
-    return path
-
-
 def test_256mib_embeds_same_tokens_and_both_hops_by_shm(tmp_path):
     """8192 tokens x hidden 8192 x fp32 = 256 MiB of prompt_embeds, TP=2."""
-    model = wide_model()
+    model = local_model("wide")
     extra = ("--max-model-len", "8448", "--max-tokens", "4")
     on, stats, _ = run_offline(tmp_path, True, model, [8192], extra)
     off, _, _ = run_offline(tmp_path, False, model, [8192], extra)

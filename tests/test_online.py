@@ -23,7 +23,7 @@ import pytest
 import requests
 import torch
 
-from conftest import new_seg_dir, ours_in
+from conftest import engine_env, new_seg_dir, ours_in
 from offline_run import embed_weights
 from test_offline import by_role, tiny_model
 
@@ -55,15 +55,7 @@ def start_server(tmp, *server_args, shm_on=True, check_clean=True):
     model = tiny_model()
     port = _free_port()
     seg_dir = new_seg_dir()
-    env = dict(
-        os.environ,
-        VLLM_SHM_EMBEDS_DIR=seg_dir,
-        VLLM_SHM_EMBEDS="1" if shm_on else "0",
-        VLLM_SHM_EMBEDS_MIN_BYTES="1024",
-        VLLM_SHM_EMBEDS_STATS_DIR=str(stats),
-        VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"),
-        VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-    )
+    env = engine_env(shm_on, seg_dir, stats)
     log = open(tmp / "server.log", "w")
     # `vllm serve` of vllm-cpu 0.32.0 fails on its own metadata lookup; the
     # module entry point starts the same server.

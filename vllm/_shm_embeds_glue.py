@@ -317,27 +317,21 @@ def _wrap_worker_rpc(orig: Callable) -> Callable:
     return _mark(_execute_worker_rpc)
 
 
-def _wrap_client_shutdown(orig: Callable) -> Callable:
+def _wrap_shutdown(orig: Callable, sweep: bool = False) -> Callable:
+    """Unlink what this process still owns and log its summary after ``orig``.
+
+    ``sweep``: also remove the segments of dead owners. The client does: vLLM
+    force-kills an EngineCore that does not stop at once (e.g. SIGTERM with
+    requests in flight), and that EngineCore's adopted segments are left.
+    """
+
     @functools.wraps(orig)
     def shutdown(self, *args, **kwargs):
         try:
             return orig(self, *args, **kwargs)
         finally:
-            # vLLM force-kills an EngineCore that does not stop at once (e.g.
-            # SIGTERM with requests in flight); its adopted segments are ours
-            # to remove now that it is gone.
-            shm.sweep_stale_segments(expected=True)
-            shm.shutdown()
-
-    return _mark(shutdown)
-
-
-def _wrap_shutdown(orig: Callable) -> Callable:
-    @functools.wraps(orig)
-    def shutdown(self, *args, **kwargs):
-        try:
-            return orig(self, *args, **kwargs)
-        finally:
+            if sweep:
+                shm.sweep_stale_segments(expected=True)
             shm.shutdown()
 
     return _mark(shutdown)
@@ -347,7 +341,7 @@ _WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
     "client_init": _wrap_client_init,
     "engine_input": _wrap_engine_input,
     "engine_preprocess": _wrap_engine_preprocess,
-    "client_shutdown": _wrap_client_shutdown,
+    "client_shutdown": functools.partial(_wrap_shutdown, sweep=True),
     "executor_rpc": _wrap_executor_rpc,
     "worker_rpc": _wrap_worker_rpc,
     "executor_shutdown": _wrap_shutdown,
