@@ -19,6 +19,9 @@ from typing import Any
 MIB = 1 << 20
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 SEGMENT_PREFIX = "vllm-shm-embeds"
+# Each benchmark's modes, in table order (run_all.py renders saved JSON by these).
+HOP1_MODES = ("stock", "shm-embeds", "floor")
+HOP2_MODES = ("stock", "arena", "shm-embeds", "shm-embeds-copy", "floor", "floor-R")
 
 
 def csv_ints(text: str) -> list[int]:
@@ -69,10 +72,16 @@ def our_segments(pids: Iterable[int], shm_dir: str = "/dev/shm") -> list[str]:
     """shm-embeds segment names in ``shm_dir`` owned by any of ``pids``.
 
     Other sessions may be using /dev/shm at the same time, so only names
-    carrying one of our pids count as leftovers.
+    carrying one of our pids count as leftovers. Names are
+    ``vllm-shm-embeds.<pidns>.<pid>.<start>.<seq>`` (the pid is field 2).
     """
-    prefixes = tuple(f"{SEGMENT_PREFIX}.{pid}." for pid in pids)
-    return sorted(n for n in os.listdir(shm_dir) if n.startswith(prefixes))
+    wanted = {str(pid) for pid in pids}
+    out = []
+    for n in os.listdir(shm_dir):
+        parts = n.split(".")
+        if parts[0] == SEGMENT_PREFIX and len(parts) > 2 and parts[2] in wanted:
+            out.append(n)
+    return sorted(out)
 
 
 def machine_info() -> dict[str, Any]:

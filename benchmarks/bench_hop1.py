@@ -19,13 +19,10 @@ Modes (interleaved per repeat):
                   the kernel copies them into the unix socket and out again
                   (2 copies), the decoder aliases the received frame
 * ``shm-embeds``  encoder wrapped as the glue does (``HandleOOBConsumer`` armed
-                  with ``prompt_embeds``): one copy into a ``/dev/shm`` segment,
-                  a handle in the frames; the decoder's ``HandleOOBProvider``
+                  with ``prompt_embeds``): one copy (``pwrite``) into a ``/dev/shm``
+                  segment, a handle in the frames; the decoder's ``HandleOOBProvider``
                   adopts the segment (rename + mmap, no copy)
 * ``floor``       one ``torch.empty(N bytes).copy_(src)`` into fresh memory
-* ``shm-embeds-pwrite`` (opt-in, prototype, not shipped) ``shm-embeds`` with the
-                  client's segment written by ``proto_segment_io.fast_create_segment``
-                  (ftruncate + pwritev) instead of fallocate + a mapped copy
 
 Metrics, medians over ``--repeats`` after one warm-up: ratios to the floor are
 medians of per-repeat paired ratios. ``e2e_ms`` from the
@@ -41,7 +38,6 @@ not aliasing a received frame) plus 2 per byte sent through the socket.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import multiprocessing as mp
 import os
@@ -68,8 +64,7 @@ from vllm.utils.network_utils import get_open_zmq_ipc_path, make_zmq_socket  # n
 from vllm.v1.engine import EngineCoreRequest, EngineCoreRequestType  # noqa: E402
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 
-MODES = ("stock", "shm-embeds", "shm-embeds-pwrite", "floor")
-DEFAULT_MODES = ("stock", "shm-embeds", "floor")
+MODES = C.HOP1_MODES
 ENGINE_IDENTITY = (0).to_bytes(2, "little")  # as MPClient names engine 0
 CTL = b"ctl"
 RESULT_TIMEOUT_S = 900.0
@@ -105,7 +100,6 @@ def _engine(addr: str, results: Any) -> None:
                 if ctl is None:
                     break
                 mode, req = ctl["mode"], None  # drop the previous request
-                mode = "shm-embeds" if mode.startswith("shm-embeds") else mode
                 gc.collect()
                 results.put(("ready",))
                 continue
@@ -204,15 +198,6 @@ def make_request(embeds: torch.Tensor) -> EngineCoreRequest:
     )
 
 
-def _variant(mode: str) -> Any:
-    """The prototype segment writer for ``*-pwrite`` modes, else a no-op."""
-    if mode.endswith("-pwrite"):
-        import proto_segment_io
-
-        return proto_segment_io.use_fast_create_segment()
-    return contextlib.nullcontext()
-
-
 def one_send(client: Client, mode: str, src: torch.Tensor, val: float,
              gap_s: float) -> dict[str, Any]:
     """Time one request (or one floor copy) in ``mode``."""
@@ -231,17 +216,16 @@ def one_send(client: Client, mode: str, src: torch.Tensor, val: float,
     client.ctl({"mode": mode})
     client.wait("ready")
     req = make_request(src)
-    enc = client.encoders["shm-embeds" if mode.startswith("shm-embeds") else mode]
+    enc = client.encoders[mode]
     copied0 = shm.stats().get("copied_bytes", 0)
     time.sleep(gap_s)
 
-    with _variant(mode):
-        t0 = time.monotonic()
-        frames = enc.encode(req)
-        client.sock.send_multipart(
-            (ENGINE_IDENTITY, EngineCoreRequestType.ADD.value, *frames), copy=False
-        )
-        t1 = time.monotonic()
+    t0 = time.monotonic()
+    frames = enc.encode(req)
+    client.sock.send_multipart(
+        (ENGINE_IDENTITY, EngineCoreRequestType.ADD.value, *frames), copy=False
+    )
+    t1 = time.monotonic()
 
     _, t_done, read_ms, got, aliases_frame, adopted = client.wait("done")
     if got != val:
@@ -250,7 +234,7 @@ def one_send(client: Client, mode: str, src: torch.Tensor, val: float,
     user_copy = shm.stats().get("copied_bytes", 0) - copied0
     if mode == "stock" and not aliases_frame:
         user_copy += nbytes  # the decoder copied out of the frame
-    if mode.startswith("shm-embeds") and adopted != 1:
+    if mode == "shm-embeds" and adopted != 1:
         raise AssertionError("EngineCore did not adopt the segment")
     return {"e2e_ms": (t_done - t0) * 1e3, "client_ms": (t1 - t0) * 1e3,
             "read_ms": read_ms, "copies": (user_copy + 2 * socket_bytes) / nbytes,
@@ -345,9 +329,8 @@ TABLE_COLS = [("mode", "mode", "s"), ("mib", "MiB", "d"), ("dtype", "dtype", "s"
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     C.add_common_args(ap, quick_sizes="16,256")
-    ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                    help=f"comma list out of {','.join(MODES)} "
-                         f"(default {','.join(DEFAULT_MODES)})")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help=f"comma list out of {','.join(MODES)} (default: all)")
     args = ap.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
     if bad := set(args.modes) - set(MODES):

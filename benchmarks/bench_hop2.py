@@ -22,9 +22,7 @@ Modes (all in one run, interleaved per repeat so machine noise hits them alike):
                        timed: ``collect`` + ``externalize_prompt_embeds`` + ``enqueue``
                        + ``restore_prompt_embeds``, as the glue's collective_rpc wrapper
 * ``shm-embeds-copy``  same, but the tensor is private memory: externalize copies it
-                       into a new segment inside the timed region
-* ``shm-embeds-copy-pwrite`` (opt-in, prototype, not shipped) ``shm-embeds-copy``
-                       with the segment written by ``proto_segment_io.fast_create_segment``
+                       (``pwrite``) into a new segment inside the timed region
 * ``floor``            one process: ``torch.empty(N bytes).copy_(src)`` (fresh memory)
 * ``floor-R``          the R reader processes do that at once (physical floor of R
                        private copies on this machine), started by a tiny broadcast
@@ -45,7 +43,6 @@ the state of workers that saw no step for over a second.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import multiprocessing as mp
 import os
@@ -76,9 +73,7 @@ from vllm.v1.core.sched.output import (  # noqa: E402
     SchedulerOutput,
 )
 
-MODES = ("stock", "arena", "shm-embeds", "shm-embeds-copy", "shm-embeds-copy-pwrite",
-         "floor", "floor-R")
-DEFAULT_MODES = ("stock", "arena", "shm-embeds", "shm-embeds-copy", "floor", "floor-R")
+MODES = C.HOP2_MODES
 REQ_ID = "bench-hop2"
 RESULT_TIMEOUT_S = 900.0
 
@@ -236,15 +231,6 @@ def _sleep_until(t_ready: float, gap_s: float) -> None:
         time.sleep(left)
 
 
-def _variant(mode: str) -> Any:
-    """The prototype segment writer for ``*-pwrite`` modes, else a no-op."""
-    if mode.endswith("-pwrite"):
-        import proto_segment_io
-
-        return proto_segment_io.use_fast_create_segment()
-    return contextlib.nullcontext()
-
-
 def one_send(group: ReaderGroup, mode: str, src: torch.Tensor, val: float,
              gap_s: float) -> dict[str, Any]:
     """Time one broadcast of ``src`` (or one floor measurement) in ``mode``."""
@@ -282,20 +268,19 @@ def one_send(group: ReaderGroup, mode: str, src: torch.Tensor, val: float,
     fallbacks = arena._fallbacks if arena is not None else 0
     _sleep_until(t_ready, gap_s)
 
-    with _variant(mode):
-        c0 = time.thread_time()
-        t0 = time.monotonic()
-        if mode.startswith("shm-embeds"):
-            shm.collect()
-            swapped = shm.externalize_prompt_embeds(so.scheduled_new_reqs, n)
-            try:
-                mq.enqueue(msg)
-            finally:
-                shm.restore_prompt_embeds(swapped)
-        else:
+    c0 = time.thread_time()
+    t0 = time.monotonic()
+    if mode.startswith("shm-embeds"):
+        shm.collect()
+        swapped = shm.externalize_prompt_embeds(so.scheduled_new_reqs, n)
+        try:
             mq.enqueue(msg)
-        t1 = time.monotonic()
-        c1 = time.thread_time()
+        finally:
+            shm.restore_prompt_embeds(swapped)
+    else:
+        mq.enqueue(msg)
+    t1 = time.monotonic()
+    c1 = time.thread_time()
 
     dones = group.collect("done")
     expect = {"stock": "Tensor", "arena": "Tensor"}.get(mode, "SharedTensorHandle")
@@ -439,9 +424,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "default 0 = readers idle in poll, as after >1 s without a step)")
     ap.add_argument("--readers", type=C.csv_ints, default=C.csv_ints("1,2,4"),
                     help="reader (TP) counts R (default 1,2,4)")
-    ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                    help=f"comma list out of {','.join(MODES)} "
-                         f"(default {','.join(DEFAULT_MODES)})")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help=f"comma list out of {','.join(MODES)} (default: all)")
     args = ap.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
     if bad := set(args.modes) - set(MODES):

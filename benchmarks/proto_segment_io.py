@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Scratch prototype: where the time goes when a tensor enters or leaves a segment.
+"""Where the time goes when a tensor enters or leaves a segment (variant timings).
 
-Nothing here is used by the plugin; it informs the benchmark report. One
+Nothing here is used by the plugin; it informs the benchmark report (the
+shipped ``pwrite`` writer was chosen from these numbers). One
 tensor of ``--mib`` MiB; every figure is the median of ``--repeats`` runs, in
 milliseconds; variants are interleaved per repeat so machine noise hits them
 alike.
@@ -9,13 +10,14 @@ alike.
 Writer side (warm private tensor -> new file in ``/dev/shm``; hop 1's
 ``share_tensor`` and hop 2's ``externalize`` of a private tensor):
 
-* ``share_tensor``          the plugin as shipped: open, ``posix_fallocate``,
-                            mmap, ``copy_`` through the mapping
-* ``fallocate``             that fallocate step alone (tmpfs allocates and
+* ``share_tensor``          the plugin as shipped: open, ``os.pwrite`` of the
+                            header page and then the tensor (no ``ftruncate`` or
+                            ``fallocate``, no mapping): one kernel copy, no user
+                            page faults; a full tmpfs gives ``ENOSPC`` from the
+                            write, not a SIGBUS
+* ``fallocate``             ``posix_fallocate`` alone (tmpfs allocates and
                             zero-fills every page)
-* ``ftrunc+pwritev``        ``ftruncate`` + ``os.pwritev`` from the tensor: one
-                            kernel copy, no user page faults; a full tmpfs
-                            gives ``ENOSPC`` from the write, not a SIGBUS
+* ``ftrunc+pwritev``        ``ftruncate`` + ``os.pwritev`` from the tensor
 * ``falloc+pwritev``        the same after ``posix_fallocate``
 * ``falloc+POPULATE_WRITE`` fallocate, mmap, ``madvise(MADV_POPULATE_WRITE)``,
                             then ``copy_`` (prefaulted mapping)
@@ -23,7 +25,8 @@ Writer side (warm private tensor -> new file in ``/dev/shm``; hop 1's
 Reader side (mapped segment -> fresh private memory, what each TP worker's
 model runner ends up doing after ``open_tensor``):
 
-* ``open_tensor+copy``      as shipped: demand faults on the mapping while copying
+* ``open_tensor+copy``      as shipped (copy-on-write mapping, reader flag set):
+                            demand faults on the mapping while copying
 * ``POPULATE_READ+copy``    ``madvise(MADV_POPULATE_READ)`` on the mapping first
 * ``preadv``                no mapping: ``os.preadv`` into the fresh buffer
 * ``floor``                 ``torch.empty(N).copy_(src)`` from warm private memory
@@ -118,7 +121,7 @@ def main() -> None:
 
     def open_copy() -> float:
         t = time.monotonic()
-        x = shm.open_tensor(handle)
+        x = shm.open_tensor(handle, reader_index=0)  # as a worker: private mapping
         y = torch.empty_like(x).copy_(x)
         dt = time.monotonic() - t
         assert y[-1].item() == 1.5
@@ -162,7 +165,7 @@ def main() -> None:
 
     variants = {
         "writer: share_tensor (as shipped)": share,
-        "writer:   its fallocate alone": fallocate_only,
+        "writer: fallocate alone": fallocate_only,
         "writer: ftrunc+pwritev": writer("ftruncate", "pwritev"),
         "writer: falloc+pwritev": writer("fallocate", "pwritev"),
         "writer: falloc+mmap+POPULATE_WRITE+copy": writer("fallocate", "mmap-populate"),
@@ -186,48 +189,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-
-
-def fast_create_segment(tensor: torch.Tensor) -> tuple[shm.SharedTensorHandle, mmap.mmap]:
-    """Drop-in prototype for ``_shm_embeds._create_segment`` (same contract).
-
-    ``ftruncate`` + ``os.pwritev`` instead of ``posix_fallocate`` + a copy
-    through a fresh shared mapping: one kernel copy with no user page faults
-    and no zero-fill pass. A full tmpfs still surfaces as ``OSError(ENOSPC)``
-    from the write (never a SIGBUS, since nothing writes through a mapping),
-    and the partial file is removed. The header page is mapped afterwards for
-    the owner's reader-flag checks.
-    """
-    handle = shm.SharedTensorHandle(
-        f"{shm._owner_prefix()}{next(shm._seq)}",
-        shm._dtype_name(tensor.dtype),
-        tuple(tensor.shape),
-    )
-    path = shm._path(handle.name)
-    size = HDR + tensor.nbytes
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, size)
-        os.pwrite(fd, shm.MAGIC, 0)
-        if tensor.nbytes:
-            raw = tensor.reshape(-1).view(torch.uint8).numpy()
-            pwrite_all(fd, memoryview(raw), HDR)
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-    except BaseException:
-        shm._unlink_quietly(path)
-        raise
-    finally:
-        os.close(fd)
-    shm.count(segments_created=1, copied_bytes=tensor.nbytes)
-    return handle, mm
-
-
-class use_fast_create_segment:
-    """Context manager: route this process's segment creation through the prototype."""
-
-    def __enter__(self) -> None:
-        self._orig = shm._create_segment
-        shm._create_segment = fast_create_segment
-
-    def __exit__(self, *exc: object) -> None:
-        shm._create_segment = self._orig

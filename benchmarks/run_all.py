@@ -5,13 +5,14 @@ Usage (from the repo root, in the venv)::
 
     python benchmarks/run_all.py --quick        # ~5 min: 16,256 MiB, fp32, R=2
     python benchmarks/run_all.py                # full: 16..1024 MiB, fp32+bf16, R=1,2,4
-    python benchmarks/run_all.py --proto        # also the prototype *-pwrite modes
     python benchmarks/run_all.py --tables-only  # re-render tables from saved JSON
     python benchmarks/run_all.py --hop2-args "--dtypes fp32"  # pass flags through
 
 Writes ``results/hop{1,2}[_quick].json`` and ``.png`` and
 ``results/README_tables.md`` (the markdown printed at the end). Times in ms,
-sizes in MiB. Each benchmark runs as its own subprocess.
+sizes in MiB. Each benchmark runs as its own subprocess. Tables show the
+modes of ``_common.HOP{1,2}_MODES`` that the saved JSON holds; other modes in
+older JSON are left out.
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ def _fmt(v: float | None, spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _modes(payload: dict, known: tuple[str, ...]) -> list[str]:
+    """The ``known`` modes (in that order) that ``payload`` has rows for."""
+    present = {r["mode"] for r in payload["rows"]}
+    return [m for m in known if m in present]
+
+
 def _pivot(rows: list[dict], key_fields: list[str]) -> dict[tuple, dict[str, dict]]:
     out: dict[tuple, dict[str, dict]] = {}
     for r in rows:
@@ -53,7 +60,7 @@ def _pivot(rows: list[dict], key_fields: list[str]) -> dict[tuple, dict[str, dic
 
 def hop2_markdown(payload: dict) -> str:
     rows = payload["rows"]
-    modes = [m for m in payload["config"]["modes"] if m != "floor"]
+    modes = [m for m in _modes(payload, C.HOP2_MODES) if m != "floor"]
     floor = {(r["mib"], r["dtype"]): r for r in rows if r["mode"] == "floor"}
     piv = _pivot([r for r in rows if r["mode"] != "floor"], ["mib", "dtype", "R"])
     head = ["MiB", "dtype", "R", "floor", *modes, "shm-embeds send (cpu)", "shm-embeds x floor",
@@ -77,8 +84,8 @@ def hop2_markdown(payload: dict) -> str:
 
 
 def hop1_markdown(payload: dict) -> str:
-    rows = payload["rows"]
-    modes = payload["config"]["modes"]
+    modes = _modes(payload, C.HOP1_MODES)
+    rows = [r for r in payload["rows"] if r["mode"] in modes]
     piv = _pivot(rows, ["mib", "dtype"])
     shm_modes = [m for m in modes if m.startswith("shm-embeds")]
     head = ["MiB", "dtype", *[f"{m} ms" for m in modes],
@@ -132,11 +139,6 @@ def verdicts(h1: dict | None, h2: dict | None) -> list[str]:
             f"{min(r['x_floor'] for r in rows):.2f}..{max(r['x_floor'] for r in rows):.2f}); "
             f"copies {max(r['copies'] for r in rows):.0f} (stock "
             f"{max(r['copies'] for r in h1['rows'] if r['mode'] == 'stock'):.0f}).")
-        proto = [r for r in h1["rows"] if r["mode"] == "shm-embeds-pwrite"]
-        if proto:
-            out.append(
-                f"- hop 1 with the prototype pwrite segment writer: x floor "
-                f"{min(r['x_floor'] for r in proto):.2f}..{max(r['x_floor'] for r in proto):.2f}.")
     return out
 
 
@@ -174,8 +176,6 @@ def render(tag: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small run of both benchmarks")
-    ap.add_argument("--proto", action="store_true",
-                    help="also run the prototype *-pwrite modes (not shipped)")
     ap.add_argument("--repeats", type=int, help="pass --repeats to both benchmarks")
     ap.add_argument("--hop1-args", default="", help='extra args for bench_hop1.py, e.g. "--dtypes fp32"')
     ap.add_argument("--hop2-args", default="", help='extra args for bench_hop2.py, e.g. "--readers 2,4"')
@@ -189,11 +189,8 @@ def main() -> None:
         common = ["--quick"] if args.quick else []
         if args.repeats:
             common += ["--repeats", str(args.repeats)]
-        h1 = ["--modes", "stock,shm-embeds,shm-embeds-pwrite,floor"] if args.proto else []
-        h2 = (["--modes", "stock,arena,shm-embeds,shm-embeds-copy,shm-embeds-copy-pwrite,"
-               "floor,floor-R"] if args.proto else [])
-        h1 += args.hop1_args.split()
-        h2 += args.hop2_args.split()
+        h1 = args.hop1_args.split()
+        h2 = args.hop2_args.split()
         for hop, extra in (("hop1", h1), ("hop2", h2)):
             out = os.path.join(RESULTS, f"{hop}{tag}")
             _run(f"bench_{hop}.py", [*common, *extra, "--json", f"{out}.json",
