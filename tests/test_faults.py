@@ -59,10 +59,15 @@ def test_too_small_dev_shm_takes_stock_path_with_one_warning(tmp_path, small_tmp
 
 
 def _children(proc, needle):
-    return [
-        p for p in psutil.Process(proc.pid).children(recursive=True)
-        if needle in " ".join(p.cmdline()) or needle in p.name()
-    ]
+    """Live descendants of ``proc`` whose title contains ``needle``."""
+    found = []
+    for p in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            if needle in " ".join(p.cmdline()) or needle in p.name():
+                found.append(p)
+        except psutil.Error:  # gone, or a zombie not yet reaped
+            pass
+    return found
 
 
 def _embeds_bodies(model_dir, n, length=600):
