@@ -25,7 +25,7 @@ Writer side (warm private tensor -> new file in ``/dev/shm``; hop 1's
 Reader side (mapped segment -> fresh private memory, what each TP worker's
 model runner ends up doing after ``open_tensor``):
 
-* ``open_tensor+copy``      as shipped (copy-on-write mapping, reader flag set):
+* ``open_tensor+copy``      as shipped (read-only shared mapping, reader flag set):
                             demand faults on the mapping while copying
 * ``POPULATE_READ+copy``    ``madvise(MADV_POPULATE_READ)`` on the mapping first
 * ``preadv``                no mapping: ``os.preadv`` into the fresh buffer
