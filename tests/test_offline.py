@@ -10,6 +10,7 @@ fails if either hop silently falls back.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -51,16 +52,19 @@ def run_offline(tmp_path, shm_on: bool, model: str, lengths, extra=(), seg_dir=N
     own_dir = seg_dir is None
     seg_dir = new_seg_dir() if own_dir else seg_dir
     env = engine_env(shm_on, seg_dir, stats)
-    proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "tests", "offline_run.py"),
-         "--model", model, "--out", str(out),
-         "--lengths", ",".join(map(str, lengths)), *extra],
-        env=env, capture_output=True, text=True, timeout=900,
-    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, os.path.join(REPO, "tests", "offline_run.py"),
+             "--model", model, "--out", str(out),
+             "--lengths", ",".join(map(str, lengths)), *extra],
+            env=env, capture_output=True, text=True, timeout=900,
+        )
+        left = ours_in(seg_dir)
+    finally:
+        if own_dir:
+            shutil.rmtree(seg_dir, ignore_errors=True)  # even when the run failed
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert ours_in(seg_dir) == [], "segments left after shutdown"
-    if own_dir:
-        os.rmdir(seg_dir)
+    assert left == [], f"segments left after shutdown: {left}"
     from vllm._shm_embeds import read_stats_dir
 
     return json.loads(out.read_text()), read_stats_dir(str(stats)), proc.stdout + proc.stderr

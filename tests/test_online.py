@@ -84,9 +84,10 @@ def start_server(tmp, *server_args, shm_on=True, check_clean=True):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(120)
+        left = ours_in(seg_dir)
+        shutil.rmtree(seg_dir, ignore_errors=True)  # even when the test failed
     if check_clean:
-        assert ours_in(seg_dir) == []
-    shutil.rmtree(seg_dir, ignore_errors=True)
+        assert left == [], f"segments left after shutdown: {left}"
 
 
 @pytest.fixture(scope="module")
