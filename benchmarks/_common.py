@@ -182,3 +182,16 @@ def plot(path: str, rows: list[dict[str, Any]], panel_keys: list[str], y_key: st
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def add_modes_arg(ap: argparse.ArgumentParser, modes: tuple[str, ...]) -> None:
+    """``--modes``: a comma list out of ``modes`` (default: all)."""
+    ap.add_argument("--modes", default=",".join(modes),
+                    help=f"comma list out of {','.join(modes)} (default: all)")
+
+
+def check_modes(ap: argparse.ArgumentParser, args: argparse.Namespace, modes: tuple[str, ...]) -> None:
+    """Turn ``args.modes`` into a list; exit with a usage error on unknown modes."""
+    args.modes = [m for m in args.modes.split(",") if m]
+    if bad := set(args.modes) - set(modes):
+        ap.error(f"unknown mode(s) {sorted(bad)}")

@@ -329,12 +329,9 @@ TABLE_COLS = [("mode", "mode", "s"), ("mib", "MiB", "d"), ("dtype", "dtype", "s"
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     C.add_common_args(ap, quick_sizes="16,256")
-    ap.add_argument("--modes", default=",".join(MODES),
-                    help=f"comma list out of {','.join(MODES)} (default: all)")
+    C.add_modes_arg(ap, MODES)
     args = ap.parse_args(argv)
-    args.modes = [m for m in args.modes.split(",") if m]
-    if bad := set(args.modes) - set(MODES):
-        ap.error(f"unknown mode(s) {sorted(bad)}")
+    C.check_modes(ap, args, MODES)
     if args.quick:
         args.sizes, args.dtypes = [16, 256], ["fp32"]
     t = time.monotonic()

@@ -424,12 +424,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "default 0 = readers idle in poll, as after >1 s without a step)")
     ap.add_argument("--readers", type=C.csv_ints, default=C.csv_ints("1,2,4"),
                     help="reader (TP) counts R (default 1,2,4)")
-    ap.add_argument("--modes", default=",".join(MODES),
-                    help=f"comma list out of {','.join(MODES)} (default: all)")
+    C.add_modes_arg(ap, MODES)
     args = ap.parse_args(argv)
-    args.modes = [m for m in args.modes.split(",") if m]
-    if bad := set(args.modes) - set(MODES):
-        ap.error(f"unknown mode(s) {sorted(bad)}")
+    C.check_modes(ap, args, MODES)
     if args.quick:
         args.sizes, args.dtypes, args.readers = [16, 256], ["fp32"], [2]
     t = time.monotonic()
