@@ -32,6 +32,24 @@ def _reader(handles, index, q):
         q.put(e)
 
 
+def _read_in_spawned_readers(handles, readers):
+    """Open ``handles`` in ``readers`` spawned processes (reader index i each).
+
+    Returns one ``[(dtype, shape, values)]`` list per reader.
+    """
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_reader, args=(handles, i, q)) for i in range(readers)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=180) for _ in procs]
+    for p in procs:
+        p.join(60)
+    for r in results:
+        assert not isinstance(r, Exception), r
+    return results
+
+
 def _delta(before, key):
     return shm.stats().get(key, 0) - before.get(key, 0)
 
@@ -48,16 +66,7 @@ def test_round_trip_across_spawned_readers(shm_env):
     assert all(len(pickle.dumps(h)) < 300 for h in handles)
     assert [h.nbytes for h in handles] == [s.nbytes for s in srcs]
     assert _delta(before, "copied_bytes") == sum(s.nbytes for s in srcs)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_reader, args=(handles, i, q)) for i in range(2)]
-    for p in procs:
-        p.start()
-    results = [q.get(timeout=180) for _ in procs]
-    for p in procs:
-        p.join(60)
-    for r in results:
-        assert not isinstance(r, Exception), r
+    for r in _read_in_spawned_readers(handles, 2):
         for src, (dtype, shape, values) in zip(srcs, r):
             assert dtype == src.dtype and shape == tuple(src.shape)
             assert values == src.float().tolist()
@@ -265,15 +274,19 @@ def test_sweep_treats_zombie_owner_as_dead(shm_env):
     child.wait()
 
 
-def test_readers_cannot_change_what_others_read(shm_env):
+@pytest.mark.parametrize("files", [1, 3])
+def test_readers_cannot_change_what_others_read(shm_env, monkeypatch, files):
     """A stray in-place write in one TP rank faults there; others are unharmed."""
-    src = torch.zeros(4, 4)
+    monkeypatch.setattr(shm, "PART_MIN_BYTES", 4096)
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_WRITERS", str(files))
+    src = torch.zeros(3, 4096)
     h = shm.externalize(src, readers=2)
+    assert len(os.listdir(shm_env)) == files
     code = (
         "import pickle, sys\n"
         "from vllm import _shm_embeds as shm\n"
         "t = shm.open_tensor(pickle.loads(sys.stdin.buffer.read()), 0)\n"
-        "t.add_(1.0)\n"
+        "t[-1].add_(1.0)\n"
     )
     child = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(h),
                            capture_output=True, timeout=300)
@@ -299,3 +312,70 @@ def test_bad_min_bytes_defaults(monkeypatch, raw):
     monkeypatch.setenv("VLLM_SHM_EMBEDS_MIN_BYTES", raw)
     assert shm.min_bytes() == shm.DEFAULT_MIN_BYTES
     assert bool(shm.config_problems()) == bool(raw)
+
+
+@pytest.fixture
+def striped(shm_env, monkeypatch):
+    """Stripe every segment of more than one page over 3 files."""
+    monkeypatch.setattr(shm, "PART_MIN_BYTES", 4096)
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_WRITERS", "3")
+    return shm_env
+
+
+def test_striped_segment_hop1_hop2_round_trip(striped):
+    """3 files written by 3 threads; adopted, re-sent and read back as one tensor."""
+    src = torch.randn(37, 1000)  # 148000 bytes: the last file is not page-sized
+    sent = shm.share_tensor(src)
+    assert len(sent.split) == 2 and all(b % 4096 == 0 for b in sent.split)
+    assert len(os.listdir(striped)) == 3
+    wire = shm.SharedTensorHandle.from_meta(sent.to_meta())
+    assert wire == sent
+    adopted = shm.adopt_tensor(wire)
+    assert torch.equal(adopted, src)
+    names = sorted(os.listdir(striped))
+    assert len(names) == 3 and all(n.startswith(shm._owner_prefix()) for n in names)
+    before = shm.stats()
+    h = shm.externalize(adopted, readers=2)
+    assert _delta(before, "copied_bytes") == 0 and h.split == sent.split
+    for r in _read_in_spawned_readers([h], 2):
+        assert r[0][2] == src.tolist()
+    assert shm.collect() == 1
+    assert os.listdir(striped) == []
+    assert torch.equal(adopted, src)  # the mapping outlives the names
+
+
+def test_striped_segment_private_tensor_and_free(striped):
+    src = torch.arange(3 * 4096, dtype=torch.float32)
+    h = shm.externalize(src, readers=1)
+    assert len(os.listdir(striped)) == 3
+    t = shm.open_tensor(h, 0)
+    assert torch.equal(t, src)
+    assert shm.collect() == 1 and os.listdir(striped) == []
+    adopted = shm.adopt_tensor(shm.share_tensor(src))
+    assert len(os.listdir(striped)) == 3
+    del adopted  # freed before any broadcast: every file goes
+    assert os.listdir(striped) == []
+
+
+def test_striped_segment_missing_part_is_a_clear_error(striped):
+    sent = shm.share_tensor(torch.randn(3, 4096))
+    os.unlink(os.path.join(striped, sent.name + "p2"))
+    with pytest.raises(shm.ShmEmbedsError, match="not found"):
+        shm.adopt_tensor(sent)
+    assert os.listdir(striped) == []  # the remaining files are not left behind
+
+
+@pytest.mark.parametrize("split", [[4095], [8192, 4096], [0], [1 << 30], "x"])
+def test_bad_split_is_rejected(split):
+    meta = {"name": f"{shm.SEGMENT_PREFIX}.1.1.1.1", "dtype": "float32",
+            "shape": [4, 4096], "split": split}
+    with pytest.raises(shm.ShmEmbedsError, match="malformed"):
+        shm.SharedTensorHandle.from_meta(meta)
+
+
+@pytest.mark.parametrize("raw,ok", [("", True), ("2", True), ("0", False), ("x", False),
+                                    ("99", False)])
+def test_writers_setting(monkeypatch, raw, ok):
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_WRITERS", raw)
+    assert 1 <= shm.writers() <= shm.MAX_WRITERS
+    assert (not any("WRITERS" in p for p in shm.config_problems())) == ok

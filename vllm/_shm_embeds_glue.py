@@ -369,6 +369,7 @@ ENV_VARS: dict[str, Callable[[], Any]] = {
     "VLLM_SHM_EMBEDS_MIN_BYTES": shm.min_bytes,
     "VLLM_SHM_EMBEDS_DIR": shm.shm_dir,
     "VLLM_SHM_EMBEDS_STATS_DIR": lambda: os.environ.get("VLLM_SHM_EMBEDS_STATS_DIR"),
+    "VLLM_SHM_EMBEDS_WRITERS": shm.writers,
 }
 
 
