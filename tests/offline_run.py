@@ -70,6 +70,15 @@ def lifetime(llm, embeds, weights, sp, max_model_len: int) -> dict:
     return out
 
 
+# --preempt: 32-token blocks (the CPU attention backend needs multiples of
+# 32), 12 of them (384 tokens of KV cache in all).
+# Prompts of 2 blocks less a few tokens fit when admitted, then each needs a
+# third block a few decode steps later, which the full cache cannot give:
+# the scheduler preempts the newest running request and recomputes it later.
+PREEMPT_BLOCK = 32
+PREEMPT_BLOCKS = 12
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
@@ -89,9 +98,13 @@ def main() -> None:
         help="also abort requests (before and during prefill) and send a prompt "
         "longer than max_model_len; record what is left in the segment dir",
     )
+    p.add_argument(
+        "--preempt",
+        action="store_true",
+        help="give the KV cache only a few blocks so that concurrent requests are "
+        "preempted and recomputed; record vLLM's preemption count",
+    )
     args = p.parse_args()
-
-
 
     from vllm import LLM, SamplingParams
 
@@ -117,6 +130,9 @@ def main() -> None:
         distributed_executor_backend=args.backend,
         async_scheduling={"on": True, "off": False, None: None}[args.async_scheduling],
         enable_prefix_caching=args.prefix_caching or None,
+        block_size=PREEMPT_BLOCK if args.preempt else None,
+        num_gpu_blocks_override=PREEMPT_BLOCKS if args.preempt else None,
+        disable_log_stats=not args.preempt,
     )
     started = time.monotonic() - t0
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -136,6 +152,11 @@ def main() -> None:
     }
     if args.lifetime:
         result.update(lifetime(llm, embeds[-1], weights, sp, args.max_model_len))
+    if args.preempt:
+        result["preemptions"] = sum(
+            getattr(m, "value", 0) for m in llm.get_metrics()
+            if m.name == "vllm:num_preemptions"
+        )
     llm.llm_engine.engine_core.shutdown()
     del llm
     with open(args.out, "w") as f:

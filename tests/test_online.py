@@ -90,9 +90,16 @@ def start_server(tmp, *server_args, shm_on=True, check_clean=True):
         assert left == [], f"segments left after shutdown: {left}"
 
 
+# The tiny model has no chat template; this one renders the messages' content
+# as is, so a message holding one prompt_embeds part is just those embeds.
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with start_server(tmp_path_factory.mktemp("online"), "-tp", "2") as s:
+    tmp = tmp_path_factory.mktemp("online")
+    (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
+    with start_server(tmp, "-tp", "2", "--chat-template", str(tmp / "chat.jinja")) as s:
         yield s
 
 
@@ -206,6 +213,31 @@ def test_many_embeds_parts_in_one_request(server):
     assert r.status_code == 200, r.text
     # vLLM 0.32 also answers the (empty) text prompt next to the embeds parts.
     assert len(parts) <= len(r.json()["choices"]) <= len(parts) + 1
+    assert ours_in(server["seg_dir"]) == []
+
+
+def test_chat_completions_embeds_part_uses_shm(server):
+    """/v1/chat/completions with a ``prompt_embeds`` content part (vLLM 0.32)."""
+    from vllm._shm_embeds import read_stats_dir
+
+    def hop1_bytes():
+        return sum(c.get("hop1_shm_bytes", 0)
+                   for c in by_role(read_stats_dir(server["stats"]), "client"))
+
+    ids = torch.randint(3, 1000, (300,), generator=torch.Generator().manual_seed(7))
+    embeds = embed_weights(server["model"])[ids].contiguous()
+    kw = {"model": "tiny", "max_tokens": 6, "temperature": 0.0}
+    before = hop1_bytes()
+    chat = requests.post(server["url"] + "/v1/chat/completions", timeout=300, json={
+        **kw, "messages": [{"role": "user", "content": [
+            {"type": "prompt_embeds", "data": encode_embeds(embeds)}]}]})
+    assert chat.status_code == 200, chat.text
+    assert hop1_bytes() - before >= embeds.nbytes  # the embeds went by shm
+    # The same token ids as a prompt (no BOS added to either) give the same text.
+    text = requests.post(server["url"] + "/v1/completions", timeout=300,
+                         json={**kw, "prompt": ids.tolist()})
+    assert text.status_code == 200, text.text
+    assert chat.json()["choices"][0]["message"]["content"] == text.json()["choices"][0]["text"]
     assert ours_in(server["seg_dir"]) == []
 
 

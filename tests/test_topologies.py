@@ -82,3 +82,24 @@ def test_uniproc_executor_left_untouched(tmp_path):
     assert "hop2_shm_tensors" not in engine and by_role(stats, "worker") == []
     # The adopted segments are released when the requests end.
     assert engine.get("segments_unlinked") == len(LENGTHS)
+
+
+def test_preemption_and_recompute(tmp_path):
+    """A KV cache of 12 blocks for 6 prompts that each outgrow 2 blocks: vLLM
+    preempts running requests and recomputes them; their embeds must survive."""
+    out, stats, _ = run_offline(tmp_path, True, tiny_model(), [58] * 6,
+                                ["--preempt", "--max-tokens", "16", "--max-model-len", "128"])
+    assert out["preemptions"] > 0, "no request was preempted: the test proves nothing"
+    assert out["embeds"] == out["token_ids"]
+    assert out["left_after_generate"] == []
+    _assert_shm_both_hops(stats, tp=2, n=6)
+
+
+def test_ray_executor_left_untouched(tmp_path):
+    """Ray's executor is not patched: hop 1 by shm, hop 2 as stock (runs only
+    where Ray is installed; the static check in test_glue covers the rest)."""
+    pytest.importorskip("ray")
+    _, stats, _ = _run(tmp_path, "--backend", "ray")
+    [engine] = by_role(stats, "engine")
+    assert engine.get("hop1_adopted_tensors") == len(LENGTHS)
+    assert "hop2_shm_tensors" not in engine
