@@ -42,6 +42,7 @@ import os
 import random
 import statistics
 import sys
+import threading
 import time
 
 import requests
@@ -57,6 +58,57 @@ WORDS = (
     "number story morning evening engineer letter market bread music teacher "
     "mountain island bridge captain history question answer machine weather"
 ).split()
+
+
+class ShmWatcher:
+    """Samples the bytes held by shm-embeds segments in one directory.
+
+    A daemon thread sums the sizes of ``vllm-shm-embeds*`` files in ``path``
+    every ``interval`` seconds; :meth:`reset` starts a new peak. Only
+    meaningful when the server runs on this host and nothing else uses the
+    directory.
+    """
+
+    def __init__(self, path, interval=0.002):
+        self.path, self.interval = path, interval
+        self.peak = 0
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, daemon=True, name="shm-watch").start()
+
+    def held(self):
+        """Bytes currently held by segment files in the directory."""
+        total = 0
+        try:
+            with os.scandir(self.path) as it:
+                for e in it:
+                    if e.name.startswith("vllm-shm-embeds"):
+                        try:
+                            total += e.stat(follow_symlinks=False).st_size
+                        except FileNotFoundError:
+                            pass
+        except OSError:
+            pass
+        return total
+
+    def _run(self):
+        while True:
+            now = self.held()
+            with self._lock:
+                self.peak = max(self.peak, now)
+            time.sleep(self.interval)
+
+    def reset(self):
+        """Forget the peak so far; returns it."""
+        with self._lock:
+            peak, self.peak = self.peak, self.held()
+        return peak
+
+    def settle(self, timeout=5.0):
+        """Bytes still held once the directory empties or ``timeout`` s pass."""
+        deadline = time.monotonic() + timeout
+        while (held := self.held()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return held
 
 
 class HttpError(RuntimeError):
@@ -169,9 +221,14 @@ def timed(client, body):
     return (time.perf_counter() - t0) * 1000.0
 
 
-def profile_length(client, weights, length, args, n_special):
-    """Measure one prompt length; return a result dict (latencies in ms)."""
-    text_ms, embeds_ms, kinds, mb = [], [], set(), 0.0
+def profile_length(client, weights, length, args, n_special, watcher=None):
+    """Measure one prompt length; return a result dict (latencies in ms).
+
+    With a :class:`ShmWatcher`, also the peak bytes of shm-embeds segments
+    during each embeds request (``shm_peak_bytes``: the largest) and what is
+    still held once the last request has returned (``shm_after_bytes``).
+    """
+    text_ms, embeds_ms, kinds, mb, peaks = [], [], set(), 0.0, []
     for i in range(args.warmup + args.repeats):
         rng = random.Random(f"{args.seed}-{length}-{i}")
         text, ids = make_prompt(client, length, rng, n_special)
@@ -183,14 +240,22 @@ def profile_length(client, weights, length, args, n_special):
         if i % 2:
             bodies.reverse()
         for kind, body in bodies:
+            if watcher and kind == "embeds":
+                watcher.reset()
             ms = timed(client, body)
+            if watcher and kind == "embeds":
+                peaks.append(watcher.reset())
             if i >= args.warmup:
                 (text_ms if kind == "text" else embeds_ms).append(ms)
     t_med, e_med = statistics.median(text_ms), statistics.median(embeds_ms)
-    return {"length": length, "embeds_mb": mb, "prompt_kind": "+".join(sorted(kinds)),
-            "text_ms": text_ms, "embeds_ms": embeds_ms,
-            "text_median_ms": t_med, "embeds_median_ms": e_med,
-            "ratio": e_med / t_med, "embeds_minus_text_ms": e_med - t_med}
+    out = {"length": length, "embeds_mb": mb, "prompt_kind": "+".join(sorted(kinds)),
+           "text_ms": text_ms, "embeds_ms": embeds_ms,
+           "text_median_ms": t_med, "embeds_median_ms": e_med,
+           "ratio": e_med / t_med, "embeds_minus_text_ms": e_med - t_med}
+    if watcher:
+        out["shm_peak_bytes"] = max(peaks)
+        out["shm_after_bytes"] = watcher.settle()
+    return out
 
 
 def check_outputs(client, weights, length, args, n_special):
@@ -218,6 +283,12 @@ def print_table(results):
         print(f"{r['length']:>7} {r['embeds_mb']:>10.2f} {r['text_median_ms']:>9.1f} "
               f"{r['embeds_median_ms']:>10.1f} {r['ratio']:>6.2f} "
               f"{r['embeds_minus_text_ms']:>12.1f}  {r['prompt_kind']}")
+    for r in results:
+        if "shm_peak_bytes" in r:
+            print(f"length {r['length']}: shm-embeds segments held at most "
+                  f"{r['shm_peak_bytes'] / 1e6:.2f} MB per embeds request "
+                  f"({r['shm_peak_bytes'] / (r['embeds_mb'] * 1e6):.3f}x the embeds), "
+                  f"{r['shm_after_bytes']} bytes after the last one")
 
 
 def compare(paths):
@@ -253,6 +324,25 @@ def compare(paths):
                 base_tax = base[length]["embeds_minus_text_ms"]
                 row += f" {tax / base_tax:.2f} |" if base_tax > 0 else " - |"
         print(row)
+    held = [(i, res) for i, (_, res) in enumerate(runs)
+            if any("shm_peak_bytes" in r for r in res.values())]
+    if held:
+        print("\nshared memory held by shm-embeds segments (sampled every 2 ms): peak "
+              "during one embeds request, and what is left once it has returned")
+        print("| tokens | embeds MB |" + "".join(
+            f" [{i}] peak MB | [{i}] peak / embeds | [{i}] left (bytes) |" for i, _ in held))
+        print("|" + "---|" * (2 + 3 * len(held)))
+        for length in sorted(base):
+            row = f"| {length} | {base[length]['embeds_mb']:.1f} |"
+            for _, res in held:
+                r = res.get(length, {})
+                if "shm_peak_bytes" not in r:
+                    row += " - | - | - |"
+                    continue
+                row += (f" {r['shm_peak_bytes'] / 1e6:.1f} |"
+                        f" {r['shm_peak_bytes'] / (r['embeds_mb'] * 1e6):.3f} |"
+                        f" {r['shm_after_bytes']} |")
+            print(row)
     return 0
 
 
@@ -272,6 +362,9 @@ def main(argv=None):
     p.add_argument("--check-outputs", action="store_true",
                    help="also compare greedy outputs of text vs embeds")
     p.add_argument("--check-tokens", type=int, default=8, help="tokens to generate for the check")
+    p.add_argument("--shm-dir", metavar="DIR",
+                   help="server on this host: also record the peak bytes its shm-embeds "
+                        "segments in DIR hold per embeds request (e.g. /dev/shm)")
     p.add_argument("--compare", nargs="+", metavar="JSON",
                    help="print --json runs side by side (the first is the baseline)")
     args = p.parse_args(argv)
@@ -300,8 +393,9 @@ def main(argv=None):
               f"lengths {lengths}  repeats {args.repeats}  warmup {args.warmup}", flush=True)
 
         results, checks = [], []
+        watcher = ShmWatcher(args.shm_dir) if args.shm_dir else None
         for length in lengths:
-            results.append(profile_length(client, weights, length, args, n_special))
+            results.append(profile_length(client, weights, length, args, n_special, watcher))
             print(f"  length {length}: text {results[-1]['text_median_ms']:.1f} ms, "
                   f"embeds {results[-1]['embeds_median_ms']:.1f} ms", flush=True)
         if args.check_outputs:

