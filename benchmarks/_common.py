@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import platform
 import statistics
@@ -136,6 +137,22 @@ def markdown_table(rows: list[dict[str, Any]], cols: list[tuple[str, str, str]])
     return "\n".join(out)
 
 
+def fresh_empty(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor of ``nbytes`` in never-touched anonymous memory.
+
+    ``torch.empty`` may hand back memory the allocator just freed (glibc
+    keeps chunks below its dynamic mmap threshold, up to 32 MiB), which
+    makes a 16 MiB "fresh" copy skip its page faults. Every copy the
+    benchmarks call "into fresh memory" uses this instead.
+    """
+    import torch
+
+    if not nbytes:
+        return torch.empty(0, dtype=torch.uint8)
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # not shmem
+    return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
+
+
 def write_json(path: str, payload: dict[str, Any]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
@@ -182,6 +199,21 @@ def plot(path: str, rows: list[dict[str, Any]], panel_keys: list[str], y_key: st
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def plot_hop1(path: str, payload: dict[str, Any]) -> bool:
+    """The hop 1 figure from ``bench_hop1.py``'s JSON payload."""
+    return plot(path, payload["rows"], ["dtype"], "e2e_ms",
+                "hop 1: client encode -> EngineCore holds the decoded tensor")
+
+
+def plot_hop2(path: str, payload: dict[str, Any]) -> bool:
+    """The hop 2 figure from ``bench_hop2.py``'s JSON payload."""
+    rows = [r for r in payload["rows"] if r["mode"] != "floor"]
+    rows += [dict(r, R=n) for r in payload["rows"] if r["mode"] == "floor"
+             for n in payload["config"]["readers"]]  # the one-process floor on every panel
+    return plot(path, rows, ["dtype", "R"], "e2e_ms",
+                "hop 2: writer send -> last reader holds a private copy")
 
 
 def add_modes_arg(ap: argparse.ArgumentParser, modes: tuple[str, ...]) -> None:

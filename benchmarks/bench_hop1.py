@@ -22,7 +22,7 @@ Modes (interleaved per repeat):
                   with ``prompt_embeds``): one copy (``pwrite``) into a ``/dev/shm``
                   segment, a handle in the frames; the decoder's ``HandleOOBProvider``
                   adopts the segment (rename + mmap, no copy)
-* ``floor``       one ``torch.empty(N bytes).copy_(src)`` into fresh memory
+* ``floor``       one ``C.fresh_empty(N bytes).copy_(src)`` into fresh memory
 
 Metrics, medians over ``--repeats`` after one warm-up: ratios to the floor are
 medians of per-repeat paired ratios. ``e2e_ms`` from the
@@ -207,7 +207,7 @@ def one_send(client: Client, mode: str, src: torch.Tensor, val: float,
         time.sleep(gap_s)
         raw = src.view(-1).view(torch.uint8)
         t0 = time.monotonic()
-        dst = torch.empty(nbytes, dtype=torch.uint8).copy_(raw)
+        dst = C.fresh_empty(nbytes).copy_(raw)
         t1 = time.monotonic()
         assert torch.equal(dst[-2:], raw[-2:])
         del dst
@@ -345,8 +345,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.json:
         C.write_json(args.json, payload)
     if args.png:
-        C.plot(args.png, payload["rows"], ["dtype"], "e2e_ms",
-               "hop 1: client encode -> EngineCore holds the decoded tensor")
+        C.plot_hop1(args.png, payload)
     return payload
 
 

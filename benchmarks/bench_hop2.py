@@ -8,7 +8,7 @@ enqueues, ``("execute_model", (scheduler_output,), {}, 0)``, around a real
 processes (multiprocessing "spawn") attach with
 ``MessageQueue.create_from_handle(handle, rank)``, dequeue, do what the
 worker does (shm-embeds: ``internalize_prompt_embeds``), copy the tensor into
-fresh private memory (``torch.empty_like(t).copy_(t)``, what the model runner
+fresh private memory (``C.fresh_empty``, then ``copy_``, what the model runner
 effectively does) and report ``time.monotonic()`` (system-wide clock).
 
 Modes (all in one run, interleaved per repeat so machine noise hits them alike):
@@ -23,7 +23,7 @@ Modes (all in one run, interleaved per repeat so machine noise hits them alike):
                        + ``restore_prompt_embeds``, as the glue's collective_rpc wrapper
 * ``shm-embeds-copy``  same, but the tensor is private memory: externalize copies it
                        (``pwrite``) into a new segment inside the timed region
-* ``floor``            one process: ``torch.empty(N bytes).copy_(src)`` (fresh memory)
+* ``floor``            one process: ``C.fresh_empty(N bytes).copy_(src)`` (fresh memory)
 * ``floor-R``          the R reader processes do that at once (physical floor of R
                        private copies on this machine), started by a tiny broadcast
 
@@ -102,7 +102,7 @@ def _reader(handles: dict[str, Any], rank: int, results: Any, busy_loop_s: float
                 results.put(("ready", rank))
                 ctl_mq.dequeue(indefinite=True)  # tiny "go"
                 t_deq = time.monotonic()
-                dst = torch.empty(ctl["nbytes"], dtype=torch.uint8).copy_(src)
+                dst = C.fresh_empty(ctl["nbytes"]).copy_(src)
                 t_done = time.monotonic()
                 results.put(("done", rank, t_deq, t_done, float(dst[-1]), "floor"))
                 del src, dst
@@ -115,7 +115,7 @@ def _reader(handles: dict[str, Any], rank: int, results: Any, busy_loop_s: float
             shm.internalize_prompt_embeds(new_reqs, mq.local_reader_rank)
             t_deq = time.monotonic()
             t = new_reqs[0].prompt_embeds
-            priv = torch.empty_like(t).copy_(t)
+            priv = C.fresh_empty(t.nbytes).view(t.dtype).view(t.shape).copy_(t)
             t_done = time.monotonic()
             results.put(("done", rank, t_deq, t_done, float(priv[-1, -1]), got))
             del _method, args, _kwargs, new_reqs, t, priv
@@ -242,7 +242,7 @@ def one_send(group: ReaderGroup, mode: str, src: torch.Tensor, val: float,
         _sleep_until(time.monotonic(), gap_s)
         raw = src.view(-1).view(torch.uint8)
         t0 = time.monotonic()
-        dst = torch.empty(nbytes, dtype=torch.uint8).copy_(raw)
+        dst = C.fresh_empty(nbytes).copy_(raw)
         t1 = time.monotonic()
         assert torch.equal(dst[-2:], raw[-2:])
         del dst
@@ -441,11 +441,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.json:
         C.write_json(args.json, payload)
     if args.png:
-        rows = [r for r in payload["rows"] if r["mode"] != "floor"]
-        rows += [dict(r, R=n) for r in payload["rows"] if r["mode"] == "floor"
-                 for n in args.readers]  # the one-process floor on every panel
-        C.plot(args.png, rows, ["dtype", "R"], "e2e_ms",
-               "hop 2: writer send -> last reader holds a private copy")
+        C.plot_hop2(args.png, payload)
     return payload
 
 

@@ -352,6 +352,12 @@ def main() -> None:
                 shutil.copy(os.path.join(REPO, ".out", f"prof_wide_{m}.json"),
                             os.path.join(RESULTS, f"e2e_{m}.json"))
         print(f"benchmarks: {time.monotonic() - t:.0f} s")
+    for name in ("hop1", "hop2", "hop2_bf16_big"):  # PNGs again from the saved JSON
+        path = os.path.join(RESULTS, f"{name}{tag}.json")
+        if os.path.exists(path) and (not tag or name != "hop2_bf16_big"):
+            with open(path) as f:
+                payload = json.load(f)
+            (C.plot_hop1 if name == "hop1" else C.plot_hop2)(path[:-5] + ".png", payload)
     if not tag:
         e2e_plot()
     sections = render(tag)

@@ -168,13 +168,18 @@ BAD_PAYLOADS = {
 }
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
 @pytest.mark.parametrize("name", sorted(BAD_PAYLOADS))
-def test_bad_embeds_get_4xx_and_server_stays_healthy(server, name):
+def test_bad_embeds_get_4xx_and_server_stays_healthy(server, name, endpoint):
     hidden = embed_weights(server["model"]).shape[1]
+    payload = BAD_PAYLOADS[name](hidden)
+    body = ({"prompt": "", "prompt_embeds": payload} if endpoint == "completions" else
+            {"messages": [{"role": "user", "content": [
+                {"type": "prompt_embeds", "data": payload}]}]})
     r = requests.post(
-        server["url"] + "/v1/completions",
-        json={"model": "tiny", "prompt": "", "max_tokens": 2,
-              "prompt_embeds": BAD_PAYLOADS[name](hidden)},
+        server["url"] + ("/v1/completions" if endpoint == "completions"
+                         else "/v1/chat/completions"),
+        json={"model": "tiny", "max_tokens": 2, **body},
         timeout=120,
     )
     assert 400 <= r.status_code < 500, r.text
