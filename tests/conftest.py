@@ -1,9 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Shared fixtures: an isolated segment directory and stats directory per test."""
 
+import contextlib
+import glob
 import os
 import shutil
 import tempfile
+import time
 
 import pytest
 
@@ -63,3 +66,36 @@ def engine_env(shm_on: bool, seg_dir: str, stats_dir) -> dict:
         VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"),
         VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
     )
+
+
+_SESSION_START = time.time()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Remove what stock vLLM's CPU backend leaves in /dev/shm after the engines
+    these tests stopped (``vllm_dist_*``, not ours): only files created during
+    this session that no live process still maps."""
+    try:
+        names = [n for n in os.listdir("/dev/shm") if n.startswith("vllm_dist_")]
+    except OSError:
+        return
+    fresh = []
+    for n in names:
+        try:
+            if os.stat(os.path.join("/dev/shm", n)).st_mtime >= _SESSION_START:
+                fresh.append(n)
+        except OSError:
+            pass
+    if not fresh:
+        return
+    mapped = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                mapped.update(line.rsplit("/", 1)[-1].strip() for line in f if "vllm_dist_" in line)
+        except OSError:
+            pass
+    for n in fresh:
+        if n not in mapped:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join("/dev/shm", n))
