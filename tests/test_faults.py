@@ -151,7 +151,8 @@ def _footprint(proc, seg_dir):
 
 
 def _soak(tmp_path, n: int, shm_on: bool) -> dict:
-    """``n`` mixed text/embeds requests, a quarter aborted, in two halves.
+    """``n`` mixed text/embeds requests, a quarter aborted and 1 in 20 rejected
+    as too long, in two halves.
 
     Returns the figures: results, our segment bytes and mapped segments after
     each half, RSS (MiB) per process after each half, and the server's stats.
@@ -161,17 +162,20 @@ def _soak(tmp_path, n: int, shm_on: bool) -> dict:
         rng = random.Random(11)
 
         def one(i):
-            length = rng.choice([16, 100, 400, 1200])
+            # 1 in 20 is longer than --max-model-len (2048): rejected with a 400.
+            reject = rng.random() < 0.05
+            length = 2100 if reject else rng.choice([16, 100, 400, 1200])
             ids = [rng.randrange(3, weights.shape[0]) for _ in range(length)]
             body = ({"prompt": ids} if i % 2 else
                     {"prompt": "", "prompt_embeds": encode_embeds(weights[ids])})
-            abort = rng.random() < 0.25
+            abort = not reject and rng.random() < 0.25
             try:  # an abort is an HTTP disconnect before the answer
-                _post(server["url"], {**body, "max_tokens": 64 if abort else 4},
-                      timeout=0.05 if abort else 300)
-                return "ok"
+                r = _post(server["url"], {**body, "max_tokens": 64 if abort else 4},
+                          timeout=0.05 if abort else 300)
             except requests.Timeout:
                 return "aborted"
+            assert r.status_code == (400 if reject else 200), r.text[:300]
+            return "rejected" if reject else "ok"
 
         def round_(start):
             with ThreadPoolExecutor(8) as pool:
@@ -192,7 +196,8 @@ def _soak(tmp_path, n: int, shm_on: bool) -> dict:
                "workers": workers, "stats": read_stats_dir(server["stats"]),
                "left": ours_in(server["seg_dir"])}
         print(f"\nsoak ({'shm-embeds' if shm_on else 'stock'}): {n} requests in "
-              f"{time.monotonic() - t0:.0f} s, {results.count('aborted')} aborted; our "
+              f"{time.monotonic() - t0:.0f} s, {results.count('aborted')} aborted, "
+              f"{results.count('rejected')} rejected as too long; our "
               f"/dev/shm bytes after each half: {shm1}, {shm2}; RSS MiB after each half "
               "per process: " + ", ".join(
                   f"{pid}{' (TP worker)' if pid in workers else ''}: "
@@ -206,7 +211,7 @@ def test_soak_mixed_requests_with_aborts(tmp_path):
     fig = _soak(tmp_path, int(os.environ.get("SHM_EMBEDS_SOAK", "200")), shm_on=True)
     results, growth = fig["results"], fig["growth"]
     assert fig["shm"] == (0, 0) and fig["left"] == []
-    assert results.count("aborted") > 0
+    assert results.count("aborted") > 0 and results.count("rejected") > 0
     # Nothing of ours stays mapped in any process once its request ended.
     assert {v for m in fig["mapped"] for v in m.values()} == {0}
     # The API server and EngineCore hold embeds only per request: allocator
