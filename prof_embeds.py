@@ -61,34 +61,31 @@ WORDS = (
 
 
 class ShmWatcher:
-    """Samples the bytes held by shm-embeds segments in one directory.
+    """Samples how much of one tmpfs shm-embeds holds, in bytes.
 
-    A daemon thread sums the sizes of ``vllm-shm-embeds*`` files in ``path``
-    every ``interval`` seconds; :meth:`reset` starts a new peak. Only
-    meaningful when the server runs on this host and nothing else uses the
-    directory.
+    A daemon thread reads the filesystem's used bytes (``statvfs``) every
+    ``interval`` seconds, minus what was used when the watcher started. It
+    counts segment memory that is still mapped after its name was unlinked
+    (the EngineCore and the TP workers keep their mappings until the request
+    ends), which a listing of files would miss. :meth:`reset` starts a new
+    peak. Only meaningful when the server runs on this host and nothing else
+    allocates on that filesystem meanwhile.
     """
 
     def __init__(self, path, interval=0.002):
         self.path, self.interval = path, interval
-        self.peak = 0
+        self.base = self._used()
+        self.peak = self.start = 0
         self._lock = threading.Lock()
         threading.Thread(target=self._run, daemon=True, name="shm-watch").start()
 
+    def _used(self):
+        st = os.statvfs(self.path)
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+
     def held(self):
-        """Bytes currently held by segment files in the directory."""
-        total = 0
-        try:
-            with os.scandir(self.path) as it:
-                for e in it:
-                    if e.name.startswith("vllm-shm-embeds"):
-                        try:
-                            total += e.stat(follow_symlinks=False).st_size
-                        except FileNotFoundError:
-                            pass
-        except OSError:
-            pass
-        return total
+        """Bytes used on the filesystem beyond what was used at start."""
+        return max(0, self._used() - self.base)
 
     def _run(self):
         while True:
@@ -98,13 +95,19 @@ class ShmWatcher:
             time.sleep(self.interval)
 
     def reset(self):
-        """Forget the peak so far; returns it."""
+        """Start a new interval; returns how far usage rose in the last one.
+
+        The rise is measured from the usage when that interval started, so a
+        previous request whose memory is still mapped (vLLM's TP workers drop
+        a finished request at their next step) is not counted again.
+        """
         with self._lock:
-            peak, self.peak = self.peak, self.held()
-        return peak
+            rise = self.peak - self.start
+            self.peak = self.start = self.held()
+        return rise
 
     def settle(self, timeout=5.0):
-        """Bytes still held once the directory empties or ``timeout`` s pass."""
+        """Bytes still held once usage is back to the start or ``timeout`` s pass."""
         deadline = time.monotonic() + timeout
         while (held := self.held()) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -241,7 +244,7 @@ def profile_length(client, weights, length, args, n_special, watcher=None):
             bodies.reverse()
         for kind, body in bodies:
             if watcher and kind == "embeds":
-                watcher.reset()
+                watcher.reset()  # the new request's rise is measured from here
             ms = timed(client, body)
             if watcher and kind == "embeds":
                 peaks.append(watcher.reset())
@@ -285,8 +288,8 @@ def print_table(results):
               f"{r['embeds_minus_text_ms']:>12.1f}  {r['prompt_kind']}")
     for r in results:
         if "shm_peak_bytes" in r:
-            print(f"length {r['length']}: shm-embeds segments held at most "
-                  f"{r['shm_peak_bytes'] / 1e6:.2f} MB per embeds request "
+            print(f"length {r['length']}: each embeds request added at most "
+                  f"{r['shm_peak_bytes'] / 1e6:.2f} MB of shared memory "
                   f"({r['shm_peak_bytes'] / (r['embeds_mb'] * 1e6):.3f}x the embeds), "
                   f"{r['shm_after_bytes']} bytes after the last one")
 
@@ -327,8 +330,9 @@ def compare(paths):
     held = [(i, res) for i, (_, res) in enumerate(runs)
             if any("shm_peak_bytes" in r for r in res.values())]
     if held:
-        print("\nshared memory held by shm-embeds segments (sampled every 2 ms): peak "
-              "during one embeds request, and what is left once it has returned")
+        print("\nshared memory used on the segments' tmpfs beyond the idle server's "
+              "(statvfs, sampled every 2 ms): peak during one embeds request, and what "
+              "is left once it has returned")
         print("| tokens | embeds MB |" + "".join(
             f" [{i}] peak MB | [{i}] peak / embeds | [{i}] left (bytes) |" for i, _ in held))
         print("|" + "---|" * (2 + 3 * len(held)))
@@ -363,8 +367,8 @@ def main(argv=None):
                    help="also compare greedy outputs of text vs embeds")
     p.add_argument("--check-tokens", type=int, default=8, help="tokens to generate for the check")
     p.add_argument("--shm-dir", metavar="DIR",
-                   help="server on this host: also record the peak bytes its shm-embeds "
-                        "segments in DIR hold per embeds request (e.g. /dev/shm)")
+                   help="server on this host: also record the peak bytes of the tmpfs "
+                        "holding DIR used per embeds request, mapped or named (e.g. /dev/shm)")
     p.add_argument("--compare", nargs="+", metavar="JSON",
                    help="print --json runs side by side (the first is the baseline)")
     args = p.parse_args(argv)
