@@ -225,10 +225,11 @@ def e2e_verdicts() -> list[str]:
         worst = max(r["shm_peak_bytes"] / (r["embeds_mb"] * 1e6) for r in held)
         left = max(r["shm_after_bytes"] for r in held)
         # One 4 KiB header page per segment (and per file of a striped one).
-        ok = not left and all(r["shm_peak_bytes"] <= r["embeds_mb"] * 1e6 + 16 * 4096
+        ok = left <= 2**20 and all(r["shm_peak_bytes"] <= r["embeds_mb"] * 1e6 + 16 * 4096
                               for r in held)
         out.append(f"- shared memory held per request: at most {worst:.4f}x its embeds "
-                   f"(plus the 4 KiB header), {left} bytes once it returned -> "
+                   f"(plus the 4 KiB header), {left} bytes more than idle once it returned "
+                   f"(vLLM's own /dev/shm use drifts by KiBs) -> "
                    f"{'holds' if ok else 'does NOT hold'}.")
     return out
 
