@@ -25,6 +25,11 @@ def shm_env(monkeypatch):
     monkeypatch.setenv("VLLM_SHM_EMBEDS_DIR", seg_dir)
     monkeypatch.setenv("VLLM_SHM_EMBEDS_STATS_DIR", stats_dir)
     monkeypatch.setenv("VLLM_SHM_EMBEDS_MIN_BYTES", "0")
+    from vllm import _shm_embeds as shm
+
+    # Fresh process state per test (as a forked child gets): counters and
+    # owned segments of one test never leak into the next.
+    monkeypatch.setattr(shm, "_state", shm._Process())
     try:
         yield seg_dir
         left = os.listdir(seg_dir)

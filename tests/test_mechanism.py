@@ -11,7 +11,10 @@ import sys
 import pytest
 import torch
 
+from helpers import mine
 from vllm import _shm_embeds as shm
+from vllm import _shm_embeds_segments as segments
+from vllm._shm_embeds_segments import SegmentName, pid_namespace, proc_start_time
 
 
 class _Req:
@@ -84,8 +87,12 @@ def test_reused_without_copy_and_released_on_free(shm_env):
     assert _delta(before, "copied_bytes") == 0
     assert _delta(before, "hop2_reused_tensors") == 1
     assert shm.collect() == 0  # reader has not mapped it yet
+    assert h2.flag_base == h1.flag_base + 1  # each broadcast has flags of its own
     t = shm.open_tensor(h1, 0)
     assert torch.equal(t, src)
+    # The first broadcast's reader is done, the second's is not: the name stays.
+    assert shm.collect() == 0 and os.listdir(shm_env) == [h1.name]
+    assert torch.equal(shm.open_tensor(h2, 0), src)
     assert shm.collect() == 1
     # The mapping stays valid after the name is gone.
     assert torch.equal(t, src)
@@ -97,7 +104,7 @@ def test_adopt_renames_to_owner_and_hop2_reuses_it(shm_env):
     adopted = shm.adopt_tensor(sent)
     names = os.listdir(shm_env)
     assert len(names) == 1 and names[0] != sent.name
-    assert names[0].startswith(shm._owner_prefix())
+    assert mine(names[0])
     assert torch.equal(adopted, src)
     before = shm.stats()
     h = shm.externalize(adopted, readers=1)
@@ -111,11 +118,12 @@ def test_adopted_but_never_broadcast_is_unlinked_when_freed(shm_env):
     adopted = shm.adopt_tensor(shm.share_tensor(torch.randn(4, 4)))
     assert len(os.listdir(shm_env)) == 1
     del adopted  # e.g. the request was aborted before it was scheduled
+    shm.collect()  # the next safe point (the reaper runs one every 0.1 s)
     assert os.listdir(shm_env) == []
 
 
 def test_missing_segment_is_a_clear_error(shm_env):
-    h = shm.SharedTensorHandle(f"{shm.SEGMENT_PREFIX}.1.1.1", "float32", (2, 2))
+    h = shm.SharedTensorHandle(str(SegmentName(1, 1, 1, 1)), "float32", (2, 2))
     with pytest.raises(shm.ShmEmbedsError, match="not found"):
         shm.open_tensor(h)
     with pytest.raises(shm.ShmEmbedsError, match="not a shm-embeds segment"):
@@ -190,18 +198,24 @@ def test_oob_consumer_provider_round_trip(shm_env):
     assert torch.equal(got, tensor) and provider.is_failed(got) is None
     # The same handle again: the segment was adopted, so it is gone.
     failed = provider("bfloat16", (6, 8), meta)
-    assert "not found" in provider.is_failed(failed)
+    message = provider.is_failed(failed)
+    assert "could not be read from shared memory" in message
+    # Nothing internal reaches the client: no segment name, no directory.
+    assert shm.SEGMENT_PREFIX not in message and shm_env not in message
     del got
+    shm.collect()
     assert os.listdir(shm_env) == []
 
 
 def test_sweep_removes_only_dead_owners(shm_env):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
-    dead_name = f"{shm.SEGMENT_PREFIX}.{shm._pid_ns()}.{dead.stdout.strip()}.1.0"
-    live_name = f"{shm._owner_prefix()}999"
+    ns, dead_pid = pid_namespace(), int(dead.stdout)
+    dead_name = str(SegmentName(ns, dead_pid, 1, 0))
+    me = SegmentName(ns, os.getpid(), proc_start_time(os.getpid()), 999)
+    live_name = str(me)
     # Another PID namespace (a container sharing /dev/shm): never swept.
-    other_ns = f"{shm.SEGMENT_PREFIX}.1.{dead.stdout.strip()}.1.0"
+    other_ns = str(SegmentName(ns + 1, dead_pid, 1, 0))
     for name in (dead_name, live_name, other_ns):
         open(os.path.join(shm_env, name), "wb").close()
     assert shm.sweep_stale_segments() == 1
@@ -266,9 +280,9 @@ def test_forked_child_does_not_own_parents_segments(shm_env):
 def test_sweep_treats_zombie_owner_as_dead(shm_env):
     """vLLM SIGKILLs a slow EngineCore; until reaped it is a zombie."""
     child = subprocess.Popen([sys.executable, "-c", "pass"])
-    while shm._proc_start_time(child.pid) is not None:
+    while proc_start_time(child.pid) is not None:
         pass  # exits, stays a zombie (not yet waited for)
-    name = f"{shm.SEGMENT_PREFIX}.{shm._pid_ns()}.{child.pid}.0.0"
+    name = str(SegmentName(pid_namespace(), child.pid, 1, 0))
     open(os.path.join(shm_env, name), "wb").close()
     assert shm.sweep_stale_segments() == 1
     child.wait()
@@ -277,7 +291,7 @@ def test_sweep_treats_zombie_owner_as_dead(shm_env):
 @pytest.mark.parametrize("files", [1, 3])
 def test_readers_cannot_change_what_others_read(shm_env, monkeypatch, files):
     """A stray in-place write in one TP rank faults there; others are unharmed."""
-    monkeypatch.setattr(shm, "PART_MIN_BYTES", 4096)
+    monkeypatch.setattr(segments, "PART_MIN_BYTES", 4096)
     monkeypatch.setenv("VLLM_SHM_EMBEDS_WRITERS", str(files))
     src = torch.zeros(3, 4096)
     h = shm.externalize(src, readers=2)
@@ -317,7 +331,7 @@ def test_bad_min_bytes_defaults(monkeypatch, raw):
 @pytest.fixture
 def striped(shm_env, monkeypatch):
     """Stripe every segment of more than one page over 3 files."""
-    monkeypatch.setattr(shm, "PART_MIN_BYTES", 4096)
+    monkeypatch.setattr(segments, "PART_MIN_BYTES", 4096)
     monkeypatch.setenv("VLLM_SHM_EMBEDS_WRITERS", "3")
     return shm_env
 
@@ -333,7 +347,7 @@ def test_striped_segment_hop1_hop2_round_trip(striped):
     adopted = shm.adopt_tensor(wire)
     assert torch.equal(adopted, src)
     names = sorted(os.listdir(striped))
-    assert len(names) == 3 and all(n.startswith(shm._owner_prefix()) for n in names)
+    assert len(names) == 3 and all(mine(n) for n in names)
     before = shm.stats()
     h = shm.externalize(adopted, readers=2)
     assert _delta(before, "copied_bytes") == 0 and h.split == sent.split
@@ -354,6 +368,7 @@ def test_striped_segment_private_tensor_and_free(striped):
     adopted = shm.adopt_tensor(shm.share_tensor(src))
     assert len(os.listdir(striped)) == 3
     del adopted  # freed before any broadcast: every file goes
+    shm.collect()
     assert os.listdir(striped) == []
 
 
@@ -367,7 +382,7 @@ def test_striped_segment_missing_part_is_a_clear_error(striped):
 
 @pytest.mark.parametrize("split", [[4095], [8192, 4096], [0], [1 << 30], "x"])
 def test_bad_split_is_rejected(split):
-    meta = {"name": f"{shm.SEGMENT_PREFIX}.1.1.1.1", "dtype": "float32",
+    meta = {"name": str(SegmentName(1, 1, 1, 1)), "dtype": "float32",
             "shape": [4, 4096], "split": split}
     with pytest.raises(shm.ShmEmbedsError, match="malformed"):
         shm.SharedTensorHandle.from_meta(meta)
@@ -378,4 +393,4 @@ def test_bad_split_is_rejected(split):
 def test_writers_setting(monkeypatch, raw, ok):
     monkeypatch.setenv("VLLM_SHM_EMBEDS_WRITERS", raw)
     assert 1 <= shm.writers() <= shm.MAX_WRITERS
-    assert (not any("WRITERS" in p for p in shm.config_problems())) == ok
+    assert (not any("WRITERS" in p.message for p in shm.config_problems())) == ok

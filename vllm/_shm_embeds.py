@@ -1,47 +1,42 @@
 # SPDX-License-Identifier: Apache-2.0
 """Shared-memory transport for large ``prompt_embeds`` tensors (shm-embeds).
 
-This module is the *mechanism*: named shared-memory segments, the small
-picklable :class:`SharedTensorHandle` that names one, their lifetime, and
-per-process counters. It imports nothing from vLLM; the glue that wires it
-into vLLM's IPC hops lives in ``vllm._shm_embeds_glue``.
+The problem: vLLM V1 copies a request's ``prompt_embeds`` (``(num_tokens,
+hidden_size)``, hundreds of MB for long prompts) across two process hops
+before the model sees it: API server -> EngineCore (hop 1, msgpack + ZMQ
+frames) and EngineCore -> every TP worker (hop 2, the ``SchedulerOutput``
+broadcast). This module is the *mechanism* that replaces those bytes by a
+small picklable :class:`SharedTensorHandle` naming a shared-memory segment.
+It imports nothing of vLLM's classes; ``vllm._shm_embeds_glue`` wires it in,
+and ``vllm._shm_embeds_segments`` does the file I/O.
 
-Segment layout (files in :func:`shm_dir`, ``/dev/shm`` by default)::
+Fast path and lifecycle (one owner per segment, one copy in total):
 
-    [0, 4096)          header: magic b"SHMEMB01", then one flag byte per
-                       reader at offset 64 + reader_index (set to 1 when
-                       that reader has mapped the segment)
-    [4096, 4096 + N)   the tensor's bytes, C-contiguous, N = numel * itemsize
+* hop 1: the client copies the tensor once into a new segment
+  (:func:`share_tensor`) and sends only the handle; ownership passes with
+  it. The EngineCore *adopts* the segment (:func:`adopt_tensor`): an atomic
+  ``rename`` to its own name, then ``mmap``; no copy.
+* hop 2: :func:`externalize` sends a tensor that lives in an owned segment
+  as its handle (no copy; any other tensor is copied into a new segment
+  once). Each broadcast gets reader flags of its own, and the owner holds
+  the segment's files open until every reader of that broadcast has set its
+  flag: readers open them through ``/proc/<owner>/fd``, so a name that
+  something else unlinked (a cleanup job, systemd's ``RemoveIPC``) does not
+  fail the step.
+* The owner unlinks the name once every reader of every broadcast has
+  mapped it, or when its tensor's storage is freed before any broadcast
+  (abort, rejection). The memory lives on in the mappings until the last
+  one goes. Owners unlink what is left at exit; the EngineCore also sweeps
+  the segments of dead owners (e.g. a SIGKILLed API server's un-adopted
+  one) every :data:`SWEEP_INTERVAL_S` seconds, and every process does at
+  start-up.
 
-A large segment is *striped* over K files (``<name>``, ``<name>p1``, ...
-``<name>p<K-1>``) so that K threads can write it at once: tmpfs serializes
-writes to one file (per-inode lock), and one writer thread reaches only
-0.6-0.8x of a two-core ``memcpy`` here (``benchmarks/proto_segment_io.py``).
-File 0 holds the header and the first data bytes; file i the bytes from
-``handle.split[i-1]`` on (page-aligned offsets). Readers map the files back
-to back into one reserved address range, so the tensor is contiguous.
-
-Segment names say who owns them: ``vllm-shm-embeds.<pidns>.<pid>.<start>.<seq>``,
-where ``<pidns>`` is the owner's PID namespace and ``<start>`` its start time
-in clock ticks since boot (``/proc/<pid>/stat`` field 22), so a start-up sweep
-can tell a dead owner's segments from a live one's even after pid reuse, and
-leaves other containers' segments alone.
-
-Lifetime (one owner per segment):
-
-* hop 1 (client -> EngineCore): the client creates the segment, copies the
-  tensor in once and sends only the handle. The EngineCore *adopts* it by an
-  atomic ``rename`` to its own name and maps it; no copy.
-* hop 2 (EngineCore -> TP workers): a tensor that already lives in an owned
-  segment is sent as its handle (no copy); any other tensor is copied into a
-  new segment once. Every worker maps the same segment (no per-reader copy)
-  and sets its reader flag.
-* The owner unlinks the name as soon as every expected reader has set its
-  flag, or when the owner's tensor is freed before any broadcast. The memory
-  itself lives until the last mapping goes (kernel refcount), so nothing
-  outlives the processes that use it. Owners also unlink their remaining
-  segments at exit, and :func:`sweep_stale_segments` removes those of dead
-  owners.
+Process state (counters, owned segments, the writer pool, the release
+queue) lives in one :class:`_Process` object that a forked child replaces
+as a whole: a child owns and unlinks nothing of its parent's. Finalizers
+only append to that object's release queue (they can run from garbage
+collection on any thread, inside any lock); the work happens at the next
+safe point (:func:`collect`, every hop-2 send, and the reaper thread).
 
 Environment variables (read at call time):
 
@@ -59,8 +54,8 @@ Environment variables (read at call time):
 from __future__ import annotations
 
 import atexit
+import collections
 import concurrent.futures
-import ctypes
 import dataclasses
 import errno
 import itertools
@@ -68,7 +63,7 @@ import json
 import mmap
 import os
 import threading
-import warnings
+import time
 import weakref
 from collections import Counter
 from collections.abc import Iterable
@@ -76,24 +71,25 @@ from typing import Any
 
 import torch
 
+from vllm import _shm_embeds_segments as seg
+from vllm._shm_embeds_segments import (  # noqa: F401  (public names)
+    HEADER_BYTES,
+    MAGIC,
+    MAX_READERS,
+    MAX_WRITERS,
+    SEGMENT_PREFIX,
+    SegmentName,
+    SharedTensorHandle,
+    ShmEmbedsError,
+)
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-SEGMENT_PREFIX = "vllm-shm-embeds"
-HEADER_BYTES = 4096
-MAGIC = b"SHMEMB01"
-READER_FLAGS_OFFSET = 64
-MAX_READERS = HEADER_BYTES - READER_FLAGS_OFFSET
 DEFAULT_MIN_BYTES = 1 << 20
 META_KEY = "shm_embeds"
-PAGE_BYTES = mmap.PAGESIZE
-PART_MIN_BYTES = 4 << 20  # a segment is striped only into files at least this big
-MAX_WRITERS = 16
-
-
-class ShmEmbedsError(RuntimeError):
-    """A segment could not be created, found or mapped."""
+SWEEP_INTERVAL_S = 10.0  # EngineCore: sweep dead owners' segments this often
+REAP_INTERVAL_S = 0.1  # reaper thread: safe point this often
 
 
 # --------------------------------------------------------------------------
@@ -123,37 +119,12 @@ def min_bytes() -> int:
     return value if value >= 0 else DEFAULT_MIN_BYTES
 
 
-def config_problems() -> list[str]:
-    """What is wrong with the environment for the shm path (empty: fine).
-
-    Checks ``VLLM_SHM_EMBEDS_MIN_BYTES`` (defaulted when bad) and that
-    :func:`shm_dir` is a writable directory (the feature stays off if not).
-    """
-    problems = []
-    raw = os.environ.get("VLLM_SHM_EMBEDS_MIN_BYTES", "").strip()
-    if raw and not raw.isdigit():
-        problems.append(
-            f"VLLM_SHM_EMBEDS_MIN_BYTES={raw!r} is not a byte count; using "
-            f"{DEFAULT_MIN_BYTES}"
-        )
-    raw = os.environ.get("VLLM_SHM_EMBEDS_WRITERS", "").strip()
-    if raw and not (raw.isdigit() and 0 < int(raw) <= MAX_WRITERS):
-        problems.append(
-            f"VLLM_SHM_EMBEDS_WRITERS={raw!r} is not a count in 1..{MAX_WRITERS}; "
-            f"using {writers()}"
-        )
-    if not os.path.isdir(shm_dir()) or not os.access(shm_dir(), os.W_OK | os.X_OK):
-        problems.append(f"segment directory {shm_dir()} is missing or not writable")
-    return problems
-
-
 def writers() -> int:
     """Threads (and files) that write one tensor into a segment; ``VLLM_SHM_EMBEDS_WRITERS``.
 
-    Default: the CPUs this process may run on, at most 4 (measured on 2
-    cores: 2 writers reach 0.75-0.9x of a torch ``memcpy``, 1 writer
-    1.3-1.6x). Never raises: a bad value gives the default, clamped to
-    1..16.
+    Default: the CPUs this process may run on, at most 4 (on 2 cores, 2
+    writers beat one ``memcpy``; 1 writer does not: README, hop 1). Never
+    raises: a bad value gives the default, clamped to 1..16.
     """
     try:
         default = min(4, len(os.sched_getaffinity(0)))
@@ -172,18 +143,137 @@ def shm_dir() -> str:
     return os.environ.get("VLLM_SHM_EMBEDS_DIR", "/dev/shm")
 
 
+@dataclasses.dataclass(frozen=True)
+class ConfigProblem:
+    """One thing wrong with the environment.
+
+    Attributes:
+        message: what to log.
+        fatal: True when the feature must stay off (no usable segment
+            directory); False when a default replaced a bad value.
+    """
+
+    message: str
+    fatal: bool = False
+
+
+def config_problems() -> list[ConfigProblem]:
+    """What is wrong with the environment for the shm path (empty: fine)."""
+    problems = []
+    raw = os.environ.get("VLLM_SHM_EMBEDS_MIN_BYTES", "").strip()
+    if raw and not raw.isdigit():
+        problems.append(ConfigProblem(
+            f"VLLM_SHM_EMBEDS_MIN_BYTES={raw!r} is not a byte count; using "
+            f"{DEFAULT_MIN_BYTES}"
+        ))
+    raw = os.environ.get("VLLM_SHM_EMBEDS_WRITERS", "").strip()
+    if raw and not (raw.isdigit() and 0 < int(raw) <= MAX_WRITERS):
+        problems.append(ConfigProblem(
+            f"VLLM_SHM_EMBEDS_WRITERS={raw!r} is not a count in 1..{MAX_WRITERS}; "
+            f"using {writers()}"
+        ))
+    if not os.path.isdir(shm_dir()) or not os.access(shm_dir(), os.W_OK | os.X_OK):
+        problems.append(ConfigProblem(
+            f"segment directory {shm_dir()} is missing or not writable", fatal=True
+        ))
+    return problems
+
+
+# --------------------------------------------------------------------------
+# process state
+
+
+class _Process:
+    """Everything this process knows about shm-embeds; a forked child gets a new one.
+
+    Attributes:
+        pid: the process this state belongs to (finalizers check it).
+        counters: name -> count (bytes in bytes), guarded by ``counters_lock``.
+        roles: ``client``, ``engine``, ``worker``.
+        owned: segments this process owns.
+        released: keys appended by finalizers; drained at safe points.
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.counters: Counter[str] = Counter()
+        self.counters_lock = threading.Lock()
+        self.roles: set[str] = set()
+        self.released: collections.deque = collections.deque()
+        self.owned = _OwnedSegments(self)
+        self.seq = itertools.count()
+        self.tag: SegmentName | None = None
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.pool_lock = threading.Lock()
+        self.reaper: threading.Thread | None = None
+        self.sweep_interval: float | None = None
+        self.placement_warned = False
+        self.shutdown_done = False
+
+    def new_name(self) -> str:
+        """A fresh segment name owned by this process."""
+        if self.tag is None:
+            start = seg.proc_start_time(self.pid)
+            self.tag = SegmentName(seg.pid_namespace(), self.pid, start or 0, 0)
+        return str(dataclasses.replace(self.tag, seq=next(self.seq)))
+
+    def owns_name(self, name: SegmentName) -> bool:
+        """True if ``name`` was made by :meth:`new_name` in this process."""
+        return self.tag is not None and name.base() == dataclasses.replace(
+            self.tag, seq=name.seq
+        )
+
+    def writer_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self.pool_lock:
+            if self.pool is None:
+                self.pool = concurrent.futures.ThreadPoolExecutor(
+                    MAX_WRITERS - 1, thread_name_prefix="shm-embeds-writer"
+                )
+            return self.pool
+
+    def start_reaper(self, sweep_interval: float | None = None) -> None:
+        """Start the thread that runs safe points (and sweeps, if asked) when idle."""
+        if sweep_interval is not None:
+            self.sweep_interval = sweep_interval
+        if self.reaper is None:
+            self.reaper = threading.Thread(
+                target=_reaper_loop, args=(self,), name="shm-embeds-reaper", daemon=True
+            )
+            self.reaper.start()
+
+
+def _on_release(state: _Process, key: tuple) -> None:
+    """Finalizer: record that a tracked object died. Only records.
+
+    Runs from garbage collection, on whatever thread dropped the last
+    reference, possibly inside one of our locks: it must take no lock and
+    do no I/O. ``deque.append`` is atomic. In a forked child the state is
+    not the child's, so nothing is recorded there.
+    """
+    if state.pid == os.getpid():
+        state.released.append(key)
+
+
+def _reaper_loop(state: _Process) -> None:
+    last_sweep = time.monotonic()
+    while state.pid == os.getpid() and not state.shutdown_done:
+        time.sleep(REAP_INTERVAL_S)
+        try:
+            state.owned.collect()
+            if state.sweep_interval and time.monotonic() - last_sweep >= state.sweep_interval:
+                last_sweep = time.monotonic()
+                sweep_stale_segments(expected=True)
+        except Exception:  # never let the reaper die on a transient error
+            logger.debug("shm-embeds: reaper pass failed", exc_info=True)
+
+
 # --------------------------------------------------------------------------
 # counters
 
 
-_counters: Counter[str] = Counter()
-_counters_lock = threading.Lock()
-_role: set[str] = set()
-
-
 def set_role(role: str) -> None:
     """Record what this process is (``client``, ``engine``, ``worker``) for stats."""
-    _role.add(role)
+    _state.roles.add(role)
 
 
 def count(**deltas: int) -> None:
@@ -192,29 +282,32 @@ def count(**deltas: int) -> None:
     Counter names used: ``hop{1,2}_{shm,stock}_{tensors,bytes}``,
     ``hop1_adopted_tensors``, ``hop2_reused_tensors`` (sent without a copy),
     ``copied_bytes`` (bytes copied into segments), ``segments_created``,
-    ``segments_unlinked``, ``fallback.<reason>``.
+    ``segments_unlinked``, ``fallback.<hop>.<reason>``. Never call it from a
+    finalizer (it locks and writes a file).
     """
-    with _counters_lock:
-        _counters.update(deltas)
-        snapshot = dict(_counters)
+    state = _state
+    with state.counters_lock:
+        state.counters.update(deltas)
+        snapshot = dict(state.counters)
     stats_dir = os.environ.get("VLLM_SHM_EMBEDS_STATS_DIR")
     if stats_dir:
-        _write_stats(stats_dir, snapshot)
+        _write_stats(stats_dir, snapshot, sorted(state.roles))
 
 
 def stats() -> dict[str, int]:
     """A copy of this process's counters (name -> count; bytes in bytes)."""
-    with _counters_lock:
-        return dict(_counters)
+    state = _state
+    with state.counters_lock:
+        return dict(state.counters)
 
 
-def _write_stats(stats_dir: str, snapshot: dict[str, int]) -> None:
+def _write_stats(stats_dir: str, snapshot: dict[str, int], roles: list[str]) -> None:
     pid = os.getpid()
     path = os.path.join(stats_dir, f"{pid}.json")
     tmp = f"{path}.{threading.get_ident()}.tmp"
     try:
         with open(tmp, "w") as f:
-            json.dump({"pid": pid, "roles": sorted(_role), "counters": snapshot}, f)
+            json.dump({"pid": pid, "roles": roles, "counters": snapshot}, f)
         os.replace(tmp, path)
     except OSError as e:  # stats are best effort, never fail a request
         logger.debug("shm-embeds: could not write stats to %s: %s", path, e)
@@ -234,136 +327,228 @@ def read_stats_dir(stats_dir: str) -> list[dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------
-# handles and segments
+# owned segments
 
 
-@dataclasses.dataclass(frozen=True)
-class SharedTensorHandle:
-    """Names a tensor stored in a shared-memory segment; a few hundred bytes pickled.
+@dataclasses.dataclass
+class _Owned:
+    """One segment this process owns.
 
     Attributes:
-        name: segment file name inside :func:`shm_dir` (no directory part);
-            the name of file 0 when the segment is striped.
-        dtype: torch dtype name without the ``torch.`` prefix, e.g. ``"bfloat16"``.
-        shape: tensor shape, e.g. ``(num_tokens, hidden_size)``.
-        split: data byte offsets where files 1, 2, ... of a striped segment
-            begin (increasing multiples of the page size, inside the data);
-            empty for a one-file segment.
+        handle: its base handle (no broadcast fields).
+        mm: a mapping whose first page is the header (reader flags).
+        data_ptr: address of the data in this process's mapping of it
+            (adopted segments), else None.
+        source: the tensor that was copied into it (hop 2 copies), else None.
+        fds: the files, held open while broadcasts are pending.
+        broadcasts: ``(flag_base, readers)`` of broadcasts whose readers have
+            not all set their flags.
+        next_flag: first unused flag byte.
+        released: the owner's tensor is gone; no new broadcast will come.
     """
 
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    split: tuple[int, ...] = ()
+    handle: SharedTensorHandle
+    mm: mmap.mmap | None
+    data_ptr: int | None = None
+    source: weakref.ref | None = None
+    fds: list[int] | None = None
+    broadcasts: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    next_flag: int = 0
+    released: bool = False
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        dt = getattr(torch, self.dtype, None)
-        if not isinstance(dt, torch.dtype):
-            raise ShmEmbedsError(f"handle names an unknown dtype {self.dtype!r}")
-        return dt
-
-    @property
-    def nbytes(self) -> int:
-        """Size of the tensor data in bytes (the segment is 4096 bytes larger)."""
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * torch.empty((), dtype=self.torch_dtype).element_size()
-
-    def parts(self) -> list[tuple[str, int, int]]:
-        """``(file name, first data byte, data bytes)`` for each file of the segment."""
-        bounds = [0, *self.split, self.nbytes]
-        return [
-            (_part_name(self.name, i), bounds[i], bounds[i + 1] - bounds[i])
-            for i in range(len(bounds) - 1)
-        ]
-
-    def renamed(self, name: str) -> SharedTensorHandle:
-        """The same tensor under another segment name."""
-        return dataclasses.replace(self, name=name)
-
-    def to_meta(self) -> dict[str, Any]:
-        """Plain-dict form for msgpack metadata (hop 1)."""
-        meta = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
-        if self.split:
-            meta["split"] = list(self.split)
-        return meta
-
-    @classmethod
-    def from_meta(cls, meta: dict[str, Any]) -> SharedTensorHandle:
-        """Inverse of :meth:`to_meta`; raises ``ShmEmbedsError`` on malformed input."""
-        try:
-            name, dtype, shape = meta["name"], meta["dtype"], meta["shape"]
-            split = tuple(int(b) for b in meta.get("split", ()))
-            handle = cls(str(name), str(dtype), tuple(int(s) for s in shape), split)
-            nbytes = handle.nbytes
-        except (KeyError, TypeError, ValueError, AttributeError, ShmEmbedsError) as e:
-            raise ShmEmbedsError(f"malformed shm-embeds handle {meta!r}") from e
-        if "/" in handle.name or not handle.name.startswith(SEGMENT_PREFIX + "."):
-            raise ShmEmbedsError(f"not a shm-embeds segment name: {handle.name!r}")
-        bounds = [0, *split, nbytes]
-        if len(split) >= MAX_WRITERS or any(
-            b % PAGE_BYTES or b <= a for a, b in zip(bounds, bounds[1:-1])
-        ) or (split and split[-1] >= nbytes):
-            raise ShmEmbedsError(f"malformed shm-embeds handle split {split!r}")
-        return handle
+    def close_fds(self) -> None:
+        for fd in self.fds or ():
+            os.close(fd)
+        self.fds = None
 
 
-def _part_name(name: str, index: int) -> str:
-    """File name of part ``index`` of segment ``name`` (part 0 is ``name`` itself)."""
-    return name if index == 0 else f"{name}p{index}"
+class _OwnedSegments:
+    """Segments this process owns, and when to unlink their names.
 
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _proc_start_time(pid: int) -> str | None:
-    """Start time of ``pid`` in clock ticks since boot, or None if it is gone.
-
-    A zombie (killed, not yet reaped by its parent) counts as gone.
+    A name is unlinked when every reader of every broadcast of it has set its
+    flag (after at least one broadcast), or when the owner's tensor storage
+    is freed and no broadcast is pending. All bookkeeping happens under
+    ``_lock`` in ordinary code; finalizers only queue (:func:`_on_release`).
     """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # Field 2 (comm) may contain spaces; fields after the last ')' are fixed:
-    # [0] is the state (field 3), [19] the start time (field 22).
-    fields = stat.rsplit(b")", 1)[1].split()
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return fields[19].decode()
+
+    def __init__(self, state: _Process) -> None:
+        self._state = state
+        self._segs: dict[str, _Owned] = {}
+        self._by_ptr: dict[int, str] = {}  # data address -> segment name
+        self._lock = threading.Lock()
+
+    # -- adding
+
+    def add_adopted(self, handle: SharedTensorHandle, mm: mmap.mmap,
+                    tensor: torch.Tensor, anchor: Any) -> None:
+        """Own a segment mapped here as ``tensor``; released when its storage dies."""
+        with self._lock:
+            self._segs[handle.name] = _Owned(handle, mm, data_ptr=tensor.data_ptr())
+            self._by_ptr[tensor.data_ptr()] = handle.name
+        weakref.finalize(anchor, _on_release, self._state, ("storage", handle.name))
+
+    def add_copy(self, handle: SharedTensorHandle, mm: mmap.mmap, fds: list[int],
+                 source: torch.Tensor) -> None:
+        """Own a segment holding a copy of ``source`` (hop 2), fds held open."""
+        with self._lock:
+            self._segs[handle.name] = _Owned(
+                handle, mm, source=weakref.ref(source), fds=fds, released=True
+            )
+            self._by_ptr[source.data_ptr()] = handle.name
+        weakref.finalize(source, _on_release, self._state,
+                         ("source", handle.name, source.data_ptr()))
+
+    # -- safe points
+
+    def _drain(self) -> list[_Owned]:
+        """Apply the finalizers' records; return segments to unlink (lock held)."""
+        gone = []
+        released = self._state.released
+        while released:
+            key = released.popleft()
+            name = key[1]
+            entry = self._segs.get(name)
+            if key[0] == "source":
+                if self._by_ptr.get(key[2]) == name:
+                    del self._by_ptr[key[2]]
+                if entry is not None:
+                    entry.source = None
+                continue
+            if entry is None:
+                continue
+            if entry.data_ptr is not None and self._by_ptr.get(entry.data_ptr) == name:
+                del self._by_ptr[entry.data_ptr]
+            entry.data_ptr = None
+            entry.released = True
+            if not entry.broadcasts:
+                gone.append(self._pop(name))
+        return gone
+
+    def _pop(self, name: str) -> _Owned:
+        entry = self._segs.pop(name)
+        for ptr in [p for p, n in self._by_ptr.items() if n == name]:
+            del self._by_ptr[ptr]
+        return entry
+
+    def _unlink(self, gone: list[_Owned]) -> None:
+        """Close and unlink (outside the lock), then count."""
+        n = 0
+        for entry in gone:
+            entry.close_fds()
+            n += seg.unlink_segment(shm_dir(), entry.handle.name, len(entry.handle.parts()))
+        if n:
+            count(segments_unlinked=n)
+
+    def collect(self) -> int:
+        """Unlink names no reader needs any more; returns how many segments went."""
+        if not self._segs and not self._state.released:
+            return 0
+        with self._lock:
+            gone = self._drain()
+            for name, entry in list(self._segs.items()):
+                if not entry.broadcasts:
+                    continue
+                entry.broadcasts = [
+                    (base, readers) for base, readers in entry.broadcasts
+                    if b"\x00" in seg.read_flags(entry.mm, base, readers)
+                ]
+                if not entry.broadcasts:
+                    gone.append(self._pop(name))
+        self._unlink(gone)
+        return len(gone)
+
+    # -- hop 2
+
+    def lookup(self, tensor: torch.Tensor) -> _Owned | None:
+        """The segment already holding exactly ``tensor``'s bytes, if any."""
+        with self._lock:
+            gone = self._drain()
+            name = self._by_ptr.get(tensor.data_ptr())
+            entry = self._segs.get(name) if name is not None else None
+            if entry is not None:
+                h = entry.handle
+                same = (
+                    tensor.dtype == h.torch_dtype and tuple(tensor.shape) == h.shape
+                    and (entry.data_ptr == tensor.data_ptr()
+                         or (entry.source is not None and entry.source() is tensor))
+                )
+                if not same:
+                    entry = None
+        self._unlink(gone)
+        return entry
+
+    def begin_broadcast(self, entry: _Owned, readers: int) -> SharedTensorHandle | None:
+        """Reserve flags and hold the files for one more broadcast of ``entry``.
+
+        Returns the handle to send, or None if the segment cannot be reused
+        (its name vanished, or its flag bytes are used up): the caller copies.
+        """
+        with self._lock:
+            if self._segs.get(entry.handle.name) is not entry:
+                return None
+            if entry.next_flag + readers > MAX_READERS:
+                return None
+            if entry.fds is None:
+                try:
+                    entry.fds = seg.open_files(shm_dir(), entry.handle, reader=False)
+                except ShmEmbedsError:
+                    self._pop(entry.handle.name)
+                    gone = [entry]
+                else:
+                    gone = None
+                if gone:
+                    logger.warning(
+                        "shm-embeds: a prompt_embeds segment was removed by another "
+                        "process before hop 2; copying it again"
+                    )
+                    count(**{"fallback.hop2.vanished": 1})
+                    self._unlink(gone)
+                    return None
+            base = entry.next_flag
+            entry.next_flag += readers
+            entry.broadcasts.append((base, readers))
+            files = tuple((fd, os.fstat(fd).st_ino) for fd in entry.fds)
+        return dataclasses.replace(
+            entry.handle, flag_base=base, owner_pid=os.getpid(), owner_files=files
+        )
+
+    # -- whole process
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._segs)
+
+    def unlink_all(self) -> int:
+        """Unlink every name this process still owns (shutdown), also un-adopted
+        hop-1 segments it created. Returns how many segments went."""
+        with self._lock:
+            gone = list(self._segs.values())
+            self._segs.clear()
+            self._by_ptr.clear()
+        n = 0
+        for entry in gone:
+            entry.close_fds()
+            n += seg.unlink_segment(shm_dir(), entry.handle.name, len(entry.handle.parts()))
+        for name, parsed in seg.list_segments(shm_dir()):
+            if self._state.owns_name(parsed) and seg.unlink_quietly(os.path.join(shm_dir(), name)):
+                n += parsed.part == 0
+        if n:
+            count(segments_unlinked=n)
+        return n
 
 
-_seq = itertools.count()
-_owner_tag: tuple[int, str] | None = None  # (pid, '<pidns>.<pid>.<start>')
+_state = _Process()  # replaced as a whole in a forked child
 
 
-def _pid_ns() -> str:
-    """This process's PID namespace id (inode of ``/proc/self/ns/pid``), or ``0``.
-
-    Pids only mean something inside one PID namespace: two containers sharing
-    a ``/dev/shm`` must not judge each other's segments by pid.
-    """
-    try:
-        return "".join(c for c in os.readlink("/proc/self/ns/pid") if c.isdigit()) or "0"
-    except OSError:
-        return "0"
+def _after_fork_in_child() -> None:
+    # A forked child (e.g. a TP worker under the fork start method) owns
+    # none of its parent's segments: fresh state, no threads, no counters.
+    global _state
+    _state = _Process()  # replaced as a whole in a forked child
 
 
-def _owner_prefix() -> str:
-    """``vllm-shm-embeds.<pidns>.<pid>.<start>.`` for this process (redone after fork)."""
-    global _owner_tag
-    pid = os.getpid()
-    if _owner_tag is None or _owner_tag[0] != pid:
-        _owner_tag = (pid, f"{_pid_ns()}.{pid}.{_proc_start_time(pid) or '0'}")
-    return f"{SEGMENT_PREFIX}.{_owner_tag[1]}."
-
-
-def _path(name: str) -> str:
-    return os.path.join(shm_dir(), name)
+# --------------------------------------------------------------------------
+# public operations
 
 
 def eligible(tensor: Any) -> str | None:
@@ -387,355 +572,52 @@ def eligible(tensor: Any) -> str | None:
     return None
 
 
-def _view(mm: mmap.mmap, handle: SharedTensorHandle) -> torch.Tensor:
-    """Zero-copy tensor over the data part of a mapped segment."""
-    nbytes = handle.nbytes
-    if nbytes == 0:
-        return torch.empty(handle.shape, dtype=handle.torch_dtype)
-    with warnings.catch_warnings():
-        # Readers map read-only on purpose; torch warns about such buffers.
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=HEADER_BYTES)
-    return raw.view(handle.torch_dtype).view(handle.shape)
+def _create_segment(tensor: torch.Tensor) -> tuple[SharedTensorHandle, list[int]]:
+    """Copy ``tensor`` into a new segment of this process (one copy, counted).
 
-
-_HEADER = MAGIC.ljust(HEADER_BYTES, b"\0")
-_MAX_IO = 0x7FFFF000  # Linux moves at most this many bytes per write call
-
-
-def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(buf):
-        done += os.pwrite(fd, buf[done : done + _MAX_IO], offset + done)
-
-
-_writer_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_writer_pool_lock = threading.Lock()
-
-
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _writer_pool
-    with _writer_pool_lock:
-        if _writer_pool is None:
-            _writer_pool = concurrent.futures.ThreadPoolExecutor(
-                MAX_WRITERS - 1, thread_name_prefix="shm-embeds-writer"
-            )
-        return _writer_pool
-
-
-def _split_for(nbytes: int) -> tuple[int, ...]:
-    """Page-aligned data offsets at which to stripe ``nbytes`` over the writers."""
-    k = min(writers(), nbytes // PART_MIN_BYTES)
-    if k <= 1:
-        return ()
-    step = nbytes // k // PAGE_BYTES * PAGE_BYTES
-    return tuple(step * i for i in range(1, k))
-
-
-def _create_segment(
-    tensor: torch.Tensor, map_header: bool
-) -> tuple[SharedTensorHandle, mmap.mmap | None]:
-    """Create an owned segment holding a copy of ``tensor`` (one copy).
-
-    The bytes go in with ``pwrite`` (one kernel copy into the tmpfs pages, no
-    page faults in this process; measured faster than copying through a
-    mapping in ``benchmarks/proto_segment_io.py``), striped over
-    :func:`writers` files written by as many threads when the tensor is
-    large. A full ``/dev/shm`` surfaces as ``OSError(ENOSPC)`` from the
-    write, never as a SIGBUS.
-
-    Args:
-        tensor: dense, CPU, C-contiguous.
-        map_header: also return a mapping of the 4096-byte header (the owner
-            reads the reader flags there); otherwise None.
-    Raises:
-        OSError: the partial files are removed first.
+    Returns the handle and the open descriptors of its files (the caller
+    closes them). Raises OSError (e.g. ENOSPC); nothing is left behind then.
     """
+    state = _state
     handle = SharedTensorHandle(
-        f"{_owner_prefix()}{next(_seq)}",
-        _dtype_name(tensor.dtype),
+        state.new_name(),
+        seg.dtype_name(tensor.dtype),
         tuple(tensor.shape),
-        _split_for(tensor.nbytes),
+        seg.split_for(tensor.nbytes, writers()),
     )
     data = memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
-    fds: list[int] = []
-    mm = None
-    try:
-        for part, _, _ in handle.parts():
-            fds.append(os.open(_path(part), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
-        _pwrite_all(fds[0], memoryview(_HEADER), 0)
-        jobs = [
-            (fd, data[start : start + length], HEADER_BYTES if i == 0 else 0)
-            for i, (fd, (_, start, length)) in enumerate(zip(fds, handle.parts()))
-        ]
-        futures = [_pool().submit(_pwrite_all, *job) for job in jobs[1:]]
-        try:
-            if jobs[0][1].nbytes:
-                _pwrite_all(*jobs[0])
-        finally:
-            for f in concurrent.futures.as_completed(futures):
-                f.result()  # raises the first writer's OSError
-        if map_header:
-            mm = mmap.mmap(fds[0], HEADER_BYTES, flags=mmap.MAP_SHARED)
-    except BaseException:
-        _unlink_segment(handle.name, len(handle.parts()))
-        raise
-    finally:
-        for fd in fds:
-            os.close(fd)
+    pool = state.writer_pool() if handle.split else None
+    fds = seg.write_segment(shm_dir(), handle, data, pool)
     count(segments_created=1, copied_bytes=tensor.nbytes)
-    return handle, mm
-
-
-_MAP_FIXED = 0x10  # Linux, every architecture vLLM runs on
-_MAP_NORESERVE = 0x4000
-_libc: Any = None
-
-
-def _map_fixed(addr: int, length: int, prot: int, fd: int) -> None:
-    """``mmap(addr, length, prot, MAP_SHARED | MAP_FIXED, fd, 0)``; raises OSError."""
-    global _libc
-    if _libc is None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                              ctypes.c_int, ctypes.c_int, ctypes.c_long]
-        _libc = libc
-    got = _libc.mmap(addr, length, prot, mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
-    if got != addr:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mmap of a segment part failed: {os.strerror(err)}")
-
-
-def _map_parts(fds: list[int], sizes: list[int], prot: int) -> mmap.mmap:
-    """Map the files of a striped segment back to back as one mapping.
-
-    An anonymous reservation of the whole size is made with Python's ``mmap``
-    (so that its lifetime, and ``munmap`` of the whole range, follow the
-    Python object as usual), then each file is mapped over its slice of the
-    range with ``MAP_FIXED``. Every file but the last has a page-multiple size.
-    """
-    total = sum(sizes)
-    mm = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
-    try:
-        anchor = ctypes.c_char.from_buffer(mm)
-        base = ctypes.addressof(anchor)
-        del anchor
-        offset = 0
-        for fd, size in zip(fds, sizes):
-            _map_fixed(base + offset, size, prot, fd)
-            offset += size
-    except BaseException:
-        mm.close()
-        raise
-    return mm
-
-
-def _open_segment(handle: SharedTensorHandle, reader_index: int | None = None) -> mmap.mmap:
-    """Map an existing segment (all its files) after checking sizes and magic.
-
-    With ``reader_index`` (a reader, not the owner) the reader's flag is set
-    with ``pwrite`` and the mapping is read-only: a stray in-place write in
-    one TP rank faults in that rank instead of silently changing what the
-    others read. (A private copy-on-write mapping would also protect them,
-    but cost ~45 ms per 0.5 MiB request in the model runner here.) The owner
-    maps it read/write.
-    """
-    reader = reader_index is not None
-    prot = mmap.PROT_READ if reader else mmap.PROT_READ | mmap.PROT_WRITE
-    fds: list[int] = []
-    sizes: list[int] = []
-    try:
-        for i, (part, _, length) in enumerate(handle.parts()):
-            try:
-                fds.append(os.open(_path(part), os.O_RDWR if i == 0 or not reader
-                                   else os.O_RDONLY))
-            except FileNotFoundError as e:
-                raise ShmEmbedsError(
-                    f"shm-embeds segment {part!r} not found in {shm_dir()} (its owner "
-                    "released it, or the process is on another host)"
-                ) from e
-            want = length + (HEADER_BYTES if i == 0 else 0)
-            size = os.fstat(fds[-1]).st_size
-            if size != want:
-                raise ShmEmbedsError(
-                    f"segment {part!r} holds {size} bytes, handle expects {want}"
-                )
-            sizes.append(size)
-        if len(fds) == 1:
-            mm = mmap.mmap(fds[0], sizes[0], flags=mmap.MAP_SHARED, prot=prot)
-        else:
-            mm = _map_parts(fds, sizes, prot)
-        if mm[: len(MAGIC)] != MAGIC:
-            mm.close()
-            raise ShmEmbedsError(f"segment {handle.name!r} has no shm-embeds header")
-        if reader:
-            os.pwrite(fds[0], b"\x01", READER_FLAGS_OFFSET + reader_index)
-    finally:
-        for fd in fds:
-            os.close(fd)
-    return mm
-
-
-def _unlink_quietly(path: str) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except FileNotFoundError:
-        return False
-
-
-def _unlink_segment(name: str, nparts: int) -> bool:
-    """Unlink every file of segment ``name``; True if file 0 was still there."""
-    first = _unlink_quietly(_path(name))
-    for i in range(1, nparts):
-        _unlink_quietly(_path(_part_name(name, i)))
-    return first
-
-
-# --------------------------------------------------------------------------
-# owner-side bookkeeping
-
-
-@dataclasses.dataclass
-class _Owned:
-    handle: SharedTensorHandle
-    mm: mmap.mmap | None
-    readers: int | None = None  # expected readers once broadcast
-    released: bool = False  # the owner's own tensor is gone
-
-
-class _OwnedSegments:
-    """Segments this process owns, and when to unlink their names."""
-
-    def __init__(self) -> None:
-        self._segs: dict[str, _Owned] = {}
-        # id(tensor) -> (weakref to tensor, segment name): tensors backed by,
-        # or already copied into, one of our segments.
-        self._by_tensor: dict[int, tuple[weakref.ref, str]] = {}
-        self._lock = threading.Lock()
-
-    def add(
-        self, handle: SharedTensorHandle, mm: mmap.mmap, tensor: torch.Tensor | None
-    ) -> None:
-        with self._lock:
-            self._segs[handle.name] = _Owned(handle, mm, released=tensor is None)
-        if tensor is not None:
-            self.track(tensor, handle.name, release_on_free=True)
-
-    def track(self, tensor: torch.Tensor, name: str, release_on_free: bool) -> None:
-        key = id(tensor)
-        with self._lock:
-            self._by_tensor[key] = (weakref.ref(tensor), name)
-        weakref.finalize(tensor, self._forget, key, name, release_on_free)
-
-    def _forget(self, key: int, name: str, release: bool) -> None:
-        with self._lock:
-            entry = self._by_tensor.get(key)
-            if entry is not None and entry[1] == name:
-                del self._by_tensor[key]
-            seg = self._segs.get(name)
-            if not release or seg is None:
-                return
-            seg.released = True
-            if seg.readers is not None:
-                return  # readers may still need the name; collect() decides
-            del self._segs[name]
-        # Freed before any broadcast (e.g. aborted while waiting): no reader
-        # will ever look for it.
-        if _unlink_segment(name, len(seg.handle.parts())):
-            count(segments_unlinked=1)
-
-    def lookup(self, tensor: torch.Tensor) -> SharedTensorHandle | None:
-        """Handle of a still-tracked segment already holding ``tensor``'s bytes."""
-        with self._lock:
-            entry = self._by_tensor.get(id(tensor))
-            if entry is None or entry[0]() is not tensor or entry[1] not in self._segs:
-                return None
-            return self._segs[entry[1]].handle
-
-    def drop(self, name: str) -> None:
-        """Forget a segment whose name is already (partly) gone; unlink the rest."""
-        with self._lock:
-            seg = self._segs.pop(name, None)
-        if seg is not None:
-            _unlink_segment(name, len(seg.handle.parts()))
-
-    def mark_broadcast(self, name: str, readers: int) -> None:
-        with self._lock:
-            self._segs[name].readers = readers
-
-    def pending(self) -> int:
-        with self._lock:
-            return len(self._segs)
-
-    def collect(self) -> int:
-        """Unlink names no reader needs any more; returns how many were unlinked.
-
-        A name is done when every expected reader has set its flag, or when
-        the owner's tensor was freed before the segment was ever broadcast.
-        """
-        if not self._segs:
-            return 0
-        done = []
-        with self._lock:
-            for name, seg in self._segs.items():
-                if seg.readers is not None:
-                    assert seg.mm is not None
-                    flags = seg.mm[READER_FLAGS_OFFSET : READER_FLAGS_OFFSET + seg.readers]
-                    if b"\x00" not in flags:
-                        done.append(name)
-                elif seg.released:
-                    done.append(name)
-            gone = [self._segs.pop(name) for name in done]
-        for seg in gone:
-            _unlink_segment(seg.handle.name, len(seg.handle.parts()))
-        if done:
-            count(segments_unlinked=len(done))
-        return len(done)
-
-    def unlink_all(self) -> int:
-        """Unlink every name this process still owns (shutdown)."""
-        with self._lock:
-            segs = list(self._segs.values())
-            self._segs.clear()
-        n = sum(_unlink_segment(seg.handle.name, len(seg.handle.parts())) for seg in segs)
-        # Segments created here but never adopted by a peer (hop 1 sends).
-        prefix = _owner_prefix()
-        try:
-            for name in os.listdir(shm_dir()):
-                # Count segments, not their extra files (``<name>p<i>``).
-                if name.startswith(prefix) and _unlink_quietly(_path(name)):
-                    n += name[len(prefix) :].isdigit()
-        except OSError:
-            pass
-        if n:
-            count(segments_unlinked=n)
-        return n
-
-
-_owned = _OwnedSegments()
-
-
-# --------------------------------------------------------------------------
-# public operations
+    return handle, fds
 
 
 def share_tensor(tensor: torch.Tensor) -> SharedTensorHandle:
     """Copy ``tensor`` into a new segment and hand its ownership to the caller's peer.
 
-    Used by hop 1 senders: the segment is *not* tracked by this process's
-    lifetime rules (the receiver adopts it with :func:`adopt_tensor`); if no
-    peer adopts it, :func:`shutdown` or a later :func:`sweep_stale_segments`
-    removes it. One copy of ``tensor.nbytes`` bytes.
+    Used by hop 1 senders: the segment is *not* tracked here (the receiver
+    adopts it with :func:`adopt_tensor`); if no peer adopts it,
+    :func:`discard_shared`, :func:`shutdown` or a later sweep removes it.
+    One copy of ``tensor.nbytes`` bytes.
 
     Args:
         tensor: dense, CPU, C-contiguous tensor of any dtype and shape.
     Raises:
         OSError: the segment could not be created (e.g. ENOSPC).
     """
-    handle, _ = _create_segment(tensor, map_header=False)
+    handle, fds = _create_segment(tensor)
+    for fd in fds:
+        os.close(fd)
     return handle
+
+
+def discard_shared(handle: SharedTensorHandle) -> bool:
+    """Remove a segment made by :func:`share_tensor` that will never be adopted
+    (encode or send failed). True if it was still there."""
+    gone = seg.unlink_segment(shm_dir(), handle.name, len(handle.parts()))
+    if gone:
+        count(segments_unlinked=1)
+    return gone
 
 
 def adopt_tensor(handle: SharedTensorHandle) -> torch.Tensor:
@@ -743,53 +625,60 @@ def adopt_tensor(handle: SharedTensorHandle) -> torch.Tensor:
 
     The segment is atomically renamed to this process's name, so a crash of
     either side leaves it attributable. The returned tensor is remembered, so
-    :func:`externalize` sends it onwards (hop 2) without copying it again.
+    :func:`externalize` sends it onwards (hop 2) without copying it again;
+    the name is unlinked when its storage is freed before any broadcast.
 
     Returns:
         tensor of ``handle.dtype`` and ``handle.shape`` backed by the segment.
     Raises:
         ShmEmbedsError: missing segment, wrong size or header.
     """
-    mine = handle.renamed(f"{_owner_prefix()}{next(_seq)}")
+    state = _state
+    mine = handle.renamed(state.new_name())
     nparts = len(handle.parts())
+    directory = shm_dir()
     for i in range(nparts):
         try:
-            os.rename(_path(_part_name(handle.name, i)), _path(_part_name(mine.name, i)))
+            os.rename(os.path.join(directory, seg.part_name(handle.name, i)),
+                      os.path.join(directory, seg.part_name(mine.name, i)))
         except FileNotFoundError as e:
-            _unlink_segment(mine.name, i)  # the parts already taken
-            _unlink_segment(handle.name, nparts)
+            seg.unlink_segment(directory, mine.name, i)  # the parts already taken
+            seg.unlink_segment(directory, handle.name, nparts)
             raise ShmEmbedsError(
-                f"shm-embeds segment {_part_name(handle.name, i)!r} not found in "
-                f"{shm_dir()}: the sender is on another host or already released it"
+                f"shm-embeds segment {seg.part_name(handle.name, i)!r} not found in "
+                f"{directory}: the sender is on another host, or something removed it"
             ) from e
     try:
-        mm = _open_segment(mine)
+        mm = seg.map_segment(directory, mine)
     except BaseException:
-        _unlink_segment(mine.name, nparts)
+        seg.unlink_segment(directory, mine.name, nparts)
         raise
-    tensor = _view(mm, mine)
-    _owned.add(mine, mm, tensor)
+    tensor, anchor = seg.tensor_view(mm, mine)
+    state.owned.add_adopted(mine, mm, tensor, anchor)
     return tensor
 
 
 def open_tensor(handle: SharedTensorHandle, reader_index: int | None = None) -> torch.Tensor:
     """Map a segment as a tensor (reader side, no copy) and set the reader's flag.
 
-    The mapping is read-only: an in-place write to the tensor faults.
+    The mapping is read-only: an in-place write to the tensor faults. The
+    files are opened through the owner's descriptors when the handle carries
+    them (hop 2), else by name.
 
     Args:
         handle: from the owner.
-        reader_index: 0-based index of this reader among the owner's expected
-            readers (``< MAX_READERS``), or None not to mark.
+        reader_index: 0-based index of this reader among the broadcast's
+            readers, or None not to mark.
     Returns:
         tensor of ``handle.dtype``/``handle.shape``; it stays valid after the
         owner unlinks the name, until the tensor is freed.
     Raises:
-        ShmEmbedsError: missing segment, wrong size or header.
+        ShmEmbedsError: missing segment, wrong size or header, bad index.
     """
-    if reader_index is not None and not 0 <= reader_index < MAX_READERS:
+    if reader_index is not None and not 0 <= handle.flag_base + reader_index < MAX_READERS:
         raise ShmEmbedsError(f"reader index {reader_index} out of range")
-    return _view(_open_segment(handle, reader_index), handle)
+    mm = seg.map_segment(shm_dir(), handle, reader_index)
+    return seg.tensor_view(mm, handle)[0]
 
 
 def externalize(tensor: torch.Tensor, readers: int) -> SharedTensorHandle:
@@ -797,8 +686,10 @@ def externalize(tensor: torch.Tensor, readers: int) -> SharedTensorHandle:
 
     A tensor that already lives in a segment this process owns (adopted at
     hop 1, or sent before and still linked) is sent without a copy; any other
-    tensor is copied once into a new segment. The name is unlinked once all
-    ``readers`` have mapped it (see :func:`collect`).
+    tensor is copied once into a new segment. This broadcast gets reader
+    flags of its own, and the name is unlinked once all its readers (and
+    those of any other pending broadcast of it) have mapped it
+    (:func:`collect`).
 
     Raises:
         OSError: a new segment could not be created; the caller keeps the
@@ -807,39 +698,47 @@ def externalize(tensor: torch.Tensor, readers: int) -> SharedTensorHandle:
     """
     if not 0 < readers <= MAX_READERS:
         raise ValueError(f"readers must be in 1..{MAX_READERS}, got {readers}")
-    handle = _owned.lookup(tensor)
-    if handle is not None and not all(
-        os.path.exists(_path(part)) for part, _, _ in handle.parts()
-    ):
-        # Removed behind our back (e.g. a tmp cleaner): readers could not
-        # open it, so send a fresh copy instead.
-        logger.warning("shm-embeds: segment %s vanished; copying again", handle.name)
-        count(**{"fallback.hop2.vanished": 1})
-        _owned.drop(handle.name)
-        handle = None
+    owned = _state.owned
+    entry = owned.lookup(tensor)
+    handle = owned.begin_broadcast(entry, readers) if entry is not None else None
     if handle is not None:
         count(hop2_reused_tensors=1)
-    else:
-        handle, mm = _create_segment(tensor, map_header=True)
-        assert mm is not None
-        _owned.add(handle, mm, None)
-        _owned.track(tensor, handle.name, release_on_free=False)
-    _owned.mark_broadcast(handle.name, readers)
+        return handle
+    new, fds = _create_segment(tensor)
+    try:
+        mm = mmap.mmap(fds[0], HEADER_BYTES, flags=mmap.MAP_SHARED)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        seg.unlink_segment(shm_dir(), new.name, len(new.parts()))
+        raise
+    owned.add_copy(new, mm, fds, tensor)
+    entry = owned.lookup(tensor)
+    assert entry is not None
+    handle = owned.begin_broadcast(entry, readers)
+    assert handle is not None
     return handle
 
 
 def collect() -> int:
-    """Unlink the names of owned segments that no reader needs any more.
+    """Safe point: apply finalizer records and unlink the names no reader needs.
 
-    Cheap when nothing is pending; called once per broadcast. Returns the
-    number of names unlinked.
+    Cheap when nothing is pending; called once per broadcast and by the
+    reaper thread. Returns the number of segments unlinked.
     """
-    return _owned.collect()
+    return _state.owned.collect()
 
 
 def pending_segments() -> int:
     """Number of segment names this process owns and has not unlinked yet."""
-    return _owned.pending()
+    return _state.owned.pending()
+
+
+def start_engine_reaper() -> None:
+    """EngineCore: run safe points when idle, and sweep dead owners' segments
+    every :data:`SWEEP_INTERVAL_S` seconds (e.g. a SIGKILLed API server's
+    un-adopted one), so that memory comes back without a restart."""
+    _state.start_reaper(sweep_interval=SWEEP_INTERVAL_S)
 
 
 def externalize_prompt_embeds(
@@ -883,23 +782,34 @@ def restore_prompt_embeds(swapped: list[tuple[Any, torch.Tensor]]) -> None:
         req.prompt_embeds = tensor
 
 
-def internalize_prompt_embeds(new_reqs: Iterable[Any], reader_index: int) -> int:
+def internalize_prompt_embeds(new_reqs: Iterable[Any], reader_index: int | None) -> int:
     """Replace each ``SharedTensorHandle`` in ``new_reqs[i].prompt_embeds`` by its tensor.
 
-    Runs in each TP worker before the model runner sees the step. Returns the
-    number of tensors mapped. Raises ShmEmbedsError if a segment is missing.
+    Runs in each TP worker before the model runner sees the step. Every
+    handle is tried; returns the number of tensors mapped.
+
+    Raises:
+        ShmEmbedsError: a segment could not be mapped (the first error);
+            the other handles were still mapped and flagged, so the owner's
+            bookkeeping stays consistent.
     """
     n = 0
+    first: ShmEmbedsError | None = None
     for req in new_reqs:
         handle = getattr(req, "prompt_embeds", None)
         if isinstance(handle, SharedTensorHandle):
-            req.prompt_embeds = open_tensor(handle, reader_index)
+            try:
+                req.prompt_embeds = open_tensor(handle, reader_index)
+            except (ShmEmbedsError, OSError) as e:
+                count(**{"fallback.hop2.map_failed": 1})
+                if first is None:
+                    first = e if isinstance(e, ShmEmbedsError) else ShmEmbedsError(str(e))
+                continue
             count(hop2_shm_tensors=1, hop2_shm_bytes=handle.nbytes)
             n += 1
+    if first is not None:
+        raise first
     return n
-
-
-_placement_warned = False
 
 
 def _placement_failed(hop: str, tensor: torch.Tensor, e: OSError) -> str:
@@ -908,9 +818,9 @@ def _placement_failed(hop: str, tensor: torch.Tensor, e: OSError) -> str:
     Returns the fallback reason: ``no_space`` (ENOSPC: /dev/shm full or too
     small) or ``os_error``.
     """
-    global _placement_warned
-    log = logger.debug if _placement_warned else logger.warning
-    _placement_warned = True
+    state = _state
+    log = logger.debug if state.placement_warned else logger.warning
+    state.placement_warned = True
     log(
         "shm-embeds: could not place %d bytes of prompt_embeds in %s (%s); %s uses "
         "the stock path for such tensors (further failures are logged at debug level)",
@@ -941,15 +851,23 @@ class HandleOOBConsumer:
     and ``new_message()``). Only the tensor passed to :meth:`arm` (the
     request's ``prompt_embeds``) is taken; every other tensor goes to
     ``inner`` (e.g. vLLM's multimodal ``TensorIpcSender``) or inline.
+    Segments made for a message are remembered until :meth:`take_created`,
+    so that the caller can remove them if encoding or sending fails.
     """
 
     def __init__(self, inner: Any = None) -> None:
         self.inner = inner
         self._armed: torch.Tensor | None = None
+        self._created: list[SharedTensorHandle] = []
 
     def arm(self, tensor: torch.Tensor | None) -> None:
         """Mark the tensor to send through shm in the next encoded message."""
         self._armed = tensor
+
+    def take_created(self) -> list[SharedTensorHandle]:
+        """Handles of the segments created since the last call (and forget them)."""
+        created, self._created = self._created, []
+        return created
 
     def new_message(self) -> None:
         if self.inner is not None:
@@ -965,11 +883,18 @@ class HandleOOBConsumer:
                 except OSError as e:
                     reason = _placement_failed("hop 1", tensor, e)
                 else:
+                    self._created.append(handle)
                     count(hop1_shm_tensors=1, hop1_shm_bytes=tensor.nbytes)
                     return {META_KEY: handle.to_meta()}
             count(hop1_stock_tensors=1, hop1_stock_bytes=_nbytes(tensor))
             count(**{f"fallback.hop1.{reason}": 1})
         return self.inner(tensor) if self.inner is not None else None
+
+
+ADOPT_FAILED_MESSAGE = (
+    "prompt_embeds could not be read from shared memory (the segment was removed "
+    "before the engine received the request); please retry"
+)
 
 
 class HandleOOBProvider:
@@ -983,7 +908,7 @@ class HandleOOBProvider:
 
     def __init__(self, inner: Any = None) -> None:
         self.inner = inner
-        self._failed: dict[int, tuple[weakref.ref, str]] = {}
+        self._failed: dict[int, weakref.ref] = {}
 
     def __call__(self, dtype: str, shape: tuple[int, ...], meta: dict) -> torch.Tensor:
         if META_KEY not in meta:
@@ -998,10 +923,11 @@ class HandleOOBProvider:
                 )
             tensor = adopt_tensor(handle)
         except ShmEmbedsError as e:
-            logger.error("shm-embeds: rejecting prompt_embeds: %s", e)
+            logger.warning("shm-embeds: rejecting a request's prompt_embeds: %s", e)
             count(**{"fallback.hop1.adopt_failed": 1})
             tensor = torch.empty(0)
-            self._failed[id(tensor)] = (weakref.ref(tensor), str(e))
+            self._failed[id(tensor)] = weakref.ref(tensor)
+            # dict.pop takes no lock: safe in a finalizer.
             weakref.finalize(tensor, self._failed.pop, id(tensor), None)
             return tensor
         count(
@@ -1010,11 +936,12 @@ class HandleOOBProvider:
         return tensor
 
     def is_failed(self, tensor: Any) -> str | None:
-        """The error message if ``tensor`` stands for a handle that failed."""
-        entry = self._failed.get(id(tensor))
-        if entry is None or entry[0]() is not tensor:
+        """A client-safe error message if ``tensor`` stands for a handle that
+        could not be adopted (no segment name or path in it), else None."""
+        ref = self._failed.get(id(tensor))
+        if ref is None or ref() is not tensor:
             return None
-        return entry[1]
+        return ADOPT_FAILED_MESSAGE
 
 
 # --------------------------------------------------------------------------
@@ -1022,68 +949,42 @@ class HandleOOBProvider:
 
 
 def sweep_stale_segments(expected: bool = False) -> int:
-    """Unlink segments in :func:`shm_dir` whose owner process is gone.
+    """Unlink segments in :func:`shm_dir` whose owner process is certainly gone.
 
-    Only names with our prefix whose ``<pid>.<start>`` no longer matches a
-    running process are removed; live owners' segments are left alone.
-    ``expected=True`` (a parent cleaning up after children it just stopped)
-    logs at info instead of warning level. Returns the number removed.
+    Only names of this PID namespace whose owner no longer exists (or is a
+    zombie, or has another start time) are removed; an owner that may be
+    alive keeps its segments (:func:`~vllm._shm_embeds_segments.owner_is_dead`).
+    ``expected=True`` (a parent cleaning up after children it just stopped,
+    the EngineCore's periodic sweep) logs at info instead of warning level.
+    Returns the number removed.
     """
-    removed = 0
-    try:
-        names = os.listdir(shm_dir())
-    except OSError:
-        return 0
-    ns = _pid_ns()
-    for name in names:
-        parts = name.split(".")
-        if len(parts) != 5 or parts[0] != SEGMENT_PREFIX or not parts[2].isdigit():
-            continue
-        if parts[1] != ns:
-            continue  # another PID namespace (container): not ours to judge
-        if _proc_start_time(int(parts[2])) != parts[3] and _unlink_quietly(_path(name)):
-            removed += parts[4].isdigit()  # file 0 of a segment, not ``<seq>p<i>``
+    removed = seg.sweep(shm_dir(), seg.pid_namespace())
     if removed:
         (logger.info if expected else logger.warning)(
             "shm-embeds: removed %d stale segment(s) of dead processes from %s",
             removed,
             shm_dir(),
         )
+        count(segments_swept=removed)
     return removed
-
-
-_shutdown_done = False
 
 
 def shutdown() -> None:
     """Unlink this process's remaining segments and log its counters once."""
-    global _shutdown_done
-    n = _owned.unlink_all()
-    if _shutdown_done:
+    state = _state
+    n = state.owned.unlink_all()
+    if state.shutdown_done:
         return
-    _shutdown_done = True
+    state.shutdown_done = True
     snapshot = stats()
     if snapshot:
         logger.info(
             "shm-embeds summary (pid %d, %s): %s%s",
             os.getpid(),
-            "/".join(sorted(_role)) or "?",
+            "/".join(sorted(state.roles)) or "?",
             ", ".join(f"{k}={v}" for k, v in sorted(snapshot.items())),
             f"; unlinked {n} segment(s) at exit" if n else "",
         )
-
-
-def _after_fork_in_child() -> None:
-    # A forked child (e.g. a TP worker under the fork start method) owns
-    # none of its parent's segments and starts with fresh counters.
-    global _owned, _shutdown_done, _counters_lock, _placement_warned
-    global _writer_pool, _writer_pool_lock
-    _owned = _OwnedSegments()
-    _writer_pool, _writer_pool_lock = None, threading.Lock()  # threads do not fork
-    _shutdown_done = _placement_warned = False
-    _role.clear()
-    _counters_lock = threading.Lock()  # the parent's may have been held
-    _counters.clear()
 
 
 atexit.register(shutdown)

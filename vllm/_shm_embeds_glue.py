@@ -24,15 +24,21 @@ hop 1, client -> EngineCore (``vllm/v1/engine/core_client.py``, ``core.py``)
      be adopted is rejected (a request-scoped error, not a dead input thread).
   4. ``MPClient.shutdown``: unlink segments never adopted, and those of
      EngineCores that vLLM force-killed while stopping; log the summary.
+  5. ``SyncMPClient._send_input`` / ``AsyncMPClient._send_input``: a segment
+     made for a request whose encode or send fails is removed at once.
 
 hop 2, EngineCore -> TP workers (``vllm/v1/executor/multiproc_executor.py``)
-  5. ``MultiprocExecutor.collective_rpc``: ``NewRequestData.prompt_embeds`` in
+  6. ``MultiprocExecutor.collective_rpc``: ``NewRequestData.prompt_embeds`` in
      any ``SchedulerOutput`` argument is swapped for a handle while the
      message is enqueued, then restored. Skipped when the broadcast queue has
      remote (other-node) readers.
-  6. ``WorkerProc._execute_worker_rpc``: handles are mapped back to tensors
-     before the worker method runs.
-  7. ``MultiprocExecutor.shutdown`` / ``WorkerProc.shutdown``: unlink what is
+  7. ``WorkerProc._execute_worker_rpc``: handles are mapped back to tensors
+     before the worker method runs. Every rank then agrees (one all-reduce
+     over its TP and PP groups, only on steps that carry handles) whether all
+     ranks mapped them: if one could not, every rank fails the step the same
+     way, so vLLM reports the worker error and stops the engine (health
+     checks see it) instead of one rank waiting forever in a collective.
+  8. ``MultiprocExecutor.shutdown`` / ``WorkerProc.shutdown``: unlink what is
      left, log the summary.
 """
 
@@ -63,6 +69,7 @@ class Site:
         qualname: ``"Class.method"``.
         params: parameter names the method must accept.
         source_marks: strings its source must contain (behaviour we rely on).
+        wrap: builds the replacement from the original function.
     """
 
     hop: str
@@ -70,6 +77,7 @@ class Site:
     qualname: str
     params: tuple[str, ...] = ()
     source_marks: tuple[str, ...] = ()
+    wrap: Callable[[Callable], Callable] | None = None
 
     def resolve(self) -> tuple[type, str, Callable]:
         """Return ``(owner_class, attr_name, function)``; raises on mismatch."""
@@ -92,34 +100,6 @@ class Site:
                 raise LookupError(f"{self.qualname} no longer contains {absent}")
         return cls, attr, fn
 
-
-_CORE_CLIENT = "vllm.v1.engine.core_client"
-_CORE = "vllm.v1.engine.core"
-_MP_EXEC = "vllm.v1.executor.multiproc_executor"
-
-SITES: dict[str, Site] = {
-    "client_init": Site(
-        "hop1", _CORE_CLIENT, "MPClient.__init__",
-        ("vllm_config",), ("self.encoder = MsgpackEncoder(",),
-    ),
-    "engine_input": Site(
-        "hop1", _CORE, "EngineCoreProc.process_input_sockets",
-        (), ("oob_tensor_provider=self.tensor_ipc_receiver",),
-    ),
-    "engine_preprocess": Site(
-        "hop1", _CORE, "EngineCore.preprocess_add_request", ("request",),
-    ),
-    "client_shutdown": Site("hop1", _CORE_CLIENT, "MPClient.shutdown"),
-    "executor_rpc": Site(
-        "hop2", _MP_EXEC, "MultiprocExecutor.collective_rpc",
-        ("method", "args", "kwargs"), ("self.rpc_broadcast_mq.enqueue(",),
-    ),
-    "worker_rpc": Site(
-        "hop2", _MP_EXEC, "WorkerProc._execute_worker_rpc", ("rpc_request",),
-    ),
-    "executor_shutdown": Site("hop2", _MP_EXEC, "MultiprocExecutor.shutdown"),
-    "worker_shutdown": Site("hop2", _MP_EXEC, "WorkerProc.shutdown"),
-}
 
 # hop -> list of reasons it is off (empty: on). Filled by register().
 STATUS: dict[str, list[str]] = {}
@@ -147,18 +127,55 @@ class _ArmingEncoder:
         return obj.prompt_embeds if isinstance(obj, EngineCoreRequest) else None
 
     def encode(self, obj: Any) -> Any:
+        return self._encode(self._inner.encode, obj)
+
+    def encode_into(self, obj: Any, buf: bytearray) -> Any:
+        return self._encode(self._inner.encode_into, obj, buf)
+
+    def _encode(self, fn: Callable, obj: Any, *args: Any) -> Any:
         self._consumer.arm(self._embeds(obj))
         try:
-            return self._inner.encode(obj)
+            return fn(obj, *args)
+        except BaseException:
+            _discard(self._consumer.take_created())
+            raise
         finally:
             self._consumer.arm(None)
 
-    def encode_into(self, obj: Any, buf: bytearray) -> Any:
-        self._consumer.arm(self._embeds(obj))
+
+def _discard(handles: list) -> None:
+    """Remove hop-1 segments that no EngineCore will ever adopt."""
+    for handle in handles:
+        shm.discard_shared(handle)
+    if handles:
+        logger.debug("shm-embeds: removed %d segment(s) of a request not sent", len(handles))
+
+
+def _wrap_send_input(orig: Callable) -> Callable:
+    """After ``_send_input``: if encoding or sending failed (e.g. the engine is
+    dead), remove the segments made for that message; else forget them (the
+    EngineCore adopts them)."""
+
+    @functools.wraps(orig)
+    def _send_input(self, *args, **kwargs):
+        consumer = getattr(self, "_shm_embeds_consumer", None)
+        if consumer is None:
+            return orig(self, *args, **kwargs)
+        consumer.take_created()
         try:
-            return self._inner.encode_into(obj, buf)
-        finally:
-            self._consumer.arm(None)
+            result = orig(self, *args, **kwargs)
+        except BaseException:
+            _discard(consumer.take_created())
+            raise
+        created = consumer.take_created()
+        if created and hasattr(result, "add_done_callback"):
+            def _sent(fut, created=created):
+                if fut.cancelled() or fut.exception() is not None:
+                    _discard(created)
+            result.add_done_callback(_sent)
+        return result
+
+    return _mark(_send_input)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -191,6 +208,7 @@ def _wrap_client_init(orig: Callable) -> Callable:
             consumer = shm.HandleOOBConsumer(self.encoder.oob_tensor_consumer)
             self.encoder.oob_tensor_consumer = consumer
             self.encoder = _ArmingEncoder(self.encoder, consumer)
+            self._shm_embeds_consumer = consumer
             logger.info(
                 "shm-embeds: hop 1 on in pid %d: prompt_embeds >= %d bytes go to "
                 "the EngineCore as shared-memory handles",
@@ -207,6 +225,7 @@ def _wrap_engine_input(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def process_input_sockets(self, *args, **kwargs):
         shm.set_role("engine")
+        shm.start_engine_reaper()
         provider = shm.HandleOOBProvider(self.tensor_ipc_receiver)
         self._shm_embeds_provider = provider
         self.tensor_ipc_receiver = provider
@@ -222,7 +241,7 @@ def _wrap_engine_preprocess(orig: Callable) -> Callable:
         if provider is not None and request.prompt_embeds is not None:
             error = provider.is_failed(request.prompt_embeds)
             if error is not None:
-                raise ValueError(f"prompt_embeds not readable from shared memory: {error}")
+                raise ValueError(error)
         return orig(self, request, *args, **kwargs)
 
     return _mark(preprocess_add_request)
@@ -296,21 +315,54 @@ def _wrap_executor_rpc(orig: Callable) -> Callable:
     return _mark(collective_rpc)
 
 
+def _all_ranks_ok(ok: bool) -> bool:
+    """True if every worker of this engine says ``ok`` (all-reduce over TP, then PP).
+
+    The broadcast's readers are this engine's TP x PP workers; vLLM's world
+    group may span DP ranks too (``world_size_across_dp``), so it is not used.
+    Called in the same order on every rank (once per step carrying handles).
+    """
+    import torch
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
+    for group in (get_tp_group(), get_pp_group()):
+        if group.world_size > 1:
+            dist.all_reduce(flag, group=group.cpu_group)
+    return int(flag.item()) == 0
+
+
 def _wrap_worker_rpc(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def _execute_worker_rpc(self, rpc_request, *args, **kwargs):
         method, rpc_args, _, output_rank = rpc_request
-        try:
-            for arg in rpc_args:
-                new_reqs = getattr(arg, "scheduled_new_reqs", None)
-                if new_reqs:
-                    shm.set_role("worker")
-                    index = getattr(self.rpc_broadcast_mq, "local_reader_rank", -1)
-                    shm.internalize_prompt_embeds(new_reqs, index if index >= 0 else None)
-        except Exception as e:
-            logger.exception("shm-embeds: could not map prompt_embeds for %s", method)
+        carried = [
+            arg.scheduled_new_reqs for arg in rpc_args
+            if any(isinstance(getattr(r, "prompt_embeds", None), shm.SharedTensorHandle)
+                   for r in getattr(arg, "scheduled_new_reqs", None) or ())
+        ]
+        if not carried:
+            return orig(self, rpc_request, *args, **kwargs)
+        shm.set_role("worker")
+        index = getattr(self.rpc_broadcast_mq, "local_reader_rank", -1)
+        error: Exception | None = None
+        for new_reqs in carried:
+            try:
+                shm.internalize_prompt_embeds(new_reqs, index if index >= 0 else None)
+            except Exception as e:
+                error = error or e
+        if error is not None:
+            logger.error("shm-embeds: could not map prompt_embeds for %s: %s", method, error)
+        if not _all_ranks_ok(error is None):
+            # Every rank ends this step the same way: the output rank reports
+            # the failure, vLLM fails the engine as on any worker error.
+            if error is None:
+                error = shm.ShmEmbedsError("another TP/PP rank could not map prompt_embeds")
             if output_rank is None or self.rank == output_rank:
-                self.handle_output(e)
+                self.handle_output(shm.ShmEmbedsError(
+                    f"shm-embeds: prompt_embeds could not be mapped on every rank: {error}"
+                ))
             return None
         return orig(self, rpc_request, *args, **kwargs)
 
@@ -337,15 +389,50 @@ def _wrap_shutdown(orig: Callable, sweep: bool = False) -> Callable:
     return _mark(shutdown)
 
 
-_WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
-    "client_init": _wrap_client_init,
-    "engine_input": _wrap_engine_input,
-    "engine_preprocess": _wrap_engine_preprocess,
-    "client_shutdown": functools.partial(_wrap_shutdown, sweep=True),
-    "executor_rpc": _wrap_executor_rpc,
-    "worker_rpc": _wrap_worker_rpc,
-    "executor_shutdown": _wrap_shutdown,
-    "worker_shutdown": _wrap_shutdown,
+_CORE_CLIENT = "vllm.v1.engine.core_client"
+_CORE = "vllm.v1.engine.core"
+_MP_EXEC = "vllm.v1.executor.multiproc_executor"
+
+SITES: dict[str, Site] = {
+    "client_init": Site(
+        "hop1", _CORE_CLIENT, "MPClient.__init__",
+        ("vllm_config",), ("self.encoder = MsgpackEncoder(",), _wrap_client_init,
+    ),
+    "engine_input": Site(
+        "hop1", _CORE, "EngineCoreProc.process_input_sockets",
+        (), ("oob_tensor_provider=self.tensor_ipc_receiver",), _wrap_engine_input,
+    ),
+    "engine_preprocess": Site(
+        "hop1", _CORE, "EngineCore.preprocess_add_request", ("request",),
+        wrap=_wrap_engine_preprocess,
+    ),
+    "client_shutdown": Site(
+        "hop1", _CORE_CLIENT, "MPClient.shutdown",
+        wrap=functools.partial(_wrap_shutdown, sweep=True),
+    ),
+    "client_send_sync": Site(
+        "hop1", _CORE_CLIENT, "SyncMPClient._send_input", ("request",),
+        ("self.encoder.encode(request)",), _wrap_send_input,
+    ),
+    "client_send_async": Site(
+        "hop1", _CORE_CLIENT, "AsyncMPClient._send_input", ("request",),
+        ("self.encoder.encode(request)",), _wrap_send_input,
+    ),
+    "executor_rpc": Site(
+        "hop2", _MP_EXEC, "MultiprocExecutor.collective_rpc",
+        ("method", "args", "kwargs"), ("self.rpc_broadcast_mq.enqueue(",),
+        _wrap_executor_rpc,
+    ),
+    "worker_rpc": Site(
+        "hop2", _MP_EXEC, "WorkerProc._execute_worker_rpc", ("rpc_request",),
+        wrap=_wrap_worker_rpc,
+    ),
+    "executor_shutdown": Site(
+        "hop2", _MP_EXEC, "MultiprocExecutor.shutdown", wrap=_wrap_shutdown
+    ),
+    "worker_shutdown": Site(
+        "hop2", _MP_EXEC, "WorkerProc.shutdown", wrap=_wrap_shutdown
+    ),
 }
 
 
@@ -409,9 +496,9 @@ def _register() -> None:
         return
     # Decide everything before patching anything.
     problems = shm.config_problems()
-    fatal = [p for p in problems if "directory" in p]
+    fatal = [p.message for p in problems if p.fatal]
     for problem in problems:
-        logger.warning("shm-embeds: %s", problem)
+        logger.warning("shm-embeds: %s", problem.message)
     if fatal:
         STATUS.update({"hop1": fatal, "hop2": fatal})
         logger.warning("shm-embeds: off in pid %d; vLLM left untouched", pid)
@@ -422,7 +509,7 @@ def _register() -> None:
         if not status[site.hop]:
             cls, attr, fn = site.resolve()
             if not getattr(fn, "__shm_embeds_wrapped__", False):
-                patches.append((cls, attr, _WRAPPERS[key](fn)))
+                patches.append((cls, attr, site.wrap(fn)))
     for cls, attr, wrapped in patches:
         setattr(cls, attr, wrapped)
     STATUS.update(status)
