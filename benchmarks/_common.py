@@ -14,12 +14,11 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 MIB = 1 << 20
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-SEGMENT_PREFIX = "vllm-shm-embeds"
 # Each benchmark's modes, in table order (run_all.py renders saved JSON by these).
 HOP1_MODES = ("stock", "shm-embeds", "floor")
 HOP2_MODES = ("stock", "arena", "shm-embeds", "shm-embeds-copy", "floor", "floor-R")
@@ -70,19 +69,15 @@ def shape_for(nbytes: int, hidden: int, itemsize: int) -> tuple[int, int]:
 
 
 def our_segments(pids: Iterable[int], shm_dir: str = "/dev/shm") -> list[str]:
-    """shm-embeds segment names in ``shm_dir`` owned by any of ``pids``.
+    """shm-embeds segment files in ``shm_dir`` owned by any of ``pids``.
 
     Other sessions may be using /dev/shm at the same time, so only names
-    carrying one of our pids count as leftovers. Names are
-    ``vllm-shm-embeds.<pidns>.<pid>.<start>.<seq>`` (the pid is field 2).
+    carrying one of our pids count as leftovers.
     """
-    wanted = {str(pid) for pid in pids}
-    out = []
-    for n in os.listdir(shm_dir):
-        parts = n.split(".")
-        if parts[0] == SEGMENT_PREFIX and len(parts) > 2 and parts[2] in wanted:
-            out.append(n)
-    return sorted(out)
+    from vllm._shm_embeds_segments import list_segments
+
+    wanted = set(pids)
+    return sorted(n for n, parsed in list_segments(shm_dir) if parsed.pid in wanted)
 
 
 def machine_info() -> dict[str, Any]:
@@ -151,6 +146,36 @@ def fresh_empty(nbytes: int) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8)
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # not shmem
     return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
+
+
+def group_samples(samples: list[dict[str, Any]], fields: tuple[str, ...]
+                  ) -> list[tuple[tuple, list[dict[str, Any]]]]:
+    """Samples grouped by the values of ``fields``, groups in first-seen order."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for s in samples:
+        groups.setdefault(tuple(s[f] for f in fields), []).append(s)
+    return list(groups.items())
+
+
+def paired_ratio(group: list[dict[str, Any]], ref: dict[tuple, float],
+                 key: Callable[[dict[str, Any]], tuple]) -> float | None:
+    """Median of each sample's ``e2e_ms`` over the reference measured in the
+    same repeat round (``ref[key(sample)]``): cancels most load drift."""
+    pairs = [s["e2e_ms"] / ref[k] for s in group if (k := key(s)) in ref]
+    return median(pairs) if pairs else None
+
+
+def finish(args: argparse.Namespace, payload: dict[str, Any],
+           cols: list[tuple[str, str, str]], cleanup: str,
+           plot_fn: Callable[[str, dict[str, Any]], bool]) -> dict[str, Any]:
+    """Print a benchmark's table and cleanup line; write its JSON and PNG if asked."""
+    print_table(payload["rows"], cols)
+    print(f"cleanup: {cleanup}; wall {payload['wall_s']:.0f} s")
+    if args.json:
+        write_json(args.json, payload)
+    if args.png:
+        plot_fn(args.png, payload)
+    return payload
 
 
 def write_json(path: str, payload: dict[str, Any]) -> None:

@@ -294,10 +294,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def aggregate(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Median per (mode, MiB, dtype) plus the ratio to ``floor``."""
-    keys = list(dict.fromkeys((s["mode"], s["mib"], s["dtype"]) for s in samples))
     rows = []
-    for mode, mib, dtype in keys:
-        ss = [s for s in samples if (s["mode"], s["mib"], s["dtype"]) == (mode, mib, dtype)]
+    for (mode, mib, dtype), ss in C.group_samples(samples, ("mode", "mib", "dtype")):
 
         def med(k: str) -> float | None:
             xs = [s[k] for s in ss if s[k] is not None]
@@ -306,15 +304,13 @@ def aggregate(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rows.append({"mode": mode, "mib": mib, "dtype": dtype, "n": len(ss),
                      "e2e_ms": med("e2e_ms"), "e2e_min_ms": min(s["e2e_ms"] for s in ss),
                      "client_ms": med("client_ms"), "read_ms": med("read_ms"),
-                     "copies": max(s["copies"] for s in ss)})
-    # Paired ratios: each sample against the floor of the same repeat round.
-    floor = {(s["mib"], s["dtype"], s["rep"]): s["e2e_ms"]
-             for s in samples if s["mode"] == "floor"}
-    for r in rows:
-        pairs = [s["e2e_ms"] / floor[k] for s in samples
-                 if (s["mode"], s["mib"], s["dtype"]) == (r["mode"], r["mib"], r["dtype"])
-                 and (k := (s["mib"], s["dtype"], s["rep"])) in floor]
-        r["x_floor"] = C.median(pairs) if pairs else None
+                     "copies": max(s["copies"] for s in ss),
+                     # Paired: each sample against the floor of its repeat round.
+                     "x_floor": C.paired_ratio(ss, floor := {
+                         (s["mib"], s["dtype"], s["rep"]): s["e2e_ms"]
+                         for s in samples if s["mode"] == "floor"},
+                         lambda s: (s["mib"], s["dtype"], s["rep"]))})
+    del floor
     order = {m: i for i, m in enumerate(MODES)}
     rows.sort(key=lambda r: (r["dtype"], r["mib"], order[r["mode"]]))
     return rows
@@ -337,17 +333,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t = time.monotonic()
     payload = run(args)
     payload["wall_s"] = time.monotonic() - t
-    C.print_table(payload["rows"], TABLE_COLS)
     lo = payload["leftovers"]
-    print(f"cleanup: segments left {len(lo['segments'])}, EngineCore killed "
-          f"{lo['engine_killed']}, ipc socket file left {lo['ipc_socket_file']}; "
-          f"wall {payload['wall_s']:.0f} s")
-    if args.json:
-        C.write_json(args.json, payload)
-    if args.png:
-        C.plot_hop1(args.png, payload)
-    return payload
-
+    return C.finish(args, payload, TABLE_COLS,
+                    f"segments left {len(lo['segments'])}, EngineCore killed "
+                    f"{lo['engine_killed']}, ipc socket file left {lo['ipc_socket_file']}",
+                    C.plot_hop1)
 
 if __name__ == "__main__":
     main()

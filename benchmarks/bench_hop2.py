@@ -374,11 +374,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def aggregate(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Median per (mode, MiB, dtype, R), plus ratios to floor and floor-R."""
-    keys = list(dict.fromkeys((s["mode"], s["mib"], s["dtype"], s["R"]) for s in samples))
+    """Median per (mode, MiB, dtype, R), plus ratios to floor and floor-R.
+
+    Ratios are paired: each sample against the floor measured in the same
+    repeat round (seconds apart), then the median; this cancels most of the
+    load drift from other processes on the machine.
+    """
+    def round_key(s: dict[str, Any]) -> tuple:
+        return (s["mib"], s["dtype"], s["group"], s["rep"])
+
+    floor = {round_key(s): s["e2e_ms"] for s in samples if s["mode"] == "floor"}
+    floor_r = {round_key(s): s["e2e_ms"] for s in samples if s["mode"] == "floor-R"}
     rows = []
-    for mode, mib, dtype, n in keys:
-        ss = [s for s in samples if (s["mode"], s["mib"], s["dtype"], s["R"]) == (mode, mib, dtype, n)]
+    for (mode, mib, dtype, n), ss in C.group_samples(samples, ("mode", "mib", "dtype", "R")):
         sends = [s["send_ms"] for s in ss if s["send_ms"] is not None]
         row = {"mode": mode, "mib": mib, "dtype": dtype, "R": n, "n": len(ss),
                "e2e_ms": C.median([s["e2e_ms"] for s in ss]),
@@ -386,24 +394,12 @@ def aggregate(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
                "send_ms": C.median(sends) if sends and mode != "floor-R" else None,
                "send_cpu_ms": C.median([s["send_cpu_ms"] for s in ss if "send_cpu_ms" in s])
                if mode not in ("floor", "floor-R") else None,
-               "deq_ms": C.median([s["deq_ms"] for s in ss])}
+               "deq_ms": C.median([s["deq_ms"] for s in ss]),
+               "x_floor": C.paired_ratio(ss, floor, round_key),
+               "x_floor_R": C.paired_ratio(ss, floor_r, round_key) if n else None}
         if "arena_used" in ss[0]:
             row["arena_used"] = all(s["arena_used"] for s in ss)
         rows.append(row)
-    # Ratios are paired: each sample against the floor measured in the same
-    # repeat round (seconds apart), then the median; this cancels most of the
-    # load drift from other processes on the machine.
-    floor = {(s["mib"], s["dtype"], s["group"], s["rep"]): s["e2e_ms"]
-             for s in samples if s["mode"] == "floor"}
-    floor_r = {(s["mib"], s["dtype"], s["group"], s["rep"]): s["e2e_ms"]
-               for s in samples if s["mode"] == "floor-R"}
-    for r in rows:
-        ss = [s for s in samples if (s["mode"], s["mib"], s["dtype"], s["R"])
-              == (r["mode"], r["mib"], r["dtype"], r["R"])]
-        for key, ref in (("x_floor", floor), ("x_floor_R", floor_r)):
-            pairs = [s["e2e_ms"] / ref[k] for s in ss
-                     if (k := (s["mib"], s["dtype"], s["group"], s["rep"])) in ref]
-            r[key] = C.median(pairs) if pairs and (key == "x_floor" or r["R"]) else None
     order = {m: i for i, m in enumerate(MODES)}
     rows.sort(key=lambda r: (r["dtype"], r["R"] or 0, r["mib"], order[r["mode"]]))
     return rows
@@ -432,18 +428,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t = time.monotonic()
     payload = run(args)
     payload["wall_s"] = time.monotonic() - t
-    C.print_table(payload["rows"], TABLE_COLS)
     lo = payload["leftovers"]
-    print(f"cleanup: segments left {len(lo['segments'])}, MessageQueue shm left "
-          f"{len(lo['mq_shm'])}, readers killed {len(lo['killed_readers'])}; "
-          f"wall {payload['wall_s']:.0f} s; MQ chunk "
-          f"{payload['config']['mq_max_chunk_bytes'] >> 20} MiB")
-    if args.json:
-        C.write_json(args.json, payload)
-    if args.png:
-        C.plot_hop2(args.png, payload)
-    return payload
-
+    return C.finish(args, payload, TABLE_COLS,
+                    f"segments left {len(lo['segments'])}, MessageQueue shm left "
+                    f"{len(lo['mq_shm'])}, readers killed {len(lo['killed_readers'])}; MQ "
+                    f"chunk {payload['config']['mq_max_chunk_bytes'] >> 20} MiB",
+                    C.plot_hop2)
 
 if __name__ == "__main__":
     main()

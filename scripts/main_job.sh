@@ -194,15 +194,19 @@ done
 # A segment counts as ours unless its name carries the pid of a live process
 # that none of our servers logged (another job running on the same machine).
 our_pids=" $(cat "$OUT"/server_*.log 2>/dev/null | grep -o 'pid=[0-9]*' | cut -d= -f2 | sort -u | tr '\n' ' ') "
-leftover=
-for seg in $(ls /dev/shm 2>/dev/null | grep '^vllm-shm-embeds' || true); do
-  pid=$(echo "$seg" | cut -d. -f2)
-  if [[ "$pid" =~ ^[0-9]+$ ]] && [[ "$our_pids" != *" $pid "* ]] && kill -0 "$pid" 2>/dev/null; then
-    log "/dev/shm/$seg belongs to live pid $pid (not one of our servers); ignored"
-  else
-    leftover="$leftover $seg"
-  fi
-done
+# Names are parsed by the mechanism's own SegmentName (one place for the format).
+leftover=$("$PY" - "$our_pids" <<'PYEOF'
+import os, sys
+from vllm._shm_embeds_segments import SegmentName, list_segments
+ours = {int(p) for p in sys.argv[1].split()}
+for name, parsed in list_segments("/dev/shm"):
+    if parsed.pid not in ours and os.path.exists(f"/proc/{parsed.pid}"):
+        print(f"/dev/shm/{name} belongs to live pid {parsed.pid} (not one of our "
+              "servers); ignored", file=sys.stderr)
+    else:
+        print(name)
+PYEOF
+)
 if [ -n "$leftover" ]; then
   fail "/dev/shm still holds our segments:"; echo $leftover | tr ' ' '\n' | head -20
 else

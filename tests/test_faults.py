@@ -11,6 +11,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -133,6 +134,56 @@ def test_sigterm_with_requests_in_flight(tmp_path):
                 except requests.RequestException:
                     pass
         # start_server asserts on exit that the segment dir is empty.
+
+
+def test_names_removed_by_another_process_never_wedge_the_server(tmp_path):
+    """The review's reproduction: while 16 embeds requests (200-1800 tokens,
+    4 at a time, TP=2) are in flight, something else unlinks every segment
+    name every millisecond (a cleanup job, systemd's RemoveIPC). A request
+    whose segment vanished before the EngineCore adopted it may fail, at
+    once and with a clear message; none may hang, hop 2 never fails (the TP
+    workers open the segments through the EngineCore's descriptors), and the
+    server keeps answering afterwards."""
+    with start_server(tmp_path, "-tp", "2") as server:
+        seg_dir, stop = server["seg_dir"], threading.Event()
+
+        def deleter():
+            while not stop.is_set():
+                for name in ours_in(seg_dir):
+                    try:
+                        os.unlink(os.path.join(seg_dir, name))
+                    except FileNotFoundError:
+                        pass
+                time.sleep(0.001)
+
+        weights = embed_weights(server["model"])
+        rng = random.Random(5)
+        bodies = [
+            {"prompt": "", "prompt_embeds": encode_embeds(weights[
+                [rng.randrange(3, weights.shape[0]) for _ in range(length)]])}
+            for length in range(200, 1801, 100)
+        ]
+        thread = threading.Thread(target=deleter, daemon=True)
+        thread.start()
+        try:
+            with ThreadPoolExecutor(4) as pool:
+                # A hang shows as a timeout (requests raises): the test fails.
+                codes = [r.status_code for r in pool.map(
+                    lambda b: _post(server["url"], b, timeout=90), bodies)]
+        finally:
+            stop.set()
+            thread.join()
+        assert all(c == 200 or 400 <= c < 600 for c in codes), codes
+        for r in (_post(server["url"], bodies[0], timeout=90),
+                  _post(server["url"], {"prompt": "hello"}, timeout=90)):
+            assert r.status_code == 200, r.text[:300]
+        assert requests.get(server["url"] + "/health", timeout=10).status_code == 200
+        stats = read_stats_dir(server["stats"])
+        workers = by_role(stats, "worker")
+        assert all(w.get("fallback.hop2.map_failed", 0) == 0 for w in workers), workers
+        assert sum(w.get("hop2_shm_tensors", 0) for w in workers) >= 2 * codes.count(200)
+        print(f"\nnames removed every ms: HTTP codes {sorted(codes)}; EngineCore "
+              f"{by_role(stats, 'engine')[0]}")
 
 
 def _mapped_segments(pid: int) -> int:

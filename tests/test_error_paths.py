@@ -1,0 +1,387 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Error paths of the mechanism and the glue, without engines.
+
+One test per fault of the review (issue 10); each fails on the code before
+the fix: writers still running when their fds were closed, finalizers that
+locked, a failed rank that let the others run the step, hop-1 segments
+orphaned by a failed encode or send, a fork child unlinking its parent's
+names, a sweep removing a live owner's segment, stale segments of a dead
+API server staying until a restart.
+"""
+
+import asyncio
+import concurrent.futures
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import types
+
+import pytest
+import torch
+
+from vllm import _shm_embeds as shm
+from vllm import _shm_embeds_glue as glue
+from vllm import _shm_embeds_segments as segments
+from vllm._shm_embeds_segments import SegmentName, pid_namespace
+
+
+# -- 1. every writer finishes before any fd is closed ------------------------
+
+
+def test_writers_finish_before_fds_close(shm_env, monkeypatch):
+    """Part 1 fails at once (ENOSPC) while part 2 is still writing: the fds
+    must stay open, and nothing be unlinked, until part 2 has returned."""
+    monkeypatch.setattr(segments, "PART_MIN_BYTES", 4096)
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_WRITERS", "3")
+    events = []
+    real_write, real_close = segments.pwrite_all, os.close
+    fds_of_parts: dict[int, int] = {}
+
+    def slow_or_failing(fd, buf, offset, failed=None):
+        part = fds_of_parts.get(fd)
+        if part == 1:
+            events.append("part1-fails")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        if part == 2:
+            time.sleep(0.5)
+            real_write(fd, buf, offset)  # ignores `failed`: a writer mid-call
+            events.append("part2-done")
+            return
+        real_write(fd, buf, offset, failed)
+
+    real_open = os.open
+
+    def tracking_open(path, flags, *args):
+        fd = real_open(path, flags, *args)
+        name = os.path.basename(path)
+        parsed = SegmentName.parse(name)
+        if parsed is not None:
+            fds_of_parts[fd] = parsed.part
+        return fd
+
+    def tracking_close(fd):
+        if fd in fds_of_parts:
+            events.append(f"close{fds_of_parts[fd]}")
+        real_close(fd)
+
+    monkeypatch.setattr(segments, "pwrite_all", slow_or_failing)
+    monkeypatch.setattr(segments.os, "open", tracking_open)
+    monkeypatch.setattr(segments.os, "close", tracking_close)
+    with pytest.raises(OSError) as e:
+        shm.share_tensor(torch.zeros(3, 4096))
+    assert e.value.errno == errno.ENOSPC
+    first_close = min(i for i, ev in enumerate(events) if ev.startswith("close"))
+    assert events.index("part2-done") < first_close, events
+    assert os.listdir(shm_env) == []
+
+
+# -- 2. finalizers only record -----------------------------------------------
+
+
+def test_finalizer_under_held_locks_does_not_deadlock(shm_env):
+    """The last reference dies on a thread that holds the bookkeeping and the
+    counters' locks (as garbage collection can make happen): no deadlock."""
+    adopted = [shm.adopt_tensor(shm.share_tensor(torch.randn(64, 64)))]
+    state = shm._state
+
+    def drop_under_locks():
+        with state.owned._lock, state.counters_lock:
+            adopted.clear()  # the finalizer runs here
+
+    t = threading.Thread(target=drop_under_locks, daemon=True)
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "finalizer deadlocked on a lock its thread held"
+    assert shm.collect() == 1
+    assert os.listdir(shm_env) == []
+
+
+def test_view_outliving_tensor_keeps_segment(shm_env):
+    """What is tracked is the storage: a view keeps the segment alive."""
+    adopted = shm.adopt_tensor(shm.share_tensor(torch.randn(16, 64)))
+    view = adopted[4:8]
+    expected = view.clone()
+    del adopted
+    assert shm.collect() == 0 and len(os.listdir(shm_env)) == 1
+    # Still the owner's, and still sent without a copy while linked.
+    assert torch.equal(view, expected)
+    del view
+    assert shm.collect() == 1 and os.listdir(shm_env) == []
+
+
+# -- 3. a rank that cannot map fails the step on every rank ------------------
+
+_RANK_SCRIPT = textwrap.dedent("""
+    import os, pickle, sys, types
+    import torch, torch.distributed as dist
+    rank, store_file, handle_file = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo", init_method=f"file://{store_file}",
+                            rank=rank, world_size=2)
+    from vllm import _shm_embeds as shm
+    from vllm import _shm_embeds_glue as glue
+    from vllm.distributed import parallel_state
+    tp = types.SimpleNamespace(world_size=2, cpu_group=dist.group.WORLD)
+    pp = types.SimpleNamespace(world_size=1, cpu_group=None)
+    parallel_state.get_tp_group = lambda: tp
+    parallel_state.get_pp_group = lambda: pp
+    if rank == 1:  # this rank cannot map (e.g. out of memory, fd limit)
+        def fail(handle, reader_index=None):
+            raise shm.ShmEmbedsError("injected mapping failure")
+        shm.open_tensor = fail
+    ran, outputs = [], []
+    def orig(self, rpc_request):
+        ran.append(rpc_request[0])
+    wrapped = glue._wrap_worker_rpc(orig)
+    worker = types.SimpleNamespace(
+        rank=rank, handle_output=outputs.append,
+        rpc_broadcast_mq=types.SimpleNamespace(local_reader_rank=rank))
+    with open(handle_file, "rb") as f:
+        sched = pickle.load(f)
+    wrapped(worker, ("execute_model", (sched,), {}, 0))
+    print("RESULT", len(ran), [type(o).__name__ for o in outputs], flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_one_rank_failing_to_map_fails_the_step_on_every_rank(shm_env, tmp_path):
+    embeds = torch.randn(32, 64)
+    req = types.SimpleNamespace(prompt_embeds=embeds)
+    sched = types.SimpleNamespace(scheduled_new_reqs=[req])
+    shm.externalize_prompt_embeds(sched.scheduled_new_reqs, readers=2)
+    import pickle
+
+    (tmp_path / "handle.pkl").write_bytes(pickle.dumps(sched))
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK_SCRIPT)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(tmp_path / "store"),
+             str(tmp_path / "handle.pkl")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ,
+        )
+        for r in (0, 1)
+    ]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(next(line for line in out.splitlines() if line.startswith("RESULT")))
+    # Neither rank ran the step; the output rank (0) reported the failure.
+    assert outs[0] == "RESULT 0 ['ShmEmbedsError']", outs
+    assert outs[1] == "RESULT 0 []", outs
+    # Rank 0 mapped it (flag set), rank 1 never did: the name stays until
+    # the owner shuts down (vLLM stops the engine on the reported error).
+    assert shm.collect() == 0
+    shm.shutdown()
+
+
+def test_readers_map_through_owner_fds_after_name_removed(shm_env):
+    """Something else unlinks every segment name (a cleanup job, systemd's
+    RemoveIPC): readers of a broadcast still map it through the owner's fds."""
+    src = torch.randn(64, 64)
+    adopted = shm.adopt_tensor(shm.share_tensor(src))
+    h = shm.externalize(adopted, readers=2)
+    for name in os.listdir(shm_env):
+        os.unlink(os.path.join(shm_env, name))
+    reqs = [types.SimpleNamespace(prompt_embeds=h), types.SimpleNamespace(prompt_embeds=h)]
+    shm.internalize_prompt_embeds(reqs[:1], 0)
+    code = (
+        "import pickle, sys, torch\n"
+        "from vllm import _shm_embeds as shm\n"
+        "h = pickle.loads(sys.stdin.buffer.read())\n"
+        "print(float(shm.open_tensor(h, 1).sum()))\n"
+    )
+    import pickle
+
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(h),
+                         capture_output=True, env=os.environ, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert abs(float(out.stdout) - float(src.sum())) < 1e-3
+    assert torch.equal(reqs[0].prompt_embeds, src)
+    assert shm.collect() == 1  # both flagged: fds closed
+    del adopted, reqs
+
+
+def test_internalize_maps_every_handle_even_if_one_fails(shm_env):
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    reqs = [types.SimpleNamespace(prompt_embeds=x) for x in (a, b)]
+    shm.externalize_prompt_embeds(reqs, readers=1)
+    bad = shm.SharedTensorHandle(str(SegmentName(1, 1, 1, 1)), "float32", (8, 8))
+    wire = [types.SimpleNamespace(prompt_embeds=bad), reqs[1]]
+    with pytest.raises(shm.ShmEmbedsError):
+        shm.internalize_prompt_embeds(wire, 0)
+    assert torch.equal(wire[1].prompt_embeds, b)  # mapped and flagged anyway
+    assert shm.stats()["fallback.hop2.map_failed"] == 1
+    shm.internalize_prompt_embeds(reqs[:1], 0)
+    assert shm.collect() == 2
+
+
+# -- 5. hop-1 segments of a request that is never sent -----------------------
+
+
+class _FailingEncoder:
+    """Calls the OOB consumer like MsgpackEncoder, then fails."""
+
+    def __init__(self, consumer):
+        self.oob_tensor_consumer = consumer
+
+    def encode(self, obj):
+        self.oob_tensor_consumer(obj.prompt_embeds)
+        raise RuntimeError("encode failed")
+
+
+def test_segment_removed_when_encode_fails(shm_env, monkeypatch):
+    import vllm.v1.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "EngineCoreRequest", types.SimpleNamespace)
+    consumer = shm.HandleOOBConsumer()
+    enc = glue._ArmingEncoder(_FailingEncoder(consumer), consumer)
+    with pytest.raises(RuntimeError):
+        enc.encode(types.SimpleNamespace(prompt_embeds=torch.randn(16, 16)))
+    assert os.listdir(shm_env) == []
+
+
+def _client(consumer, send):
+    client = types.SimpleNamespace(_shm_embeds_consumer=consumer)
+    return client, glue._wrap_send_input(send)
+
+
+def test_segment_removed_when_sync_send_fails(shm_env):
+    consumer = shm.HandleOOBConsumer()
+
+    def send(self, request_type, request):
+        consumer.arm(request)
+        consumer(request)  # encoded: a segment exists now
+        raise RuntimeError("engine core is dead")  # ensure_alive / send_multipart
+
+    client, wrapped = _client(consumer, send)
+    with pytest.raises(RuntimeError):
+        wrapped(client, "ADD", torch.randn(16, 16))
+    assert os.listdir(shm_env) == []
+
+
+def test_segment_removed_when_async_send_future_fails(shm_env):
+    consumer = shm.HandleOOBConsumer()
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def send(self, request_type, request):
+        consumer.arm(request)
+        consumer(request)
+        return fut
+
+    client, wrapped = _client(consumer, send)
+    assert wrapped(client, "ADD", torch.randn(16, 16)) is fut
+    assert len(os.listdir(shm_env)) == 1
+    fut.set_exception(RuntimeError("socket closed"))
+    assert os.listdir(shm_env) == []
+
+
+def test_segment_kept_when_send_succeeds(shm_env):
+    consumer = shm.HandleOOBConsumer()
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def send(self, request_type, request):
+            consumer.arm(request)
+            consumer(request)
+            return fut
+
+        client, wrapped = _client(consumer, send)
+        wrapped(client, "ADD", torch.randn(16, 16))
+        fut.set_result(None)
+        await asyncio.sleep(0)
+
+    asyncio.run(run())
+    [name] = os.listdir(shm_env)  # the EngineCore will adopt it
+    os.unlink(os.path.join(shm_env, name))
+
+
+# -- 6. a forked child owns nothing of its parent's, even at a normal exit ---
+
+_FORK_SCRIPT = textwrap.dedent("""
+    import gc, os, sys, torch
+    from vllm import _shm_embeds as shm
+    adopted = shm.adopt_tensor(shm.share_tensor(torch.randn(32, 32)))
+    h = shm.externalize(torch.randn(32, 32), readers=1)
+    pid = os.fork()
+    if pid == 0:
+        del adopted   # the child drops its copy of the parent's tensor
+        gc.collect()
+        shm.collect()
+        sys.exit(0)   # a normal exit: atexit handlers and finalizers run
+    _, status = os.waitpid(pid, 0)
+    print("CHILD", status, sorted(os.listdir(shm.shm_dir())) and len(os.listdir(shm.shm_dir())))
+""")
+
+
+def test_forked_child_exiting_normally_unlinks_nothing(shm_env, tmp_path):
+    script = tmp_path / "fork.py"
+    script.write_text(_FORK_SCRIPT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         env=os.environ, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # Both of the parent's segments were still there after the child exited
+    # (the parent then unlinked them at its own exit).
+    assert "CHILD 0 2" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+# -- 7. a sweep never removes a segment whose owner may be alive -------------
+
+
+def test_sweep_with_unreadable_proc_keeps_live_owner(shm_env, monkeypatch):
+    ns = pid_namespace()
+    live = str(SegmentName(ns, os.getpid(), 0, 1))  # start time unknown (0)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    gone = str(SegmentName(ns, int(dead.stdout), 0, 1))
+    for name in (live, gone):
+        open(os.path.join(shm_env, name), "wb").close()
+    real_open = open
+
+    def no_proc(path, *args, **kwargs):
+        if str(path).startswith("/proc/"):
+            raise PermissionError(errno.EACCES, "hidepid")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", no_proc)
+    assert shm.sweep_stale_segments() == 1
+    monkeypatch.undo()
+    assert os.listdir(shm_env) == [live]
+    os.unlink(os.path.join(shm_env, live))
+
+
+# -- 8. names are built and parsed in one place ------------------------------
+
+
+def test_segment_names_round_trip():
+    name = SegmentName(4026531836, 1234, 5678, 9, part=2)
+    assert str(name) == "vllm-shm-embeds.4026531836.1234.5678.9p2"
+    assert SegmentName.parse(str(name)) == name
+    assert SegmentName.parse(str(name.base())).part == 0
+    for bad in ("vllm-shm-embeds.1.2.3", "vllm-shm-embeds.a.1.2.3", "x.1.2.3.4",
+                "vllm-shm-embeds.1.2.3.4/../x", "vllm-shm-embeds.1.2.3.4p"):
+        assert SegmentName.parse(bad) is None
+
+
+# -- 10. a dead API server's un-adopted segment comes back without a restart -
+
+
+def test_engine_reaper_sweeps_dead_owners(shm_env, monkeypatch):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    name = str(SegmentName(pid_namespace(), int(dead.stdout), 1, 0))
+    open(os.path.join(shm_env, name), "wb").close()
+    monkeypatch.setattr(shm, "SWEEP_INTERVAL_S", 0.2)
+    shm.start_engine_reaper()
+    deadline = time.monotonic() + 10
+    while os.listdir(shm_env) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert os.listdir(shm_env) == []
+    assert shm.stats()["segments_swept"] == 1
+    shm._state.shutdown_done = True  # stop the reaper
