@@ -961,7 +961,7 @@ class HandleOOBConsumer:
             reason = eligible(tensor)
             if reason is None:
                 try:
-                    handle = share_tensor(tensor)
+                    handle = take_handover(tensor) or share_tensor(tensor)
                 except OSError as e:
                     reason = _placement_failed("hop 1", tensor, e)
                 else:
@@ -1015,6 +1015,187 @@ class HandleOOBProvider:
         if entry is None or entry[0]() is not tensor:
             return None
         return entry[1]
+
+
+# --------------------------------------------------------------------------
+# streamed segments: tensors written from a byte stream, handed over by handle
+# (issue 8: binary request bodies). Additive section; nothing above depends
+# on it except HandleOOBConsumer, which offers each tensor to take_handover()
+# before copying it with share_tensor().
+
+
+class StreamedSegment:
+    """A one-file segment that an HTTP body is written into, chunk by chunk.
+
+    Created empty at its final size (``ftruncate``: no memory is used until
+    bytes arrive), then filled in order with :meth:`write` (``pwrite`` at
+    increasing offsets: one kernel copy from the caller's buffer into the
+    tmpfs pages; ENOSPC is an ``OSError``, never a SIGBUS). :meth:`finish`
+    maps it and returns the tensor; the segment stays owned by this process
+    until :func:`take_handover` passes it to a peer (hop 1, by handle, no
+    copy), and is unlinked when the tensor is freed before that, or by
+    :meth:`abort`. The caller must have validated ``shape`` and ``dtype``
+    against its own limits before creating one.
+
+    Args:
+        dtype: element type of the bytes that will be written.
+        shape: tensor shape, e.g. ``(num_tokens, hidden_size)``.
+    Raises:
+        OSError: the file could not be created or sized (nothing is left).
+    """
+
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        self.handle = SharedTensorHandle(
+            f"{_owner_prefix()}{next(_seq)}", _dtype_name(dtype), tuple(shape)
+        )
+        self.nbytes = self.handle.nbytes
+        self.filled = 0
+        self._fd: int | None = os.open(
+            _path(self.handle.name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600
+        )
+        try:
+            _pwrite_all(self._fd, memoryview(_HEADER), 0)
+            os.ftruncate(self._fd, HEADER_BYTES + self.nbytes)
+        except BaseException:
+            self.abort()
+            raise
+        count(segments_created=1)
+
+    def write(self, data: bytes | memoryview) -> None:
+        """Append ``data`` (at most the bytes still missing); raises ValueError on overflow."""
+        if self._fd is None:
+            raise ShmEmbedsError("segment already finished or aborted")
+        if self.filled + len(data) > self.nbytes:
+            raise ValueError("more bytes than the segment holds")
+        _pwrite_all(self._fd, memoryview(data), HEADER_BYTES + self.filled)
+        self.filled += len(data)
+
+    def finish(self) -> torch.Tensor:
+        """Map the filled segment; returns the tensor (``dtype``/``shape``), segment-backed.
+
+        Counts the bytes written as ``copied_bytes`` (the one copy).
+        Raises:
+            ShmEmbedsError: not every byte was written.
+        """
+        if self._fd is None or self.filled != self.nbytes:
+            self.abort()
+            raise ShmEmbedsError(f"segment holds {self.filled} of {self.nbytes} bytes")
+        try:
+            mm = mmap.mmap(self._fd, HEADER_BYTES + self.nbytes, flags=mmap.MAP_SHARED)
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+        count(copied_bytes=self.nbytes)
+        return _register_streamed(self.handle, mm)
+
+    def abort(self) -> None:
+        """Close and unlink (idempotent); counts the bytes written so far as copied."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+            if self.filled:
+                count(copied_bytes=self.filled)
+        if _unlink_quietly(_path(self.handle.name)):
+            count(segments_unlinked=1)
+
+
+# segment name -> (handle, data_ptr, nbytes) of streamed tensors not yet handed over
+_streamed: dict[str, tuple[SharedTensorHandle, int, int]] = {}
+_streamed_lock = threading.Lock()
+
+
+def _register_streamed(handle: SharedTensorHandle, mm: mmap.mmap) -> torch.Tensor:
+    tensor = _view(mm, handle)
+    with _streamed_lock:
+        _streamed[handle.name] = (handle, tensor.data_ptr(), handle.nbytes)
+    # The mapping lives as long as any tensor or view over it: when it goes
+    # without a hand-over, so does the name.
+    weakref.finalize(mm, release_streamed, handle.name)
+    return tensor
+
+
+def streamed_tensor_like(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A new writable segment-backed tensor (for a dtype conversion into shm).
+
+    The caller fills it (e.g. ``out.copy_(src)``, counted here as
+    ``copied_bytes``); it is handed over or unlinked like a streamed one.
+    Raises OSError (nothing left) if the segment cannot be created.
+    """
+    seg = StreamedSegment(dtype, shape)
+    seg.filled = seg.nbytes  # filled by the caller through the mapping
+    return seg.finish()
+
+
+def is_streamed(tensor: Any) -> bool:
+    """True if ``tensor`` covers exactly a streamed segment not yet handed over."""
+    return _streamed_entry(tensor) is not None
+
+
+def _streamed_entry(tensor: Any) -> SharedTensorHandle | None:
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+        return None
+    if tensor.layout != torch.strided or not tensor.is_contiguous():
+        return None
+    with _streamed_lock:
+        for handle, ptr, nbytes in _streamed.values():
+            if (ptr == tensor.data_ptr() and nbytes == tensor.nbytes
+                    and handle.dtype == _dtype_name(tensor.dtype)
+                    and handle.shape == tuple(tensor.shape)):
+                return handle
+    return None
+
+
+def take_handover(tensor: Any) -> SharedTensorHandle | None:
+    """Hop 1 sender: the handle of ``tensor``'s streamed segment, ownership passed on.
+
+    If ``tensor`` (same data pointer, size, dtype and shape) is a streamed
+    segment this process owns, it is removed from this process's books (its
+    name is no longer unlinked when the tensor is freed: the peer adopts it
+    by ``rename``, exactly as a :func:`share_tensor` segment) and its handle
+    is returned: no copy. Otherwise None (the caller copies as usual).
+    """
+    handle = _streamed_entry(tensor)
+    if handle is None:
+        return None
+    with _streamed_lock:
+        if _streamed.pop(handle.name, None) is None:
+            return None
+    count(hop1_handover_tensors=1)
+    return handle
+
+
+def release_streamed(name: str) -> bool:
+    """Unlink a streamed segment not handed over; True if this call unlinked it.
+
+    Safe to call for a name already handed over (then nothing happens): a
+    peer owns it now.
+    """
+    with _streamed_lock:
+        if _streamed.pop(name, None) is None:
+            return False
+    if _unlink_quietly(_path(name)):
+        count(segments_unlinked=1)
+        return True
+    return False
+
+
+def streamed_pending() -> int:
+    """Streamed segments this process still owns (not handed over, not released)."""
+    with _streamed_lock:
+        return len(_streamed)
+
+
+def _streamed_after_fork_in_child() -> None:
+    global _streamed_lock
+    _streamed.clear()  # the parent's, not ours to unlink
+    _streamed_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_streamed_after_fork_in_child)
 
 
 # --------------------------------------------------------------------------
