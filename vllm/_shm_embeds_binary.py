@@ -390,6 +390,40 @@ def wrap_load_chat_embeds_async(orig: Callable) -> Callable:
     return _load_prompt_embeds_async
 
 
+def wrap_build_mixed_prompt_embeds(orig: Callable) -> Callable:
+    """``_build_mixed_prompt_embeds(token_ids, prompt_embeds_tensors, positions)``.
+
+    vllm/renderers/hf.py (0.32/0.33) assembles a chat prompt's embeds into a
+    fresh ``torch.zeros`` tensor, which hop 1 then copies again. When a part
+    came from a binary body: a prompt that is exactly one such part is
+    returned as is (no copy; same values and an all-False ``is_token_ids``
+    mask); otherwise the full tensor is assembled in a new streamed segment
+    (one counted copy) so that hop 1 hands it over instead of copying it.
+    Any other input takes vLLM's function.
+    """
+
+    def _build_mixed_prompt_embeds(token_ids, prompt_embeds_tensors, positions,
+                                   *args, **kwargs):
+        tensors = list(prompt_embeds_tensors)
+        if args or kwargs or not tensors or not any(shm.is_streamed(t) for t in tensors):
+            return orig(token_ids, prompt_embeds_tensors, positions, *args, **kwargs)
+        total = len(token_ids)
+        if len(tensors) == 1 and list(positions) == [(0, total)] and \
+                tensors[0].shape[0] == total:
+            return tensors[0], [False] * total
+        try:
+            full = shm.streamed_tensor_like(tensors[0].dtype, (total, tensors[0].shape[1]))
+        except OSError:
+            return orig(token_ids, prompt_embeds_tensors, positions)
+        is_token_ids = torch.ones(total, dtype=torch.bool)
+        for (start, length), t in zip(positions, tensors, strict=True):
+            full[start:start + length] = t
+            is_token_ids[start:start + length] = False
+        return full, is_token_ids.tolist()
+
+    return _build_mixed_prompt_embeds
+
+
 # --------------------------------------------------------------------------
 # the middleware
 
@@ -535,10 +569,14 @@ class BinaryBodyMiddleware:
                       binary_bytes=sum(t.nbytes for t in tensors))
             del tensors
         except _Disconnected:
+            for seg in segs:  # before counting: the counter says it is clean
+                seg.abort()
             shm.count(**{"binary_rejected.disconnect": 1})
             logger.info("shm-embeds: client disconnected during a binary upload")
             return
         except BinaryBodyError as e:
+            for seg in segs:
+                seg.abort()
             _reject(e)
             return await _send_error(send, e)
         finally:

@@ -526,6 +526,11 @@ BINARY_SITES: dict[str, BinarySite] = {
         "AsyncMultiModalContentParser._load_prompt_embeds_async", ("data_bytes",),
         alt_modules=("vllm.renderers.chat_utils",),
     ),
+    "chat_mixed_embeds": BinarySite(
+        "binary", "vllm.renderers.hf", "_build_mixed_prompt_embeds",
+        ("token_ids", "prompt_embeds_tensors", "positions"),
+        ("torch.zeros(total_len, hidden_size, dtype=dtype)",),
+    ),
 }
 
 # problems of the binary sites (empty: on); filled by _register_binary()
@@ -583,6 +588,7 @@ def _register_binary() -> None:
             "render_prompt": binary.wrap_render_prompt,
             "render_prompt_async": binary.wrap_render_prompt_async,
             "chat_embeds_async": binary.wrap_load_chat_embeds_async,
+            "chat_mixed_embeds": binary.wrap_build_mixed_prompt_embeds,
         }
         patches = [(owner, attr, _mark(functools.wraps(fn)(wrappers[key](fn))))
                    for key, (owner, attr, fn) in resolved.items()
