@@ -14,7 +14,9 @@ Runs against a running OpenAI-compatible vLLM server started with
   token ids (BOS included), read from safetensors on disk
   (``model.embed_tokens.weight``), sent as vLLM's online format: ``/v1/completions``
   with ``prompt_embeds`` = base64 of the ``torch.save`` bytes of an
-  ``(L, hidden_size)`` tensor.
+  ``(L, hidden_size)`` tensor. With ``--input binary``: the same tensor as a
+  binary body (shm-embeds issue 8: the JSON, then the raw bytes; needs the
+  plugin with ``VLLM_SHM_EMBEDS=1`` on the server).
 
 Latency is measured as the wall time of one non-streaming ``/v1/completions``
 request with ``max_tokens=1`` (send until full response): prefill plus one
@@ -131,12 +133,31 @@ class Client:
         self.session = requests.Session()
 
     def post(self, path, body):
-        """POST ``body`` (a dict, or pre-encoded JSON bytes); return the parsed reply."""
+        """POST ``body`` (a dict, pre-encoded JSON bytes, or a :class:`BinaryBody`);
+        return the parsed reply."""
+        if isinstance(body, BinaryBody):
+            return self._post_binary(path, body)
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         try:
             r = self.session.post(self.url + path, data=data, timeout=self.timeout,
                                   headers={"Content-Type": "application/json"})
         except requests.RequestException as e:
+            raise HttpError(f"POST {path}: {e}") from e
+        if r.status_code // 100 != 2:
+            raise HttpError(f"POST {path}: HTTP {r.status_code}: {r.text[:500]}")
+        return r.json()
+
+    def _post_binary(self, path, body):
+        import httpx
+
+        from shm_embeds_client import _chunks
+
+        if getattr(self, "_http", None) is None:
+            self._http = httpx.Client(timeout=self.timeout)
+        try:
+            r = self._http.post(self.url + path, content=_chunks(body.pieces),
+                                headers=body.headers)
+        except httpx.HTTPError as e:
             raise HttpError(f"POST {path}: {e}") from e
         if r.status_code // 100 != 2:
             raise HttpError(f"POST {path}: HTTP {r.status_code}: {r.text[:500]}")
@@ -206,10 +227,37 @@ def embeds_b64(weights, ids):
     return base64.b64encode(buf.getvalue()).decode(), tensor.numel() * tensor.element_size() / 1e6
 
 
+class BinaryBody:
+    """A framed binary ``/v1/completions`` body (``--input binary``, shm-embeds issue 8).
+
+    ``pieces``: the JSON header bytes, then memoryviews of the tensor's own
+    memory (no base64, no ``torch.save``); ``headers``: the framing headers.
+    """
+
+    def __init__(self, headers, pieces):
+        self.headers, self.pieces = headers, pieces
+
+
+def embeds_payload(weights, ids, mode):
+    """``(payload for completion_body(embeds=...), MB)`` for ``--input json|binary``."""
+    if mode == "json":
+        return embeds_b64(weights, ids)
+    import torch
+
+    tensor = weights[torch.tensor(ids)].contiguous()
+    return tensor, tensor.numel() * tensor.element_size() / 1e6
+
+
 def completion_body(model, prompt=None, embeds=None, max_tokens=1):
-    """Pre-encoded JSON for a greedy ``/v1/completions`` request."""
+    """Pre-encoded JSON (or a :class:`BinaryBody` when ``embeds`` is a tensor) for a
+    greedy ``/v1/completions`` request."""
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0,
             "return_token_ids": True}
+    if embeds is not None and not isinstance(embeds, str):
+        from shm_embeds_client import frame
+
+        headers, pieces, _ = frame({**body, "prompt": "", "prompt_embeds": embeds})
+        return BinaryBody(headers, pieces)
     if embeds is not None:
         body["prompt_embeds"] = embeds
     else:
@@ -236,7 +284,7 @@ def profile_length(client, weights, length, args, n_special, watcher=None):
         rng = random.Random(f"{args.seed}-{length}-{i}")
         text, ids = make_prompt(client, length, rng, n_special)
         kinds.add("text" if text is not None else "token_ids")
-        b64, mb = embeds_b64(weights, ids)
+        b64, mb = embeds_payload(weights, ids, args.input)
         bodies = [("text", completion_body(client.model, text if text is not None else ids)),
                   ("embeds", completion_body(client.model, embeds=b64))]
         del b64
@@ -265,7 +313,7 @@ def check_outputs(client, weights, length, args, n_special):
     """Greedy-generate from text and from embeds of the same ids; return a result dict."""
     rng = random.Random(f"{args.seed}-{length}-check")
     text, ids = make_prompt(client, length, rng, n_special)
-    b64, _ = embeds_b64(weights, ids)
+    b64, _ = embeds_payload(weights, ids, args.input)
     n = args.check_tokens
     a = client.post("/v1/completions", completion_body(
         client.model, text if text is not None else ids, max_tokens=n))["choices"][0]
@@ -360,6 +408,9 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5, help="timed samples per length and kind")
     p.add_argument("--warmup", type=int, default=2, help="untimed samples per length")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--input", choices=("json", "binary"), default="json",
+                   help="how embeds are sent: json (base64 of torch.save, vLLM's format) "
+                        "or binary (raw bytes after the JSON, shm-embeds' binary body)")
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     p.add_argument("--json", help="write all samples and medians here")
     p.add_argument("--label", help="name of this run in --json / --compare")
@@ -415,7 +466,8 @@ def main(argv=None):
               f"vs {c['embeds_token_ids']}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"label": args.label, "url": args.url, "model": model,
+            json.dump({"label": args.label, "input": args.input, "url": args.url,
+                       "model": model,
                        "embeddings": emb_dir, "repeats": args.repeats,
                        "warmup": args.warmup, "seed": args.seed,
                        "results": results, "checks": checks}, f, indent=1)

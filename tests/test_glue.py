@@ -33,6 +33,8 @@ def _request(embeds):
 
 def test_every_site_resolves_in_installed_vllm():
     assert glue.check_sites() == {"hop1": [], "hop2": []}
+    for key, site in glue.BINARY_SITES.items():
+        site.resolve()  # raises if a binary-body site does not hold
 
 
 def test_hop1_through_vllm_msgpack(shm_env):
@@ -128,8 +130,9 @@ def _check_tree(vllm_dir):
     from check_sites import check_site
 
     return {
-        key: check_site(vllm_dir, s.hop, s.module, s.qualname, s.params, s.source_marks)
-        for key, s in glue.SITES.items()
+        key: check_site(vllm_dir, s.hop, s.module, s.qualname, s.params, s.source_marks,
+                        getattr(s, "alt_modules", ()))
+        for key, s in {**glue.SITES, **glue.BINARY_SITES}.items()
     }
 
 
@@ -143,6 +146,9 @@ def test_sites_hold_in_vllm_0_33_wheel(tmp_path):
     """vllm 0.33.0 (CUDA wheel, what GPU users run), checked from its source."""
     import zipfile
 
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "tools"))
+    import check_sites
+
     dl = subprocess.run(
         [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "vllm==0.33.0",
          "-d", str(tmp_path)], capture_output=True, text=True, timeout=900,
@@ -150,8 +156,11 @@ def test_sites_hold_in_vllm_0_33_wheel(tmp_path):
     wheels = list(tmp_path.glob("vllm-0.33.0-*.whl"))
     if dl.returncode != 0 or not wheels:
         pytest.skip(f"cannot download vllm 0.33.0: {dl.stderr[-300:]}")
-    wanted = {f"{s.module.replace('.', '/')}.py" for s in glue.SITES.values()}
+    sites = {**glue.SITES, **glue.BINARY_SITES}
+    wanted = {f"vllm/{rel}" for s in sites.values()
+              for m in (s.module, *getattr(s, "alt_modules", ()))
+              for rel in check_sites.site_files(m)}
     with zipfile.ZipFile(wheels[0]) as z:
-        for name in wanted:
+        for name in wanted & set(z.namelist()):
             z.extract(name, tmp_path / "src")
-    assert _check_tree(str(tmp_path / "src" / "vllm")) == {k: None for k in glue.SITES}
+    assert _check_tree(str(tmp_path / "src" / "vllm")) == {k: None for k in sites}

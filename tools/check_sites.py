@@ -20,13 +20,47 @@ import os
 import sys
 
 
-def check_site(vllm_dir: str, hop, module, qualname, params=(), marks=()) -> str | None:
-    """Problem with one site in the tree at ``vllm_dir``, or None."""
-    rel = module.split(".", 1)[1].replace(".", os.sep) + ".py"
-    path = os.path.join(vllm_dir, rel)
-    if not os.path.exists(path):
-        return f"{module}: no file {rel}"
+def site_files(module: str) -> list[str]:
+    """Paths (relative to the vLLM package dir) a module may live in."""
+    rel = module.split(".", 1)[1].replace(".", os.sep)
+    return [rel + ".py", os.path.join(rel, "__init__.py")]
+
+
+def check_site(vllm_dir: str, hop, module, qualname, params=(), marks=(),
+               alt_modules=()) -> str | None:
+    """Problem with one site in the tree at ``vllm_dir``, or None.
+
+    ``alt_modules``: the same site under other module paths (first that has
+    the file wins); a ``qualname`` without a dot is a module-level function.
+    """
+    for mod in (module, *alt_modules):
+        path = next((os.path.join(vllm_dir, r) for r in site_files(mod)
+                     if os.path.exists(os.path.join(vllm_dir, r))), None)
+        if path is not None:
+            return _check_in(path, mod, qualname, params, marks)
+    return f"{module}: no file {site_files(module)[0]}"
+
+
+def _check_params_marks(source, item, qualname, params, marks) -> str | None:
+    a = item.args
+    names = {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs}
+    missing = [p for p in params if p not in names]
+    if missing:
+        return f"{qualname}: lacks parameter(s) {missing}"
+    body = ast.get_source_segment(source, item) or ""
+    absent = [m for m in marks if m not in body]
+    if absent:
+        return f"{qualname}: no longer contains {absent}"
+    return None
+
+
+def _check_in(path, module, qualname, params, marks) -> str | None:
     source = open(path).read()
+    if "." not in qualname:
+        for node in ast.parse(source).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == qualname:
+                return _check_params_marks(source, node, qualname, params, marks)
+        return f"{module}: no function {qualname}"
     cls_name, meth = qualname.split(".")
     for node in ast.parse(source).body:
         if isinstance(node, ast.ClassDef) and node.name == cls_name:
@@ -50,12 +84,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("vllm_dir", help="path of a vLLM package directory (…/vllm)")
     args = p.parse_args()
-    from vllm._shm_embeds_glue import SITES  # plain data; needs any vLLM installed
+    from vllm._shm_embeds_glue import BINARY_SITES, SITES  # plain data
 
     bad = 0
-    for key, s in SITES.items():
+    for key, s in {**SITES, **BINARY_SITES}.items():
         problem = check_site(args.vllm_dir, s.hop, s.module, s.qualname, s.params,
-                             s.source_marks)
+                             s.source_marks, getattr(s, "alt_modules", ()))
         print(f"{'FAIL' if problem else 'ok  '} {key:18} {s.module}.{s.qualname}"
               + (f": {problem}" if problem else ""))
         bad += problem is not None

@@ -72,7 +72,7 @@ from typing import Any
 import torch
 
 from vllm import _shm_embeds_segments as seg
-from vllm._shm_embeds_segments import (  # noqa: F401  (public names)
+from vllm._shm_embeds_segments import (  # noqa: F401  (re-exported public names)
     HEADER_BYTES,
     MAGIC,
     MAX_READERS,
@@ -345,6 +345,8 @@ class _Owned:
             not all set their flags.
         next_flag: first unused flag byte.
         released: the owner's tensor is gone; no new broadcast will come.
+        handover: a streamed segment (binary body) that hop 1 may hand over
+            to a peer by handle; never broadcast from here.
     """
 
     handle: SharedTensorHandle
@@ -355,6 +357,7 @@ class _Owned:
     broadcasts: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     next_flag: int = 0
     released: bool = False
+    handover: bool = False
 
     def close_fds(self) -> None:
         for fd in self.fds or ():
@@ -379,11 +382,17 @@ class _OwnedSegments:
 
     # -- adding
 
-    def add_adopted(self, handle: SharedTensorHandle, mm: mmap.mmap,
-                    tensor: torch.Tensor, anchor: Any) -> None:
-        """Own a segment mapped here as ``tensor``; released when its storage dies."""
+    def add_mapped(self, handle: SharedTensorHandle, mm: mmap.mmap, tensor: torch.Tensor,
+                   anchor: Any, handover: bool = False) -> None:
+        """Own a segment mapped here as ``tensor``; released when its storage dies.
+
+        ``anchor``: the buffer object the storage keeps alive
+        (:func:`~vllm._shm_embeds_segments.tensor_view`). ``handover``: a
+        streamed segment, for :meth:`hand_over`.
+        """
         with self._lock:
-            self._segs[handle.name] = _Owned(handle, mm, data_ptr=tensor.data_ptr())
+            self._segs[handle.name] = _Owned(handle, mm, data_ptr=tensor.data_ptr(),
+                                             handover=handover)
             self._by_ptr[tensor.data_ptr()] = handle.name
         weakref.finalize(anchor, _on_release, self._state, ("storage", handle.name))
 
@@ -468,7 +477,8 @@ class _OwnedSegments:
             if entry is not None:
                 h = entry.handle
                 same = (
-                    tensor.dtype == h.torch_dtype and tuple(tensor.shape) == h.shape
+                    not entry.handover
+                    and tensor.dtype == h.torch_dtype and tuple(tensor.shape) == h.shape
                     and (entry.data_ptr == tensor.data_ptr()
                          or (entry.source is not None and entry.source() is tensor))
                 )
@@ -512,11 +522,44 @@ class _OwnedSegments:
             entry.handle, flag_base=base, owner_pid=os.getpid(), owner_files=files
         )
 
+    # -- hop 1 (streamed segments)
+
+    def handover_entry(self, tensor: torch.Tensor) -> _Owned | None:
+        """The streamed segment that is exactly ``tensor`` (lock held by caller or not)."""
+        name = self._by_ptr.get(tensor.data_ptr())
+        entry = self._segs.get(name) if name is not None else None
+        if (entry is None or not entry.handover or entry.data_ptr != tensor.data_ptr()
+                or tensor.dtype != entry.handle.torch_dtype
+                or tuple(tensor.shape) != entry.handle.shape or not tensor.is_contiguous()):
+            return None
+        return entry
+
+    def hand_over(self, tensor: torch.Tensor) -> SharedTensorHandle | None:
+        """Give up a streamed segment to a peer; its handle, or None if not one."""
+        with self._lock:
+            gone = self._drain()
+            entry = self.handover_entry(tensor)
+            if entry is not None:
+                self._pop(entry.handle.name)
+        self._unlink(gone)
+        return entry.handle if entry is not None else None
+
+    def release(self, tensor: torch.Tensor) -> bool:
+        """Unlink the streamed segment that is ``tensor`` now (not handed over)."""
+        with self._lock:
+            entry = self.handover_entry(tensor)
+            if entry is not None:
+                self._pop(entry.handle.name)
+        if entry is None:
+            return False
+        self._unlink([entry])
+        return True
+
     # -- whole process
 
-    def pending(self) -> int:
+    def pending(self, handover_only: bool = False) -> int:
         with self._lock:
-            return len(self._segs)
+            return sum(1 for e in self._segs.values() if e.handover or not handover_only)
 
     def unlink_all(self) -> int:
         """Unlink every name this process still owns (shutdown), also un-adopted
@@ -654,7 +697,7 @@ def adopt_tensor(handle: SharedTensorHandle) -> torch.Tensor:
         seg.unlink_segment(directory, mine.name, nparts)
         raise
     tensor, anchor = seg.tensor_view(mm, mine)
-    state.owned.add_adopted(mine, mm, tensor, anchor)
+    state.owned.add_mapped(mine, mm, tensor, anchor)
     return tensor
 
 
@@ -876,10 +919,12 @@ class HandleOOBConsumer:
     def __call__(self, tensor: torch.Tensor) -> dict | None:
         if tensor is self._armed:
             self._armed = None
-            reason = eligible(tensor)
+            # A streamed segment (binary body) goes as it is, whatever its size.
+            handover = take_handover(tensor)
+            reason = None if handover is not None else eligible(tensor)
             if reason is None:
                 try:
-                    handle = share_tensor(tensor)
+                    handle = handover or share_tensor(tensor)
                 except OSError as e:
                     reason = _placement_failed("hop 1", tensor, e)
                 else:
@@ -942,6 +987,146 @@ class HandleOOBProvider:
         if ref is None or ref() is not tensor:
             return None
         return ADOPT_FAILED_MESSAGE
+
+
+# --------------------------------------------------------------------------
+# streamed segments: tensors written from a byte stream (binary request
+# bodies, vllm._shm_embeds_binary), handed over at hop 1 by handle
+
+
+class StreamedSegment:
+    """A one-file segment that an HTTP body is written into, chunk by chunk.
+
+    Created empty at its final size (``ftruncate``: no memory is used until
+    bytes arrive), then filled in order with :meth:`write` (``pwrite`` at
+    increasing offsets: one kernel copy from the caller's buffer into the
+    tmpfs pages; ENOSPC is an ``OSError``, never a SIGBUS). :meth:`finish`
+    maps it and returns the tensor; the segment stays owned by this process
+    until :func:`take_handover` passes it to a peer (hop 1, by handle, no
+    copy). It is unlinked when the tensor's storage is freed before that
+    (next safe point), by :func:`release_streamed`, or by :meth:`abort`.
+    The caller must have validated ``shape`` and ``dtype`` against its own
+    limits before creating one.
+
+    Args:
+        dtype: element type of the bytes that will be written.
+        shape: tensor shape, e.g. ``(num_tokens, hidden_size)``.
+    Raises:
+        OSError: the file could not be created or sized (nothing is left).
+    """
+
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        self.handle = SharedTensorHandle(_state.new_name(), seg.dtype_name(dtype), tuple(shape))
+        self.nbytes = self.handle.nbytes
+        self.filled = 0
+        self._path = os.path.join(shm_dir(), self.handle.name)
+        self._fd: int | None = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            seg.pwrite_all(self._fd, memoryview(seg.MAGIC.ljust(HEADER_BYTES, b"\0")), 0)
+            os.ftruncate(self._fd, HEADER_BYTES + self.nbytes)
+        except BaseException:
+            self.abort()
+            raise
+        count(segments_created=1)
+
+    def write(self, data: bytes | memoryview) -> None:
+        """Append ``data`` (at most the bytes still missing).
+
+        Raises:
+            ValueError: more bytes than the segment holds.
+            OSError: e.g. ENOSPC (the caller aborts).
+        """
+        if self._fd is None:
+            raise ShmEmbedsError("segment already finished or aborted")
+        if self.filled + len(data) > self.nbytes:
+            raise ValueError("more bytes than the segment holds")
+        seg.pwrite_all(self._fd, memoryview(data), HEADER_BYTES + self.filled)
+        self.filled += len(data)
+
+    def finish(self) -> torch.Tensor:
+        """Map the filled segment; returns the segment-backed tensor.
+
+        Counts the bytes written as ``copied_bytes`` (the one copy).
+        Raises:
+            ShmEmbedsError: not every byte was written (the segment is removed).
+        """
+        if self._fd is None or self.filled != self.nbytes:
+            self.abort()
+            raise ShmEmbedsError(f"segment holds {self.filled} of {self.nbytes} bytes")
+        try:
+            mm = seg.map_files([self._fd], [HEADER_BYTES + self.nbytes],
+                               mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+        count(copied_bytes=self.nbytes)
+        tensor, anchor = seg.tensor_view(mm, self.handle)
+        _state.owned.add_mapped(self.handle, mm, tensor, anchor, handover=True)
+        _state.start_reaper()  # unlinks it soon if its storage dies unsent
+        return tensor
+
+    def abort(self) -> None:
+        """Close and unlink (idempotent); counts the bytes written so far as copied."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+            if self.filled:
+                count(copied_bytes=self.filled)
+        if seg.unlink_quietly(self._path):
+            count(segments_unlinked=1)
+
+
+def streamed_tensor_like(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A new writable segment-backed tensor (for a dtype conversion into shm).
+
+    The caller fills it (e.g. ``out.copy_(src)``; counted here as
+    ``copied_bytes``); it is handed over or unlinked like a streamed one.
+    Raises OSError (nothing left) if the segment cannot be created.
+    """
+    streamed = StreamedSegment(dtype, shape)
+    streamed.filled = streamed.nbytes  # filled by the caller through the mapping
+    return streamed.finish()
+
+
+def is_streamed(tensor: Any) -> bool:
+    """True if ``tensor`` covers exactly a streamed segment not yet handed over."""
+    return isinstance(tensor, torch.Tensor) and _state.owned.handover_entry(tensor) is not None
+
+
+def take_handover(tensor: Any) -> SharedTensorHandle | None:
+    """Hop 1 sender: the handle of ``tensor``'s streamed segment, ownership passed on.
+
+    If ``tensor`` (same data pointer, dtype and shape) is a streamed segment
+    this process owns, it leaves this process's books (the peer adopts it by
+    ``rename``, exactly as a :func:`share_tensor` segment) and its handle is
+    returned: no copy. Otherwise None (the caller copies as usual).
+    """
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    handle = _state.owned.hand_over(tensor)
+    if handle is not None:
+        count(hop1_handover_tensors=1)
+    return handle
+
+
+def release_streamed(tensor: Any) -> bool:
+    """Unlink the streamed segment behind ``tensor`` now, if not handed over.
+
+    For a request that ends (rejected, failed, disconnected) before hop 1
+    took its segment; True if this call unlinked it.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        return False
+    return _state.owned.release(tensor)
+
+
+def streamed_pending() -> int:
+    """Streamed segments this process still owns (not handed over, not released)."""
+    return _state.owned.pending(handover_only=True)
 
 
 # --------------------------------------------------------------------------

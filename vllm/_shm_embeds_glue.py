@@ -49,11 +49,13 @@ import functools
 import importlib
 import inspect
 import os
+import sys
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 from vllm import _shm_embeds as shm
+from vllm import _shm_embeds_binary as binary
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -513,6 +515,8 @@ def _register() -> None:
     for cls, attr, wrapped in patches:
         setattr(cls, attr, wrapped)
     STATUS.update(status)
+    if "vllm.entrypoints.launchers.app" in sys.modules:  # an API server (issue 8)
+        _register_binary()
     shm.sweep_stale_segments()
     on = [h for h in ("hop1", "hop2") if not STATUS[h]]
     if on:
@@ -532,3 +536,158 @@ def _register() -> None:
                 pid,
                 "; ".join(problems),
             )
+
+
+# --------------------------------------------------------------------------
+# binary request bodies: sites in the API server process only (patched when
+# its app module is loaded and hop 1 is on); the hops do not depend on them.
+
+
+@dataclasses.dataclass(frozen=True)
+class BinarySite(Site):
+    """A :class:`Site` that may be a module-level function and may have moved.
+
+    Attributes:
+        alt_modules: the same site under another module path, tried in order
+            after ``module`` (vLLM moved some modules between 0.32 and 0.33).
+            ``qualname`` without a dot names a module-level function.
+    """
+
+    alt_modules: tuple[str, ...] = ()
+
+    def resolve(self) -> tuple[Any, str, Callable]:
+        """Return ``(owner, attr_name, function)`` (owner: class or module); raises on mismatch."""
+        errors = []
+        for module in (self.module, *self.alt_modules):
+            try:
+                return self._resolve_in(module)
+            except (ImportError, AttributeError) as e:
+                errors.append(f"{module}: {e}")
+        raise LookupError("; ".join(errors))
+
+    def _resolve_in(self, module: str) -> tuple[Any, str, Callable]:
+        if "." in self.qualname:
+            return dataclasses.replace(self, module=module, alt_modules=()).resolve_class()
+        mod = importlib.import_module(module)
+        fn = mod.__dict__.get(self.qualname)
+        if not callable(fn):
+            raise AttributeError(f"{self.qualname} is not a function of {module}")
+        if not getattr(fn, "__shm_embeds_wrapped__", False):
+            names = set(inspect.signature(fn).parameters)
+            missing = [p for p in self.params if p not in names]
+            if missing:
+                raise TypeError(f"{self.qualname} lacks parameter(s) {missing}")
+            src = inspect.getsource(fn) if self.source_marks else ""
+            absent = [m for m in self.source_marks if m not in src]
+            if absent:
+                raise LookupError(f"{self.qualname} no longer contains {absent}")
+        return mod, self.qualname, fn
+
+    def resolve_class(self) -> tuple[type, str, Callable]:
+        return Site.resolve(self)
+
+
+_RENDER_BASE = "vllm.renderers.base"
+
+
+def _wrapping(factory: Callable[[Callable], Callable]) -> Callable[[Callable], Callable]:
+    """A ``Site.wrap`` from a wrapper factory: keeps the name and marks it."""
+    return lambda fn: _mark(functools.wraps(fn)(factory(fn)))
+
+
+BINARY_SITES: dict[str, BinarySite] = {
+    # build_app looks init_entrypoints_middleware up in its module's globals;
+    # we replace that global so our middleware is added first (innermost).
+    "app_build": BinarySite(
+        "binary", "vllm.entrypoints.launchers.app", "build_app",
+        ("args",), ("init_entrypoints_middleware(args, app, supported_tasks)",),
+    ),
+    "app_middleware": BinarySite(
+        "binary", "vllm.entrypoints.serve.middleware.register",
+        "init_entrypoints_middleware", ("args", "app", "supported_tasks"),
+        ("app.add_middleware(",),
+    ),
+    "render_prompt": BinarySite(
+        "binary", _RENDER_BASE, "BaseRenderer.render_prompt", ("prompt",),
+        ("isinstance(prompt, bytes)",), _wrapping(binary.wrap_render_prompt),
+    ),
+    "render_prompt_async": BinarySite(
+        "binary", _RENDER_BASE, "BaseRenderer._render_prompt_async", ("prompt",),
+        ("isinstance(prompt, bytes)",), _wrapping(binary.wrap_render_prompt_async),
+    ),
+    "chat_embeds_async": BinarySite(
+        "binary", "vllm.renderers.chat_utils.content_parser",
+        "AsyncMultiModalContentParser._load_prompt_embeds_async", ("data_bytes",),
+        wrap=_wrapping(binary.wrap_load_chat_embeds_async),
+        alt_modules=("vllm.renderers.chat_utils",),
+    ),
+    "chat_mixed_embeds": BinarySite(
+        "binary", "vllm.renderers.hf", "_build_mixed_prompt_embeds",
+        ("token_ids", "prompt_embeds_tensors", "positions"),
+        ("torch.zeros(total_len, hidden_size, dtype=dtype)",),
+        _wrapping(binary.wrap_build_mixed_prompt_embeds),
+    ),
+}
+
+# problems of the binary sites (empty: on); filled by _register_binary()
+BINARY_STATUS: list[str] = []
+
+ENV_VARS["VLLM_SHM_EMBEDS_BINARY_MAX_BYTES"] = lambda: os.environ.get(
+    "VLLM_SHM_EMBEDS_BINARY_MAX_BYTES"
+)
+
+
+def _wrap_init_middleware(orig: Callable) -> Callable:
+    from vllm._shm_embeds_binary import BinaryBodyMiddleware
+
+    @functools.wraps(orig)
+    def init_entrypoints_middleware(args, app, supported_tasks, *a, **kw):
+        try:
+            # Added before vLLM's own: add_middleware puts later ones outside,
+            # so authentication and CORS run before any body is read.
+            app.add_middleware(BinaryBodyMiddleware)
+            shm.set_role("client")
+            logger.info("shm-embeds: binary prompt_embeds bodies accepted on "
+                        "/v1/completions and /v1/chat/completions")
+        except Exception:
+            logger.exception("shm-embeds: binary bodies not enabled; stock app")
+        return orig(args, app, supported_tasks, *a, **kw)
+
+    return _mark(init_entrypoints_middleware)
+
+
+def _register_binary() -> None:
+    """Patch the binary-body sites if all hold and hop 1 is on; never raises."""
+    try:
+        problems = [] if not STATUS.get("hop1") else ["hop 1 is off"]
+        resolved = {}
+        for key, site in BINARY_SITES.items():
+            try:
+                resolved[key] = site.resolve()
+            except Exception as e:
+                problems.append(f"{site.module}.{site.qualname}: {e}")
+        if not problems:
+            app_mod = resolved["app_build"][0]
+            current = app_mod.__dict__.get("init_entrypoints_middleware")
+            if current is not resolved["app_middleware"][2] and not getattr(
+                current, "__shm_embeds_wrapped__", False
+            ):
+                problems.append("build_app does not call vLLM's init_entrypoints_middleware")
+        BINARY_STATUS[:] = problems
+        if problems:
+            logger.warning("shm-embeds: binary request bodies off in pid %d: %s",
+                           os.getpid(), "; ".join(problems))
+            return
+        patches = [(owner, attr, BINARY_SITES[key].wrap(fn))
+                   for key, (owner, attr, fn) in resolved.items()
+                   if BINARY_SITES[key].wrap is not None
+                   and not getattr(fn, "__shm_embeds_wrapped__", False)]
+        app_mod = resolved["app_build"][0]
+        init = app_mod.__dict__["init_entrypoints_middleware"]
+        if not getattr(init, "__shm_embeds_wrapped__", False):
+            patches.append((app_mod, "init_entrypoints_middleware",
+                            _wrap_init_middleware(init)))
+        for owner, attr, wrapped in patches:
+            setattr(owner, attr, wrapped)
+    except Exception:
+        logger.exception("shm-embeds: binary request bodies not enabled; vLLM untouched")

@@ -1,0 +1,248 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Binary-body framing (issue 8) without a server: header parsing and validation,
+the streamed segment and its hand-over at hop 1, placeholder resolution, the
+middleware over a fake ASGI app, and the client's framing."""
+
+import asyncio
+import json
+import os
+
+import pytest
+import torch
+
+from vllm import _shm_embeds as shm
+from vllm import _shm_embeds_binary as binary
+
+LIMITS = binary.ModelLimits(hidden_size=8, max_model_len=16, dtype=torch.float32,
+                            enable_prompt_embeds=True, max_body_bytes=16 * 8 * 4)
+
+
+def desc(t=4, h=8, dt="FP32", size=None):
+    item = {"FP32": 4, "FP16": 2, "BF16": 2}.get(dt, 4)
+    return {"datatype": dt, "shape": [t, h],
+            "parameters": {"binary_data_size": t * h * item if size is None else size}}
+
+
+def hdr(body):
+    return json.dumps(body).encode()
+
+
+def test_completions_header_gets_placeholders():
+    h = hdr({"model": "m", "prompt_embeds": [desc(), desc(2, dt="BF16")]})
+    p = binary.parse_header(h, "/v1/completions", LIMITS, len(h) + 128 + 32)
+    assert [s.shape for s in p.specs] == [(4, 8), (2, 8)]
+    assert [s.dtype for s in p.specs] == [torch.float32, torch.bfloat16]
+    assert p.body["prompt_embeds"] == [f"shm-embeds-binary:{p.token}.0",
+                                       f"shm-embeds-binary:{p.token}.1"]
+    assert p.body["model"] == "m"
+
+
+def test_chat_header_in_document_order():
+    body = {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"},
+                                     {"type": "prompt_embeds", "data": desc(3)}]},
+        {"role": "user", "content": [{"type": "prompt_embeds", "data": desc(5)}]}]}
+    p = binary.parse_header(hdr(body), "/v1/chat/completions", LIMITS, None)
+    assert [s.shape[0] for s in p.specs] == [3, 5]
+    assert p.body["messages"][1]["content"][0]["data"].endswith(".1")
+
+
+BAD = {
+    "datatype": ({"prompt_embeds": desc(dt="INT64")}, 400),
+    "not_2d": ({"prompt_embeds": {"datatype": "FP32", "shape": [32],
+                                  "parameters": {"binary_data_size": 128}}}, 400),
+    "shape": ({"prompt_embeds": {"datatype": "FP32", "shape": [4, True],
+                                 "parameters": {"binary_data_size": 16}}}, 400),
+    "hidden_size": ({"prompt_embeds": desc(4, 9)}, 400),
+    "too_long": ({"prompt_embeds": desc(17)}, 400),
+    "empty": ({"prompt_embeds": desc(0)}, 400),
+    "size": ({"prompt_embeds": desc(size=127)}, 400),
+    "descriptor": ({"prompt_embeds": "AAAA"}, 400),
+    "no_tensor": ({"prompt": "x"}, 400),
+    "too_large": ({"prompt_embeds": [desc(16), desc(16)]}, 413),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_headers(name):
+    body, status = BAD[name]
+    with pytest.raises(binary.BinaryBodyError) as e:
+        binary.parse_header(hdr(body), "/v1/completions", LIMITS, None)
+    assert (e.value.reason, e.value.status) == (name, status)
+    assert "/dev/shm" not in e.value.message and "vllm-shm-embeds" not in e.value.message
+
+
+def test_content_length_checked_before_allocating():
+    h = hdr({"prompt_embeds": desc()})
+    for cl, reason in ((len(h) + 127, "short"), (len(h) + 129, "extra")):
+        with pytest.raises(binary.BinaryBodyError) as e:
+            binary.parse_header(h, "/v1/completions", LIMITS, cl)
+        assert e.value.reason == reason
+    bad_json = b'{"prompt_embeds": '
+    with pytest.raises(binary.BinaryBodyError, match="JSON"):
+        binary.parse_header(bad_json, "/v1/completions", LIMITS, None)
+    off = binary.ModelLimits(8, 16, torch.float32, False, 512)
+    with pytest.raises(binary.BinaryBodyError, match="enable-prompt-embeds"):
+        binary.parse_header(h, "/v1/completions", off, None)
+
+
+def test_frame_header_length():
+    ok = [(b"content-type", b"application/octet-stream"),
+          (b"inference-header-content-length", b"10"), (b"content-length", b"20")]
+    assert binary.frame_header_length(ok) == (10, 20)
+    assert binary.frame_header_length(ok[1:]) is None  # no octet-stream: stock
+    assert binary.frame_header_length(ok[::2]) is None  # no header: stock
+    with pytest.raises(binary.BinaryBodyError) as e:
+        binary.frame_header_length([ok[0], (ok[1][0], b"21"), ok[2]])
+    assert e.value.reason == "header_too_long"
+    with pytest.raises(binary.BinaryBodyError):
+        binary.frame_header_length([ok[0], (ok[1][0], b"-1")])
+
+
+def test_streamed_segment_handover_and_release(shm_env):
+    t = torch.randn(40, 8)
+    seg = shm.StreamedSegment(torch.float32, (40, 8))
+    raw = t.view(torch.uint8).reshape(-1).numpy().tobytes()
+    for i in range(0, len(raw), 100):
+        seg.write(raw[i:i + 100])
+    got = seg.finish()
+    assert torch.equal(got, t) and shm.is_streamed(got)
+    assert shm.is_streamed(got.view(40, 8)) and not shm.is_streamed(got[1:])
+    consumer = shm.HandleOOBConsumer(None)
+    consumer.arm(got)
+    meta = consumer(got)[shm.META_KEY]
+    assert not shm.is_streamed(got)  # handed over: the peer owns it now
+    assert shm.stats().get("hop1_handover_tensors") == 1
+    adopted = shm.adopt_tensor(shm.SharedTensorHandle.from_meta(meta))
+    assert torch.equal(adopted, t)
+    del got, adopted
+    shm.shutdown()  # the adopter's name
+    # Not handed over: the name goes with the last tensor over the mapping.
+    seg = shm.StreamedSegment(torch.bfloat16, (4, 8))
+    seg.write(bytes(64))
+    view = seg.finish()[1:]
+    assert len(os.listdir(shm_env)) == 1
+    del view
+    shm.collect()  # the next safe point (the API server's reaper runs one every 0.1 s)
+    assert os.listdir(shm_env) == []
+    # Aborted mid-way: nothing left.
+    seg = shm.StreamedSegment(torch.float16, (4, 8))
+    seg.write(bytes(10))
+    seg.abort()
+    assert os.listdir(shm_env) == []
+    seg = shm.StreamedSegment(torch.float16, (1, 1))
+    with pytest.raises(ValueError):
+        seg.write(bytes(3))
+    seg.abort()
+
+
+def test_placeholder_resolves_only_in_its_own_context():
+    t = torch.ones(2, 8)
+    up = binary._Upload("ab" * 16, [t])
+    ph = f"shm-embeds-binary:{'ab' * 16}.0"
+    assert binary.resolve_placeholder(ph.encode()) is None  # no binary body here
+    tok = binary._current.set(up)
+    try:
+        assert binary.resolve_placeholder(ph.encode()) is t
+        assert binary.resolve_placeholder(ph.replace("ab", "cd", 1)) is None
+        assert binary.resolve_placeholder(ph[:-1] + "1") is None
+        assert binary.resolve_placeholder(b"\xff") is None
+    finally:
+        binary._current.reset(tok)
+
+
+def _run_middleware(headers, chunks, limits=LIMITS, disconnect=False):
+    """Drive the middleware with a fake downstream app; returns (status, body, seen)."""
+    seen = {}
+
+    async def app(scope, receive, send):
+        msg = await receive()
+        seen["body"] = json.loads(msg["body"])
+        seen["tensors"] = [binary.resolve_placeholder(v) for v in
+                           (seen["body"]["prompt_embeds"]
+                            if isinstance(seen["body"]["prompt_embeds"], list)
+                            else [seen["body"]["prompt_embeds"]])]
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    state = type("S", (), {})()
+    state.vllm_config = type("C", (), {})()
+    mc = type("M", (), {"max_model_len": limits.max_model_len, "dtype": limits.dtype,
+                        "enable_prompt_embeds": limits.enable_prompt_embeds,
+                        "get_hidden_size": lambda self: limits.hidden_size})()
+    state.vllm_config.model_config = mc
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+             "headers": headers, "app": type("A", (), {"state": state})()}
+    msgs = [{"type": "http.request", "body": c, "more_body": True} for c in chunks]
+    msgs.append({"type": "http.disconnect"} if disconnect else
+                {"type": "http.request", "body": b"", "more_body": False})
+    out = []
+
+    async def receive():
+        return msgs.pop(0) if msgs else {"type": "http.disconnect"}
+
+    async def send(m):
+        out.append(m)
+
+    asyncio.run(binary.BinaryBodyMiddleware(app)(scope, receive, send))
+    status = out[0]["status"] if out else None
+    body = b"".join(m.get("body", b"") for m in out[1:])
+    return status, body, seen
+
+
+def _framed(tensors, extra=b""):
+    h = hdr({"model": "m", "prompt_embeds": [desc(t.shape[0], t.shape[1],
+             {torch.float32: "FP32", torch.float16: "FP16"}[t.dtype]) for t in tensors]})
+    data = b"".join(t.view(torch.uint8).reshape(-1).numpy().tobytes() for t in tensors)
+    headers = [(b"content-type", b"application/octet-stream"),
+               (b"inference-header-content-length", str(len(h)).encode())]
+    return headers, h + data + extra
+
+
+def test_middleware_streams_into_segments(shm_env):
+    ts = [torch.randn(5, 8), torch.randn(3, 8).half()]
+    headers, body = _framed(ts)
+    chunks = [body[i:i + 7] for i in range(0, len(body), 7)]  # chunked, no Content-Length
+    before = shm.stats()
+    status, _, seen = _run_middleware(headers, chunks)
+    assert status == 200
+    assert torch.equal(seen["tensors"][0], ts[0])
+    assert torch.equal(seen["tensors"][1], ts[1].float())  # cast like the JSON path
+    s = {k: v - before.get(k, 0) for k, v in shm.stats().items()}
+    assert s["binary_bodies"] == 1 and s["binary_converted_bytes"] == 3 * 8 * 4
+    assert s["copied_bytes"] == 5 * 8 * 4 + 3 * 8 * 2 + 3 * 8 * 4
+    del seen
+    assert os.listdir(shm_env) == []  # nothing handed over: released at the end
+
+
+@pytest.mark.parametrize("case", ["short", "extra", "disconnect"])
+def test_middleware_bad_streams_leave_nothing(shm_env, case):
+    headers, body = _framed([torch.randn(5, 8)], extra=b"x" if case == "extra" else b"")
+    if case == "short":
+        body = body[:-3]
+    status, msg, _ = _run_middleware(headers, [body[:-10], body[-10:]],
+                                     disconnect=case == "disconnect")
+    if case == "disconnect":
+        body = body[:-10]
+        status, msg, _ = _run_middleware(headers, [body], disconnect=True)
+        assert status is None
+    else:
+        assert status == 400 and case.replace("short", "cut short") in msg.decode()
+        assert json.loads(msg)["error"]["code"] == 400
+    assert os.listdir(shm_env) == []
+    assert shm.stats().get(f"binary_rejected.{case}") >= 1
+
+
+def test_client_frame_uses_tensor_memory():
+    import shm_embeds_client as sec
+
+    t = torch.randn(6, 8).to(torch.bfloat16)
+    headers, pieces, length = sec.frame({"model": "m", "prompt_embeds": t})
+    n = int(headers["Inference-Header-Content-Length"])
+    assert len(pieces[0]) == n and length == n + t.nbytes
+    assert pieces[1].obj is not None and bytes(pieces[1]) == t.view(torch.uint8).numpy().tobytes()
+    p = binary.parse_header(pieces[0], "/v1/completions",
+                            binary.ModelLimits(8, 16, torch.float32, True, 1 << 20), length)
+    assert p.specs[0].dtype == torch.bfloat16
+    with pytest.raises(ValueError):
+        sec.frame({"prompt_embeds": torch.ones(3, dtype=torch.int64)})
