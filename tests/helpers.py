@@ -1,13 +1,31 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Helpers shared by the tests: segment names, payload encoding, counters."""
+"""Helpers shared by the tests: models, payloads, servers, segments, counters.
+
+One home for what several test modules need (conftest.py keeps the fixtures).
+"""
 
 import base64
+import contextlib
 import io
+import json
 import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
 
+import requests
 import torch
 
 from vllm._shm_embeds_segments import SegmentName
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# -- segments ------------------------------------------------------------------
 
 
 def mine(name: str) -> bool:
@@ -21,8 +39,172 @@ def ours_in(seg_dir: str) -> list[str]:
     return sorted(n for n in os.listdir(seg_dir) if SegmentName.parse(n) is not None)
 
 
-def encode_embeds(tensor: torch.Tensor) -> str:
-    """vLLM's online ``prompt_embeds`` format: base64 of ``torch.save`` bytes."""
+def new_seg_dir() -> str:
+    """A private segment directory on the /dev/shm tmpfs for one engine run.
+
+    Tests point ``VLLM_SHM_EMBEDS_DIR`` at it so concurrent jobs on the same
+    machine cannot make a leak check pass or fail.
+    """
+    return tempfile.mkdtemp(prefix="shm-embeds-it-", dir="/dev/shm")
+
+
+def engine_env(shm_on: bool, seg_dir: str, stats_dir) -> dict:
+    """Environment for one engine run: the plugin on or off, its segment and
+    stats dirs, a 1 KiB threshold (the tiny model's prompts are small), and
+    the CPU backend's settings for TP on 2 cores."""
+    return dict(
+        os.environ,
+        VLLM_SHM_EMBEDS="1" if shm_on else "0",
+        VLLM_SHM_EMBEDS_DIR=seg_dir,
+        VLLM_SHM_EMBEDS_MIN_BYTES="1024",
+        VLLM_SHM_EMBEDS_STATS_DIR=str(stats_dir),
+        VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"),
+        VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+    )
+
+
+def by_role(stats, role):
+    """Counters of the processes in ``stats`` (``read_stats_dir``) with ``role``."""
+    return [s["counters"] for s in stats if role in s["roles"]]
+
+
+# -- models and payloads ---------------------------------------------------------
+
+
+def local_model(variant: str = "tiny") -> str:
+    """Path of the local random-weight model (built by tools/make_tiny_model.py)."""
+    path = os.path.join(REPO, ".models", variant)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        subprocess.run(
+            [sys.executable, os.path.join(REPO, "tools", "make_tiny_model.py"),
+             "--out", path, "--variant", variant],
+            check=True,
+        )
+    return path
+
+
+def tiny_model() -> str:
+    return local_model("tiny")
+
+
+def embed_weights(model_dir: str) -> torch.Tensor:
+    """``model.embed_tokens.weight`` (vocab, hidden) from the model's safetensors."""
+    from safetensors import safe_open
+
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(model_dir, name), "pt") as f:
+                if "model.embed_tokens.weight" in f.keys():
+                    return f.get_tensor("model.embed_tokens.weight")
+    raise FileNotFoundError(f"no model.embed_tokens.weight in {model_dir}")
+
+
+def encode_embeds(obj) -> str:
+    """vLLM's online ``prompt_embeds`` format: base64 of ``torch.save`` bytes
+    (of a tensor; any object for the bad-payload tests)."""
     buf = io.BytesIO()
-    torch.save(tensor, buf)
+    torch.save(obj, buf)
     return base64.b64encode(buf.getvalue()).decode()
+
+
+# -- the OpenAI server -------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# The tiny model has no chat template; this one renders the messages' content
+# as is, so a message holding one prompt_embeds part is just those embeds.
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+@contextlib.contextmanager
+def start_server(tmp, *server_args, shm_on=True, check_clean=True):
+    """Run the OpenAI server on the tiny model; yield a dict describing it.
+
+    At exit the server is stopped (SIGTERM) and, with ``check_clean``, its
+    private segment dir must be empty.
+    """
+    stats = tmp / "stats"
+    stats.mkdir()
+    model = tiny_model()
+    port = free_port()
+    seg_dir = new_seg_dir()
+    env = engine_env(shm_on, seg_dir, stats)
+    log = open(tmp / "server.log", "w")
+    # `vllm serve` of vllm-cpu 0.32.0 fails on its own metadata lookup; the
+    # module entry point starts the same server.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+         "--model", model, "--served-model-name", "tiny", "--port", str(port),
+         "--enable-prompt-embeds", "--dtype", "float32",
+         "--max-model-len", "2048", "--enforce-eager", *server_args],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    try:
+        while True:
+            assert proc.poll() is None, (tmp / "server.log").read_text()[-4000:]
+            try:
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(1)
+        yield {"url": url, "model": model, "stats": str(stats), "proc": proc,
+               "log": tmp / "server.log", "seg_dir": seg_dir}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(120)
+        left = ours_in(seg_dir)
+        shutil.rmtree(seg_dir, ignore_errors=True)  # even when the test failed
+    if check_clean:
+        assert left == [], f"segments left after shutdown: {left}"
+
+
+def post_completion(url: str, body: dict, timeout: float = 300, max_tokens: int = 16):
+    """POST a greedy ``/v1/completions`` request (model ``tiny``); the response."""
+    return requests.post(
+        url + "/v1/completions",
+        json={"model": "tiny", "max_tokens": max_tokens, "temperature": 0.0, **body},
+        timeout=timeout,
+    )
+
+
+# -- offline runs ------------------------------------------------------------------
+
+
+def run_offline(tmp_path, shm_on: bool, model: str, lengths, extra=(), seg_dir=None):
+    """Run tests/offline_run.py in a fresh process; return (outputs, stats, log).
+
+    Segments go to ``seg_dir`` (default: a new private dir, removed after),
+    which must be empty once the run has shut down.
+    """
+    stats = tmp_path / f"stats-{int(shm_on)}"
+    stats.mkdir()
+    out = tmp_path / f"out-{int(shm_on)}.json"
+    own_dir = seg_dir is None
+    seg_dir = new_seg_dir() if own_dir else seg_dir
+    env = engine_env(shm_on, seg_dir, stats)
+    try:
+        proc = subprocess.run(
+            [sys.executable, os.path.join(REPO, "tests", "offline_run.py"),
+             "--model", model, "--out", str(out),
+             "--lengths", ",".join(map(str, lengths)), *extra],
+            env=env, capture_output=True, text=True, timeout=900,
+        )
+        left = ours_in(seg_dir)
+    finally:
+        if own_dir:
+            shutil.rmtree(seg_dir, ignore_errors=True)  # even when the run failed
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert left == [], f"segments left after shutdown: {left}"
+    from vllm._shm_embeds import read_stats_dir
+
+    return json.loads(out.read_text()), read_stats_dir(str(stats)), proc.stdout + proc.stderr

@@ -21,23 +21,7 @@ import time
 
 import torch
 
-
-def embed_weights(model_dir: str):
-    """``model.embed_tokens.weight`` (vocab, hidden) from the model's safetensors."""
-    from safetensors import safe_open
-
-    for name in sorted(os.listdir(model_dir)):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(model_dir, name), "pt") as f:
-                if "model.embed_tokens.weight" in f.keys():
-                    return f.get_tensor("model.embed_tokens.weight")
-    raise FileNotFoundError(f"no model.embed_tokens.weight in {model_dir}")
-
-
-def ours() -> list[str]:
-    """Our segment names currently in the segment directory."""
-    seg_dir = os.environ.get("VLLM_SHM_EMBEDS_DIR", "/dev/shm")
-    return sorted(n for n in os.listdir(seg_dir) if n.startswith("vllm-shm-embeds"))
+from helpers import embed_weights, ours_in
 
 
 def lifetime(llm, embeds, weights, sp, max_model_len: int) -> dict:
@@ -59,14 +43,14 @@ def lifetime(llm, embeds, weights, sp, max_model_len: int) -> dict:
     engine.add_request("after", {"prompt_token_ids": [5, 6, 7]}, sp)
     while engine.has_unfinished_requests():
         engine.step()
-    out["left_after_abort"] = ours()
+    out["left_after_abort"] = ours_in(os.environ.get("VLLM_SHM_EMBEDS_DIR", "/dev/shm"))
     too_long = weights[torch.arange(max_model_len + 8) % weights.shape[0]]
     try:
         llm.generate([{"prompt_embeds": too_long}], sp, use_tqdm=False)
         out["too_long_error"] = None
     except Exception as e:  # expected: vLLM rejects it
         out["too_long_error"] = f"{type(e).__name__}: {e}"[:300]
-    out["left_after_too_long"] = ours()
+    out["left_after_too_long"] = ours_in(os.environ.get("VLLM_SHM_EMBEDS_DIR", "/dev/shm"))
     return out
 
 
@@ -148,7 +132,7 @@ def main() -> None:
         "embeds": [list(o.outputs[0].token_ids) for o in out_emb],
         "embeds_bytes": [e.nbytes for e in embeds],
         "engine_start_s": started,
-        "left_after_generate": ours(),
+        "left_after_generate": ours_in(os.environ.get("VLLM_SHM_EMBEDS_DIR", "/dev/shm")),
     }
     if args.lifetime:
         result.update(lifetime(llm, embeds[-1], weights, sp, args.max_model_len))

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Online: binary ``prompt_embeds`` bodies (issue 8) on a stock OpenAI server, TP=2.
+"""Online: binary ``prompt_embeds`` bodies on a stock OpenAI server, TP=2.
 
 One server for the module (shm on, only ``VLLM_SHM_EMBEDS=1`` and the test's
 dirs set). Greedy outputs of the binary path must equal those of the same
@@ -19,10 +19,7 @@ import requests
 import torch
 
 import shm_embeds_client as sec
-from conftest import ours_in
-from offline_run import embed_weights
-from test_offline import by_role
-from test_online import CHAT_TEMPLATE, encode_embeds, start_server
+from helpers import CHAT_TEMPLATE, embed_weights, encode_embeds, ours_in, start_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.online]
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Binary-body framing (issue 8) without a server: header parsing and validation,
+"""Binary-body framing without a server: header parsing and validation,
 the streamed segment and its hand-over at hop 1, placeholder resolution, the
 middleware over a fake ASGI app, and the client's framing."""
 

@@ -12,9 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from test_offline import by_role
-from test_online import encode_embeds, start_server
-from offline_run import embed_weights
+from helpers import by_role, embed_weights, encode_embeds, start_server
 from vllm._shm_embeds import read_stats_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.online]

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Error paths of the mechanism and the glue, without engines.
 
-One test per fault of the review (issue 10); each fails on the code before
+One test per fault a review found; each fails on the code before
 the fix: writers still running when their fds were closed, finalizers that
 locked, a failed rank that let the others run the step, hop-1 segments
 orphaned by a failed encode or send, a fork child unlinking its parent's

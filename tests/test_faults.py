@@ -19,10 +19,16 @@ import psutil
 import pytest
 import requests
 
-from conftest import ours_in
-from offline_run import embed_weights
-from test_offline import by_role, run_offline, tiny_model
-from test_online import encode_embeds, start_server
+from helpers import (
+    by_role,
+    embed_weights,
+    encode_embeds,
+    ours_in,
+    post_completion,
+    run_offline,
+    start_server,
+    tiny_model,
+)
 from vllm._shm_embeds import read_stats_dir
 
 pytestmark = pytest.mark.integration
@@ -81,14 +87,6 @@ def _embeds_bodies(model_dir, n, length=600):
     ]
 
 
-def _post(url, body, timeout=300):
-    return requests.post(
-        url + "/v1/completions",
-        json={"model": "tiny", "max_tokens": 16, "temperature": 0.0, **body},
-        timeout=timeout,
-    )
-
-
 def _sweep(seg_dir):
     """What the next start of any plugin process does first."""
     env = dict(os.environ, VLLM_SHM_EMBEDS="1", VLLM_SHM_EMBEDS_DIR=seg_dir)
@@ -103,7 +101,7 @@ def test_sigkill_mid_request_then_next_start_sweeps(tmp_path, victim):
     with start_server(tmp_path, "-tp", "2", check_clean=False) as server:
         bodies = _embeds_bodies(server["model"], 24)
         with ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(_post, server["url"], b, 60) for b in bodies]
+            futures = [pool.submit(post_completion, server["url"], b, 60) for b in bodies]
             time.sleep(1.0)
             [target] = _children(server["proc"], victim)
             target.send_signal(signal.SIGKILL)
@@ -124,7 +122,7 @@ def test_sigterm_with_requests_in_flight(tmp_path):
     with start_server(tmp_path, "-tp", "2") as server:
         bodies = _embeds_bodies(server["model"], 16)
         with ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(_post, server["url"], b, 60) for b in bodies]
+            futures = [pool.submit(post_completion, server["url"], b, 60) for b in bodies]
             time.sleep(1.0)
             os.killpg(server["proc"].pid, signal.SIGTERM)
             assert server["proc"].wait(180) is not None
@@ -169,13 +167,13 @@ def test_names_removed_by_another_process_never_wedge_the_server(tmp_path):
             with ThreadPoolExecutor(4) as pool:
                 # A hang shows as a timeout (requests raises): the test fails.
                 codes = [r.status_code for r in pool.map(
-                    lambda b: _post(server["url"], b, timeout=90), bodies)]
+                    lambda b: post_completion(server["url"], b, timeout=90), bodies)]
         finally:
             stop.set()
             thread.join()
         assert all(c == 200 or 400 <= c < 600 for c in codes), codes
-        for r in (_post(server["url"], bodies[0], timeout=90),
-                  _post(server["url"], {"prompt": "hello"}, timeout=90)):
+        for r in (post_completion(server["url"], bodies[0], timeout=90),
+                  post_completion(server["url"], {"prompt": "hello"}, timeout=90)):
             assert r.status_code == 200, r.text[:300]
         assert requests.get(server["url"] + "/health", timeout=10).status_code == 200
         stats = read_stats_dir(server["stats"])
@@ -221,7 +219,7 @@ def _soak(tmp_path, n: int, shm_on: bool) -> dict:
                     {"prompt": "", "prompt_embeds": encode_embeds(weights[ids])})
             abort = not reject and rng.random() < 0.25
             try:  # an abort is an HTTP disconnect before the answer
-                r = _post(server["url"], {**body, "max_tokens": 64 if abort else 4},
+                r = post_completion(server["url"], {**body, "max_tokens": 64 if abort else 4},
                           timeout=0.05 if abort else 300)
             except requests.Timeout:
                 return "aborted"

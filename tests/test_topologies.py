@@ -10,7 +10,7 @@ prefill, and after an over-long prompt is rejected.
 
 import pytest
 
-from test_offline import by_role, run_offline, tiny_model
+from helpers import by_role, run_offline, tiny_model
 
 pytestmark = pytest.mark.integration
 

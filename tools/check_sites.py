@@ -66,16 +66,7 @@ def _check_in(path, module, qualname, params, marks) -> str | None:
         if isinstance(node, ast.ClassDef) and node.name == cls_name:
             for item in node.body:
                 if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == meth:
-                    a = item.args
-                    names = {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs}
-                    missing = [p for p in params if p not in names]
-                    if missing:
-                        return f"{qualname}: lacks parameter(s) {missing}"
-                    body = ast.get_source_segment(source, item) or ""
-                    absent = [m for m in marks if m not in body]
-                    if absent:
-                        return f"{qualname}: no longer contains {absent}"
-                    return None
+                    return _check_params_marks(source, item, qualname, params, marks)
             return f"{qualname}: no method {meth}"
     return f"{module}: no class {cls_name}"
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Binary ``prompt_embeds`` request bodies streamed into shared memory (shm-embeds, issue 8).
+"""Binary ``prompt_embeds`` request bodies streamed into shared memory.
 
 Wire format (KServe v2 / Triton "binary tensor data" framing), on the stock
 routes ``POST /v1/completions`` and ``POST /v1/chat/completions``:

@@ -515,7 +515,7 @@ def _register() -> None:
     for cls, attr, wrapped in patches:
         setattr(cls, attr, wrapped)
     STATUS.update(status)
-    if "vllm.entrypoints.launchers.app" in sys.modules:  # an API server (issue 8)
+    if "vllm.entrypoints.launchers.app" in sys.modules:  # an API server
         _register_binary()
     shm.sweep_stale_segments()
     on = [h for h in ("hop1", "hop2") if not STATUS[h]]
