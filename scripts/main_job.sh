@@ -25,12 +25,14 @@
 #      the counters of every process (a silent fallback fails the job) and the
 #      shared memory held per request, stop the server (SIGTERM, then SIGKILL
 #      of its process group after 60 s).
+#      With --hol, also benchmarks/bench_hol.py per input: p50/p99 of short
+#      text requests while 8192-token embeds requests upload back to back.
 #   5. Print the runs side by side; fail if /dev/shm holds our segments.
 # Logs and JSON go to .out/. Exit status: 0 only if every step passed.
 # Env: SERVER_EXTRA_ARGS is appended to the server command line.
 set -uo pipefail
 
-WIDE=2; MODES="stock shm"; LENGTHS=128,512,1024; WIDE_LENGTHS=1024,4096,8192
+WIDE=2; MODES="stock shm"; HOL=0; LENGTHS=128,512,1024; WIDE_LENGTHS=1024,4096,8192
 REPEATS=3; WARMUP=1; PORT=8123; HEALTH_TIMEOUT=300; STOP_TIMEOUT=60
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -38,6 +40,7 @@ while [ $# -gt 0 ]; do
     --wide-and-tiny|--wide) WIDE=1 ;;
     --wide-only) WIDE=2 ;;
     --arena) MODES="stock arena shm" ;;
+    --hol) HOL=1 ;;
     --lengths) LENGTHS=$2; shift ;;
     --wide-lengths) WIDE_LENGTHS=$2; shift ;;
     --repeats) REPEATS=$2; shift ;;
@@ -106,7 +109,7 @@ run_mode() {  # run_mode MODEL MODE(stock|arena|shm) LENGTHS
   [ "$mode" = arena ] && extra=--enable-shm-tensor-arena
   local srv_log="$OUT/server_$name.log" url="http://localhost:$PORT"
   local mml=$(( $(max_len "$lengths") + 256 ))
-  rm -f "$OUT/prof_$name.json" "$OUT"/prof_"$name"_*.json
+  rm -f "$OUT/prof_$name.json" "$OUT"/prof_"$name"_*.json "$OUT"/hol_"$name"*.json
   if curl -sf "$url/health" >/dev/null 2>&1; then
     fail "something already serves port $PORT"; return
   fi
@@ -150,6 +153,11 @@ run_mode() {  # run_mode MODEL MODE(stock|arena|shm) LENGTHS
       | tee "$OUT/prof_$run.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || fail "[$run] prof_embeds.py failed"
     seed=$((seed + 1))
+    if [ "$HOL" = 1 ]; then
+      "$PY" benchmarks/bench_hol.py --url "$url" --input "$input" \
+        --tokens "$(max_len "$lengths")" --label "$run" --json "$OUT/hol_$run.json" \
+        || fail "[$run] bench_hol.py failed"
+    fi
   done
   if [ "$mode" = shm ]; then  # fail on a silent fallback: counters, not logs
     "$PY" - "$stats" <<'PYEOF' || fail "[$name] the shm path did not carry the embeds"

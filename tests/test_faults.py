@@ -184,6 +184,52 @@ def test_names_removed_by_another_process_never_wedge_the_server(tmp_path):
               f"{by_role(stats, 'engine')[0]}")
 
 
+# Loaded by every Python process of the server (PYTHONPATH): the TP worker with
+# reader index 1 cannot map any segment, as if out of memory or descriptors.
+_INJECT = """
+import os
+if os.environ.get("SHM_EMBEDS_TEST_FAIL_READER"):
+    import vllm._shm_embeds as _m
+    _orig = _m.open_tensor
+    def open_tensor(handle, reader_index=None):
+        if reader_index == int(os.environ["SHM_EMBEDS_TEST_FAIL_READER"]):
+            raise _m.ShmEmbedsError("injected: this rank cannot map segments")
+        return _orig(handle, reader_index)
+    _m.open_tensor = open_tensor
+"""
+
+
+def test_a_rank_that_cannot_map_stops_the_engine_instead_of_hanging(tmp_path):
+    """One TP rank fails to map a request's segment while the other can: the
+    request ends at once with an error, and the server does not stay up
+    reporting healthy while it can no longer answer (the review's wedge)."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(_INJECT)
+    env = {"PYTHONPATH": str(inject), "SHM_EMBEDS_TEST_FAIL_READER": "1"}
+    with start_server(tmp_path, "-tp", "2", env_extra=env) as server:
+        body = _embeds_bodies(server["model"], 1, length=300)[0]
+        t0 = time.monotonic()
+        try:
+            r = post_completion(server["url"], body, timeout=120)
+            assert r.status_code >= 500, r.text[:300]
+        except requests.ConnectionError:
+            pass  # the server went down while answering: also not a hang
+        assert time.monotonic() - t0 < 120
+        # vLLM fails the engine on the reported worker error: /health and the
+        # process say so within a minute (no wedged server reporting 200).
+        deadline, healthy = time.monotonic() + 60, True
+        while healthy and time.monotonic() < deadline:
+            try:
+                healthy = requests.get(server["url"] + "/health", timeout=5).status_code == 200
+            except requests.RequestException:
+                healthy = False
+            time.sleep(0.5)
+        assert not healthy, "the server still reports healthy after its engine failed"
+        log = server["log"].read_text()
+        assert "could not be mapped on every rank" in log
+
+
 def _mapped_segments(pid: int) -> int:
     """How many of our segments ``pid`` still maps (named or already unlinked)."""
     with open(f"/proc/{pid}/maps") as f:

@@ -40,6 +40,19 @@ hop 2, EngineCore -> TP workers (``vllm/v1/executor/multiproc_executor.py``)
      checks see it) instead of one rank waiting forever in a collective.
   8. ``MultiprocExecutor.shutdown`` / ``WorkerProc.shutdown``: unlink what is
      left, log the summary.
+
+binary request bodies, API server only (see :data:`BINARY_SITES`; patched when
+the OpenAI app module is loaded and hop 1 is on; all or none)
+  9. ``vllm.entrypoints.launchers.app.build_app``'s global
+     ``init_entrypoints_middleware`` (``vllm/entrypoints/serve/middleware/
+     register.py``): add :class:`~vllm._shm_embeds_binary.BinaryBodyMiddleware`
+     first, so it runs inside vLLM's own middleware (authentication, CORS).
+ 10. ``BaseRenderer.render_prompt`` / ``_render_prompt_async``
+     (``vllm/renderers/base.py``) and the chat parser's
+     ``_load_prompt_embeds_async``: a placeholder of the request being served
+     resolves to its segment-backed tensor; anything else takes vLLM's path.
+ 11. ``vllm/renderers/hf.py`` ``_build_mixed_prompt_embeds``: a chat prompt
+     that is one binary part keeps its tensor (no copy).
 """
 
 from __future__ import annotations
