@@ -56,6 +56,7 @@ from typing import Any
 
 from vllm import _shm_embeds as shm
 from vllm import _shm_embeds_binary as binary
+from vllm import _shm_embeds_metrics as metrics
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -217,6 +218,7 @@ def _wrap_client_init(orig: Callable) -> Callable:
                 os.getpid(),
                 shm.min_bytes(),
             )
+            metrics.on_client_init(self)  # issue 11: model name, /dev/shm size check
         except Exception:
             logger.exception("shm-embeds: hop 1 sender not installed; stock path")
 
@@ -517,6 +519,7 @@ def _register() -> None:
     STATUS.update(status)
     if "vllm.entrypoints.launchers.app" in sys.modules:  # an API server (issue 8)
         _register_binary()
+        _register_metrics()  # issue 11
     shm.sweep_stale_segments()
     on = [h for h in ("hop1", "hop2") if not STATUS[h]]
     if on:
@@ -691,3 +694,54 @@ def _register_binary() -> None:
             setattr(owner, attr, wrapped)
     except Exception:
         logger.exception("shm-embeds: binary request bodies not enabled; vLLM untouched")
+
+
+# --------------------------------------------------------------------------
+# metrics (issue 11): shm-embeds counters of every process on the OpenAI
+# server's /metrics. Patched in API server processes (and the process that
+# launches them) only; the hops do not depend on them.
+
+_METRICS_ROUTE = "vllm.entrypoints.serve.instrumentator.metrics"
+
+METRICS_SITES: dict[str, BinarySite] = {
+    # attach_router looks get_prometheus_registry up in its module's globals;
+    # we replace that global so the registry /metrics serves has our collector.
+    "metrics_route": BinarySite(
+        "metrics", _METRICS_ROUTE, "attach_router", ("app",),
+        ("registry = get_prometheus_registry()",),
+    ),
+    "metrics_registry": BinarySite(
+        "metrics", "vllm.v1.metrics.prometheus", "get_prometheus_registry", (),
+        ("multiprocess.MultiProcessCollector(registry)",),
+    ),
+}
+
+# problems of the metrics sites (empty: on); filled by _register_metrics()
+METRICS_STATUS: list[str] = []
+
+
+def _register_metrics() -> None:
+    """Set up the stats directory and patch the metrics sites if all hold; never raises."""
+    try:
+        problems, resolved = [], {}
+        for key, site in METRICS_SITES.items():
+            try:
+                resolved[key] = site.resolve()
+            except Exception as e:
+                problems.append(f"{site.module}.{site.qualname}: {e}")
+        if not problems:
+            route_mod = resolved["metrics_route"][0]
+            current = route_mod.__dict__.get("get_prometheus_registry")
+            if getattr(current, "__shm_embeds_wrapped__", False):
+                return
+            if current is not resolved["metrics_registry"][2]:
+                problems.append("attach_router does not call vLLM's get_prometheus_registry")
+        METRICS_STATUS[:] = problems
+        if problems:
+            logger.warning("shm-embeds: metrics not on /metrics in pid %d: %s",
+                           os.getpid(), "; ".join(problems))
+            return
+        metrics.ensure_stats_dir()
+        route_mod.get_prometheus_registry = _mark(metrics.wrap_get_registry(current))
+    except Exception:
+        logger.exception("shm-embeds: metrics not enabled; vLLM untouched")
