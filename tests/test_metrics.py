@@ -371,7 +371,7 @@ def test_metrics_equal_every_process_counters_tp2_small_tmpfs(tmp_path, small_tm
     # hit it), and the start-up sizing warning with the size needed.
     assert len(re.findall(r"WARNING.*could not place", log)) == 1, log
     need = MAX_SEQS * (MAX_LEN * hidden * 4 + 4096)
-    assert len(re.findall(rf"WARNING.*\({need} bytes\).*--shm-size=1g", log)) == 1
+    assert len(re.findall(rf"WARNING.*\({need} bytes\).*--shm-size=5m", log)) == 1
     assert ours_in(small_tmpfs) == []
 
 

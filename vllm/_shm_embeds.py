@@ -88,6 +88,7 @@ logger = init_logger(__name__)
 
 DEFAULT_MIN_BYTES = 1 << 20
 META_KEY = "shm_embeds"
+NO_SPACE_MARKER = "no_space.warned"  # in the stats dir: the server warned of ENOSPC
 SWEEP_INTERVAL_S = 10.0  # EngineCore: sweep dead owners' segments this often
 REAP_INTERVAL_S = 0.1  # reaper thread: safe point this often
 
@@ -871,7 +872,7 @@ def _placement_failed(hop: str, tensor: torch.Tensor, e: OSError) -> str:
 
     ``no_space`` (ENOSPC: the segment directory is full or too small) is
     logged as a warning once per server: the first process that hits it
-    creates ``no_space.warned`` in ``VLLM_SHM_EMBEDS_STATS_DIR`` (once per
+    creates :data:`NO_SPACE_MARKER` in ``VLLM_SHM_EMBEDS_STATS_DIR`` (once per
     process when that is unset). Other errors (``os_error``) warn once per
     process. Later ones are logged at debug level.
     """
@@ -880,7 +881,7 @@ def _placement_failed(hop: str, tensor: torch.Tensor, e: OSError) -> str:
     first = not state.placement_warned
     state.placement_warned = True
     if first and no_space:
-        first = _first_in_server("no_space.warned")
+        first = _first_in_server(NO_SPACE_MARKER)
     (logger.warning if first else logger.debug)(
         "shm-embeds: could not place %d bytes of prompt_embeds in %s (%s); %s uses "
         "the stock path for such tensors%s (further failures are logged at debug "
@@ -889,8 +890,8 @@ def _placement_failed(hop: str, tensor: torch.Tensor, e: OSError) -> str:
         shm_dir(),
         e,
         hop,
-        f" while it is full ({_free_bytes()} bytes free): make it larger (Docker: "
-        "--shm-size); the start-up log says how large" if no_space else "",
+        f" while they do not fit ({_free_bytes()} bytes free now): make the directory "
+        "larger (Docker: --shm-size); the start-up log says how large" if no_space else "",
     )
     return "no_space" if no_space else "os_error"
 

@@ -40,6 +40,10 @@ hop 2, EngineCore -> TP workers (``vllm/v1/executor/multiproc_executor.py``)
      checks see it) instead of one rank waiting forever in a collective.
   8. ``MultiprocExecutor.shutdown`` / ``WorkerProc.shutdown``: unlink what is
      left, log the summary.
+
+In API server processes only, two more sections: binary request bodies
+(:data:`BINARY_SITES`) and the metrics on ``/metrics`` (:data:`METRICS_SITES`,
+``vllm._shm_embeds_metrics``); each is all or nothing, like a hop.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ logger = init_logger(__name__)
 
 STATS_DIR_ENV = "VLLM_SHM_EMBEDS_STATS_DIR"
 STATS_DIR_PREFIX = "vllm-shm-embeds-metrics."
+NO_SPACE_MARKER = shm.NO_SPACE_MARKER
 _DIR_RE = re.compile(rf"^{re.escape(STATS_DIR_PREFIX)}(\d+)\.")
 
 # name (without "vllm:shm_embeds_"), type, help, label names
@@ -88,7 +89,8 @@ def ensure_stats_dir() -> str:
     """The directory every process of this server writes its counters to.
 
     ``VLLM_SHM_EMBEDS_STATS_DIR`` if set (created if missing, never removed:
-    it is the user's, and stale files in it count). Otherwise a new private
+    it is the user's, and stale stats files in it count; an earlier run's
+    no-space marker is removed). Otherwise a new private
     directory under the system temp dir, exported in that variable so that
     the processes this one starts inherit it, and removed when this process
     exits. Call it before the engine processes are started.
@@ -97,6 +99,8 @@ def ensure_stats_dir() -> str:
     current = os.environ.get(STATS_DIR_ENV)
     if current:
         os.makedirs(current, exist_ok=True)
+        # A marker of an earlier run would silence this run's no-space warning.
+        seg.unlink_quietly(os.path.join(current, NO_SPACE_MARKER))
         return current
     sweep_stale_stats_dirs()
     path = tempfile.mkdtemp(prefix=f"{STATS_DIR_PREFIX}{os.getpid()}.")
@@ -358,7 +362,8 @@ def check_dir_size(vllm_config: Any, directory: str | None = None) -> str | None
     size = st.f_blocks * st.f_frsize
     if size >= need:
         return None
-    gib = -(-need // (1 << 30))
+    mib = -(-need // (1 << 20))
+    docker = f"{mib}m" if mib < 1024 else f"{-(-mib // 1024)}g"
     return (
         f"shm-embeds: the segment directory {directory} holds {_human(size)} "
         f"({_human(st.f_bavail * st.f_frsize)} free), but {engines} engine(s) x "
@@ -367,7 +372,7 @@ def check_dir_size(vllm_config: Any, directory: str | None = None) -> str | None
         f"bytes ({seg.dtype_name(mc.dtype)}) of prompt_embeds could need "
         f"{_human(need)} ({need} bytes), and queued requests hold theirs too. prompt_embeds that do "
         f"not fit take the slower stock path. Make it at least {_human(need)} "
-        f"(Docker: --shm-size={gib}g), or lower --max-num-seqs / --max-model-len."
+        f"(Docker: --shm-size={docker}), or lower --max-num-seqs / --max-model-len."
     )
 
 
