@@ -60,8 +60,9 @@ def test_too_small_dev_shm_takes_stock_path_with_one_warning(tmp_path, small_tmp
     assert client.get("fallback.hop1.no_space") == 1
     assert engine.get("fallback.hop2.no_space") == 1
     assert engine.get("hop2_reused_tensors") == 1
-    # One warning per process that hit it (client for hop 1, EngineCore for hop 2).
-    assert log.count("could not place") == 2
+    # One warning for the run, though the client (hop 1) and the EngineCore
+    # (hop 2) both hit it (the first process claims it in the stats dir).
+    assert log.count("could not place") == 1
     assert "SIGBUS" not in log
 
 

@@ -88,6 +88,7 @@ logger = init_logger(__name__)
 
 DEFAULT_MIN_BYTES = 1 << 20
 META_KEY = "shm_embeds"
+NO_SPACE_MARKER = "no_space.warned"  # in the stats dir: the server warned of ENOSPC
 SWEEP_INTERVAL_S = 10.0  # EngineCore: sweep dead owners' segments this often
 REAP_INTERVAL_S = 0.1  # reaper thread: safe point this often
 
@@ -209,6 +210,10 @@ class _Process:
         self.sweep_interval: float | None = None
         self.placement_warned = False
         self.shutdown_done = False
+        # stats files: a snapshot is written only if newer than the last one
+        self.stats_version = 0
+        self.stats_written = 0
+        self.stats_lock = threading.Lock()
 
     def new_name(self) -> str:
         """A fresh segment name owned by this process."""
@@ -289,9 +294,16 @@ def count(**deltas: int) -> None:
     with state.counters_lock:
         state.counters.update(deltas)
         snapshot = dict(state.counters)
+        state.stats_version += 1
+        version = state.stats_version
     stats_dir = os.environ.get("VLLM_SHM_EMBEDS_STATS_DIR")
     if stats_dir:
-        _write_stats(stats_dir, snapshot, sorted(state.roles))
+        # Threads race here; an older snapshot must never replace a newer one
+        # (the file feeds /metrics, whose counters must not go down).
+        with state.stats_lock:
+            if version > state.stats_written:
+                _write_stats(stats_dir, snapshot, sorted(state.roles))
+                state.stats_written = version
 
 
 def stats() -> dict[str, int]:
@@ -856,23 +868,56 @@ def internalize_prompt_embeds(new_reqs: Iterable[Any], reader_index: int | None)
 
 
 def _placement_failed(hop: str, tensor: torch.Tensor, e: OSError) -> str:
-    """Log why a segment could not be created (a warning once per process).
+    """Log why a segment could not be created; returns the fallback reason.
 
-    Returns the fallback reason: ``no_space`` (ENOSPC: /dev/shm full or too
-    small) or ``os_error``.
+    ``no_space`` (ENOSPC: the segment directory is full or too small) is
+    logged as a warning once per server: the first process that hits it
+    creates :data:`NO_SPACE_MARKER` in ``VLLM_SHM_EMBEDS_STATS_DIR`` (once per
+    process when that is unset). Other errors (``os_error``) warn once per
+    process. Later ones are logged at debug level.
     """
     state = _state
-    log = logger.debug if state.placement_warned else logger.warning
+    no_space = e.errno == errno.ENOSPC
+    first = not state.placement_warned
     state.placement_warned = True
-    log(
+    if first and no_space:
+        first = _first_in_server(NO_SPACE_MARKER)
+    (logger.warning if first else logger.debug)(
         "shm-embeds: could not place %d bytes of prompt_embeds in %s (%s); %s uses "
-        "the stock path for such tensors (further failures are logged at debug level)",
+        "the stock path for such tensors%s (further failures are logged at debug "
+        "level and counted in vllm:shm_embeds_fallbacks_total)",
         tensor.nbytes,
         shm_dir(),
         e,
         hop,
+        f" while they do not fit ({_free_bytes()} bytes free now): make the directory "
+        "larger (Docker: --shm-size); the start-up log says how large" if no_space else "",
     )
-    return "no_space" if e.errno == errno.ENOSPC else "os_error"
+    return "no_space" if no_space else "os_error"
+
+
+def _first_in_server(marker: str) -> bool:
+    """True for the first process of this server to claim ``marker`` (a file in
+    ``VLLM_SHM_EMBEDS_STATS_DIR``); True when that is unset or unusable."""
+    stats_dir = os.environ.get("VLLM_SHM_EMBEDS_STATS_DIR")
+    if not stats_dir:
+        return True
+    try:
+        os.close(os.open(os.path.join(stats_dir, marker), os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def _free_bytes() -> int:
+    """Free bytes of the segment directory's file system (-1 if unknown)."""
+    try:
+        st = os.statvfs(shm_dir())
+    except OSError:
+        return -1
+    return st.f_bavail * st.f_frsize
 
 
 def _nbytes(tensor: Any) -> int:

@@ -53,6 +53,10 @@ the OpenAI app module is loaded and hop 1 is on; all or none)
      resolves to its segment-backed tensor; anything else takes vLLM's path.
  11. ``vllm/renderers/hf.py`` ``_build_mixed_prompt_embeds``: a chat prompt
      that is one binary part keeps its tensor (no copy).
+ 12. ``vllm/entrypoints/serve/instrumentator/metrics.py`` ``attach_router``:
+     after vLLM mounts ``/metrics``, a middleware appends the shm-embeds
+     metrics of every process (:data:`METRICS_SITES`,
+     ``vllm._shm_embeds_metrics``); all or none.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ from typing import Any
 
 from vllm import _shm_embeds as shm
 from vllm import _shm_embeds_binary as binary
+from vllm import _shm_embeds_metrics as metrics
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -230,6 +235,7 @@ def _wrap_client_init(orig: Callable) -> Callable:
                 os.getpid(),
                 shm.min_bytes(),
             )
+            metrics.on_client_init(self)  # model name for /metrics, /dev/shm size check
         except Exception:
             logger.exception("shm-embeds: hop 1 sender not installed; stock path")
 
@@ -530,6 +536,7 @@ def _register() -> None:
     STATUS.update(status)
     if "vllm.entrypoints.launchers.app" in sys.modules:  # an API server
         _register_binary()
+        _register_metrics()
     shm.sweep_stale_segments()
     on = [h for h in ("hop1", "hop2") if not STATUS[h]]
     if on:
@@ -704,3 +711,50 @@ def _register_binary() -> None:
             setattr(owner, attr, wrapped)
     except Exception:
         logger.exception("shm-embeds: binary request bodies not enabled; vLLM untouched")
+
+
+# --------------------------------------------------------------------------
+# metrics: shm-embeds counters of every process on the OpenAI
+# server's /metrics. Patched in API server processes (and the process that
+# launches them) only; the hops do not depend on them.
+
+_METRICS_ROUTE = "vllm.entrypoints.serve.instrumentator.metrics"
+
+METRICS_SITES: dict[str, BinarySite] = {
+    # Wrapped: after vLLM mounts /metrics, our middleware is added to the app.
+    "metrics_route": BinarySite(
+        "metrics", _METRICS_ROUTE, "attach_router", ("app",),
+        ("Instrumentator(", '"/metrics"'), _wrapping(metrics.wrap_attach_router),
+    ),
+    # Its caller imports attach_router at call time, so it sees the wrapper.
+    "metrics_caller": BinarySite(
+        "metrics", "vllm.entrypoints.serve.instrumentator",
+        "register_instrumentator_api_routers", ("app",),
+        ("from .metrics import attach_router",),
+    ),
+}
+
+# problems of the metrics sites (empty: on); filled by _register_metrics()
+METRICS_STATUS: list[str] = []
+
+
+def _register_metrics() -> None:
+    """Set up the stats directory and patch the metrics sites if all hold; never raises."""
+    try:
+        problems, resolved = [], {}
+        for key, site in METRICS_SITES.items():
+            try:
+                resolved[key] = site.resolve()
+            except Exception as e:
+                problems.append(f"{site.module}.{site.qualname}: {e}")
+        METRICS_STATUS[:] = problems
+        if problems:
+            logger.warning("shm-embeds: metrics not on /metrics in pid %d: %s",
+                           os.getpid(), "; ".join(problems))
+            return
+        metrics.ensure_stats_dir()
+        owner, attr, fn = resolved["metrics_route"]
+        if not getattr(fn, "__shm_embeds_wrapped__", False):
+            setattr(owner, attr, METRICS_SITES["metrics_route"].wrap(fn))
+    except Exception:
+        logger.exception("shm-embeds: metrics not enabled; vLLM untouched")

