@@ -7,6 +7,7 @@ import contextlib
 import glob
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 
@@ -36,6 +37,21 @@ def shm_env(monkeypatch):
     finally:
         shutil.rmtree(seg_dir, ignore_errors=True)
         shutil.rmtree(stats_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 256 KiB tmpfs to stand for a nearly full /dev/shm (needs root)."""
+    mnt = tmp_path / "small-shm"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield str(mnt)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
 
 
 _SESSION_START = time.time()

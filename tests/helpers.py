@@ -68,6 +68,14 @@ def by_role(stats, role):
     return [s["counters"] for s in stats if role in s["roles"]]
 
 
+def run_child(code: str, obj=None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh Python (this environment), ``pickle`` of ``obj`` on stdin."""
+    import pickle
+
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=timeout,
+                          input=pickle.dumps(obj), env=os.environ)
+
+
 # -- models and payloads ---------------------------------------------------------
 
 

@@ -23,6 +23,7 @@ import types
 import pytest
 import torch
 
+from helpers import run_child
 from vllm import _shm_embeds as shm
 from vllm import _shm_embeds_glue as glue
 from vllm import _shm_embeds_segments as segments
@@ -189,16 +190,10 @@ def test_readers_map_through_owner_fds_after_name_removed(shm_env):
         os.unlink(os.path.join(shm_env, name))
     reqs = [types.SimpleNamespace(prompt_embeds=h), types.SimpleNamespace(prompt_embeds=h)]
     shm.internalize_prompt_embeds(reqs[:1], 0)
-    code = (
-        "import pickle, sys, torch\n"
-        "from vllm import _shm_embeds as shm\n"
-        "h = pickle.loads(sys.stdin.buffer.read())\n"
-        "print(float(shm.open_tensor(h, 1).sum()))\n"
-    )
-    import pickle
-
-    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(h),
-                         capture_output=True, env=os.environ, timeout=120)
+    out = run_child("import pickle, sys\n"
+                    "from vllm import _shm_embeds as shm\n"
+                    "h = pickle.loads(sys.stdin.buffer.read())\n"
+                    "print(float(shm.open_tensor(h, 1).sum()))\n", h)
     assert out.returncode == 0, out.stderr[-2000:]
     assert abs(float(out.stdout) - float(src.sum())) < 1e-3
     assert torch.equal(reqs[0].prompt_embeds, src)

@@ -34,21 +34,6 @@ from vllm._shm_embeds import read_stats_dir
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 256 KiB tmpfs to stand for a nearly full /dev/shm (needs root)."""
-    mnt = tmp_path / "small-shm"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
-        yield str(mnt)
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
-
-
 def test_too_small_dev_shm_takes_stock_path_with_one_warning(tmp_path, small_tmpfs):
     # 40 tokens (20 KiB) fit; 1000 tokens (500 KiB) do not.
     out, stats, log = run_offline(tmp_path, True, tiny_model(), [40, 1000],

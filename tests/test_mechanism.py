@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from helpers import mine
+from helpers import mine, run_child
 from vllm import _shm_embeds as shm
 from vllm import _shm_embeds_segments as segments
 from vllm._shm_embeds_segments import SegmentName, pid_namespace, proc_start_time
@@ -296,14 +296,10 @@ def test_readers_cannot_change_what_others_read(shm_env, monkeypatch, files):
     src = torch.zeros(3, 4096)
     h = shm.externalize(src, readers=2)
     assert len(os.listdir(shm_env)) == files
-    code = (
-        "import pickle, sys\n"
-        "from vllm import _shm_embeds as shm\n"
-        "t = shm.open_tensor(pickle.loads(sys.stdin.buffer.read()), 0)\n"
-        "t[-1].add_(1.0)\n"
-    )
-    child = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(h),
-                           capture_output=True, timeout=300)
+    child = run_child("import pickle, sys\n"
+                      "from vllm import _shm_embeds as shm\n"
+                      "t = shm.open_tensor(pickle.loads(sys.stdin.buffer.read()), 0)\n"
+                      "t[-1].add_(1.0)\n", h)
     assert child.returncode < 0  # killed by SIGSEGV/SIGBUS, not silently written
     assert torch.equal(shm.open_tensor(h, 1), src)
     assert shm.collect() == 1

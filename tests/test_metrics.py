@@ -27,11 +27,8 @@ import pytest
 import requests
 import torch
 
-from conftest import engine_env, new_seg_dir, ours_in
-from offline_run import embed_weights
-from test_faults import small_tmpfs  # noqa: F401  (fixture)
-from test_offline import tiny_model
-from test_online import _free_port, encode_embeds
+from helpers import embed_weights, encode_embeds, engine_env, new_seg_dir, ours_in, tiny_model
+from helpers import free_port as _free_port
 from vllm import _shm_embeds_metrics as metrics
 from vllm._shm_embeds import read_stats_dir
 
