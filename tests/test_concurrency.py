@@ -53,7 +53,8 @@ def _send(url, body):
     ],
 )
 def test_64_concurrent_mixed_requests(tmp_path, server_args):
-    with start_server(tmp_path, *server_args) as server:
+    # `vllm serve`: the module entry point would start one API server only.
+    with start_server(tmp_path, *server_args, serve_cli=True) as server:
         bodies = _requests(server["model"])
         alone = [_send(server["url"], b) for b in bodies[:8]]
         with ThreadPoolExecutor(N_REQUESTS) as pool:
@@ -72,3 +73,5 @@ def test_64_concurrent_mixed_requests(tmp_path, server_args):
     assert sum(e.get("hop2_shm_tensors", 0) for e in engines) == n_embeds
     if "--data-parallel-size" in server_args:
         assert len(engines) == 2  # the load balancer used both EngineCores
+    if "--api-server-count" in server_args:
+        assert len(clients) == 2  # both API servers took requests

