@@ -275,14 +275,44 @@ def timed(client, make_body):
     return (time.perf_counter() - t0) * 1000.0
 
 
-def profile_length(client, weights, length, args, n_special, watcher=None):
+class PeakRss:
+    """Peak resident memory a process adds during one request, in bytes.
+
+    Linux keeps each process's peak RSS (``VmHWM`` in ``/proc/<pid>/status``);
+    writing ``5`` to ``/proc/<pid>/clear_refs`` resets it to the current RSS
+    (root or the process's owner). :meth:`start` resets it and notes the RSS,
+    :meth:`stop` returns the peak minus that.
+    """
+
+    def __init__(self, pid):
+        self.pid, self.base = pid, 0
+
+    def _kb(self, key):
+        with open(f"/proc/{self.pid}/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError(f"no {key} for pid {self.pid}")
+
+    def start(self):
+        with open(f"/proc/{self.pid}/clear_refs", "w") as f:
+            f.write("5")
+        self.base = self._kb("VmRSS:")
+
+    def stop(self):
+        return max(0, self._kb("VmHWM:") - self.base)
+
+
+def profile_length(client, weights, length, args, n_special, watcher=None, rss=None):
     """Measure one prompt length; return a result dict (latencies in ms).
 
     With a :class:`ShmWatcher`, also the peak bytes of shm-embeds segments
     during each embeds request (``shm_peak_bytes``: the largest) and what is
     still held once the last request has returned (``shm_after_bytes``).
+    With a :class:`PeakRss` of the API server, the most memory it added during
+    one embeds request (``api_peak_rss_bytes``).
     """
-    text_ms, embeds_ms, kinds, mb, peaks = [], [], set(), 0.0, []
+    text_ms, embeds_ms, kinds, mb, peaks, rss_peaks = [], [], set(), 0.0, [], []
     for i in range(args.warmup + args.repeats):
         rng = random.Random(f"{args.seed}-{length}-{i}")
         text, ids = make_prompt(client, length, rng, n_special)
@@ -303,9 +333,13 @@ def profile_length(client, weights, length, args, n_special, watcher=None):
         for kind, body in bodies:
             if watcher and kind == "embeds":
                 watcher.reset()  # the new request's rise is measured from here
+            if rss and kind == "embeds":
+                rss.start()
             ms = timed(client, body)
             if watcher and kind == "embeds":
                 peaks.append(watcher.reset())
+            if rss and kind == "embeds":
+                rss_peaks.append(rss.stop())
             if i >= args.warmup:
                 (text_ms if kind == "text" else embeds_ms).append(ms)
     t_med, e_med = statistics.median(text_ms), statistics.median(embeds_ms)
@@ -313,6 +347,8 @@ def profile_length(client, weights, length, args, n_special, watcher=None):
            "text_ms": text_ms, "embeds_ms": embeds_ms,
            "text_median_ms": t_med, "embeds_median_ms": e_med,
            "ratio": e_med / t_med, "embeds_minus_text_ms": e_med - t_med}
+    if rss_peaks:
+        out["api_peak_rss_bytes"] = max(rss_peaks)
     if watcher:
         out["shm_peak_bytes"] = max(peaks)
         out["shm_after_bytes"] = watcher.settle()
@@ -385,6 +421,24 @@ def compare(paths):
                 base_tax = base[length]["embeds_minus_text_ms"]
                 row += f" {tax / base_tax:.2f} |" if base_tax > 0 else " - |"
         print(row)
+    rss = [(i, res) for i, (_, res) in enumerate(runs)
+           if any("api_peak_rss_bytes" in r for r in res.values())]
+    if rss:
+        print("\nmemory the API server process added during one embeds request (peak RSS, "
+              "VmHWM): the largest over the samples")
+        print("| tokens | embeds MB |" + "".join(
+            f" [{i}] API peak MB | [{i}] / embeds |" for i, _ in rss))
+        print("|" + "---|" * (2 + 2 * len(rss)))
+        for length in sorted(base):
+            row = f"| {length} | {base[length]['embeds_mb']:.1f} |"
+            for _, res in rss:
+                r = res.get(length, {})
+                if "api_peak_rss_bytes" not in r:
+                    row += " - | - |"
+                    continue
+                row += (f" {r['api_peak_rss_bytes'] / 1e6:.1f} |"
+                        f" {r['api_peak_rss_bytes'] / (r['embeds_mb'] * 1e6):.2f} |")
+            print(row)
     held = [(i, res) for i, (_, res) in enumerate(runs)
             if any("shm_peak_bytes" in r for r in res.values())]
     if held:
@@ -432,6 +486,9 @@ def main(argv=None):
     p.add_argument("--shm-dir", metavar="DIR",
                    help="server on this host: also record the peak bytes of the tmpfs "
                         "holding DIR used per embeds request, mapped or named (e.g. /dev/shm)")
+    p.add_argument("--api-pid", type=int, metavar="PID",
+                   help="server on this host: also record the peak memory the API server "
+                        "process PID adds during each embeds request (VmHWM; needs root)")
     p.add_argument("--compare", nargs="+", metavar="JSON",
                    help="print --json runs side by side (the first is the baseline)")
     args = p.parse_args(argv)
@@ -462,7 +519,8 @@ def main(argv=None):
         results, checks = [], []
         watcher = ShmWatcher(args.shm_dir) if args.shm_dir else None
         for length in lengths:
-            results.append(profile_length(client, weights, length, args, n_special, watcher))
+            results.append(profile_length(client, weights, length, args, n_special, watcher,
+                                          PeakRss(args.api_pid) if args.api_pid else None))
             print(f"  length {length}: text {results[-1]['text_median_ms']:.1f} ms, "
                   f"embeds {results[-1]['embeds_median_ms']:.1f} ms", flush=True)
         if args.check_outputs:

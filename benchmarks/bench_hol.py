@@ -6,10 +6,11 @@ short text requests (``--probe-tokens`` random word tokens, ``max_tokens=1``)
 one every ``--interval`` s on an idle server; then the same while another
 thread sends ``--tokens``-token ``prompt_embeds`` requests back to back
 (``--input json``: base64 of ``torch.save``, encoded by the client each time;
-``--input binary``: shm-embeds' binary body). Prints p50/p99 of the probes'
+``--input binary``: shm-embeds' binary body; ``--input text``: the same
+number of token ids, the control: what the engine's own prefill costs the
+probes, which no input format can remove). Prints p50/p99 of the probes'
 latency, idle and loaded, and the loaded/idle ratio. The API server parses a
-JSON body on its event loop, so every other request on it waits meanwhile;
-the engine's own prefill of the embeds also delays the probes in every mode.
+JSON body on its event loop, so every other request on it waits meanwhile.
 
     python benchmarks/bench_hol.py --url http://localhost:8123 --input binary \\
         [--tokens 8192] [--probes 40] [--interval 0.1] [--json out.json]
@@ -50,7 +51,7 @@ def probe_latencies(client, body: bytes, n: int, interval: float) -> list[float]
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="http://localhost:8000")
-    ap.add_argument("--input", choices=("json", "binary"), default="json")
+    ap.add_argument("--input", choices=("json", "binary", "text"), default="json")
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per embeds request")
     ap.add_argument("--probe-tokens", type=int, default=16)
     ap.add_argument("--probes", type=int, default=40)
@@ -77,8 +78,12 @@ def main(argv: list[str] | None = None) -> dict:
         i = 0
         while not stop.is_set():
             ids = [rng.randrange(3, weights.shape[0]) for _ in range(args.tokens)]
-            payload, _ = P.embeds_payload(weights, ids, args.input)
-            load_client.post("/v1/completions", P.completion_body(model, embeds=payload))
+            if args.input == "text":
+                body = P.completion_body(model, ids)
+            else:
+                payload, _ = P.embeds_payload(weights, ids, args.input)
+                body = P.completion_body(model, embeds=payload)
+            load_client.post("/v1/completions", body)
             sent.append(i)
             i += 1
 
@@ -96,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
            "idle_ms": idle, "loaded_ms": loaded}
     out["p99_ratio"] = out["loaded_p99_ms"] / out["idle_p99_ms"]
     print(f"{args.label or args.input}: probes idle p50 {out['idle_p50_ms']:.0f} / p99 "
-          f"{out['idle_p99_ms']:.0f} ms; while {args.tokens}-token embeds upload back to "
+          f"{out['idle_p99_ms']:.0f} ms; while {args.tokens}-token {args.input} requests go back to "
           f"back ({len(sent)} sent): p50 {out['loaded_p50_ms']:.0f} / p99 "
           f"{out['loaded_p99_ms']:.0f} ms ({out['p99_ratio']:.1f}x idle p99)")
     if args.json:

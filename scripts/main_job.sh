@@ -148,7 +148,7 @@ run_mode() {  # run_mode MODEL MODE(stock|arena|shm) LENGTHS
     local run=$name; [ "$mode" = shm ] && run="${name}_$input"
     "$PY" prof_embeds.py --url "$url" --lengths "$lengths" --repeats "$REPEATS" \
       --warmup "$WARMUP" --check-outputs --json "$OUT/prof_$run.json" $watch \
-      --input "$input" --seed "$seed" \
+      --input "$input" --seed "$seed" --api-pid "$SERVER_PID" \
       --label "$model $mode, $input body (VLLM_SHM_EMBEDS=$flag $extra)" 2>&1 \
       | tee "$OUT/prof_$run.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || fail "[$run] prof_embeds.py failed"
@@ -159,6 +159,11 @@ run_mode() {  # run_mode MODEL MODE(stock|arena|shm) LENGTHS
         || fail "[$run] bench_hol.py failed"
     fi
   done
+  if [ "$HOL" = 1 ] && [ "$mode" = stock ]; then  # the engine's own share, any input
+    "$PY" benchmarks/bench_hol.py --url "$url" --input text --tokens "$(max_len "$lengths")" \
+      --label "${name}_text_control" --json "$OUT/hol_${name}_text.json" \
+      || fail "[$name] bench_hol.py (text control) failed"
+  fi
   if [ "$mode" = shm ]; then  # fail on a silent fallback: counters, not logs
     "$PY" - "$stats" <<'PYEOF' || fail "[$name] the shm path did not carry the embeds"
 import sys

@@ -294,9 +294,10 @@ def test_upload_aborted_midway_leaves_nothing(server, how):
 
 
 def test_concurrent_binary_json_text_equal_serial(server):
+    """16 binary, JSON, text and chat requests at once give what each gave alone."""
     url, w = server["url"], server["weights"]
     jobs = []
-    for i in range(12):
+    for i in range(16):
         ids = _ids(20 + 37 * i, 100 + i)
         kind = ("binary", "json", "text", "chat")[i % 4]
         jobs.append((kind, ids))
