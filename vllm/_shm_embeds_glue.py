@@ -517,6 +517,7 @@ def _register() -> None:
     STATUS.update(status)
     if "vllm.entrypoints.launchers.app" in sys.modules:  # an API server (issue 8)
         _register_binary()
+    _register_json()  # issue 9
     shm.sweep_stale_segments()
     on = [h for h in ("hop1", "hop2") if not STATUS[h]]
     if on:
@@ -649,6 +650,7 @@ def _wrap_init_middleware(orig: Callable) -> Callable:
             shm.set_role("client")
             logger.info("shm-embeds: binary prompt_embeds bodies accepted on "
                         "/v1/completions and /v1/chat/completions")
+            _add_json_middleware(app)  # issue 9
         except Exception:
             logger.exception("shm-embeds: binary bodies not enabled; stock app")
         return orig(args, app, supported_tasks, *a, **kw)
@@ -691,3 +693,82 @@ def _register_binary() -> None:
             setattr(owner, attr, wrapped)
     except Exception:
         logger.exception("shm-embeds: binary request bodies not enabled; vLLM untouched")
+
+
+# --------------------------------------------------------------------------
+# issue 9: the base64 JSON path in the API server (vllm._shm_embeds_json, on
+# the binary path's sites) and prefix-cache digests computed there
+# (vllm._shm_embeds_hashing), used by the EngineCore instead of hashing again.
+
+
+def _add_json_middleware(app: Any) -> None:
+    """Add the JSON-body middleware (outside the binary one); never raises."""
+    if JSON_STATUS:
+        return
+    try:
+        from vllm._shm_embeds_json import JsonBodyMiddleware
+
+        app.add_middleware(JsonBodyMiddleware)
+        logger.info("shm-embeds: base64 JSON prompt_embeds decoded off the event loop "
+                    "into shared memory (bodies >= %d bytes)", shm.min_bytes())
+    except Exception:
+        logger.exception("shm-embeds: JSON body path not enabled; stock app")
+
+
+def _hash_wrap(fn: Callable) -> Callable:
+    from vllm import _shm_embeds_hashing as hashing
+
+    return _mark(functools.wraps(fn)(hashing.wrap_gen_prompt_embeds_extra_hash_keys(fn)))
+
+
+JSON_SITES: dict[str, BinarySite] = {
+    # called (not patched) by the JSON path on a memoryview of the body
+    "json_decode": BinarySite(
+        "json", "vllm.renderers.embed_utils", "safe_load_prompt_embeds",
+        ("model_config", "embed"), ("pybase64.b64decode(embed, validate=True)",),
+    ),
+    # generate_block_hash_extra_keys looks it up in its module's globals.
+    "embeds_block_hash": BinarySite(
+        "json", "vllm.v1.core.kv_cache_utils", "_gen_prompt_embeds_extra_hash_keys",
+        ("request", "start_token_idx", "end_token_idx"),
+        ("request._prompt_embeds_per_block_hashes.get(block_range)",
+         "hashlib.sha256(tensor_data(block_prompt_embeds)).digest()"),
+        _hash_wrap,
+    ),
+    "embeds_block_hash_caller": BinarySite(
+        "json", "vllm.v1.core.kv_cache_utils", "generate_block_hash_extra_keys",
+        ("request", "start_token_idx", "end_token_idx"),
+        ("_gen_prompt_embeds_extra_hash_keys(",),
+    ),
+}
+
+# problems of the JSON sites (empty: on); filled by _register_json()
+JSON_STATUS: list[str] = []
+
+
+def _register_json() -> None:
+    """Check the JSON path's sites and patch the digest site; never raises.
+
+    Patched in every process when hop 1 is on and every site holds (only the
+    EngineCore calls it). Otherwise the JSON middleware is not added, vLLM
+    hashes as stock does, and the reason is logged.
+    """
+    try:
+        problems = [] if not STATUS.get("hop1") else ["hop 1 is off"]
+        resolved = {}
+        for key, site in JSON_SITES.items():
+            try:
+                resolved[key] = site.resolve()
+            except Exception as e:
+                problems.append(f"{site.module}.{site.qualname}: {e}")
+        JSON_STATUS[:] = problems
+        if problems:
+            logger.warning("shm-embeds: JSON body path and API-server prefix-cache "
+                           "digests off in pid %d: %s", os.getpid(), "; ".join(problems))
+            return
+        for key, (owner, attr, fn) in resolved.items():
+            site = JSON_SITES[key]
+            if site.wrap is not None and not getattr(fn, "__shm_embeds_wrapped__", False):
+                setattr(owner, attr, site.wrap(fn))
+    except Exception:
+        logger.exception("shm-embeds: prefix-cache digest site not patched; vLLM untouched")
