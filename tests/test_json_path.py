@@ -1,0 +1,202 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Issue 9: the base64 JSON ``prompt_embeds`` path and API-server prefix-cache digests.
+
+Unit part (no engine): the body scan, :func:`prepare` against vLLM's own
+decode, digests equal to what vLLM's block hasher computes for the same
+tensor, hop 1 through vLLM's msgpack carrying them, malformed digests
+refused. Integration part (one TP=2 server, only ``VLLM_SHM_EMBEDS=1`` and
+the test's dirs): same tokens as the stock path, bad payloads answered as
+stock does, the EngineCore hashing no embeds block itself, prefix-cache hits
+for a repeated request and a shared prefix, and counters proving the fast
+path ran (a silent fallback fails).
+"""
+
+import base64
+import json
+import os
+import types
+
+import pytest
+import torch
+
+from helpers import encode_embeds
+from vllm import _shm_embeds as shm
+from vllm import _shm_embeds_hashing as hashing
+from vllm import _shm_embeds_json as jp
+from vllm._shm_embeds_binary import resolve_placeholder
+
+HIDDEN = 64
+
+
+def _ctx(block=16, dtype=torch.float32):
+    mc = types.SimpleNamespace(enable_prompt_embeds=True, dtype=dtype,
+                               get_hidden_size=lambda: HIDDEN)
+    return jp.ServerContext(mc, block)
+
+
+def _body(**fields) -> bytes:
+    return json.dumps({"model": "m", "max_tokens": 1, **fields}).encode()
+
+
+def _stock_block_hashes(embeds: torch.Tensor, block: int, extra_tokens: int = 0):
+    """vLLM's own block hashes (``Request`` + ``get_request_block_hasher``)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    req = Request("r", None, SamplingParams(max_tokens=4), None, prompt_embeds=embeds,
+                  block_hasher=get_request_block_hasher(block, sha256))
+    if extra_tokens:
+        req.append_output_token_ids(list(range(extra_tokens)))
+    return req.block_hashes, req
+
+
+# -- unit: the body scan and prepare()
+
+
+def test_find_long_strings_skips_escapes_and_short_strings():
+    long = "A" * 5000
+    raw = json.dumps({"a": "x", "b": long, "c": "q\"" + long, "d": [long]}).encode()
+    spans = jp.find_long_strings(raw)
+    assert [raw[a:b].decode() for a, b in spans] == [long, long]  # "c" has an escape
+    with pytest.raises(jp.Fallback):
+        jp.find_long_strings(b'{"a": "' + b"A" * 5000)
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_prepare_equals_vllm_decode_and_digests(shm_env, route):
+    from vllm.renderers.embed_utils import safe_load_prompt_embeds
+
+    tensor = torch.randn(100, HIDDEN, dtype=torch.float16)  # cast to fp32, as vLLM does
+    b64 = encode_embeds(tensor)
+    body = (_body(prompt="p" * 5000, prompt_embeds=b64) if route == "/v1/completions"
+            else _body(messages=[{"role": "user", "content": [
+                {"type": "text", "text": "t" * 5000},
+                {"type": "prompt_embeds", "data": b64}]}]))
+    chunks = [body[i:i + 999] for i in range(0, len(body), 999)]
+    out = jp.prepare(chunks, route, _ctx())
+    assert out.reason is None and chunks == []
+    skeleton = json.loads(out.body)
+    assert len(out.body) < 6000  # the embeds are out; the long prompt text stayed
+    value = (skeleton["prompt_embeds"] if route == "/v1/completions"
+             else skeleton["messages"][0]["content"][1]["data"])
+    assert ("p" * 5000 in out.body.decode()) == (route == "/v1/completions")
+    # Only this request's context resolves the placeholder.
+    assert resolve_placeholder(value) is None
+    from vllm._shm_embeds_binary import _current
+
+    token = _current.set(out.upload)
+    try:
+        got = resolve_placeholder(value)
+    finally:
+        _current.reset(token)
+    want = safe_load_prompt_embeds(_ctx().model_config, b64.encode())
+    assert torch.equal(got, want) and got.dtype == torch.float32
+    assert shm.is_streamed(got)
+    d = hashing.attached(got)
+    stock, req = _stock_block_hashes(want, 16)
+    assert d.digests == b"".join(req._prompt_embeds_per_block_hashes[(i, i + 16)]
+                                 for i in range(0, 96, 16)) + d.digests[-32:]
+    assert len(d.digests) == 7 * 32  # 6 full blocks and the short tail
+    assert shm.stats()["json_tensors"] == 1
+    shm.release_streamed(got)
+    del got
+
+
+BAD = {
+    "not-base64": lambda: "not base64!!" * 500,
+    "truncated": lambda: encode_embeds(torch.randn(50, HIDDEN))[:-40],
+    "wrong-hidden": lambda: encode_embeds(torch.randn(50, HIDDEN + 1)),
+    "int-dtype": lambda: encode_embeds(torch.ones(50, HIDDEN, dtype=torch.int64)),
+    "zero-tokens": lambda: encode_embeds(torch.randn(0, HIDDEN)) + "A" * 0,
+    "pickle-not-a-tensor": lambda: base64.b64encode(
+        b"\x80\x04" + b"N" * 6000).decode(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_prepare_gives_bad_payloads_back_unchanged(shm_env, name):
+    payload = BAD[name]()
+    body = _body(prompt="", prompt_embeds=payload)
+    out = jp.prepare([body], "/v1/completions", _ctx())
+    assert out.upload is None and out.body == body  # stock answers it, as stock
+    assert out.reason in ("rejected", "empty", "no_embeds")
+    assert os.listdir(shm_env) == []
+
+
+def test_prepare_leaves_other_long_strings_and_non_json_alone(shm_env):
+    body = _body(prompt="p" * 9000)
+    assert jp.prepare([body], "/v1/completions", _ctx()).reason == "no_embeds"
+    bad = body[:-1] + b",,}"
+    assert jp.prepare([bad], "/v1/completions", _ctx()).reason == "not_json"
+    # A client's own "digest" fields are just unknown JSON to vLLM: never read.
+    t = torch.randn(40, HIDDEN)
+    body = _body(prompt="", prompt_embeds=encode_embeds(t),
+                 block_sha256={"block": 16, "rows": 40, "digests": "00" * 96})
+    out = jp.prepare([body], "/v1/completions", _ctx())
+    [got] = [x for x in out.upload.tensors if x is not None]
+    assert hashing.attached(got).digests == b"".join(
+        __import__("hashlib").sha256(t[i:i + 16].numpy().tobytes()).digest()
+        for i in range(0, 40, 16))
+    shm.release_streamed(got)
+
+
+# -- unit: digests through hop 1 and into vLLM's block hasher
+
+
+def test_hop1_carries_digests_and_engine_hashes_nothing(shm_env):
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from vllm import _shm_embeds_glue as glue
+    from vllm.v1.core import kv_cache_utils as kcu
+
+    tensor = torch.randn(50, HIDDEN)
+    body = _body(prompt="", prompt_embeds=encode_embeds(tensor))
+    [sent] = [t for t in jp.prepare([body], "/v1/completions", _ctx()).upload.tensors
+              if t is not None]
+    enc = MsgpackEncoder()
+    consumer = shm.HandleOOBConsumer(enc.oob_tensor_consumer)
+    enc.oob_tensor_consumer = consumer
+    req = EngineCoreRequest(
+        request_id="r1", prompt_token_ids=None, mm_features=None, sampling_params=None,
+        pooling_params=None, arrival_time=0.0, lora_request=None, cache_salt=None,
+        data_parallel_rank=None, prompt_embeds=sent)
+    frames = glue._ArmingEncoder(enc, consumer).encode(req)
+    del sent, req
+    got = MsgpackDecoder(EngineCoreRequest, oob_tensor_provider=shm.HandleOOBProvider(None)
+                         ).decode(frames).prompt_embeds
+    assert torch.equal(got, tensor) and hashing.attached(got) is not None
+
+    orig = kcu._gen_prompt_embeds_extra_hash_keys
+    site = glue.JSON_SITES["embeds_block_hash"]
+    kcu._gen_prompt_embeds_extra_hash_keys = site.wrap(orig)
+    try:
+        ours, _ = _stock_block_hashes(got, 16, extra_tokens=20)
+        before = shm.stats()
+        stock, _ = _stock_block_hashes(tensor.clone(), 16, extra_tokens=20)
+        after = shm.stats()
+    finally:
+        kcu._gen_prompt_embeds_extra_hash_keys = orig
+    assert ours == stock and len(ours) == 4  # 70 tokens: the 4th block mixes in output
+    assert before.get("hash_engine_blocks", 0) == 0  # the engine hashed no embeds
+    assert before["hash_reused_blocks"] == 4 and before["hash_adopted_tensors"] == 1
+    assert after["hash_engine_blocks"] == 4  # a tensor without digests: vLLM hashes
+    assert before["hash_sent_tensors"] == 1
+    del got
+    shm.collect()
+
+
+def test_malformed_or_foreign_digests_are_refused(shm_env):
+    t = torch.randn(40, HIDDEN)
+    hashing.adopt_meta(t, {"block_sha256": {"block": 16, "rows": 40, "digests": b"x" * 64}})
+    hashing.adopt_meta(t, {"block_sha256": {"block": "a", "rows": 40, "digests": b""}})
+    assert hashing.attached(t) is None and shm.stats()["hash_rejected_meta"] == 2
+    # A tensor our code did not write and hash sends no digests at hop 1.
+    assert hashing.handover_meta(t) == {}
+    # Digests of another shape never apply.
+    d = hashing.BlockDigests(16, 40, b"\0" * 96)
+    hashing.attach(t[:30], d)
+    assert hashing.attached(t[:30]) is None
