@@ -200,3 +200,202 @@ def test_malformed_or_foreign_digests_are_refused(shm_env):
     d = hashing.BlockDigests(16, 40, b"\0" * 96)
     hashing.attach(t[:30], d)
     assert hashing.attached(t[:30]) is None
+
+
+# -- integration: one TP=2 server, shm on (only VLLM_SHM_EMBEDS=1 and test dirs)
+
+MAX_LEN = 2048
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from offline_run import embed_weights
+    from test_online import CHAT_TEMPLATE, start_server
+
+    tmp = tmp_path_factory.mktemp("jsonpath")
+    (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
+    with start_server(tmp, "-tp", "2", "--chat-template", str(tmp / "chat.jinja"),
+                      "--enable-prompt-tokens-details") as s:
+        s["weights"] = embed_weights(s["model"])
+        yield s
+
+
+def _totals(server, role=None) -> dict:
+    from test_offline import by_role
+
+    from vllm._shm_embeds import read_stats_dir
+
+    stats = read_stats_dir(server["stats"])
+    if role is not None:
+        return {k: v for c in by_role(stats, role) for k, v in c.items()}
+    total: dict = {}
+    for s in stats:
+        for k, v in s["counters"].items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+def _delta(before, after):
+    return {k: after.get(k, 0) - before.get(k, 0) for k in after
+            if after.get(k, 0) != before.get(k, 0)}
+
+
+def _post(server, route, body, stock=False):
+    """POST ``body`` as JSON; ``stock=True`` sends it chunked (no Content-Length),
+    which the middleware leaves to vLLM's own JSON handling: the stock path
+    for the same payload on the same server."""
+    import requests
+
+    raw = json.dumps(body).encode()
+    data = iter([raw[i:i + 65536] for i in range(0, len(raw), 65536)]) if stock else raw
+    return requests.post(server["url"] + route, data=data, timeout=300,
+                         headers={"Content-Type": "application/json"})
+
+
+def _ids(n, seed):
+    return torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+KW = {"model": "tiny", "max_tokens": 6, "temperature": 0.0}
+
+
+def _chat(b64):
+    return {**KW, "messages": [{"role": "user", "content": [
+        {"type": "prompt_embeds", "data": b64}]}]}
+
+
+@pytest.mark.integration
+@pytest.mark.online
+def test_same_tokens_as_stock_by_the_fast_path(server):
+    embeds = server["weights"][_ids(300, 1)].contiguous()
+    b64 = encode_embeds(embeds)
+    for route, body, text in (
+        ("/v1/completions", {**KW, "prompt": "", "prompt_embeds": b64},
+         lambda r: r["choices"][0]["text"]),
+        ("/v1/chat/completions", _chat(b64),
+         lambda r: r["choices"][0]["message"]["content"]),
+    ):
+        before = _totals(server)
+        fast = _post(server, route, body)
+        assert fast.status_code == 200, fast.text
+        d = _delta(before, _totals(server))
+        # The fast path ran: decoded here, handed over with its digests, and
+        # the EngineCore took them instead of hashing (no silent fallback).
+        assert d.get("json_tensors") == 1 and d.get("hop1_handover_tensors") == 1, d
+        assert d.get("hash_sent_tensors") == 1 and d.get("hash_adopted_tensors") == 1, d
+        assert not any(k.startswith("json_fallback") for k in d), d
+        stock = _post(server, route, body, stock=True)
+        assert stock.status_code == 200, stock.text
+        assert text(fast.json()) == text(stock.json())
+
+
+def _prefix_hits(server) -> float:
+    """vLLM's ``vllm:prefix_cache_hits_total`` (tokens), from ``/metrics``.
+
+    (The usage's ``cached_tokens`` is not usable here: vLLM 0.32 answers the
+    empty text prompt next to the embeds too, and reports that one's.)
+    """
+    import requests
+
+    text = requests.get(server["url"] + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prefix_cache_hits_total"))
+
+
+@pytest.mark.integration
+@pytest.mark.online
+def test_engine_hashes_no_embeds_and_prefix_cache_hits(server):
+    w = server["weights"]
+    base = _ids(600, 2)
+    first = w[base].contiguous()
+    shared = w[torch.cat([base[:400], _ids(200, 3)])].contiguous()
+
+    def hits(body, stock=False):
+        before = _prefix_hits(server)
+        r = _post(server, "/v1/completions", body, stock=stock)
+        assert r.status_code == 200, r.text
+        return _prefix_hits(server) - before
+
+    before = _totals(server, "engine")
+    body = {**KW, "prompt": "", "prompt_embeds": encode_embeds(first)}
+    assert hits(body) == 0
+    again = hits(body)
+    prefix = hits({**body, "prompt_embeds": encode_embeds(shared)})
+    d = _delta(before, _totals(server, "engine"))
+    assert d.get("hash_engine_blocks", 0) == 0, d  # never hashed embeds itself
+    assert d.get("hash_reused_blocks", 0) > 0 and d.get("hash_adopted_tensors") == 3, d
+    assert again >= 512  # every full block of the 600 rows (block size <= 128)
+    assert 256 <= prefix <= 400  # the shared 400 rows, in whole blocks
+    # The stock path (the EngineCore hashes itself) finds the blocks the fast
+    # path cached: the keys are equal to stock's for the same tensor.
+    before = _totals(server, "engine")
+    stock = hits(body, stock=True)
+    d = _delta(before, _totals(server, "engine"))
+    assert d.get("hash_engine_blocks", 0) > 0, d
+    assert stock == again
+
+
+def _bad_bodies(hidden):
+    from test_online import BAD_PAYLOADS
+
+    for name, make in sorted(BAD_PAYLOADS.items()):
+        payload = make(hidden)
+        yield name, "/v1/completions", {**KW, "prompt": "", "prompt_embeds": payload}
+        yield name, "/v1/chat/completions", _chat(payload)
+
+
+@pytest.mark.integration
+@pytest.mark.online
+def test_bad_payloads_answered_as_stock(server):
+    """Every bad payload of test_online: the same status and message as the stock
+    path for the same bytes, a 4xx, and nothing left in shared memory."""
+    from conftest import ours_in
+
+    hidden = server["weights"].shape[1]
+    before = _totals(server, "client")
+    for name, route, body in _bad_bodies(hidden):
+        fast = _post(server, route, body)
+        stock = _post(server, route, body, stock=True)
+        assert 400 <= fast.status_code < 500, (name, route, fast.text)
+        assert fast.status_code == stock.status_code, (name, route)
+        ef, es = fast.json()["error"], stock.json()["error"]
+        assert (ef["type"], ef["message"]) == (es["type"], es["message"]), (name, route)
+    d = _delta(before, _totals(server, "client"))
+    # The big bad payloads went through our decode and were given back.
+    assert d.get("json_fallback.rejected", 0) >= 8, d
+    import time
+
+    time.sleep(1)
+    assert ours_in(server["seg_dir"]) == []
+
+
+@pytest.mark.integration
+@pytest.mark.online
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nan_inf_never_hurt_the_server(server, value):
+    bad = torch.randn(40, server["weights"].shape[1])
+    bad[3, 5] = value
+    r = _post(server, "/v1/completions", {**KW, "prompt": "", "prompt_embeds": encode_embeds(bad)})
+    assert r.status_code < 500, r.text
+    ok = _post(server, "/v1/completions", {**KW, "prompt": "hello"})
+    assert ok.status_code == 200
+
+
+@pytest.mark.integration
+@pytest.mark.online
+def test_client_cannot_supply_digests(server):
+    """Digest-like fields in a body change nothing: the engine uses only the
+    digests the API server computed (a prefix hit needs the real bytes)."""
+    w = server["weights"]
+    real = w[_ids(300, 5)].contiguous()
+    other = w[_ids(300, 6)].contiguous()
+    fake = {"block_sha256": {"block": 16, "rows": 300, "digests": "00" * 32 * 19},
+            "shm_embeds": {"name": "x"}}
+    r = _post(server, "/v1/completions", {**KW, "prompt": "", "prompt_embeds": encode_embeds(real)})
+    assert r.status_code == 200
+    # Other bytes with the "digests" of the first: no cache hit.
+    before = _prefix_hits(server)
+    r = _post(server, "/v1/completions",
+              {**KW, **fake, "prompt": "", "prompt_embeds": encode_embeds(other)})
+    assert r.status_code == 200, r.text
+    assert _prefix_hits(server) == before

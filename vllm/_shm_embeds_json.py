@@ -66,7 +66,7 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 CONTENT_TYPE = b"application/json"
-MIN_STRING_BYTES = 4096  # shorter strings stay in the skeleton as they are
+MIN_STRING_BYTES = 1024  # shorter strings stay in the skeleton as they are
 
 
 class Fallback(Exception):
