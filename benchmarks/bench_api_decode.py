@@ -17,6 +17,23 @@ end-to-end host tax can be split into "protocol" and "transport":
 * ``hash``: sha256 of the tensor in 16-token blocks, as the prefix cache does
   (``vllm/v1/core/kv_cache_utils.py``, ``_gen_prompt_embeds_extra_hash_keys``)
 
+With shm-embeds' JSON path (issue 9, ``vllm/_shm_embeds_json.py``), the same
+body, in the worker thread the middleware uses (its own steps, then the
+whole :func:`prepare` as the server runs it):
+
+* ``j.buffer``: the chunks copied into a pre-faulted buffer (the faulting
+  runs in a thread while the body arrives; here not overlapped, so this is
+  an upper bound)
+* ``j.scan``: find the long strings, build and ``json.loads`` the skeleton
+* ``j.load``: vLLM's ``safe_load_prompt_embeds`` on a ``memoryview`` of the body
+* ``j.seg+hash``: write into a streamed segment, hashing the blocks meanwhile
+  (the EngineCore then hashes nothing)
+* ``j.total``: ``prepare()`` itself
+* ``stall``: the longest the event loop went without running (a 1 ms ticker)
+  while one request's decode ran: stock (join + ``json.loads`` + validation
+  on the loop, ``safe_load_prompt_embeds`` in a thread as vLLM's async
+  renderer does) vs the JSON path (``prepare`` in a thread)
+
 Medians of ``--repeats`` in ms. Usage::
 
     python benchmarks/bench_api_decode.py [--tokens 1024,4096,8192] [--json PATH]
@@ -40,6 +57,78 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
 STEPS = ("join", "json.loads", "validate", "load", "hash")
+JSON_STEPS = ("j.buffer", "j.scan", "j.load", "j.seg+hash", "j.total")
+
+
+def _json_path_round(chunks, ctx, route="/v1/completions") -> dict[str, float]:
+    """One request through the JSON path's steps, then through ``prepare`` (ms)."""
+    from vllm import _shm_embeds as shm
+    from vllm import _shm_embeds_json as jp
+
+    t0 = time.perf_counter()
+    raw = _fill(jp.body_buffer(sum(map(len, chunks))), chunks)
+    t1 = time.perf_counter()
+    spans = jp.find_long_strings(raw)
+    names = [f"p{i}" for i in range(len(spans))]
+    json.loads(jp._skeleton(raw, spans, names))
+    t2 = time.perf_counter()
+    view = memoryview(raw)
+    tensor = jp._load(ctx, view[spans[0][0]:spans[0][1]])
+    t3 = time.perf_counter()
+    out = jp._to_segment(ctx, tensor)
+    t4 = time.perf_counter()
+    shm.release_streamed(out)
+    view.release()
+    raw.close()
+    del tensor, out
+    t5 = time.perf_counter()
+    raw = _fill(jp.body_buffer(sum(map(len, chunks))), chunks)
+    prepared = jp.prepare(raw, route, ctx)
+    raw.close()
+    t6 = time.perf_counter()
+    assert prepared.upload is not None, prepared.reason
+    for t in prepared.upload.tensors:
+        if t is not None:
+            shm.release_streamed(t)
+    del prepared
+    return {"j.buffer": t1 - t0, "j.scan": t2 - t1, "j.load": t3 - t2,
+            "j.seg+hash": t4 - t3, "j.total": t6 - t5}
+
+
+def _fill(buf, chunks):
+    pos = 0
+    for c in chunks:
+        buf[pos:pos + len(c)] = c
+        pos += len(c)
+    return buf
+
+
+def _stall_ms(work) -> float:
+    """Longest gap (ms) of a 1 ms ticker on the event loop while ``await work()`` runs."""
+    import asyncio
+
+    return asyncio.run(_stall_main(work))
+
+
+async def _stall_main(work) -> float:
+    import asyncio
+
+    state = {"done": False, "max": 0.0}
+
+    async def ticker():
+        last = time.perf_counter()
+        while not state["done"]:
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            state["max"] = max(state["max"], now - last)
+            last = now
+
+    tick = asyncio.create_task(ticker())
+    await asyncio.sleep(0.01)
+    await work()
+    state["done"] = True
+    await tick
+    return state["max"] * 1e3
 
 
 def main() -> None:
@@ -49,7 +138,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--block", type=int, default=16, help="prefix-cache block, tokens")
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--no-json-path", action="store_true",
+                    help="only vLLM's own steps (not shm-embeds' JSON path)")
     args = ap.parse_args()
+    ours = not args.no_json_path
+    if ours:  # segments go to a private dir on the /dev/shm tmpfs
+        import tempfile
+
+        os.environ["VLLM_SHM_EMBEDS_DIR"] = tempfile.mkdtemp(
+            prefix="shm-embeds-bench-", dir="/dev/shm")
+        from vllm import _shm_embeds_json as jp
+
+        ctx_of = lambda: jp.ServerContext(model_config, args.block)  # noqa: E731
 
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
     from vllm.renderers.embed_utils import safe_load_prompt_embeds
@@ -68,7 +168,8 @@ def main() -> None:
         raw = body.encode()
         del body, buf
         chunks = [raw[i : i + 65536] for i in range(0, len(raw), 65536)]
-        times: dict[str, list[float]] = {s: [] for s in STEPS}
+        times: dict[str, list[float]] = {s: [] for s in (*STEPS, *JSON_STEPS,
+                                                          "stall stock", "stall json")}
         for _ in range(args.repeats + 1):
             t0 = time.perf_counter()
             joined = b"".join(chunks)
@@ -87,21 +188,75 @@ def main() -> None:
             for s, a, b in zip(STEPS, (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)):
                 times[s].append((b - a) * 1e3)
             del joined, obj, req, embeds, flat
+            if ours:
+                for k, v in _json_path_round(chunks, ctx_of()).items():
+                    times[k].append(v * 1e3)
+                times["stall stock"].append(_stall_ms(lambda: _stock_async(
+                    chunks, CompletionRequest, safe_load_prompt_embeds, model_config)))
+                times["stall json"].append(_stall_ms(lambda: _json_async(chunks, ctx_of())))
         row = {"tokens": n, "embeds_mb": tensor.nbytes / 1e6, "body_mb": len(raw) / 1e6}
         for s in STEPS:
             row[f"{s}_ms"] = C.median(times[s][1:])  # first round is the warm-up
         row["total_ms"] = sum(row[f"{s}_ms"] for s in STEPS)
+        shown = STEPS
+        if ours:
+            shown = (*STEPS, *JSON_STEPS, "stall stock", "stall json")
+            for s in shown[len(STEPS):]:
+                row[f"{s}_ms"] = C.median(times[s][1:])
+            # the EngineCore's hash is gone on the JSON path (done in j.seg+hash)
+            row["j.vs_stock"] = row["j.total_ms"] / row["total_ms"]
         rows.append(row)
-        print(f"{n} tokens: " + ", ".join(f"{s} {row[f'{s}_ms']:.0f}" for s in STEPS)
+        print(f"{n} tokens: " + ", ".join(f"{s} {row[f'{s}_ms']:.0f}" for s in shown)
               + f", total {row['total_ms']:.0f} ms", flush=True)
         del chunks, raw, tensor
     cols = [("tokens", "tokens", "d"), ("embeds_mb", "embeds MB", ".1f"),
             ("body_mb", "body MB", ".1f"),
             *[(f"{s}_ms", s, ".0f") for s in STEPS], ("total_ms", "total", ".0f")]
+    if ours:
+        cols += [*[(f"{s}_ms", s, ".0f") for s in (*JSON_STEPS, "stall stock", "stall json")],
+                 ("j.vs_stock", "j.total / total", ".2f")]
     C.print_table(rows, cols)
+    if ours:
+        import shutil
+
+        shutil.rmtree(os.environ["VLLM_SHM_EMBEDS_DIR"], ignore_errors=True)
     if args.json:
         C.write_json(args.json, {"machine": C.machine_info(), "config": vars(args),
                                  "rows": rows})
+
+
+async def _stock_async(chunks, request_cls, load, model_config) -> None:
+    """Stock: FastAPI's join, ``json.loads`` and validation on the loop, then
+    the async renderer's decode in a thread."""
+    import asyncio
+
+    obj = json.loads(b"".join(chunks))
+    req = request_cls.model_validate(obj)
+    del obj
+    await asyncio.to_thread(load, model_config, req.prompt_embeds)
+
+
+async def _json_async(chunks, ctx) -> None:
+    """The JSON path as the middleware runs it: ``read_body`` on the loop, then
+    ``prepare`` in a worker thread."""
+    import asyncio
+
+    from vllm import _shm_embeds as shm
+    from vllm import _shm_embeds_json as jp
+
+    it = iter(chunks)
+
+    async def receive():  # the chunks as uvicorn hands them over
+        await asyncio.sleep(0)
+        c = next(it, None)
+        return {"type": "http.request", "body": c or b"", "more_body": c is not None}
+
+    raw = await jp.read_body(receive, sum(map(len, chunks)))
+    prepared = await asyncio.to_thread(jp.prepare, raw, "/v1/completions", ctx)
+    raw.close()
+    for t in prepared.upload.tensors:
+        if t is not None:
+            shm.release_streamed(t)
 
 
 if __name__ == "__main__":

@@ -75,9 +75,8 @@ def test_prepare_equals_vllm_decode_and_digests(shm_env, route):
             else _body(messages=[{"role": "user", "content": [
                 {"type": "text", "text": "t" * 5000},
                 {"type": "prompt_embeds", "data": b64}]}]))
-    chunks = [body[i:i + 999] for i in range(0, len(body), 999)]
-    out = jp.prepare(chunks, route, _ctx())
-    assert out.reason is None and chunks == []
+    out = jp.prepare(body, route, _ctx())
+    assert out.reason is None
     skeleton = json.loads(out.body)
     assert len(out.body) < 6000  # the embeds are out; the long prompt text stayed
     value = (skeleton["prompt_embeds"] if route == "/v1/completions"
@@ -120,7 +119,7 @@ BAD = {
 def test_prepare_gives_bad_payloads_back_unchanged(shm_env, name):
     payload = BAD[name]()
     body = _body(prompt="", prompt_embeds=payload)
-    out = jp.prepare([body], "/v1/completions", _ctx())
+    out = jp.prepare(body, "/v1/completions", _ctx())
     assert out.upload is None and out.body == body  # stock answers it, as stock
     assert out.reason in ("rejected", "empty", "no_embeds")
     assert os.listdir(shm_env) == []
@@ -128,19 +127,60 @@ def test_prepare_gives_bad_payloads_back_unchanged(shm_env, name):
 
 def test_prepare_leaves_other_long_strings_and_non_json_alone(shm_env):
     body = _body(prompt="p" * 9000)
-    assert jp.prepare([body], "/v1/completions", _ctx()).reason == "no_embeds"
+    assert jp.prepare(body, "/v1/completions", _ctx()).reason == "no_embeds"
     bad = body[:-1] + b",,}"
-    assert jp.prepare([bad], "/v1/completions", _ctx()).reason == "not_json"
+    assert jp.prepare(bad, "/v1/completions", _ctx()).reason == "not_json"
     # A client's own "digest" fields are just unknown JSON to vLLM: never read.
     t = torch.randn(40, HIDDEN)
     body = _body(prompt="", prompt_embeds=encode_embeds(t),
                  block_sha256={"block": 16, "rows": 40, "digests": "00" * 96})
-    out = jp.prepare([body], "/v1/completions", _ctx())
+    out = jp.prepare(body, "/v1/completions", _ctx())
     [got] = [x for x in out.upload.tensors if x is not None]
     assert hashing.attached(got).digests == b"".join(
         __import__("hashlib").sha256(t[i:i + 16].numpy().tobytes()).digest()
         for i in range(0, 40, 16))
     shm.release_streamed(got)
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_read_body_fills_a_prefaulted_buffer(monkeypatch, late):
+    """Chunks go into the buffer a thread made meanwhile, before or after it is ready."""
+    import asyncio
+    import threading
+
+    body = bytes(range(256)) * 1000
+    gate = threading.Event()
+    real = jp.body_buffer
+
+    def slow_buffer(n):
+        if late:
+            gate.wait(10)  # every chunk arrives before the buffer
+        return real(n)
+
+    monkeypatch.setattr(jp, "body_buffer", slow_buffer)
+
+    async def run(pieces, length, disconnect=False):
+        msgs = [{"type": "http.request", "body": p, "more_body": i < len(pieces) - 1}
+                for i, p in enumerate(pieces)]
+        if disconnect:
+            msgs = msgs[:1] + [{"type": "http.disconnect"}]
+
+        async def receive():
+            await asyncio.sleep(0.001)
+            if len(msgs) == 1:
+                gate.set()
+            return msgs.pop(0)
+
+        return await jp.read_body(receive, length)
+
+    pieces = [body[i:i + 7000] for i in range(0, len(body), 7000)]
+    got = asyncio.run(run(pieces, len(body)))
+    assert not isinstance(got, bytes) and got[:] == body
+    got.close()
+    assert asyncio.run(run(pieces, len(body), disconnect=True)) is None
+    # Not what Content-Length announced: handed back whole, for stock to judge.
+    assert asyncio.run(run(pieces, len(body) - 5)) == body
+    assert asyncio.run(run(pieces, len(body) + 5)) == body
 
 
 # -- unit: digests through hop 1 and into vLLM's block hasher
@@ -155,7 +195,7 @@ def test_hop1_carries_digests_and_engine_hashes_nothing(shm_env):
 
     tensor = torch.randn(50, HIDDEN)
     body = _body(prompt="", prompt_embeds=encode_embeds(tensor))
-    [sent] = [t for t in jp.prepare([body], "/v1/completions", _ctx()).upload.tensors
+    [sent] = [t for t in jp.prepare(body, "/v1/completions", _ctx()).upload.tensors
               if t is not None]
     enc = MsgpackEncoder()
     consumer = shm.HandleOOBConsumer(enc.oob_tensor_consumer)

@@ -705,6 +705,9 @@ def _add_json_middleware(app: Any) -> None:
     """Add the JSON-body middleware (outside the binary one); never raises."""
     if JSON_STATUS:
         return
+    if os.environ.get("VLLM_SHM_EMBEDS_JSON", "1").strip().lower() in ("0", "false", "no"):
+        logger.info("shm-embeds: JSON body path off (VLLM_SHM_EMBEDS_JSON=0)")
+        return
     try:
         from vllm._shm_embeds_json import JsonBodyMiddleware
 
@@ -744,6 +747,8 @@ JSON_SITES: dict[str, BinarySite] = {
 
 # problems of the JSON sites (empty: on); filled by _register_json()
 JSON_STATUS: list[str] = []
+
+ENV_VARS["VLLM_SHM_EMBEDS_JSON"] = lambda: os.environ.get("VLLM_SHM_EMBEDS_JSON", "1")
 
 
 def _register_json() -> None:
