@@ -50,6 +50,7 @@ Counters: ``json_bodies``, ``json_tensors``, ``json_bytes`` (tensor bytes),
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
 import errno
 import json
@@ -266,17 +267,40 @@ def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext) -> Prepared:
     return Prepared(skeleton, binary._Upload(token, tensors))
 
 
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14, <asm-generic/mman-common.h>
+_libc: Any = None
+
+
 def body_buffer(nbytes: int) -> mmap.mmap:
     """An anonymous private mapping of ``nbytes`` with every page already faulted in.
 
-    ``MAP_POPULATE`` faults the pages in one go inside ``mmap()`` (CPython
-    releases the GIL there), so run it in a worker thread while the body
-    arrives: copying a chunk into it is then a plain ``memcpy`` instead of a
-    page fault per 4 KiB on the event loop (joining 64 KiB chunks into fresh
-    memory is mostly page faults). Raises OSError (ENOMEM).
+    Run it in a worker thread while the body arrives: copying a chunk into
+    it is then a plain ``memcpy`` instead of a page fault per 4 KiB on the
+    event loop (joining 64 KiB chunks into fresh memory is mostly page
+    faults). The pages are faulted with ``madvise(MADV_POPULATE_WRITE)``
+    through ctypes, which releases the GIL (``mmap(MAP_POPULATE)`` from
+    Python holds it throughout); on kernels without it, by writing one
+    byte per page with torch (which also releases the GIL).
+    Raises OSError (ENOMEM).
     """
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-    return mmap.mmap(-1, max(1, nbytes), flags=flags)
+    global _libc
+    mm = mmap.mmap(-1, max(1, nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        anchor = ctypes.c_char.from_buffer(mm)
+        addr = ctypes.addressof(anchor)
+        del anchor  # no export of mm may outlive this call
+        if _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(len(mm)),
+                         _MADV_POPULATE_WRITE) == 0:
+            return mm
+        pages = torch.frombuffer(mm, dtype=torch.uint8)[::mmap.PAGESIZE]
+        pages.fill_(0)
+        del pages
+    except BaseException:
+        mm.close()
+        raise
+    return mm
 
 
 async def read_body(receive: binary.Receive, length: int) -> mmap.mmap | bytes | None:
