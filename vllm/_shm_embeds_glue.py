@@ -40,6 +40,12 @@ hop 2, EngineCore -> TP workers (``vllm/v1/executor/multiproc_executor.py``)
      checks see it) instead of one rank waiting forever in a collective.
   8. ``MultiprocExecutor.shutdown`` / ``WorkerProc.shutdown``: unlink what is
      left, log the summary.
+
+API server request bodies (:data:`BINARY_SITES`, issue 8; :data:`JSON_SITES`,
+issue 9): binary bodies and large base64 JSON bodies decoded into streamed
+segments by middlewares; ``safe_load_prompt_embeds`` (called, not patched)
+and ``kv_cache_utils._gen_prompt_embeds_extra_hash_keys`` (EngineCore: uses
+the API server's prefix-cache digests instead of hashing again).
 """
 
 from __future__ import annotations
