@@ -403,10 +403,13 @@ class JsonBodyMiddleware:
         if isinstance(raw, bytes):
             shm.count(**{"json_fallback.body": 1})
             return await self._downstream(scope, receive, send, raw, None)
-        ctx = ServerContext.from_vllm_config(config)
         try:
+            ctx = ServerContext.from_vllm_config(config)
             prepared = await asyncio.get_running_loop().run_in_executor(
                 None, prepare, raw, route, ctx)
+        except Exception:  # a bug of ours must not cost the request: stock path
+            logger.exception("shm-embeds: JSON body path failed; vLLM decodes this body")
+            prepared = Prepared(raw[:], None, "error")
         finally:
             raw.close()  # prepare() holds no view of it any more
         if prepared.upload is None:
