@@ -183,6 +183,72 @@ def test_read_body_fills_a_prefaulted_buffer(monkeypatch, late):
     assert asyncio.run(run(pieces, len(body) + 5)) == body
 
 
+def _asgi(body: bytes, ctype=b"application/json", path="/v1/completions", cut=False):
+    """Run JsonBodyMiddleware on one request; return what the app saw."""
+    import asyncio
+
+    seen = {}
+
+    async def app(scope, receive, send):
+        parts, more = [], True
+        while more:
+            msg = await receive()
+            parts.append(msg["body"])
+            more = msg.get("more_body", False)
+        seen["body"] = b"".join(parts)
+        value = json.loads(seen["body"]).get("prompt_embeds")
+        tensor = resolve_placeholder(value) if isinstance(value, str) else None
+        seen["tensor"] = None if tensor is None else tensor.clone()
+
+    config = types.SimpleNamespace(model_config=_ctx().model_config, cache_config=None)
+    scope = {"type": "http", "method": "POST", "path": path,
+             "app": types.SimpleNamespace(state=types.SimpleNamespace(vllm_config=config)),
+             "headers": [(b"content-type", ctype),
+                         (b"content-length", str(len(body)).encode())]}
+    msgs = [{"type": "http.request", "body": body[i:i + 4096],
+             "more_body": i + 4096 < len(body)} for i in range(0, len(body), 4096)]
+    if cut:
+        msgs = msgs[:2] + [{"type": "http.disconnect"}]
+
+    async def receive():
+        return msgs.pop(0) if msgs else {"type": "http.disconnect"}
+
+    async def send(msg):
+        pass
+
+    asyncio.run(jp.JsonBodyMiddleware(app)(scope, receive, send))
+    return seen
+
+
+def test_middleware_takes_json_and_passes_the_rest(shm_env):
+    t = torch.randn(60, HIDDEN)
+    body = _body(prompt="", prompt_embeds=encode_embeds(t))
+    seen = _asgi(body)
+    assert torch.equal(seen["tensor"], t) and len(seen["body"]) < 300
+    assert shm.stats()["json_tensors"] == 1
+    # Not JSON content, another route, or an upload cut short: untouched / nothing.
+    assert _asgi(body, ctype=b"text/plain")["body"] == body
+    assert _asgi(body, path="/v1/embeddings")["body"] == body
+    assert _asgi(body, cut=True) == {}
+    assert shm.stats()["json_fallback.disconnect"] == 1
+    # A bad payload: vLLM gets the very bytes the client sent.
+    bad = _body(prompt="", prompt_embeds=BAD["wrong-hidden"]())
+    assert _asgi(bad) == {"body": bad, "tensor": None}
+    assert shm.stats()["json_fallback.rejected"] == 1
+    assert shm.stats()["json_tensors"] == 1
+    assert os.listdir(shm_env) == []
+
+
+def test_middleware_falls_back_on_its_own_errors(shm_env, monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(jp, "prepare", broken)
+    body = _body(prompt="", prompt_embeds=encode_embeds(torch.randn(60, HIDDEN)))
+    assert _asgi(body) == {"body": body, "tensor": None}
+    assert shm.stats()["json_fallback.error"] == 1
+
+
 # -- unit: digests through hop 1 and into vLLM's block hasher
 
 

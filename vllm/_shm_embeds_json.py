@@ -243,7 +243,11 @@ def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext) -> Prepared:
         tensors = [None] * len(spans)
         for i in keep:
             a, b = spans[i]
-            tensor = _load(ctx, view[a:b])
+            piece = view[a:b]
+            try:
+                tensor = _load(ctx, piece)
+            finally:
+                piece.release()  # a traceback may still hold it: end its export now
             if tensor.numel() == 0:
                 raise Fallback("empty")
             tensors[i] = _to_segment(ctx, tensor)
@@ -361,6 +365,14 @@ def _take(pending: asyncio.Future, early: list[bytes]) -> tuple[mmap.mmap | None
     return buf, True
 
 
+def _close(buf: mmap.mmap) -> None:
+    """Unmap a body buffer now; if a view of it is still alive, when that goes."""
+    try:
+        buf.close()
+    except BufferError:
+        logger.debug("shm-embeds: a body buffer is still referenced; freed later")
+
+
 def _close_buffer(fut: asyncio.Future) -> None:
     if not fut.cancelled() and fut.exception() is None:
         fut.result().close()
@@ -411,7 +423,7 @@ class JsonBodyMiddleware:
             logger.exception("shm-embeds: JSON body path failed; vLLM decodes this body")
             prepared = Prepared(raw[:], None, "error")
         finally:
-            raw.close()  # prepare() holds no view of it any more
+            _close(raw)
         if prepared.upload is None:
             shm.count(**{f"json_fallback.{prepared.reason}": 1})
             return await self._downstream(scope, receive, send, prepared.body, None)
