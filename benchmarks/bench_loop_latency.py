@@ -7,8 +7,10 @@ Against a running OpenAI server (``--enable-prompt-embeds``): one thread sends
 text prompts (``max_tokens=1``) every ``--interval`` s and records their latency.
 The API server decodes the embeds on its event loop in stock vLLM (every other
 request waits meanwhile); shm-embeds' JSON path (issue 9) decodes them in a
-worker thread. Prints p50/p99/max of the text latencies, and the same with no
-embeds traffic.
+worker thread. Prints p50/p99/max/mean of the text latencies, and the same with no
+embeds traffic; and of ``GET /v1/models``, which never reaches the engine, so
+that only the API server's event loop is measured (a text request also waits
+for the engine's prefill of the embeds).
 
 Usage::
 
@@ -57,17 +59,22 @@ def main() -> None:
     text = {"model": model, "prompt": "hello there", "max_tokens": 1}
     session = requests.Session()
 
-    def text_latencies(seconds: float) -> list[float]:
-        out, end = [], time.monotonic() + seconds
+    def text_latencies(seconds: float) -> tuple[list[float], list[float]]:
+        """Latencies (ms) of text completions and of ``GET /v1/models`` (which
+        never reaches the engine: a pure probe of the API server's event loop)."""
+        out, probe, end = [], [], time.monotonic() + seconds
         while time.monotonic() < end:
             t0 = time.perf_counter()
+            session.get(args.url + "/v1/models", timeout=600).raise_for_status()
+            t1 = time.perf_counter()
             r = session.post(args.url + "/v1/completions", json=text, timeout=600)
             r.raise_for_status()
-            out.append((time.perf_counter() - t0) * 1e3)
+            out.append((time.perf_counter() - t1) * 1e3)
+            probe.append((t1 - t0) * 1e3)
             time.sleep(args.interval)
-        return out
+        return out, probe
 
-    idle = text_latencies(min(10.0, args.seconds / 4))
+    idle, idle_probe = text_latencies(min(10.0, args.seconds / 4))
     stop = threading.Event()
     sent = [0]
 
@@ -82,17 +89,24 @@ def main() -> None:
     th = threading.Thread(target=embeds_loop, daemon=True)
     th.start()
     time.sleep(1.0)
-    busy = text_latencies(args.seconds)
+    busy, busy_probe = text_latencies(args.seconds)
     stop.set()
     th.join(600)
     row = {"label": args.label, "tokens": args.tokens, "embeds_requests": sent[0],
            "idle_p50": statistics.median(idle), "idle_p99": _pct(idle, 0.99),
            "busy_p50": statistics.median(busy), "busy_p99": _pct(busy, 0.99),
-           "busy_max": max(busy), "busy_n": len(busy)}
+           "busy_max": max(busy), "busy_n": len(busy),
+           "busy_mean": statistics.fmean(busy),
+           "probe_idle_p99": _pct(idle_probe, 0.99),
+           "probe_busy_p50": statistics.median(busy_probe),
+           "probe_busy_p99": _pct(busy_probe, 0.99), "probe_busy_max": max(busy_probe)}
     print(f"{args.label}: text latency ms idle p50 {row['idle_p50']:.0f} "
           f"p99 {row['idle_p99']:.0f}; with {args.tokens}-token JSON embeds back to back "
           f"({sent[0]} sent): p50 {row['busy_p50']:.0f} p99 {row['busy_p99']:.0f} "
-          f"max {row['busy_max']:.0f} (n={len(busy)})", flush=True)
+          f"max {row['busy_max']:.0f} mean {row['busy_mean']:.0f} (n={len(busy)}); "
+          f"GET /v1/models (event loop only): idle p99 {row['probe_idle_p99']:.0f}, busy "
+          f"p50 {row['probe_busy_p50']:.0f} p99 {row['probe_busy_p99']:.0f} "
+          f"max {row['probe_busy_max']:.0f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(row, f, indent=1)
