@@ -205,6 +205,12 @@ def main() -> None:
                 row[f"{s}_ms"] = C.median(times[s][1:])
             # the EngineCore's hash is gone on the JSON path (done in j.seg+hash)
             row["j.vs_stock"] = row["j.total_ms"] / row["total_ms"]
+            # peak RSS growth of one request (segments in /dev/shm not counted: the
+            # segment holds the embeds once, as on the stock shm path)
+            row["peak_stock_mb"] = peak_memory("stock", n, args.hidden, args.block)
+            row["peak_json_mb"] = peak_memory("json", n, args.hidden, args.block)
+            print(f"  peak RSS growth: stock {row['peak_stock_mb']:.0f} MB, "
+                  f"JSON path {row['peak_json_mb']:.0f} MB", flush=True)
         rows.append(row)
         print(f"{n} tokens: " + ", ".join(f"{s} {row[f'{s}_ms']:.0f}" for s in shown)
               + f", total {row['total_ms']:.0f} ms", flush=True)
@@ -214,7 +220,8 @@ def main() -> None:
             *[(f"{s}_ms", s, ".0f") for s in STEPS], ("total_ms", "total", ".0f")]
     if ours:
         cols += [*[(f"{s}_ms", s, ".0f") for s in (*JSON_STEPS, "stall stock", "stall json")],
-                 ("j.vs_stock", "j.total / total", ".2f")]
+                 ("j.vs_stock", "j.total / total", ".2f"),
+                 ("peak_stock_mb", "peak MB stock", ".0f"), ("peak_json_mb", "peak MB json", ".0f")]
     C.print_table(rows, cols)
     if ours:
         import shutil
@@ -223,6 +230,63 @@ def main() -> None:
     if args.json:
         C.write_json(args.json, {"machine": C.machine_info(), "config": vars(args),
                                  "rows": rows})
+
+
+def _peak_child(path: str, tokens: int, hidden: int, block: int, conn) -> None:
+    """In a fresh process: build one body's chunks, then run one decode path;
+    sends the peak RSS growth (bytes) over the chunks' own footprint (the peak
+    is reset through ``/proc/self/clear_refs`` once the body is built)."""
+    import psutil
+
+    tensor = torch.randn(tokens, hidden)
+    buf = io.BytesIO()
+    torch.save(tensor, buf)
+    raw = json.dumps({"model": "m", "prompt": "", "max_tokens": 1,
+                      "prompt_embeds": base64.b64encode(buf.getvalue()).decode()}).encode()
+    chunks = [raw[i : i + 65536] for i in range(0, len(raw), 65536)]
+    del tensor, buf, raw
+    model_config = types.SimpleNamespace(enable_prompt_embeds=True, dtype=torch.float32,
+                                         get_hidden_size=lambda: hidden)
+    import gc
+
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:  # reset the peak (VmHWM) to now
+        f.write("5")
+    base = psutil.Process().memory_info().rss
+    if path == "stock":  # what uvicorn/FastAPI/vLLM hold for one request
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.renderers.embed_utils import safe_load_prompt_embeds
+
+        joined = b"".join(chunks)
+        chunks.clear()  # (Starlette keeps them until the join returns)
+        obj = json.loads(joined)
+        req = CompletionRequest.model_validate(obj)
+        embeds = safe_load_prompt_embeds(model_config, req.prompt_embeds)
+        del embeds
+    else:
+        import asyncio
+
+        from vllm import _shm_embeds as shm
+        from vllm import _shm_embeds_json as jp
+
+        asyncio.run(_json_async(chunks, jp.ServerContext(model_config, block)))
+        assert shm.stats().get("json_tensors") == 1
+    with open("/proc/self/status") as f:
+        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    conn.send(peak - base)
+
+
+def peak_memory(path: str, tokens: int, hidden: int, block: int) -> float:
+    """Peak RSS growth (MB) of the API-server process for one request on ``path``."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_peak_child, args=(path, tokens, hidden, block, child))
+    p.start()
+    value = parent.recv()
+    p.join()
+    return value / 1e6
 
 
 async def _stock_async(chunks, request_cls, load, model_config) -> None:
