@@ -43,6 +43,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import hashlib
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -103,6 +104,14 @@ def _hash_pool() -> concurrent.futures.ThreadPoolExecutor:
             _pool = concurrent.futures.ThreadPoolExecutor(
                 shm.writers(), thread_name_prefix="shm-embeds-hash")
         return _pool
+
+
+def _forget_pool_in_child() -> None:
+    global _pool
+    _pool = None  # a forked child has none of its parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
 def _hash_blocks(data: memoryview, block_bytes: int, first: int, last: int) -> list[bytes]:
