@@ -132,7 +132,7 @@ def _check_tree(vllm_dir):
     return {
         key: check_site(vllm_dir, s.hop, s.module, s.qualname, s.params, s.source_marks,
                         getattr(s, "alt_modules", ()))
-        for key, s in {**glue.SITES, **glue.BINARY_SITES}.items()
+        for key, s in {**glue.SITES, **glue.BINARY_SITES, **glue.JSON_SITES}.items()
     }
 
 
@@ -156,7 +156,7 @@ def test_sites_hold_in_vllm_0_33_wheel(tmp_path):
     wheels = list(tmp_path.glob("vllm-0.33.0-*.whl"))
     if dl.returncode != 0 or not wheels:
         pytest.skip(f"cannot download vllm 0.33.0: {dl.stderr[-300:]}")
-    sites = {**glue.SITES, **glue.BINARY_SITES}
+    sites = {**glue.SITES, **glue.BINARY_SITES, **glue.JSON_SITES}
     wanted = {f"vllm/{rel}" for s in sites.values()
               for m in (s.module, *getattr(s, "alt_modules", ()))
               for rel in check_sites.site_files(m)}

@@ -75,10 +75,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("vllm_dir", help="path of a vLLM package directory (…/vllm)")
     args = p.parse_args()
-    from vllm._shm_embeds_glue import BINARY_SITES, METRICS_SITES, SITES  # plain data
+    from vllm._shm_embeds_glue import BINARY_SITES, JSON_SITES, METRICS_SITES, SITES
 
     bad = 0
-    for key, s in {**SITES, **BINARY_SITES, **METRICS_SITES}.items():
+    for key, s in {**SITES, **BINARY_SITES, **JSON_SITES, **METRICS_SITES}.items():
         problem = check_site(args.vllm_dir, s.hop, s.module, s.qualname, s.params,
                              s.source_marks, getattr(s, "alt_modules", ()))
         print(f"{'FAIL' if problem else 'ok  '} {key:18} {s.module}.{s.qualname}"

@@ -975,7 +975,11 @@ class HandleOOBConsumer:
                 else:
                     self._created.append(handle)
                     count(hop1_shm_tensors=1, hop1_shm_bytes=tensor.nbytes)
-                    return {META_KEY: handle.to_meta()}
+                    meta = handle.to_meta()
+                    if handover is not None:  # digests our own code computed
+                        from vllm._shm_embeds_hashing import handover_meta
+                        meta.update(handover_meta(tensor))
+                    return {META_KEY: meta}
             count(hop1_stock_tensors=1, hop1_stock_bytes=_nbytes(tensor))
             count(**{f"fallback.hop1.{reason}": 1})
         return self.inner(tensor) if self.inner is not None else None
@@ -1023,6 +1027,8 @@ class HandleOOBProvider:
         count(
             hop1_shm_tensors=1, hop1_shm_bytes=handle.nbytes, hop1_adopted_tensors=1
         )
+        from vllm._shm_embeds_hashing import adopt_meta  # prefix-cache digests
+        adopt_meta(tensor, meta[META_KEY])
         return tensor
 
     def is_failed(self, tensor: Any) -> str | None:
@@ -1088,10 +1094,12 @@ class StreamedSegment:
         seg.pwrite_all(self._fd, memoryview(data), HEADER_BYTES + self.filled)
         self.filled += len(data)
 
-    def finish(self) -> torch.Tensor:
+    def finish(self, writable: bool = True) -> torch.Tensor:
         """Map the filled segment; returns the segment-backed tensor.
 
         Counts the bytes written as ``copied_bytes`` (the one copy).
+        ``writable=False`` maps it read-only (a write through the tensor
+        faults): for bytes that were hashed as they were written.
         Raises:
             ShmEmbedsError: not every byte was written (the segment is removed).
         """
@@ -1100,7 +1108,7 @@ class StreamedSegment:
             raise ShmEmbedsError(f"segment holds {self.filled} of {self.nbytes} bytes")
         try:
             mm = seg.map_files([self._fd], [HEADER_BYTES + self.nbytes],
-                               mmap.PROT_READ | mmap.PROT_WRITE)
+                               mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
         except BaseException:
             self.abort()
             raise

@@ -53,7 +53,15 @@ the OpenAI app module is loaded and hop 1 is on; all or none)
      resolves to its segment-backed tensor; anything else takes vLLM's path.
  11. ``vllm/renderers/hf.py`` ``_build_mixed_prompt_embeds``: a chat prompt
      that is one binary part keeps its tensor (no copy).
- 12. ``vllm/entrypoints/serve/instrumentator/metrics.py`` ``attach_router``:
+ 12. (:data:`JSON_SITES`) base64 JSON bodies: a middleware (outside the
+     binary one) decodes large ``prompt_embeds`` strings off the event loop
+     with vLLM's own ``vllm/renderers/embed_utils.py``
+     ``safe_load_prompt_embeds`` (called, not patched) into streamed segments,
+     resolved like binary ones. ``vllm/v1/core/kv_cache_utils.py``
+     ``_gen_prompt_embeds_extra_hash_keys`` (EngineCore): the prefix-cache
+     digests the API server computed from the bytes it wrote are used instead
+     of hashing again.
+ 13. ``vllm/entrypoints/serve/instrumentator/metrics.py`` ``attach_router``:
      after vLLM mounts ``/metrics``, a middleware appends the shm-embeds
      metrics of every process (:data:`METRICS_SITES`,
      ``vllm._shm_embeds_metrics``); all or none.
@@ -537,6 +545,7 @@ def _register() -> None:
     if "vllm.entrypoints.launchers.app" in sys.modules:  # an API server
         _register_binary()
         _register_metrics()
+    _register_json()
     shm.sweep_stale_segments()
     on = [h for h in ("hop1", "hop2") if not STATUS[h]]
     if on:
@@ -669,6 +678,7 @@ def _wrap_init_middleware(orig: Callable) -> Callable:
             shm.set_role("client")
             logger.info("shm-embeds: binary prompt_embeds bodies accepted on "
                         "/v1/completions and /v1/chat/completions")
+            _add_json_middleware(app)
         except Exception:
             logger.exception("shm-embeds: binary bodies not enabled; stock app")
         return orig(args, app, supported_tasks, *a, **kw)
@@ -758,3 +768,87 @@ def _register_metrics() -> None:
             setattr(owner, attr, METRICS_SITES["metrics_route"].wrap(fn))
     except Exception:
         logger.exception("shm-embeds: metrics not enabled; vLLM untouched")
+
+
+# --------------------------------------------------------------------------
+# the base64 JSON path in the API server (vllm._shm_embeds_json, on
+# the binary path's sites) and prefix-cache digests computed there
+# (vllm._shm_embeds_hashing), used by the EngineCore instead of hashing again.
+
+
+def _add_json_middleware(app: Any) -> None:
+    """Add the JSON-body middleware (outside the binary one); never raises."""
+    if JSON_STATUS:
+        return
+    if os.environ.get("VLLM_SHM_EMBEDS_JSON", "1").strip().lower() in ("0", "false", "no"):
+        logger.info("shm-embeds: JSON body path off (VLLM_SHM_EMBEDS_JSON=0)")
+        return
+    try:
+        from vllm._shm_embeds_json import JsonBodyMiddleware
+
+        app.add_middleware(JsonBodyMiddleware)
+        logger.info("shm-embeds: base64 JSON prompt_embeds decoded off the event loop "
+                    "into shared memory (bodies >= %d bytes)", shm.min_bytes())
+    except Exception:
+        logger.exception("shm-embeds: JSON body path not enabled; stock app")
+
+
+def _hash_wrap(fn: Callable) -> Callable:
+    from vllm import _shm_embeds_hashing as hashing
+
+    return _mark(functools.wraps(fn)(hashing.wrap_gen_prompt_embeds_extra_hash_keys(fn)))
+
+
+JSON_SITES: dict[str, BinarySite] = {
+    # called (not patched) by the JSON path on a memoryview of the body
+    "json_decode": BinarySite(
+        "json", "vllm.renderers.embed_utils", "safe_load_prompt_embeds",
+        ("model_config", "embed"), ("pybase64.b64decode(embed, validate=True)",),
+    ),
+    # generate_block_hash_extra_keys looks it up in its module's globals.
+    "embeds_block_hash": BinarySite(
+        "json", "vllm.v1.core.kv_cache_utils", "_gen_prompt_embeds_extra_hash_keys",
+        ("request", "start_token_idx", "end_token_idx"),
+        ("request._prompt_embeds_per_block_hashes.get(block_range)",
+         "hashlib.sha256(tensor_data(block_prompt_embeds)).digest()"),
+        _hash_wrap,
+    ),
+    "embeds_block_hash_caller": BinarySite(
+        "json", "vllm.v1.core.kv_cache_utils", "generate_block_hash_extra_keys",
+        ("request", "start_token_idx", "end_token_idx"),
+        ("_gen_prompt_embeds_extra_hash_keys(",),
+    ),
+}
+
+# problems of the JSON sites (empty: on); filled by _register_json()
+JSON_STATUS: list[str] = []
+
+ENV_VARS["VLLM_SHM_EMBEDS_JSON"] = lambda: os.environ.get("VLLM_SHM_EMBEDS_JSON", "1")
+
+
+def _register_json() -> None:
+    """Check the JSON path's sites and patch the digest site; never raises.
+
+    Patched in every process when hop 1 is on and every site holds (only the
+    EngineCore calls it). Otherwise the JSON middleware is not added, vLLM
+    hashes as stock does, and the reason is logged.
+    """
+    try:
+        problems = [] if not STATUS.get("hop1") else ["hop 1 is off"]
+        resolved = {}
+        for key, site in JSON_SITES.items():
+            try:
+                resolved[key] = site.resolve()
+            except Exception as e:
+                problems.append(f"{site.module}.{site.qualname}: {e}")
+        JSON_STATUS[:] = problems
+        if problems:
+            logger.warning("shm-embeds: JSON body path and API-server prefix-cache "
+                           "digests off in pid %d: %s", os.getpid(), "; ".join(problems))
+            return
+        for key, (owner, attr, fn) in resolved.items():
+            site = JSON_SITES[key]
+            if site.wrap is not None and not getattr(fn, "__shm_embeds_wrapped__", False):
+                setattr(owner, attr, site.wrap(fn))
+    except Exception:
+        logger.exception("shm-embeds: prefix-cache digest site not patched; vLLM untouched")

@@ -1,0 +1,507 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Issue 9: the base64 JSON ``prompt_embeds`` path and API-server prefix-cache digests.
+
+Unit part (no engine): the body scan, :func:`prepare` against vLLM's own
+decode, digests equal to what vLLM's block hasher computes for the same
+tensor, hop 1 through vLLM's msgpack carrying them, malformed digests
+refused. Integration part (one TP=2 server, only ``VLLM_SHM_EMBEDS=1`` and
+the test's dirs): same tokens as the stock path, bad payloads answered as
+stock does, the EngineCore hashing no embeds block itself, prefix-cache hits
+for a repeated request and a shared prefix, and counters proving the fast
+path ran (a silent fallback fails).
+"""
+
+import base64
+import json
+import os
+import types
+
+import pytest
+import torch
+
+from helpers import encode_embeds
+from vllm import _shm_embeds as shm
+from vllm import _shm_embeds_hashing as hashing
+from vllm import _shm_embeds_json as jp
+from vllm._shm_embeds_binary import resolve_placeholder
+
+HIDDEN = 64
+
+
+def _ctx(block=16, dtype=torch.float32):
+    mc = types.SimpleNamespace(enable_prompt_embeds=True, dtype=dtype,
+                               get_hidden_size=lambda: HIDDEN)
+    return jp.ServerContext(mc, block)
+
+
+def _body(**fields) -> bytes:
+    return json.dumps({"model": "m", "max_tokens": 1, **fields}).encode()
+
+
+def _stock_block_hashes(embeds: torch.Tensor, block: int, extra_tokens: int = 0):
+    """vLLM's own block hashes (``Request`` + ``get_request_block_hasher``)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    req = Request("r", None, SamplingParams(max_tokens=4), None, prompt_embeds=embeds,
+                  block_hasher=get_request_block_hasher(block, sha256))
+    if extra_tokens:
+        req.append_output_token_ids(list(range(extra_tokens)))
+    return req.block_hashes, req
+
+
+# -- unit: the body scan and prepare()
+
+
+def test_find_long_strings_skips_escapes_and_short_strings():
+    long = "A" * 5000
+    raw = json.dumps({"a": "x", "b": long, "c": "q\"" + long, "d": [long]}).encode()
+    spans = jp.find_long_strings(raw)
+    assert [raw[a:b].decode() for a, b in spans] == [long, long]  # "c" has an escape
+    with pytest.raises(jp.Fallback):
+        jp.find_long_strings(b'{"a": "' + b"A" * 5000)
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_prepare_equals_vllm_decode_and_digests(shm_env, route):
+    from vllm.renderers.embed_utils import safe_load_prompt_embeds
+
+    tensor = torch.randn(100, HIDDEN, dtype=torch.float16)  # cast to fp32, as vLLM does
+    b64 = encode_embeds(tensor)
+    body = (_body(prompt="p" * 5000, prompt_embeds=b64) if route == "/v1/completions"
+            else _body(messages=[{"role": "user", "content": [
+                {"type": "text", "text": "t" * 5000},
+                {"type": "prompt_embeds", "data": b64}]}]))
+    out = jp.prepare(body, route, _ctx())
+    assert out.reason is None
+    skeleton = json.loads(out.body)
+    assert len(out.body) < 6000  # the embeds are out; the long prompt text stayed
+    value = (skeleton["prompt_embeds"] if route == "/v1/completions"
+             else skeleton["messages"][0]["content"][1]["data"])
+    assert ("p" * 5000 in out.body.decode()) == (route == "/v1/completions")
+    # Only this request's context resolves the placeholder.
+    assert resolve_placeholder(value) is None
+    from vllm._shm_embeds_binary import _current
+
+    token = _current.set(out.upload)
+    try:
+        got = resolve_placeholder(value)
+    finally:
+        _current.reset(token)
+    want = safe_load_prompt_embeds(_ctx().model_config, b64.encode())
+    assert torch.equal(got, want) and got.dtype == torch.float32
+    assert shm.is_streamed(got)
+    d = hashing.attached(got)
+    stock, req = _stock_block_hashes(want, 16)
+    assert d.digests == b"".join(req._prompt_embeds_per_block_hashes[(i, i + 16)]
+                                 for i in range(0, 96, 16)) + d.digests[-32:]
+    assert len(d.digests) == 7 * 32  # 6 full blocks and the short tail
+    assert shm.stats()["json_tensors"] == 1
+    shm.release_streamed(got)
+    del got
+
+
+BAD = {
+    "not-base64": lambda: "not base64!!" * 500,
+    "truncated": lambda: encode_embeds(torch.randn(50, HIDDEN))[:-40],
+    "wrong-hidden": lambda: encode_embeds(torch.randn(50, HIDDEN + 1)),
+    "int-dtype": lambda: encode_embeds(torch.ones(50, HIDDEN, dtype=torch.int64)),
+    "zero-tokens": lambda: encode_embeds(torch.randn(0, HIDDEN)) + "A" * 0,
+    "pickle-not-a-tensor": lambda: base64.b64encode(
+        b"\x80\x04" + b"N" * 6000).decode(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_prepare_gives_bad_payloads_back_unchanged(shm_env, name):
+    payload = BAD[name]()
+    body = _body(prompt="", prompt_embeds=payload)
+    out = jp.prepare(body, "/v1/completions", _ctx())
+    assert out.upload is None and out.body == body  # stock answers it, as stock
+    assert out.reason in ("rejected", "empty", "no_embeds")
+    assert os.listdir(shm_env) == []
+
+
+def test_prepare_leaves_other_long_strings_and_non_json_alone(shm_env):
+    body = _body(prompt="p" * 9000)
+    assert jp.prepare(body, "/v1/completions", _ctx()).reason == "no_embeds"
+    bad = body[:-1] + b",,}"
+    assert jp.prepare(bad, "/v1/completions", _ctx()).reason == "not_json"
+    # A client's own "digest" fields are just unknown JSON to vLLM: never read.
+    t = torch.randn(40, HIDDEN)
+    body = _body(prompt="", prompt_embeds=encode_embeds(t),
+                 block_sha256={"block": 16, "rows": 40, "digests": "00" * 96})
+    out = jp.prepare(body, "/v1/completions", _ctx())
+    [got] = [x for x in out.upload.tensors if x is not None]
+    assert hashing.attached(got).digests == b"".join(
+        __import__("hashlib").sha256(t[i:i + 16].numpy().tobytes()).digest()
+        for i in range(0, 40, 16))
+    shm.release_streamed(got)
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_read_body_fills_a_prefaulted_buffer(monkeypatch, late):
+    """Chunks go into the buffer a thread made meanwhile, before or after it is ready."""
+    import asyncio
+    import threading
+
+    body = bytes(range(256)) * 1000
+    gate = threading.Event()
+    real = jp.body_buffer
+
+    def slow_buffer(n):
+        if late:
+            gate.wait(10)  # every chunk arrives before the buffer
+        return real(n)
+
+    monkeypatch.setattr(jp, "body_buffer", slow_buffer)
+
+    async def run(pieces, length, disconnect=False):
+        msgs = [{"type": "http.request", "body": p, "more_body": i < len(pieces) - 1}
+                for i, p in enumerate(pieces)]
+        if disconnect:
+            msgs = msgs[:1] + [{"type": "http.disconnect"}]
+
+        async def receive():
+            await asyncio.sleep(0.001)
+            if len(msgs) == 1:
+                gate.set()
+            return msgs.pop(0)
+
+        return await jp.read_body(receive, length)
+
+    pieces = [body[i:i + 7000] for i in range(0, len(body), 7000)]
+    got = asyncio.run(run(pieces, len(body)))
+    assert not isinstance(got, bytes) and got[:] == body
+    got.close()
+    assert asyncio.run(run(pieces, len(body), disconnect=True)) is None
+    # Not what Content-Length announced: handed back whole, for stock to judge.
+    assert asyncio.run(run(pieces, len(body) - 5)) == body
+    assert asyncio.run(run(pieces, len(body) + 5)) == body
+
+
+def _asgi(body: bytes, ctype=b"application/json", path="/v1/completions", cut=False):
+    """Run JsonBodyMiddleware on one request; return what the app saw."""
+    import asyncio
+
+    seen = {}
+
+    async def app(scope, receive, send):
+        parts, more = [], True
+        while more:
+            msg = await receive()
+            parts.append(msg["body"])
+            more = msg.get("more_body", False)
+        seen["body"] = b"".join(parts)
+        value = json.loads(seen["body"]).get("prompt_embeds")
+        tensor = resolve_placeholder(value) if isinstance(value, str) else None
+        seen["tensor"] = None if tensor is None else tensor.clone()
+
+    config = types.SimpleNamespace(model_config=_ctx().model_config, cache_config=None)
+    scope = {"type": "http", "method": "POST", "path": path,
+             "app": types.SimpleNamespace(state=types.SimpleNamespace(vllm_config=config)),
+             "headers": [(b"content-type", ctype),
+                         (b"content-length", str(len(body)).encode())]}
+    msgs = [{"type": "http.request", "body": body[i:i + 4096],
+             "more_body": i + 4096 < len(body)} for i in range(0, len(body), 4096)]
+    if cut:
+        msgs = msgs[:2] + [{"type": "http.disconnect"}]
+
+    async def receive():
+        return msgs.pop(0) if msgs else {"type": "http.disconnect"}
+
+    async def send(msg):
+        pass
+
+    asyncio.run(jp.JsonBodyMiddleware(app)(scope, receive, send))
+    return seen
+
+
+def test_middleware_takes_json_and_passes_the_rest(shm_env):
+    t = torch.randn(60, HIDDEN)
+    body = _body(prompt="", prompt_embeds=encode_embeds(t))
+    seen = _asgi(body)
+    assert torch.equal(seen["tensor"], t) and len(seen["body"]) < 300
+    assert shm.stats()["json_tensors"] == 1
+    # Not JSON content, another route, or an upload cut short: untouched / nothing.
+    assert _asgi(body, ctype=b"text/plain")["body"] == body
+    assert _asgi(body, path="/v1/embeddings")["body"] == body
+    assert _asgi(body, cut=True) == {}
+    assert shm.stats()["json_fallback.disconnect"] == 1
+    # A bad payload: vLLM gets the very bytes the client sent.
+    bad = _body(prompt="", prompt_embeds=BAD["wrong-hidden"]())
+    assert _asgi(bad) == {"body": bad, "tensor": None}
+    assert shm.stats()["json_fallback.rejected"] == 1
+    assert shm.stats()["json_tensors"] == 1
+    assert os.listdir(shm_env) == []
+
+
+def test_middleware_falls_back_on_its_own_errors(shm_env, monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(jp, "prepare", broken)
+    body = _body(prompt="", prompt_embeds=encode_embeds(torch.randn(60, HIDDEN)))
+    assert _asgi(body) == {"body": body, "tensor": None}
+    assert shm.stats()["json_fallback.error"] == 1
+
+
+# -- unit: digests through hop 1 and into vLLM's block hasher
+
+
+def test_hop1_carries_digests_and_engine_hashes_nothing(shm_env):
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from vllm import _shm_embeds_glue as glue
+    from vllm.v1.core import kv_cache_utils as kcu
+
+    tensor = torch.randn(50, HIDDEN)
+    body = _body(prompt="", prompt_embeds=encode_embeds(tensor))
+    [sent] = [t for t in jp.prepare(body, "/v1/completions", _ctx()).upload.tensors
+              if t is not None]
+    enc = MsgpackEncoder()
+    consumer = shm.HandleOOBConsumer(enc.oob_tensor_consumer)
+    enc.oob_tensor_consumer = consumer
+    req = EngineCoreRequest(
+        request_id="r1", prompt_token_ids=None, mm_features=None, sampling_params=None,
+        pooling_params=None, arrival_time=0.0, lora_request=None, cache_salt=None,
+        data_parallel_rank=None, prompt_embeds=sent)
+    frames = glue._ArmingEncoder(enc, consumer).encode(req)
+    del sent, req
+    got = MsgpackDecoder(EngineCoreRequest, oob_tensor_provider=shm.HandleOOBProvider(None)
+                         ).decode(frames).prompt_embeds
+    assert torch.equal(got, tensor) and hashing.attached(got) is not None
+
+    orig = kcu._gen_prompt_embeds_extra_hash_keys
+    site = glue.JSON_SITES["embeds_block_hash"]
+    kcu._gen_prompt_embeds_extra_hash_keys = site.wrap(orig)
+    try:
+        ours, _ = _stock_block_hashes(got, 16, extra_tokens=20)
+        before = shm.stats()
+        stock, _ = _stock_block_hashes(tensor.clone(), 16, extra_tokens=20)
+        after = shm.stats()
+    finally:
+        kcu._gen_prompt_embeds_extra_hash_keys = orig
+    assert ours == stock and len(ours) == 4  # 70 tokens: the 4th block mixes in output
+    assert before.get("hash_engine_blocks", 0) == 0  # the engine hashed no embeds
+    assert before["hash_reused_blocks"] == 4 and before["hash_adopted_tensors"] == 1
+    assert after["hash_engine_blocks"] == 4  # a tensor without digests: vLLM hashes
+    assert before["hash_sent_tensors"] == 1
+    del got
+    shm.collect()
+
+
+def test_malformed_or_foreign_digests_are_refused(shm_env):
+    t = torch.randn(40, HIDDEN)
+    hashing.adopt_meta(t, {"block_sha256": {"block": 16, "rows": 40, "digests": b"x" * 64}})
+    hashing.adopt_meta(t, {"block_sha256": {"block": "a", "rows": 40, "digests": b""}})
+    assert hashing.attached(t) is None and shm.stats()["hash_rejected_meta"] == 2
+    # A tensor our code did not write and hash sends no digests at hop 1.
+    assert hashing.handover_meta(t) == {}
+    # Digests of another shape never apply.
+    d = hashing.BlockDigests(16, 40, b"\0" * 96)
+    hashing.attach(t[:30], d)
+    assert hashing.attached(t[:30]) is None
+
+
+# -- integration: one TP=2 server, shm on (only VLLM_SHM_EMBEDS=1 and test dirs)
+
+MAX_LEN = 2048
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from offline_run import embed_weights
+    from test_online import CHAT_TEMPLATE, start_server
+
+    tmp = tmp_path_factory.mktemp("jsonpath")
+    (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
+    with start_server(tmp, "-tp", "2", "--chat-template", str(tmp / "chat.jinja"),
+                      "--enable-prompt-tokens-details") as s:
+        s["weights"] = embed_weights(s["model"])
+        yield s
+
+
+def _totals(server, role=None) -> dict:
+    from test_offline import by_role
+
+    from vllm._shm_embeds import read_stats_dir
+
+    stats = read_stats_dir(server["stats"])
+    if role is not None:
+        return {k: v for c in by_role(stats, role) for k, v in c.items()}
+    total: dict = {}
+    for s in stats:
+        for k, v in s["counters"].items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+def _delta(before, after):
+    return {k: after.get(k, 0) - before.get(k, 0) for k in after
+            if after.get(k, 0) != before.get(k, 0)}
+
+
+def _post(server, route, body, stock=False):
+    """POST ``body`` as JSON; ``stock=True`` sends it chunked (no Content-Length),
+    which the middleware leaves to vLLM's own JSON handling: the stock path
+    for the same payload on the same server."""
+    import requests
+
+    raw = json.dumps(body).encode()
+    data = iter([raw[i:i + 65536] for i in range(0, len(raw), 65536)]) if stock else raw
+    return requests.post(server["url"] + route, data=data, timeout=300,
+                         headers={"Content-Type": "application/json"})
+
+
+def _ids(n, seed):
+    return torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+KW = {"model": "tiny", "max_tokens": 6, "temperature": 0.0}
+
+
+def _chat(b64):
+    return {**KW, "messages": [{"role": "user", "content": [
+        {"type": "prompt_embeds", "data": b64}]}]}
+
+
+@pytest.mark.integration
+@pytest.mark.online
+def test_same_tokens_as_stock_by_the_fast_path(server):
+    embeds = server["weights"][_ids(300, 1)].contiguous()
+    b64 = encode_embeds(embeds)
+    for route, body, text in (
+        ("/v1/completions", {**KW, "prompt": "", "prompt_embeds": b64},
+         lambda r: r["choices"][0]["text"]),
+        ("/v1/chat/completions", _chat(b64),
+         lambda r: r["choices"][0]["message"]["content"]),
+    ):
+        before = _totals(server)
+        fast = _post(server, route, body)
+        assert fast.status_code == 200, fast.text
+        d = _delta(before, _totals(server))
+        # The fast path ran: decoded here, handed over with its digests, and
+        # the EngineCore took them instead of hashing (no silent fallback).
+        assert d.get("json_tensors") == 1 and d.get("hop1_handover_tensors") == 1, d
+        assert d.get("hash_sent_tensors") == 1 and d.get("hash_adopted_tensors") == 1, d
+        assert not any(k.startswith("json_fallback") for k in d), d
+        stock = _post(server, route, body, stock=True)
+        assert stock.status_code == 200, stock.text
+        assert text(fast.json()) == text(stock.json())
+
+
+def _prefix_hits(server) -> float:
+    """vLLM's ``vllm:prefix_cache_hits_total`` (tokens), from ``/metrics``.
+
+    (The usage's ``cached_tokens`` is not usable here: vLLM 0.32 answers the
+    empty text prompt next to the embeds too, and reports that one's.)
+    """
+    import requests
+
+    text = requests.get(server["url"] + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prefix_cache_hits_total"))
+
+
+@pytest.mark.integration
+@pytest.mark.online
+def test_engine_hashes_no_embeds_and_prefix_cache_hits(server):
+    w = server["weights"]
+    base = _ids(600, 2)
+    first = w[base].contiguous()
+    shared = w[torch.cat([base[:400], _ids(200, 3)])].contiguous()
+
+    def hits(body, stock=False):
+        before = _prefix_hits(server)
+        r = _post(server, "/v1/completions", body, stock=stock)
+        assert r.status_code == 200, r.text
+        return _prefix_hits(server) - before
+
+    before = _totals(server, "engine")
+    body = {**KW, "prompt": "", "prompt_embeds": encode_embeds(first)}
+    assert hits(body) == 0
+    again = hits(body)
+    prefix = hits({**body, "prompt_embeds": encode_embeds(shared)})
+    d = _delta(before, _totals(server, "engine"))
+    assert d.get("hash_engine_blocks", 0) == 0, d  # never hashed embeds itself
+    assert d.get("hash_reused_blocks", 0) > 0 and d.get("hash_adopted_tensors") == 3, d
+    assert again >= 512  # every full block of the 600 rows (block size <= 128)
+    assert 256 <= prefix <= 400  # the shared 400 rows, in whole blocks
+    # The stock path (the EngineCore hashes itself) finds the blocks the fast
+    # path cached: the keys are equal to stock's for the same tensor.
+    before = _totals(server, "engine")
+    stock = hits(body, stock=True)
+    d = _delta(before, _totals(server, "engine"))
+    assert d.get("hash_engine_blocks", 0) > 0, d
+    assert stock == again
+
+
+def _bad_bodies(hidden):
+    from test_online import BAD_PAYLOADS
+
+    for name, make in sorted(BAD_PAYLOADS.items()):
+        payload = make(hidden)
+        yield name, "/v1/completions", {**KW, "prompt": "", "prompt_embeds": payload}
+        yield name, "/v1/chat/completions", _chat(payload)
+
+
+@pytest.mark.integration
+@pytest.mark.online
+def test_bad_payloads_answered_as_stock(server):
+    """Every bad payload of test_online: the same status and message as the stock
+    path for the same bytes, a 4xx, and nothing left in shared memory."""
+    from conftest import ours_in
+
+    hidden = server["weights"].shape[1]
+    before = _totals(server, "client")
+    for name, route, body in _bad_bodies(hidden):
+        fast = _post(server, route, body)
+        stock = _post(server, route, body, stock=True)
+        assert 400 <= fast.status_code < 500, (name, route, fast.text)
+        assert fast.status_code == stock.status_code, (name, route)
+        ef, es = fast.json()["error"], stock.json()["error"]
+        assert (ef["type"], ef["message"]) == (es["type"], es["message"]), (name, route)
+    d = _delta(before, _totals(server, "client"))
+    # The big bad payloads went through our decode and were given back.
+    assert d.get("json_fallback.rejected", 0) >= 8, d
+    import time
+
+    time.sleep(1)
+    assert ours_in(server["seg_dir"]) == []
+
+
+@pytest.mark.integration
+@pytest.mark.online
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nan_inf_never_hurt_the_server(server, value):
+    bad = torch.randn(40, server["weights"].shape[1])
+    bad[3, 5] = value
+    r = _post(server, "/v1/completions", {**KW, "prompt": "", "prompt_embeds": encode_embeds(bad)})
+    assert r.status_code < 500, r.text
+    ok = _post(server, "/v1/completions", {**KW, "prompt": "hello"})
+    assert ok.status_code == 200
+
+
+@pytest.mark.integration
+@pytest.mark.online
+def test_client_cannot_supply_digests(server):
+    """Digest-like fields in a body change nothing: the engine uses only the
+    digests the API server computed (a prefix hit needs the real bytes)."""
+    w = server["weights"]
+    real = w[_ids(300, 5)].contiguous()
+    other = w[_ids(300, 6)].contiguous()
+    fake = {"block_sha256": {"block": 16, "rows": 300, "digests": "00" * 32 * 19},
+            "shm_embeds": {"name": "x"}}
+    r = _post(server, "/v1/completions", {**KW, "prompt": "", "prompt_embeds": encode_embeds(real)})
+    assert r.status_code == 200
+    # Other bytes with the "digests" of the first: no cache hit.
+    before = _prefix_hits(server)
+    r = _post(server, "/v1/completions",
+              {**KW, **fake, "prompt": "", "prompt_embeds": encode_embeds(other)})
+    assert r.status_code == 200, r.text
+    assert _prefix_hits(server) == before

