@@ -455,7 +455,7 @@ def _bad_bodies(hidden):
 def test_bad_payloads_answered_as_stock(server):
     """Every bad payload of test_online: the same status and message as the stock
     path for the same bytes, a 4xx, and nothing left in shared memory."""
-    from conftest import ours_in
+    from helpers import ours_in
 
     hidden = server["weights"].shape[1]
     before = _totals(server, "client")

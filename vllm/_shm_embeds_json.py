@@ -193,7 +193,13 @@ def _load(ctx: ServerContext, data: memoryview) -> torch.Tensor:
 
 
 def _to_segment(ctx: ServerContext, tensor: torch.Tensor) -> torch.Tensor:
-    """Copy ``tensor`` into a new streamed segment, hashing it; the read-only view."""
+    """Copy ``tensor`` into a new streamed segment, hashing it; the read-only view.
+
+    A tensor below ``VLLM_SHM_EMBEDS_MIN_BYTES`` gains nothing from shared
+    memory: the body goes to vLLM's own decode, as every other fallback.
+    """
+    if tensor.nbytes < shm.min_bytes():
+        raise Fallback("small")
     try:
         segment = shm.StreamedSegment(tensor.dtype, tuple(tensor.shape))
     except OSError as e:
