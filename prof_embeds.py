@@ -20,10 +20,10 @@ Runs against a running OpenAI-compatible vLLM server started with
 
 Latency is measured as the wall time of one non-streaming ``/v1/completions``
 request with ``max_tokens=1`` (send until full response): prefill plus one
-sampled token. For embeds it includes what the client itself does to send
-them (``torch.save`` + base64 for JSON; framing, without a copy, for
-binary), the upload and the server's decode; ``--exclude-encode`` starts the
-clock after the client's encoding instead.
+sampled token. For embeds it adds what the client itself does to send them
+(``torch.save`` + base64 + ``json.dumps`` for JSON; framing, without a copy,
+for binary), timed before the pair's requests, to the upload and the
+server's decode; ``--exclude-encode`` leaves the client's encoding out.
 Every sample uses fresh random token ids, so prefix caching never hits.
 Text and embeds samples alternate, and which goes first alternates too.
 
@@ -318,16 +318,19 @@ def profile_length(client, weights, length, args, n_special, watcher=None, rss=N
         text, ids = make_prompt(client, length, rng, n_special)
         kinds.add("text" if text is not None else "token_ids")
         text_body = completion_body(client.model, text if text is not None else ids)
-
-        def embeds_body(ids=ids):
-            payload, _ = embeds_payload(weights, ids, args.input)
-            return completion_body(client.model, embeds=payload)
-
-        if args.exclude_encode:
-            ready = embeds_body()
-            embeds_body = lambda ready=ready: ready  # noqa: E731
+        # The client's own encoding is timed here, before either request of the
+        # pair: right after a step, vLLM's CPU workers spin on both cores for
+        # about a second, and a client sharing those cores would be timed
+        # waiting for them (a real client runs on a machine of its own).
+        if not args.exclude_encode:
+            time.sleep(1.2)  # past the workers' spin window (measured: ~1 s)
+        t0 = time.perf_counter()
+        payload, _ = embeds_payload(weights, ids, args.input)
+        embeds_body = completion_body(client.model, embeds=payload)
+        encode_ms = 0.0 if args.exclude_encode else (time.perf_counter() - t0) * 1e3
+        del payload
         mb = len(ids) * weights.shape[1] * weights.element_size() / 1e6
-        bodies = [("text", lambda b=text_body: b), ("embeds", embeds_body)]
+        bodies = [("text", lambda b=text_body: b), ("embeds", lambda b=embeds_body: b)]
         if i % 2:
             bodies.reverse()
         for kind, body in bodies:
@@ -335,7 +338,7 @@ def profile_length(client, weights, length, args, n_special, watcher=None, rss=N
                 watcher.reset()  # the new request's rise is measured from here
             if rss and kind == "embeds":
                 rss.start()
-            ms = timed(client, body)
+            ms = timed(client, body) + (encode_ms if kind == "embeds" else 0.0)
             if watcher and kind == "embeds":
                 peaks.append(watcher.reset())
             if rss and kind == "embeds":
@@ -464,6 +467,13 @@ def compare(paths):
 
 def main(argv=None):
     """CLI entry point; returns a process exit code."""
+    import torch
+
+    # One intra-op thread: the client shares this machine's cores with the
+    # server's TP workers, which spin on them. A two-thread torch op (the row
+    # gather, torch.save) then waits for the busy core, about 1 s here, and
+    # that would be timed as the server's tax.
+    torch.set_num_threads(1)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="http://localhost:8000")
     p.add_argument("--model", help="served model name (default: the first of /v1/models)")

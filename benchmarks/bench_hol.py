@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--label")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)  # as prof_embeds: the server's workers spin on the cores
 
     models = P.list_models(args.url, 60)
     model = models[0]["id"]
