@@ -686,16 +686,22 @@ def _wrap_init_middleware(orig: Callable) -> Callable:
     return _mark(init_entrypoints_middleware)
 
 
+def _resolve_all(sites: dict, need_hop1: bool = False) -> tuple[list[str], dict]:
+    """Resolve every site of a section: ``(problems, key -> (owner, attr, fn))``."""
+    problems = ["hop 1 is off"] if need_hop1 and STATUS.get("hop1") else []
+    resolved = {}
+    for key, site in sites.items():
+        try:
+            resolved[key] = site.resolve()
+        except Exception as e:
+            problems.append(f"{site.module}.{site.qualname}: {e}")
+    return problems, resolved
+
+
 def _register_binary() -> None:
     """Patch the binary-body sites if all hold and hop 1 is on; never raises."""
     try:
-        problems = [] if not STATUS.get("hop1") else ["hop 1 is off"]
-        resolved = {}
-        for key, site in BINARY_SITES.items():
-            try:
-                resolved[key] = site.resolve()
-            except Exception as e:
-                problems.append(f"{site.module}.{site.qualname}: {e}")
+        problems, resolved = _resolve_all(BINARY_SITES, need_hop1=True)
         if not problems:
             app_mod = resolved["app_build"][0]
             current = app_mod.__dict__.get("init_entrypoints_middleware")
@@ -751,12 +757,7 @@ METRICS_STATUS: list[str] = []
 def _register_metrics() -> None:
     """Set up the stats directory and patch the metrics sites if all hold; never raises."""
     try:
-        problems, resolved = [], {}
-        for key, site in METRICS_SITES.items():
-            try:
-                resolved[key] = site.resolve()
-            except Exception as e:
-                problems.append(f"{site.module}.{site.qualname}: {e}")
+        problems, resolved = _resolve_all(METRICS_SITES)
         METRICS_STATUS[:] = problems
         if problems:
             logger.warning("shm-embeds: metrics not on /metrics in pid %d: %s",
@@ -834,13 +835,7 @@ def _register_json() -> None:
     hashes as stock does, and the reason is logged.
     """
     try:
-        problems = [] if not STATUS.get("hop1") else ["hop 1 is off"]
-        resolved = {}
-        for key, site in JSON_SITES.items():
-            try:
-                resolved[key] = site.resolve()
-            except Exception as e:
-                problems.append(f"{site.module}.{site.qualname}: {e}")
+        problems, resolved = _resolve_all(JSON_SITES, need_hop1=True)
         JSON_STATUS[:] = problems
         if problems:
             logger.warning("shm-embeds: JSON body path and API-server prefix-cache "
