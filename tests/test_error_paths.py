@@ -56,8 +56,8 @@ def test_writers_finish_before_fds_close(shm_env, monkeypatch):
 
     real_open = os.open
 
-    def tracking_open(path, flags, *args):
-        fd = real_open(path, flags, *args)
+    def tracking_open(path, flags, *args, **kwargs):
+        fd = real_open(path, flags, *args, **kwargs)
         name = os.path.basename(path)
         parsed = SegmentName.parse(name)
         if parsed is not None:
@@ -75,6 +75,7 @@ def test_writers_finish_before_fds_close(shm_env, monkeypatch):
     with pytest.raises(OSError) as e:
         shm.share_tensor(torch.zeros(3, 4096))
     assert e.value.errno == errno.ENOSPC
+    monkeypatch.undo()  # os.open/os.close are the real ones again for the teardown
     first_close = min(i for i, ev in enumerate(events) if ev.startswith("close"))
     assert events.index("part2-done") < first_close, events
     assert os.listdir(shm_env) == []
