@@ -590,24 +590,36 @@ class BinaryBodyMiddleware:
             upload.tensors.clear()
 
     async def _downstream(self, scope, receive, send, body: dict, upload: _Upload):
-        payload = json.dumps(body).encode()
-        headers = [(k, v) for k, v in scope.get("headers", [])
-                   if k.lower() not in (b"content-type", b"content-length", HEADER_NAME)]
-        headers += [(b"content-type", b"application/json"),
-                    (b"content-length", str(len(payload)).encode())]
-        sent = False
+        await call_with_body(self.app, scope, receive, send, json.dumps(body).encode(),
+                             upload, content_type=b"application/json")
 
-        async def receive_json() -> dict:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": payload, "more_body": False}
-            return await receive()  # after the body: only http.disconnect
 
-        token = _current.set(upload)
-        try:
-            await self.app(dict(scope, headers=headers), receive_json, send)
-        finally:
+async def call_with_body(app: Callable, scope: dict, receive: Receive, send: Send,
+                         payload: bytes, upload: _Upload | None,
+                         content_type: bytes | None = None) -> None:
+    """Call ``app`` with ``payload`` as the whole request body (Content-Length
+    set, ``content_type`` if given, our framing header dropped) and ``upload``
+    as this request's placeholders; after the body, ``receive`` as is (only
+    ``http.disconnect`` then)."""
+    drop = {b"content-length", HEADER_NAME} | ({b"content-type"} if content_type else set())
+    headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in drop]
+    if content_type:
+        headers.append((b"content-type", content_type))
+    headers.append((b"content-length", str(len(payload)).encode()))
+    sent = False
+
+    async def receive_body() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        return await receive()
+
+    token = _current.set(upload) if upload is not None else None
+    try:
+        await app(dict(scope, headers=headers), receive_body, send)
+    finally:
+        if token is not None:
             _current.reset(token)
 
 

@@ -443,21 +443,4 @@ class JsonBodyMiddleware:
 
     async def _downstream(self, scope, receive, send, payload: bytes,
                           upload: binary._Upload | None) -> None:
-        headers = [(k, v) for k, v in scope.get("headers", [])
-                   if k.lower() != b"content-length"]
-        headers.append((b"content-length", str(len(payload)).encode()))
-        sent = False
-
-        async def receive_body() -> dict:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": payload, "more_body": False}
-            return await receive()  # after the body: only http.disconnect
-
-        token = binary._current.set(upload) if upload is not None else None
-        try:
-            await self.app(dict(scope, headers=headers), receive_body, send)
-        finally:
-            if token is not None:
-                binary._current.reset(token)
+        await binary.call_with_body(self.app, scope, receive, send, payload, upload)
