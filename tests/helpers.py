@@ -115,6 +115,21 @@ def encode_embeds(obj) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+# Payloads stock vLLM answers with a 4xx (``hidden``: the model's hidden size).
+BAD_PAYLOADS = {
+    "wrong-hidden": lambda h: encode_embeds(torch.randn(5, h + 1)),
+    "int-dtype": lambda h: encode_embeds(torch.ones(5, h, dtype=torch.int64)),
+    "bool-dtype": lambda h: encode_embeds(torch.ones(5, h, dtype=torch.bool)),
+    "1d": lambda h: encode_embeds(torch.randn(h)),
+    "3d": lambda h: encode_embeds(torch.randn(5, h, 2)),
+    "zero-tokens": lambda h: encode_embeds(torch.randn(0, h)),
+    "longer-than-max-model-len": lambda h: encode_embeds(torch.randn(2100, h)),
+    "not-base64": lambda h: "not base64!!",
+    "truncated": lambda h: encode_embeds(torch.randn(5, h))[:-40],
+    "pickle-not-a-tensor": lambda h: encode_embeds({"not": "a tensor"}),
+}
+
+
 # -- the OpenAI server -------------------------------------------------------------
 
 

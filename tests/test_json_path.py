@@ -249,6 +249,162 @@ def test_middleware_falls_back_on_its_own_errors(shm_env, monkeypatch):
     assert shm.stats()["json_fallback.error"] == 1
 
 
+# -- unit: decoding straight into the segment (the plain case) or by vLLM's loader
+
+
+def _rezip(b64: str, edit) -> str:
+    """The ``torch.save`` zip inside ``b64`` rewritten entry by entry:
+    ``edit(name, data)`` returns ``[(name, data, compress_type), ...]``."""
+    import io
+    import zipfile
+
+    src = zipfile.ZipFile(io.BytesIO(base64.b64decode(b64)))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            for name, data, kind in edit(info.filename, src.read(info)):
+                dst.writestr(zipfile.ZipInfo(name), data, compress_type=kind)
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def _same(name, data):
+    import zipfile
+
+    return [(name, data, zipfile.ZIP_STORED)]
+
+
+def _direct_count():
+    return shm.stats().get("json_direct_tensors", 0)
+
+
+@pytest.mark.parametrize("shape", [(60, HIDDEN), (1000, HIDDEN), (1, 1000, HIDDEN)])
+def test_plain_payload_is_decoded_straight_into_the_segment(shm_env, shape):
+    """One plain tensor of the model's dtype: decoded chunk by chunk into the
+    segment (counted), equal to vLLM's decode, digests equal to stock's; the
+    1000-row payloads are longer than the head and tail decoded first."""
+    import hashlib
+
+    from vllm.renderers.embed_utils import safe_load_prompt_embeds
+
+    tensor = torch.randn(*shape)
+    b64 = encode_embeds(tensor)
+    assert (len(b64) > jp.HEAD_CHARS + jp.TAIL_CHARS) == (shape[-2] == 1000)
+    out = jp.prepare(_body(prompt="", prompt_embeds=b64), "/v1/completions", _ctx())
+    assert out.reason is None and _direct_count() == 1
+    [got] = [t for t in out.upload.tensors if t is not None]
+    want = safe_load_prompt_embeds(_ctx().model_config, b64.encode())
+    assert torch.equal(got, want) and got.shape == want.shape
+    rows = want.shape[0]
+    assert hashing.attached(got).digests == b"".join(
+        hashlib.sha256(want[i:i + 16].numpy().tobytes()).digest() for i in range(0, rows, 16))
+    shm.release_streamed(got)
+
+
+def _big():
+    return torch.randn(1000, HIDDEN)
+
+
+NOT_PLAIN = {  # vLLM's loader takes these (or rejects them) itself
+    "fp16-cast": lambda: encode_embeds(_big().half()),
+    "transposed": lambda: encode_embeds(torch.randn(HIDDEN, 1000).t()),
+    "view-of-larger": lambda: encode_embeds(torch.randn(2000, HIDDEN)[:1000]),
+    "parameter": lambda: encode_embeds(torch.nn.Parameter(_big(), requires_grad=False)),
+    "deflated": lambda: _rezip(encode_embeds(_big()), lambda n, d: [
+        (n, d, __import__("zipfile").ZIP_DEFLATED if "/data/" in n else 0)]),
+    "extra-record": lambda: _rezip(encode_embeds(_big()), lambda n, d: _same(n, d) + (
+        _same(n.replace("data/0", "data/1"), d) if n.endswith("data/0") else [])),
+    "big-endian": lambda: _rezip(encode_embeds(_big()), lambda n, d: _same(
+        n, b"big" if n.endswith("/byteorder") else d)),
+    "4d": lambda: encode_embeds(torch.randn(1, 1, 1000, HIDDEN)),
+    "wrong-hidden": lambda: encode_embeds(torch.randn(1000, HIDDEN + 1)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NOT_PLAIN))
+def test_anything_else_goes_to_vllms_loader(shm_env, name):
+    """Not the plain case: nothing decoded by us, and the outcome is exactly
+    vLLM's loader's (the same tensor, or the body back for stock to reject)."""
+    from vllm.renderers.embed_utils import safe_load_prompt_embeds
+
+    b64 = NOT_PLAIN[name]()
+    try:
+        want = safe_load_prompt_embeds(_ctx().model_config, b64.encode())
+    except Exception:
+        want = None
+    body = _body(prompt="", prompt_embeds=b64)
+    out = jp.prepare(body, "/v1/completions", _ctx())
+    assert _direct_count() == 0
+    if want is None:
+        assert out.reason == "rejected" and out.body == body
+    else:
+        [got] = [t for t in out.upload.tensors if t is not None]
+        # Bit for bit (a byteswapped payload holds NaNs).
+        assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8),
+                                                       want.contiguous().view(torch.uint8))
+        shm.release_streamed(got)
+    shm.collect()
+    assert os.listdir(shm_env) == []
+
+
+def _spoil(b64: str, at: int, text: str) -> str:
+    return b64[:at] + text + b64[at + len(text):]
+
+
+_DATA_OFFSET = 64 * 11  # where torch.save puts the tensor bytes (checked in the test)
+
+SPOILED = {  # (where, what) in a payload longer than the head and tail
+    "bad-char-mid-data": (lambda n: n // 2, "!"),
+    "padding-mid-data": (lambda n: n // 2 // 4 * 4 + 2, "=="),
+    "padding-end-of-head": (lambda n: jp.HEAD_CHARS - 2, "=="),
+    # "==" ending the characters of the 1st / 2nd 1 MiB chunk: valid padding
+    # for that chunk alone. The 1st chunk's bytes end with a whole base64
+    # quantum; the 2nd's end inside one, which the 3rd chunk decodes again.
+    "padding-chunk-edge-1": (lambda n: -(-(_DATA_OFFSET + (1 << 20)) // 3) * 4 - 2, "=="),
+    "padding-chunk-edge-2": (lambda n: -(-(_DATA_OFFSET + (2 << 20)) // 3) * 4 - 2, "=="),
+    "bad-char-in-tail": (lambda n: n - 100, "*"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPOILED))
+def test_spoiled_base64_is_rejected_as_vllm_rejects_it(shm_env, name, monkeypatch):
+    """A bad character or padding anywhere (head, tensor bytes, a 4 MiB
+    chunk's edge, tail): the body goes back for stock to reject, no segment
+    is left, and vLLM's loader indeed rejects it."""
+    from vllm.renderers.embed_utils import safe_load_prompt_embeds
+
+    monkeypatch.setattr(jp, "DECODE_CHUNK_BYTES", 1 << 20)  # several chunks
+    good = encode_embeds(torch.randn(16000, HIDDEN))  # 4 MB: four chunks
+    n = len(good)
+    outline = jp._Outline(n // 4 * 3, base64.b64decode(good[:jp.HEAD_CHARS]), (n - jp.TAIL_CHARS)
+                          // 4 * 3, base64.b64decode(good[n - jp.TAIL_CHARS:]))
+    assert jp._plain_tensor_layout(_ctx(), outline)[3] == _DATA_OFFSET
+    where, text = SPOILED[name]
+    b64 = _spoil(good, where(len(good)), text)
+    with pytest.raises(ValueError):
+        safe_load_prompt_embeds(_ctx().model_config, b64.encode())
+    body = _body(prompt="", prompt_embeds=b64)
+    out = jp.prepare(body, "/v1/completions", _ctx())
+    assert out.reason == "rejected" and out.body == body
+    shm.collect()
+    assert os.listdir(shm_env) == []
+    # The same payload unspoiled takes the direct path, in several chunks.
+    out = jp.prepare(_body(prompt="", prompt_embeds=good), "/v1/completions", _ctx())
+    assert _direct_count() == 1
+    for t in out.upload.tensors:
+        if t is not None:
+            shm.release_streamed(t)
+
+
+def test_outline_holds_only_head_and_tail():
+    f = jp._Outline(100, b"h" * 10, 90, b"t" * 10)
+    assert f.read(10) == b"h" * 10
+    f.seek(-10, 2)
+    assert f.read() == b"t" * 10
+    f.seek(5)
+    with pytest.raises(jp._NotHeld):
+        f.read(10)
+
+
 # -- unit: digests through hop 1 and into vLLM's block hasher
 
 
@@ -315,8 +471,7 @@ MAX_LEN = 2048
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from offline_run import embed_weights
-    from test_online import CHAT_TEMPLATE, start_server
+    from helpers import CHAT_TEMPLATE, embed_weights, start_server
 
     tmp = tmp_path_factory.mktemp("jsonpath")
     (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
@@ -327,8 +482,7 @@ def server(tmp_path_factory):
 
 
 def _totals(server, role=None) -> dict:
-    from test_offline import by_role
-
+    from helpers import by_role
     from vllm._shm_embeds import read_stats_dir
 
     stats = read_stats_dir(server["stats"])
@@ -388,6 +542,7 @@ def test_same_tokens_as_stock_by_the_fast_path(server):
         # The fast path ran: decoded here, handed over with its digests, and
         # the EngineCore took them instead of hashing (no silent fallback).
         assert d.get("json_tensors") == 1 and d.get("hop1_handover_tensors") == 1, d
+        assert d.get("json_direct_tensors") == 1, d  # decoded straight into the segment
         assert d.get("hash_sent_tensors") == 1 and d.get("hash_adopted_tensors") == 1, d
         assert not any(k.startswith("json_fallback") for k in d), d
         stock = _post(server, route, body, stock=True)
@@ -442,7 +597,7 @@ def test_engine_hashes_no_embeds_and_prefix_cache_hits(server):
 
 
 def _bad_bodies(hidden):
-    from test_online import BAD_PAYLOADS
+    from helpers import BAD_PAYLOADS
 
     for name, make in sorted(BAD_PAYLOADS.items()):
         payload = make(hidden)

@@ -15,7 +15,8 @@ import pytest
 import requests
 import torch
 
-from helpers import (  # noqa: F401  (start_server, encode_embeds: used by other modules too)
+from helpers import (
+    BAD_PAYLOADS,
     CHAT_TEMPLATE,
     by_role,
     embed_weights,
@@ -78,20 +79,6 @@ def test_embeds_equal_text_and_use_shm(server):
     assert len(workers) == 2
     assert all(w.get("hop2_shm_tensors") == len(TEXTS) for w in workers)
     assert ours_in(server["seg_dir"]) == []  # names go once both ranks mapped them
-
-
-BAD_PAYLOADS = {
-    "wrong-hidden": lambda h: encode_embeds(torch.randn(5, h + 1)),
-    "int-dtype": lambda h: encode_embeds(torch.ones(5, h, dtype=torch.int64)),
-    "bool-dtype": lambda h: encode_embeds(torch.ones(5, h, dtype=torch.bool)),
-    "1d": lambda h: encode_embeds(torch.randn(h)),
-    "3d": lambda h: encode_embeds(torch.randn(5, h, 2)),
-    "zero-tokens": lambda h: encode_embeds(torch.randn(0, h)),
-    "longer-than-max-model-len": lambda h: encode_embeds(torch.randn(2100, h)),
-    "not-base64": lambda h: "not base64!!",
-    "truncated": lambda h: encode_embeds(torch.randn(5, h))[:-40],
-    "pickle-not-a-tensor": lambda h: encode_embeds({"not": "a tensor"}),
-}
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])

@@ -45,7 +45,7 @@ import dataclasses
 import hashlib
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -58,7 +58,6 @@ logger = init_logger(__name__)
 ATTR = "_shm_embeds_block_sha256"  # attribute on a tensor: its BlockDigests
 META_FIELD = "block_sha256"  # key inside the hop-1 handle metadata
 DIGEST_BYTES = 32
-HASH_TASK_BYTES = 8 << 20  # bytes hashed per pool task (whole blocks)
 WRITE_CHUNK_BYTES = 16 << 20
 
 
@@ -119,6 +118,71 @@ def _hash_blocks(data: memoryview, block_bytes: int, first: int, last: int) -> l
             for i in range(first, last)]
 
 
+def chunk_bytes(row_bytes: int, block_tokens: int | None,
+                target: int = WRITE_CHUNK_BYTES) -> int:
+    """Bytes per chunk for :func:`write_chunks_and_digest`: a whole number of
+    prefix-cache blocks (``row_bytes * block_tokens`` each) near ``target``."""
+    unit = max(1, row_bytes * (block_tokens or 1))
+    return unit * max(1, target // unit)
+
+
+def write_chunks_and_digest(chunks: Iterable[memoryview | bytes], segment: shm.StreamedSegment,
+                            rows: int, row_bytes: int,
+                            block_tokens: int | None) -> BlockDigests | None:
+    """Write ``chunks`` into ``segment`` in order, hashing each one's blocks meanwhile.
+
+    Each chunk is written (``pwrite``, GIL released) and then hashed per block
+    on the hash pool (``hashlib`` releases the GIL) while the next chunk is
+    produced and written. At most ``2 * writers`` chunks wait for their hash
+    at once, so a producer that decodes into fresh buffers holds a bounded
+    amount of memory.
+
+    Args:
+        chunks: the tensor's bytes, row-major; every chunk but the last is a
+            whole number of blocks (:func:`chunk_bytes`).
+        segment: a fresh streamed segment of ``rows * row_bytes`` bytes.
+        rows: the tensor's ``shape[0]`` (tokens).
+        row_bytes: bytes per row (``hidden_size * element_size``).
+        block_tokens: rows per digest (vLLM's ``hash_block_size``), or None not
+            to hash (prefix caching off).
+    Returns:
+        the digests of the bytes written, or None when not hashed.
+    Raises:
+        OSError: from writing (e.g. ENOSPC); ValueError: a chunk is not whole
+            blocks, or more bytes than the segment holds; whatever the
+            iterator raises. Every hashing task has finished before this
+            returns or raises.
+    """
+    block_bytes = row_bytes * block_tokens if block_tokens else 0
+    pool = _hash_pool() if block_bytes and rows else None
+    limit = 2 * shm.writers()
+    futures: list[concurrent.futures.Future] = []
+    first = 0  # index of the next chunk's first block
+    try:
+        for chunk in chunks:
+            segment.write(chunk)
+            if pool is None:
+                continue
+            whole, rest = divmod(len(chunk), block_bytes)
+            last = first + whole + (1 if rest else 0)
+            if rest and segment.filled != segment.nbytes:
+                raise ValueError("a chunk before the last is not whole blocks")
+            futures.append(pool.submit(_hash_blocks, memoryview(chunk), block_bytes, 0,
+                                       last - first))
+            first = last
+            pending = [f for f in futures if not f.done()]
+            if len(pending) > limit:
+                concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+    finally:
+        # The tasks read the chunks: wait for them even when writing failed.
+        concurrent.futures.wait(futures)
+    if not futures:
+        return None
+    digests = b"".join(d for f in futures for d in f.result())
+    shm.count(hash_api_tensors=1, hash_api_blocks=len(digests) // DIGEST_BYTES)
+    return BlockDigests(block_tokens, rows, digests)
+
+
 def write_and_digest(src: torch.Tensor, segment: shm.StreamedSegment,
                      block_tokens: int | None) -> BlockDigests | None:
     """Write ``src`` into ``segment`` and hash the same bytes per block meanwhile.
@@ -137,26 +201,10 @@ def write_and_digest(src: torch.Tensor, segment: shm.StreamedSegment,
     """
     src = src.contiguous()
     data = memoryview(src.reshape(-1).view(torch.uint8).numpy())
-    futures: list[concurrent.futures.Future] = []
-    if block_tokens and src.numel():
-        row_bytes = src.shape[1] * src.element_size()
-        block_bytes = row_bytes * block_tokens
-        nblocks = -(-src.shape[0] // block_tokens)
-        per_task = max(1, HASH_TASK_BYTES // max(1, block_bytes))
-        pool = _hash_pool()
-        futures = [pool.submit(_hash_blocks, data, block_bytes, i, min(nblocks, i + per_task))
-                   for i in range(0, nblocks, per_task)]
-    try:
-        for i in range(0, len(data), WRITE_CHUNK_BYTES):
-            segment.write(data[i:i + WRITE_CHUNK_BYTES])
-    finally:
-        # The tasks read ``data``: wait for them even when the write failed.
-        concurrent.futures.wait(futures)
-    if not futures:
-        return None
-    digests = b"".join(d for f in futures for d in f.result())
-    shm.count(hash_api_tensors=1, hash_api_blocks=len(digests) // DIGEST_BYTES)
-    return BlockDigests(block_tokens, src.shape[0], digests)
+    row_bytes = src.shape[1] * src.element_size() if src.dim() == 2 else len(data)
+    step = chunk_bytes(row_bytes, block_tokens)
+    return write_chunks_and_digest((data[i:i + step] for i in range(0, len(data), step)),
+                                   segment, src.shape[0], row_bytes, block_tokens)
 
 
 def attach(tensor: torch.Tensor, digests: BlockDigests | None) -> None:

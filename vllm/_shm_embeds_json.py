@@ -25,11 +25,17 @@ chunks on the event loop; the rest runs in a worker thread
    small *skeleton* body in which each is a placeholder; ``json.loads`` of
    the skeleton tells which of them stand exactly where vLLM reads
    ``prompt_embeds``; any other long string is put back as it was;
-3. for each of those, vLLM's own ``safe_load_prompt_embeds`` on a
-   ``memoryview`` of the body (no ``str``, no re-encode; same checks, same
-   cast), then :func:`vllm._shm_embeds_hashing.write_and_digest` writes the
-   tensor into a :class:`~vllm._shm_embeds.StreamedSegment` (mapped
-   read-only afterwards) and hashes its prefix-cache blocks meanwhile.
+3. for each of those, when the payload is one plain tensor of the model's
+   dtype (what clients send; :func:`_plain_tensor_layout` says exactly
+   which), its base64 is decoded straight into a
+   :class:`~vllm._shm_embeds.StreamedSegment` 4 MiB at a time, each chunk
+   hashed for the prefix cache while the next is decoded (:func:`_direct`:
+   one pass, no private copy of the tensor). Any other payload goes
+   through vLLM's own ``safe_load_prompt_embeds`` on a ``memoryview`` of the
+   body (no ``str``, no re-encode; same checks, same cast), and
+   :func:`vllm._shm_embeds_hashing.write_and_digest` writes the result into
+   a segment and hashes it meanwhile. Either way the segment is mapped
+   read-only afterwards.
 
 The stock app then gets the skeleton, and the binary path's machinery does
 the rest: placeholders resolve only in this request's context
@@ -44,6 +50,7 @@ message). Such fallbacks are counted (``json_fallback.<reason>``), so tests
 can tell the fast path from a silent fallback.
 
 Counters: ``json_bodies``, ``json_tensors``, ``json_bytes`` (tensor bytes),
+``json_direct_tensors`` (decoded straight into the segment),
 ``json_fallback.<reason>``.
 """
 
@@ -53,12 +60,17 @@ import asyncio
 import ctypes
 import dataclasses
 import errno
+import io
 import json
 import mmap
+import pickletools
 import secrets
+import sys
+import zipfile
 from collections.abc import Callable
 from typing import Any
 
+import pybase64
 import torch
 
 from vllm import _shm_embeds as shm
@@ -192,6 +204,200 @@ def _load(ctx: ServerContext, data: memoryview) -> torch.Tensor:
         raise Fallback("rejected") from None  # stock answers it with its message
 
 
+HEAD_CHARS = 64 << 10  # base64 chars decoded first: the zip records before the data
+TAIL_CHARS = 128 << 10  # and last: the records after it, the central directory
+DECODE_CHUNK_BYTES = 4 << 20  # decoded bytes per step straight into the segment
+
+
+class _NotHeld(Exception):
+    """A read of the payload outside the decoded head and tail."""
+
+
+class _Outline(io.RawIOBase):
+    """A read-only file of ``size`` bytes of which only the head and the tail are held.
+
+    It is the decoded ``torch.save`` zip as far as its metadata goes: reading
+    the bytes in between (the tensor data) raises :class:`_NotHeld`, so a
+    payload whose metadata lies elsewhere cannot be read from it.
+    """
+
+    def __init__(self, size: int, head: bytes, tail_start: int, tail: bytes) -> None:
+        super().__init__()
+        self.size, self.head, self.tail_start, self.tail = size, head, tail_start, tail
+        self.pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, b) -> int:
+        start, end = self.pos, min(self.size, self.pos + len(b))
+        if end <= start:
+            return 0
+        if end <= len(self.head):
+            data = self.head[start:end]
+        elif start >= self.tail_start:
+            data = self.tail[start - self.tail_start:end - self.tail_start]
+        else:
+            raise _NotHeld
+        b[:len(data)] = data
+        self.pos = end
+        return len(data)
+
+
+def _b64(piece: memoryview) -> bytes:
+    """Strict base64 decode, as vLLM's loader does it (``pybase64``, ``validate=True``)."""
+    return pybase64.b64decode(piece, validate=True)
+
+
+def _plain_tensor_layout(ctx: ServerContext, outline: _Outline
+                         ) -> tuple[torch.dtype, int, int, int] | None:
+    """``(dtype, rows, hidden, data_offset)`` when the zip in ``outline`` is one
+    plain tensor that vLLM's loader would take as it is, else None.
+
+    "As it is": one dense, C-contiguous tensor of the model's dtype, 2-D (or
+    ``(1, rows, hidden)``, which vLLM squeezes), ``hidden_size`` columns, at
+    least one row; the zip holds exactly one data record, stored
+    uncompressed, of exactly the tensor's bytes, at the offset torch itself
+    would read it from; the pickle names one storage; the byte order is this
+    host's. Anything else (casts, views, sparse, odd zips) is for vLLM's own
+    loader, which answers it as stock does.
+    """
+    mc = ctx.model_config
+    if not getattr(mc, "enable_prompt_embeds", False):
+        return None
+    try:
+        reader = torch._C.PyTorchFileReader(outline)
+        data = [r for r in reader.get_all_records() if r.startswith("data/")]
+        # Checked before torch.load: on a meta load of a checkpoint of the
+        # other byte order, torch 2.13 byteswaps the meta storage and crashes
+        # the process (SIGSEGV).
+        if len(data) != 1 or reader.get_record("byteorder") != sys.byteorder.encode():
+            return None
+        outline.seek(0)
+        meta = torch.load(outline, weights_only=True, map_location="meta")
+        if (type(meta) is not torch.Tensor or meta.layout != torch.strided
+                or meta.requires_grad):
+            return None
+        name = data[0]
+        offset = reader.get_record_offset(name)
+        persistent_ids = sum(op.name == "BINPERSID" for op, _, _ in
+                             pickletools.genops(reader.get_record("data.pkl")))
+        outline.seek(0)
+        stored = [i for i in zipfile.ZipFile(outline).infolist()
+                  if i.filename.split("/", 1)[-1] == name]
+    except Exception:  # torch, zipfile and pickletools raise many kinds here
+        return None
+    shape = tuple(meta.shape)
+    if len(shape) == 3 and shape[0] == 1:
+        shape = shape[1:]
+    nbytes = meta.numel() * meta.element_size()
+    if (len(shape) != 2 or shape[0] == 0 or shape[1] != mc.get_hidden_size()
+            or meta.dtype != mc.dtype or not meta.is_contiguous()
+            or meta.storage_offset() != 0 or persistent_ids != 1
+            or meta.untyped_storage().nbytes() != nbytes
+            or getattr(meta.untyped_storage(), "_checkpoint_offset", None) != offset
+            or reader.get_record_size(name) != nbytes or len(stored) != 1
+            or stored[0].compress_type != zipfile.ZIP_STORED
+            or stored[0].file_size != nbytes or stored[0].compress_size != nbytes
+            or offset + nbytes > outline.size):
+        return None
+    return meta.dtype, shape[0], shape[1], offset
+
+
+def _direct(ctx: ServerContext, piece: memoryview) -> torch.Tensor | None:
+    """Decode one base64 ``torch.save`` payload straight into a new segment.
+
+    vLLM's loader decodes the whole payload into fresh memory, ``torch.load``
+    copies the tensor out of it into more fresh memory, and then it is copied
+    into the segment: three passes over new pages. Here the few KiB of zip
+    metadata at the payload's head and tail are decoded first and read with
+    ``torch.load(map_location="meta")`` (torch's own reader and restricted
+    unpickler, no tensor bytes); when that shows one plain tensor
+    (:func:`_plain_tensor_layout`), the base64 characters that hold its
+    bytes are decoded 4 MiB at a time and written into the segment, each
+    chunk hashed for the prefix cache while the next one is decoded. Every
+    character of the payload is decoded and validated once, as vLLM does.
+
+    Returns:
+        the segment-backed tensor ``(rows, hidden)`` (read-only, digests
+        attached), or None when the payload is not that plain case or fails
+        to decode: vLLM's loader then decides (its answer is stock's).
+    Raises:
+        Fallback: ``no_space`` / ``os_error`` (the segment could not be
+            made); nothing is left in shared memory.
+    """
+    n = len(piece)
+    if n % 4:
+        return None  # not base64 (vLLM's loader says so)
+    # Characters [0, head_chars) and [tail_chars, n) are decoded first; a
+    # short payload is all head.
+    head_chars = n if n <= HEAD_CHARS + TAIL_CHARS else HEAD_CHARS
+    tail_chars = max(head_chars, n - TAIL_CHARS)
+    try:
+        if head_chars < n and piece[head_chars - 1] == 0x3D:
+            return None  # "=" before the end: not one base64 string
+        head, tail = _b64(piece[:head_chars]), _b64(piece[tail_chars:])
+    except ValueError:
+        return None
+    tail_start = tail_chars // 4 * 3
+    outline = _Outline(tail_start + len(tail) if tail else len(head), head, tail_start, tail)
+    layout = _plain_tensor_layout(ctx, outline)
+    if layout is None:
+        return None
+    dtype, rows, hidden, offset = layout
+    row_bytes = hidden * dtype.itemsize
+    nbytes = rows * row_bytes
+    first, last = offset // 3 * 4, min(n, -(-(offset + nbytes) // 3) * 4)
+    if nbytes < shm.min_bytes() or (
+            head_chars < tail_chars and (first > head_chars or last < tail_chars)):
+        return None  # too small to matter; or characters between would go unchecked
+
+    def chunks():
+        step = hashing.chunk_bytes(row_bytes, ctx.hash_block_tokens, DECODE_CHUNK_BYTES)
+        for a in range(offset, offset + nbytes, step):
+            b = min(a + step, offset + nbytes)
+            start, end = a // 3 * 4, min(n, -(-b // 3) * 4)
+            if end < n and piece[end - 1] == 0x3D:
+                raise ValueError("padding inside the payload")
+            skip = a - start // 4 * 3
+            chunk = memoryview(_b64(piece[start:end]))[skip:skip + b - a]
+            if len(chunk) != b - a:
+                raise ValueError("payload shorter than its tensor")
+            yield chunk
+
+    try:
+        segment = shm.StreamedSegment(dtype, (rows, hidden))
+    except OSError as e:
+        raise Fallback("no_space" if e.errno == errno.ENOSPC else "os_error") from None
+    try:
+        digests = hashing.write_chunks_and_digest(chunks(), segment, rows, row_bytes,
+                                                  ctx.hash_block_tokens)
+        out = segment.finish(writable=False)
+    except OSError as e:
+        segment.abort()
+        raise Fallback("no_space" if e.errno == errno.ENOSPC else "os_error") from None
+    except ValueError:
+        segment.abort()  # not valid base64 after all: vLLM's loader says so
+        return None
+    except BaseException:
+        segment.abort()
+        raise
+    hashing.attach(out, digests)
+    shm.count(json_direct_tensors=1)
+    return out
+
+
 def _to_segment(ctx: ServerContext, tensor: torch.Tensor) -> torch.Tensor:
     """Copy ``tensor`` into a new streamed segment, hashing it; the read-only view.
 
@@ -251,13 +457,15 @@ def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext) -> Prepared:
             a, b = spans[i]
             piece = view[a:b]
             try:
-                tensor = _load(ctx, piece)
+                tensors[i] = _direct(ctx, piece)
+                tensor = _load(ctx, piece) if tensors[i] is None else None
             finally:
                 piece.release()  # a traceback may still hold it: end its export now
-            if tensor.numel() == 0:
-                raise Fallback("empty")
-            tensors[i] = _to_segment(ctx, tensor)
-            del tensor
+            if tensor is not None:
+                if tensor.numel() == 0:
+                    raise Fallback("empty")
+                tensors[i] = _to_segment(ctx, tensor)
+                del tensor
         skeleton = _skeleton(raw, [spans[i] for i in keep], [names[i] for i in keep])
     except Fallback as f:
         for t in tensors:
