@@ -313,6 +313,7 @@ def profile_length(client, weights, length, args, n_special, watcher=None, rss=N
     one embeds request (``api_peak_rss_bytes``).
     """
     text_ms, embeds_ms, kinds, mb, peaks, rss_peaks = [], [], set(), 0.0, [], []
+    encodes = []  # the client's own encoding per sample (ms), inside embeds_ms
     for i in range(args.warmup + args.repeats):
         rng = random.Random(f"{args.seed}-{length}-{i}")
         text, ids = make_prompt(client, length, rng, n_special)
@@ -345,11 +346,14 @@ def profile_length(client, weights, length, args, n_special, watcher=None, rss=N
                 rss_peaks.append(rss.stop())
             if i >= args.warmup:
                 (text_ms if kind == "text" else embeds_ms).append(ms)
+        if i >= args.warmup:
+            encodes.append(encode_ms)
     t_med, e_med = statistics.median(text_ms), statistics.median(embeds_ms)
     out = {"length": length, "embeds_mb": mb, "prompt_kind": "+".join(sorted(kinds)),
            "text_ms": text_ms, "embeds_ms": embeds_ms,
            "text_median_ms": t_med, "embeds_median_ms": e_med,
-           "ratio": e_med / t_med, "embeds_minus_text_ms": e_med - t_med}
+           "ratio": e_med / t_med, "embeds_minus_text_ms": e_med - t_med,
+           "client_encode_ms": encodes, "client_encode_median_ms": statistics.median(encodes)}
     if rss_peaks:
         out["api_peak_rss_bytes"] = max(rss_peaks)
     if watcher:
@@ -378,17 +382,37 @@ def check_outputs(client, weights, length, args, n_special):
 def print_table(results):
     """Print the per-length medians (ms) of one run."""
     print(f"{'length':>7} {'embeds MB':>10} {'text ms':>9} {'embeds ms':>10} "
-          f"{'ratio':>6} {'emb-text ms':>12}  prompt")
+          f"{'ratio':>6} {'emb-text ms':>12} {'encode ms':>10}  prompt")
     for r in results:
         print(f"{r['length']:>7} {r['embeds_mb']:>10.2f} {r['text_median_ms']:>9.1f} "
               f"{r['embeds_median_ms']:>10.1f} {r['ratio']:>6.2f} "
-              f"{r['embeds_minus_text_ms']:>12.1f}  {r['prompt_kind']}")
+              f"{r['embeds_minus_text_ms']:>12.1f} {r['client_encode_median_ms']:>10.1f}"
+              f"  {r['prompt_kind']}")
     for r in results:
         if "shm_peak_bytes" in r:
             print(f"length {r['length']}: each embeds request added at most "
                   f"{r['shm_peak_bytes'] / 1e6:.2f} MB of shared memory "
                   f"({r['shm_peak_bytes'] / (r['embeds_mb'] * 1e6):.3f}x the embeds), "
                   f"{r['shm_after_bytes']} bytes after the last one")
+
+
+def _side_table(runs, key, title, cols):
+    """Print one markdown table of the runs that recorded ``key``: a row per
+    length, for each such run the columns ``cols`` (``(name, fmt(result, length))``)."""
+    have = [(i, res) for i, (_, res) in enumerate(runs) if any(key in r for r in res.values())]
+    if not have:
+        return
+    lengths = sorted(runs[0][1])
+    print(f"\n{title}")
+    print("| tokens | embeds MB |" + "".join(f" [{i}] {name} |" for i, _ in have
+                                            for name, _ in cols))
+    print("|" + "---|" * (2 + len(cols) * len(have)))
+    for n in lengths:
+        row = f"| {n} | {runs[0][1][n]['embeds_mb']:.1f} |"
+        for _, res in have:
+            r = res.get(n, {})
+            row += "".join(f" {fmt(r, n) if key in r else '-'} |" for _, fmt in cols)
+        print(row)
 
 
 def compare(paths):
@@ -424,44 +448,28 @@ def compare(paths):
                 base_tax = base[length]["embeds_minus_text_ms"]
                 row += f" {tax / base_tax:.2f} |" if base_tax > 0 else " - |"
         print(row)
-    rss = [(i, res) for i, (_, res) in enumerate(runs)
-           if any("api_peak_rss_bytes" in r for r in res.values())]
-    if rss:
-        print("\nmemory the API server process added during one embeds request (peak RSS, "
-              "VmHWM): the largest over the samples")
-        print("| tokens | embeds MB |" + "".join(
-            f" [{i}] API peak MB | [{i}] / embeds |" for i, _ in rss))
-        print("|" + "---|" * (2 + 2 * len(rss)))
-        for length in sorted(base):
-            row = f"| {length} | {base[length]['embeds_mb']:.1f} |"
-            for _, res in rss:
-                r = res.get(length, {})
-                if "api_peak_rss_bytes" not in r:
-                    row += " - | - |"
-                    continue
-                row += (f" {r['api_peak_rss_bytes'] / 1e6:.1f} |"
-                        f" {r['api_peak_rss_bytes'] / (r['embeds_mb'] * 1e6):.2f} |")
-            print(row)
-    held = [(i, res) for i, (_, res) in enumerate(runs)
-            if any("shm_peak_bytes" in r for r in res.values())]
-    if held:
-        print("\nshared memory used on the segments' tmpfs beyond the idle server's "
-              "(statvfs, sampled every 2 ms): peak during one embeds request, and what "
-              "is left once it has returned")
-        print("| tokens | embeds MB |" + "".join(
-            f" [{i}] peak MB | [{i}] peak / embeds | [{i}] left (bytes) |" for i, _ in held))
-        print("|" + "---|" * (2 + 3 * len(held)))
-        for length in sorted(base):
-            row = f"| {length} | {base[length]['embeds_mb']:.1f} |"
-            for _, res in held:
-                r = res.get(length, {})
-                if "shm_peak_bytes" not in r:
-                    row += " - | - | - |"
-                    continue
-                row += (f" {r['shm_peak_bytes'] / 1e6:.1f} |"
-                        f" {r['shm_peak_bytes'] / (r['embeds_mb'] * 1e6):.3f} |"
-                        f" {r['shm_after_bytes']} |")
-            print(row)
+    base_tax = {n: r["embeds_minus_text_ms"] for n, r in base.items()}
+    _side_table(
+        runs, "client_encode_median_ms",
+        "the client's own encoding, inside each embeds time: median ms, and that over the "
+        "first run's tax (the least tax/base any server can reach with this client)",
+        [("encode ms", lambda r, n: f"{r['client_encode_median_ms']:.0f}"),
+         ("encode / base tax", lambda r, n: f"{r['client_encode_median_ms'] / base_tax[n]:.2f}"
+          if base_tax.get(n, 0) > 0 else "-")])
+    _side_table(
+        runs, "api_peak_rss_bytes",
+        "memory the API server process added during one embeds request (peak RSS, "
+        "VmHWM): the largest over the samples",
+        [("API peak MB", lambda r, n: f"{r['api_peak_rss_bytes'] / 1e6:.1f}"),
+         ("/ embeds", lambda r, n: f"{r['api_peak_rss_bytes'] / (r['embeds_mb'] * 1e6):.2f}")])
+    _side_table(
+        runs, "shm_peak_bytes",
+        "shared memory used on the segments' tmpfs beyond the idle server's (statvfs, "
+        "sampled every 2 ms): peak during one embeds request, and what is left once it "
+        "has returned",
+        [("peak MB", lambda r, n: f"{r['shm_peak_bytes'] / 1e6:.1f}"),
+         ("peak / embeds", lambda r, n: f"{r['shm_peak_bytes'] / (r['embeds_mb'] * 1e6):.3f}"),
+         ("left (bytes)", lambda r, n: f"{r['shm_after_bytes']}")])
     return 0
 
 

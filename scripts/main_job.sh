@@ -171,12 +171,16 @@ from vllm._shm_embeds import read_stats_dir
 runs = read_stats_dir(sys.argv[1])
 def total(role, key):
     return sum(r["counters"].get(key, 0) for r in runs if role in r["roles"])
-fallbacks = {k: v for r in runs for k, v in r["counters"].items() if k.startswith("fallback.")}
+# (json_fallback.no_embeds: a large text prompt, which the JSON path leaves alone)
+fallbacks = {k: v for r in runs for k, v in r["counters"].items()
+             if k.startswith(("fallback.", "json_fallback.")) and k != "json_fallback.no_embeds"}
 workers = [r for r in runs if "worker" in r["roles"]]
 copied = sum(r["counters"].get("copied_bytes", 0) for r in runs)
 sent = total("client", "hop1_shm_bytes")
 print(f"shm-embeds counters: hop 1 {total('client', 'hop1_shm_tensors')} tensors "
       f"({sent / 2**20:.1f} MiB; {total('client', 'binary_bodies')} binary bodies, "
+      f"{total('client', 'json_tensors')} JSON ({total('client', 'json_direct_tensors')} "
+      f"decoded straight into shm), "
       f"{total('client', 'hop1_handover_tensors')} handed over without a copy), hop 2 "
       f"{total('engine', 'hop2_shm_tensors')} tensors to {len(workers)} TP workers, "
       f"bytes copied in all processes {copied / 2**20:.1f} MiB "
@@ -184,7 +188,8 @@ print(f"shm-embeds counters: hop 1 {total('client', 'hop1_shm_tensors')} tensors
 ok = (total("client", "hop1_shm_tensors") > 0 and total("engine", "hop2_reused_tensors") > 0
       and total("client", "hop1_handover_tensors") > 0
       and len(workers) == 2 and all(w["counters"].get("hop2_shm_tensors") for w in workers)
-      and copied == sent and not fallbacks)
+      and copied == sent and not fallbacks
+      and 0 < total("client", "json_tensors") == total("client", "json_direct_tensors"))
 sys.exit(0 if ok else 1)
 PYEOF
     # Extra shared memory per request: at most the embeds (+ one 4 KiB header

@@ -273,6 +273,19 @@ def _same(name, data):
     return [(name, data, zipfile.ZIP_STORED)]
 
 
+def _local_header_spoiled(b64: str) -> str:
+    """The data record's local header signature broken (the central directory
+    intact): miniz refuses to extract it, so vLLM's loader rejects the payload."""
+    import io
+    import zipfile
+
+    raw = bytearray(base64.b64decode(b64))
+    [info] = [i for i in zipfile.ZipFile(io.BytesIO(bytes(raw))).infolist()
+              if i.filename.endswith("/data/0")]
+    raw[info.header_offset + 1] ^= 0xFF
+    return base64.b64encode(bytes(raw)).decode()
+
+
 def _direct_count():
     return shm.stats().get("json_direct_tensors", 0)
 
@@ -316,6 +329,7 @@ NOT_PLAIN = {  # vLLM's loader takes these (or rejects them) itself
     "big-endian": lambda: _rezip(encode_embeds(_big()), lambda n, d: _same(
         n, b"big" if n.endswith("/byteorder") else d)),
     "4d": lambda: encode_embeds(torch.randn(1, 1, 1000, HIDDEN)),
+    "local-header": lambda: _local_header_spoiled(encode_embeds(_big())),
     "wrong-hidden": lambda: encode_embeds(torch.randn(1000, HIDDEN + 1)),
 }
 

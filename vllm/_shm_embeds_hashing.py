@@ -14,9 +14,11 @@ thread (about 150 ms for 256 MiB here).
 
 Here instead:
 
-* API server: :func:`write_and_digest` writes a tensor into its
-  :class:`~vllm._shm_embeds.StreamedSegment` and hashes the same bytes in a
-  thread pool meanwhile (``hashlib`` releases the GIL). Only this code
+* API server: :func:`write_chunks_and_digest` writes a tensor's bytes,
+  chunk by chunk as they are decoded, into its
+  :class:`~vllm._shm_embeds.StreamedSegment` and hashes each chunk in a
+  thread pool meanwhile (``hashlib`` releases the GIL);
+  :func:`write_and_digest` does the same for a tensor already in memory. Only this code
   attaches :class:`BlockDigests` to a tensor (:func:`attach`); the segment is
   then mapped read-only, so nothing in the process can change the bytes
   after they were hashed, and no client ever sees the segment.

@@ -209,6 +209,11 @@ TAIL_CHARS = 128 << 10  # and last: the records after it, the central directory
 DECODE_CHUNK_BYTES = 4 << 20  # decoded bytes per step straight into the segment
 
 
+# General purpose flags with which miniz (torch's zip reader) refuses to extract a
+# record: encrypted (bit 0), compressed patch data (bit 5), strong encryption (bit 6).
+_ZIP_UNSUPPORTED_FLAGS = 0x61
+
+
 class _NotHeld(Exception):
     """A read of the payload outside the decoded head and tail."""
 
@@ -270,7 +275,8 @@ def _plain_tensor_layout(ctx: ServerContext, outline: _Outline
     least one row; the zip holds exactly one data record, stored
     uncompressed, of exactly the tensor's bytes, at the offset torch itself
     would read it from; the pickle names one storage; the byte order is this
-    host's. Anything else (casts, views, sparse, odd zips) is for vLLM's own
+    host's; its local header as miniz checks it before extracting (signature,
+    flags). Anything else (casts, views, sparse, odd zips) is for vLLM's own
     loader, which answers it as stock does.
     """
     mc = ctx.model_config
@@ -291,6 +297,8 @@ def _plain_tensor_layout(ctx: ServerContext, outline: _Outline
             return None
         name = data[0]
         offset = reader.get_record_offset(name)
+        outline.seek(reader.get_record_header_offset(name))
+        local_header = outline.read(4)  # miniz checks it when it extracts the record
         persistent_ids = sum(op.name == "BINPERSID" for op, _, _ in
                              pickletools.genops(reader.get_record("data.pkl")))
         outline.seek(0)
@@ -308,7 +316,8 @@ def _plain_tensor_layout(ctx: ServerContext, outline: _Outline
             or meta.untyped_storage().nbytes() != nbytes
             or getattr(meta.untyped_storage(), "_checkpoint_offset", None) != offset
             or reader.get_record_size(name) != nbytes or len(stored) != 1
-            or stored[0].compress_type != zipfile.ZIP_STORED
+            or stored[0].compress_type != zipfile.ZIP_STORED or local_header != b"PK\x03\x04"
+            or stored[0].flag_bits & _ZIP_UNSUPPORTED_FLAGS
             or stored[0].file_size != nbytes or stored[0].compress_size != nbytes
             or offset + nbytes > outline.size):
         return None
