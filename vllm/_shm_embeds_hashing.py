@@ -201,7 +201,9 @@ def write_and_digest(src: torch.Tensor, segment: shm.StreamedSegment,
         OSError: from writing (e.g. ENOSPC); every hashing task has finished
             before this returns or raises.
     """
-    src = src.contiguous()
+    # The values, as bytes: a view with the negative or conjugate bit set
+    # (``torch.load`` can make one) is materialized first.
+    src = src.resolve_neg().resolve_conj().contiguous()
     data = memoryview(src.reshape(-1).view(torch.uint8).numpy())
     row_bytes = src.shape[1] * src.element_size() if src.dim() == 2 else len(data)
     step = chunk_bytes(row_bytes, block_tokens)

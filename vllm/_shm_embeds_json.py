@@ -57,14 +57,18 @@ Counters: ``json_bodies``, ``json_tensors``, ``json_bytes`` (tensor bytes),
 from __future__ import annotations
 
 import asyncio
+import collections
 import ctypes
 import dataclasses
 import errno
+import functools
 import io
 import json
+import math
 import mmap
-import pickletools
+import pickle
 import secrets
+import struct
 import sys
 import zipfile
 from collections.abc import Callable
@@ -209,11 +213,6 @@ TAIL_CHARS = 128 << 10  # and last: the records after it, the central directory
 DECODE_CHUNK_BYTES = 4 << 20  # decoded bytes per step straight into the segment
 
 
-# General purpose flags with which miniz (torch's zip reader) refuses to extract a
-# record: encrypted (bit 0), compressed patch data (bit 5), strong encryption (bit 6).
-_ZIP_UNSUPPORTED_FLAGS = 0x61
-
-
 class _NotHeld(Exception):
     """A read of the payload outside the decoded head and tail."""
 
@@ -265,63 +264,215 @@ def _b64(piece: memoryview) -> bytes:
     return pybase64.b64decode(piece, validate=True)
 
 
+class _Rebuild:
+    """Stands for ``torch._utils._rebuild_tensor_v2`` in :func:`_dry_run`: keeps its arguments."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args, self.kwargs = args, kwargs
+
+    def __setstate__(self, state: Any) -> None:
+        raise pickle.UnpicklingError("not a plain tensor")
+
+
+class _StorageType:
+    """Stands for a ``torch.<Name>Storage`` class in :func:`_dry_run`."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class _DryRun(pickle.Unpickler):
+    """Runs a ``torch.save`` pickle with stand-ins instead of torch's functions.
+
+    Only the three globals that ``torch.save`` writes for a plain tensor are
+    found (``_rebuild_tensor_v2``, a storage class, ``OrderedDict``); any
+    other raises. Nothing of torch runs and no tensor is built: the result
+    tells what the pickle asks torch to build (:func:`_plain_tensor_layout`).
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _Rebuild
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name.endswith("Storage") and name.isidentifier():
+            return _StorageType(name)
+        raise pickle.UnpicklingError("not a plain tensor")
+
+    def persistent_load(self, pid: Any) -> Any:
+        return ("persistent", pid)
+
+
+def _dry_run(data: bytes) -> _Rebuild | None:
+    try:
+        out = _DryRun(io.BytesIO(data)).load()
+    except Exception:  # pickle raises many kinds on bad input
+        return None
+    return out if type(out) is _Rebuild else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reference:
+    """What this torch's ``torch.save`` writes for a plain tensor of one dtype."""
+
+    records: frozenset[str]  # record names, without the archive's folder
+    flags: frozenset[int]  # zip general purpose flags of its records
+    storage: str  # the storage class the pickle names, e.g. "FloatStorage"
+
+
+@functools.lru_cache(maxsize=8)
+def _reference(dtype: torch.dtype) -> _Reference:
+    """Learned from ``torch.save`` itself (of a 2 x 3 zero tensor), so the
+    template follows the installed torch."""
+    buf = io.BytesIO()
+    torch.save(torch.zeros(2, 3, dtype=dtype), buf)
+    zf = zipfile.ZipFile(buf)
+    infos = zf.infolist()
+    prefix = infos[0].filename.split("/", 1)[0] + "/"
+    call = _dry_run(zf.read(prefix + "data.pkl"))
+    return _Reference(frozenset(i.filename[len(prefix):] for i in infos),
+                      frozenset(i.flag_bits for i in infos), call.args[0][1][1].name)
+
+
+# Zip records (APPNOTE 4.3): miniz (torch's zip reader) and Python's zipfile
+# look for the central directory in different ways when these disagree.
+_EOCD = struct.Struct("<IHHHHIIH")  # end of central directory
+_ZIP64_LOCATOR = struct.Struct("<IIQI")  # zip64 end of central directory locator
+_ZIP64_END = struct.Struct("<IQHHIIQQQQ")  # zip64 end of central directory (no extra)
+_LOCAL = struct.Struct("<IHHHHHIIIHH")  # local file header
+
+
+def _plain_record(outline: _Outline, ref: _Reference) -> tuple[str, int, int, bytes] | None:
+    """``(record name, data offset, size, the pickle)``: ``data/0`` and
+    ``data.pkl`` as Python's ``zipfile`` reads them, when the zip is laid out
+    as ``torch.save`` lays it out, else None.
+
+    Checked so that torch's reader (miniz) and Python's ``zipfile`` cannot see
+    different archives: one end record at the very end, no comment; the
+    zip64 end record (``torch.save`` writes one) right before its locator,
+    saying what the end record says; the central directory right before
+    those; only the record names torch.save
+    writes, none twice even ignoring case (miniz looks names up that way),
+    none a directory; every record stored, with torch.save's flags; the
+    data record's local header as miniz checks it before extracting, with
+    its data where torch reads it. Raises whatever the readers raise.
+    """
+    size = outline.size
+    end = size - _EOCD.size  # where the end record starts
+    if end < _ZIP64_END.size + _ZIP64_LOCATOR.size:
+        return None
+    outline.seek(end)
+    sig, disk, cd_disk, n_disk, n_total, cd_size, cd_offset, comment = _EOCD.unpack(
+        outline.read(_EOCD.size))
+    if sig != 0x06054B50 or disk or cd_disk or n_disk != n_total or comment:
+        return None
+    outline.seek(end - _ZIP64_LOCATOR.size)
+    lsig, z_disk, z_offset, disks = _ZIP64_LOCATOR.unpack(outline.read(_ZIP64_LOCATOR.size))
+    if lsig == 0x07064B50:  # torch.save writes zip64 records: they must say the same
+        end = z_offset
+        outline.seek(z_offset)
+        (zsig, zlen, _, _, zdisk, zcd_disk, zn_disk, zn_total, zcd_size,
+         zcd_offset) = _ZIP64_END.unpack(outline.read(_ZIP64_END.size))
+        if (z_disk or disks != 1 or z_offset != size - _EOCD.size - _ZIP64_LOCATOR.size
+                - _ZIP64_END.size or zsig != 0x06064B50 or zlen != _ZIP64_END.size - 12
+                or zdisk or zcd_disk or zn_disk != zn_total or zn_total != n_total
+                or zcd_size != cd_size or zcd_offset != cd_offset):
+            return None
+    if cd_offset + cd_size != end:
+        return None
+    outline.seek(0)
+    zf = zipfile.ZipFile(outline)
+    infos = zf.infolist()
+    prefix = infos[0].filename.split("/", 1)[0] + "/" if infos else ""
+    names = [i.filename for i in infos]
+    if (len(infos) != n_total or len({n.lower() for n in names}) != len(names)
+            or any(not n.startswith(prefix) or n[len(prefix):] not in ref.records
+                   or n.endswith("/") for n in names)
+            or any(i.compress_type != zipfile.ZIP_STORED or i.flag_bits not in ref.flags
+                   or i.external_attr & 0x10 or i.file_size != i.compress_size
+                   for i in infos)):
+        return None
+    name = prefix + "data/0"
+    if name not in names:
+        return None
+    info = zf.getinfo(name)
+    outline.seek(info.header_offset)
+    (lsig, _, _, method, _, _, _, _, _, nlen, xlen) = _LOCAL.unpack(outline.read(_LOCAL.size))
+    if lsig != 0x04034B50 or method != 0 or outline.read(nlen) != name.encode():
+        return None
+    if prefix + "data.pkl" not in names:
+        return None
+    pkl = zf.read(prefix + "data.pkl")
+    return "data/0", info.header_offset + _LOCAL.size + nlen + xlen, info.file_size, pkl
+
+
 def _plain_tensor_layout(ctx: ServerContext, outline: _Outline
                          ) -> tuple[torch.dtype, int, int, int] | None:
     """``(dtype, rows, hidden, data_offset)`` when the zip in ``outline`` is one
     plain tensor that vLLM's loader would take as it is, else None.
 
-    "As it is": one dense, C-contiguous tensor of the model's dtype, 2-D (or
-    ``(1, rows, hidden)``, which vLLM squeezes), ``hidden_size`` columns, at
-    least one row; the zip holds exactly one data record, stored
-    uncompressed, of exactly the tensor's bytes, at the offset torch itself
-    would read it from; the pickle names one storage; the byte order is this
-    host's; its local header as miniz checks it before extracting (signature,
-    flags). Anything else (casts, views, sparse, odd zips) is for vLLM's own
-    loader, which answers it as stock does.
+    "As it is": the archive is laid out as ``torch.save`` lays it out
+    (:func:`_plain_record`; torch's own reader must agree on the record's
+    offset and size, and on the pickle); the pickle asks for exactly
+    ``_rebuild_tensor_v2(storage, 0, size, contiguous stride, False,
+    OrderedDict())`` with nothing more (:func:`_dry_run`; no torch code
+    runs), over one storage of the model's dtype, on "cpu", of exactly the
+    tensor's elements, stored in ``data/0`` as exactly its bytes; the size is
+    ``(rows, hidden)`` or ``(1, rows, hidden)`` (vLLM squeezes it) with
+    ``rows >= 1`` and the model's ``hidden_size``; this host's byte order;
+    and ``torch.load`` to the meta device reads the rest without an error.
+    Anything else (casts, views, sparse, odd zips, odd pickles) is for vLLM's
+    own loader, which answers it as stock does.
     """
     mc = ctx.model_config
     if not getattr(mc, "enable_prompt_embeds", False):
         return None
+    dtype, hidden = mc.dtype, mc.get_hidden_size()
     try:
+        ref = _reference(dtype)
+        record = _plain_record(outline, ref)
+        if record is None:
+            return None
+        name, offset, nbytes, pkl = record
+        outline.seek(0)
         reader = torch._C.PyTorchFileReader(outline)
-        data = [r for r in reader.get_all_records() if r.startswith("data/")]
-        # Checked before torch.load: on a meta load of a checkpoint of the
-        # other byte order, torch 2.13 byteswaps the meta storage and crashes
-        # the process (SIGSEGV).
-        if len(data) != 1 or reader.get_record("byteorder") != sys.byteorder.encode():
+        if (reader.get_record_offset(name) != offset or reader.get_record_size(name) != nbytes
+                or reader.get_record("byteorder") != sys.byteorder.encode()
+                or reader.get_record("data.pkl") != pkl):
             return None
-        outline.seek(0)
-        meta = torch.load(outline, weights_only=True, map_location="meta")
-        if (type(meta) is not torch.Tensor or meta.layout != torch.strided
-                or meta.requires_grad):
-            return None
-        name = data[0]
-        offset = reader.get_record_offset(name)
-        outline.seek(reader.get_record_header_offset(name))
-        local_header = outline.read(4)  # miniz checks it when it extracts the record
-        persistent_ids = sum(op.name == "BINPERSID" for op, _, _ in
-                             pickletools.genops(reader.get_record("data.pkl")))
-        outline.seek(0)
-        stored = [i for i in zipfile.ZipFile(outline).infolist()
-                  if i.filename.split("/", 1)[-1] == name]
-    except Exception:  # torch, zipfile and pickletools raise many kinds here
+    except Exception:  # torch's reader and zipfile raise many kinds here
         return None
-    shape = tuple(meta.shape)
-    if len(shape) == 3 and shape[0] == 1:
-        shape = shape[1:]
-    nbytes = meta.numel() * meta.element_size()
-    if (len(shape) != 2 or shape[0] == 0 or shape[1] != mc.get_hidden_size()
-            or meta.dtype != mc.dtype or not meta.is_contiguous()
-            or meta.storage_offset() != 0 or persistent_ids != 1
-            or meta.untyped_storage().nbytes() != nbytes
-            or getattr(meta.untyped_storage(), "_checkpoint_offset", None) != offset
-            or reader.get_record_size(name) != nbytes or len(stored) != 1
-            or stored[0].compress_type != zipfile.ZIP_STORED or local_header != b"PK\x03\x04"
-            or stored[0].flag_bits & _ZIP_UNSUPPORTED_FLAGS
-            or stored[0].file_size != nbytes or stored[0].compress_size != nbytes
+    call = _dry_run(pkl)
+    if call is None or call.kwargs or len(call.args) != 6:
+        return None
+    pid, storage_offset, shape, stride, requires_grad, hooks = call.args
+    if (not isinstance(pid, tuple) or len(pid) != 2 or pid[0] != "persistent"
+            or not isinstance(pid[1], tuple) or len(pid[1]) != 5):
+        return None
+    kind, storage, key, location, numel = pid[1]
+    shape = shape if type(shape) is tuple and all(type(d) is int for d in shape) else ()
+    rows = shape[-2] if len(shape) == 2 or (len(shape) == 3 and shape[0] == 1) else 0
+    if (kind != "storage" or type(storage) is not _StorageType or storage.name != ref.storage
+            or key != "0" or location != "cpu" or type(numel) is not int
+            or type(storage_offset) is not int or storage_offset != 0
+            or rows < 1 or shape[-1] != hidden
+            or stride != tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+            or requires_grad is not False or type(hooks) is not collections.OrderedDict
+            or hooks or numel != rows * hidden or nbytes != numel * dtype.itemsize
             or offset + nbytes > outline.size):
         return None
-    return meta.dtype, shape[0], shape[1], offset
+    # Last, torch.load itself on a meta device: it reads every other record
+    # as vLLM's loader will (its checks, its errors), but not the tensor bytes.
+    # Safe here: the pickle is the plain one above, in this host's byte order
+    # (torch 2.13 crashes on a meta load that has to byteswap).
+    try:
+        outline.seek(0)
+        meta = torch.load(outline, weights_only=True, map_location="meta")
+    except Exception:
+        return None
+    if type(meta) is not torch.Tensor or meta.shape != shape or meta.dtype != dtype:
+        return None
+    return dtype, rows, hidden, offset
 
 
 def _direct(ctx: ServerContext, piece: memoryview) -> torch.Tensor | None:
