@@ -265,13 +265,18 @@ def _b64(piece: memoryview) -> bytes:
 
 
 class _Rebuild:
-    """Stands for ``torch._utils._rebuild_tensor_v2`` in :func:`_dry_run`: keeps its arguments."""
+    """What the pickle asked ``torch._utils._rebuild_tensor_v2`` for (:func:`_dry_run`)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    __slots__ = ("args", "kwargs")  # no __dict__: a BUILD on it fails
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
         self.args, self.kwargs = args, kwargs
 
-    def __setstate__(self, state: Any) -> None:
-        raise pickle.UnpicklingError("not a plain tensor")
+
+def _rebuild_stand_in(*args: Any, **kwargs: Any) -> _Rebuild:
+    """Stands for ``_rebuild_tensor_v2`` (a function, as torch's is: no opcode
+    can make a :class:`_Rebuild` without calling it)."""
+    return _Rebuild(args, kwargs)
 
 
 class _StorageType:
@@ -292,7 +297,7 @@ class _DryRun(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _Rebuild
+            return _rebuild_stand_in
         if (module, name) == ("collections", "OrderedDict"):
             return collections.OrderedDict
         if module == "torch" and name.endswith("Storage") and name.isidentifier():
@@ -351,11 +356,10 @@ def _plain_record(outline: _Outline, ref: _Reference) -> tuple[str, int, int, by
     different archives: one end record at the very end, no comment; the
     zip64 end record (``torch.save`` writes one) right before its locator,
     saying what the end record says; the central directory right before
-    those; only the record names torch.save
-    writes, none twice even ignoring case (miniz looks names up that way),
-    none a directory; every record stored, with torch.save's flags; the
-    data record's local header as miniz checks it before extracting, with
-    its data where torch reads it. Raises whatever the readers raise.
+    those; only the record names torch.save writes, none twice even ignoring
+    case (miniz looks names up that way), none a directory; every record
+    stored, with torch.save's flags; the data record's local header as miniz
+    checks it before extracting. Raises whatever the readers raise.
     """
     size = outline.size
     end = size - _EOCD.size  # where the end record starts
