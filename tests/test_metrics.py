@@ -102,6 +102,11 @@ def expected_from_files(stats: list[dict]) -> dict[tuple[str, frozenset], float]
                 add("fallbacks", v, hop=hop.removeprefix("hop"), reason=reason)
             elif k.startswith("binary_rejected."):
                 add("binary_rejected", v, reason=k.split(".")[1])
+            elif k.startswith("json_fallback."):
+                add("json_fallbacks", v, reason=k.split(".")[1])
+        add("json_tensors", c.get("json_direct_tensors", 0), how="direct")
+        add("json_tensors", c.get("json_tensors", 0) - c.get("json_direct_tensors", 0),
+            how="loader")
     return exp
 
 
@@ -124,7 +129,8 @@ def test_aggregate_attributes_hops_to_senders_and_sums_processes(tmp_path):
         {"pid": os.getpid(), "roles": ["client"], "counters": {
             "hop1_shm_tensors": 2, "hop1_shm_bytes": 100, "hop1_stock_tensors": 1,
             "hop1_stock_bytes": 7, "fallback.hop1.small": 1, "copied_bytes": 100,
-            "segments_created": 2, "binary_rejected.no_space": 1, "hop1_handover_tensors": 1}},
+            "segments_created": 2, "binary_rejected.no_space": 1, "hop1_handover_tensors": 1,
+            "json_tensors": 3, "json_direct_tensors": 2, "json_fallback.rejected": 1}},
         {"pid": 10**7, "roles": ["client"], "counters": {"hop1_shm_tensors": 3,
                                                           "hop1_shm_bytes": 30}},
         {"pid": 2, "roles": ["engine"], "counters": {
@@ -151,6 +157,8 @@ def test_aggregate_attributes_hops_to_senders_and_sums_processes(tmp_path):
     assert v["reused_tensors"] == {("1",): 1, ("2",): 5}
     assert v["fallbacks"] == {("1", "small"): 1, ("2", "no_space"): 2, ("2", "map_failed"): 1}
     assert v["binary_rejected"] == {("no_space",): 1}
+    assert v["json_tensors"] == {("direct",): 2, ("loader",): 1}
+    assert v["json_fallbacks"] == {("rejected",): 1}
     assert v["copied_bytes"][()] == 100 and v["segments_unlinked"][()] == 5
     assert v["dir_held_bytes"][()] == os.stat(seg_dir / str(ours)).st_blocks * 512 > 0
     st = os.statvfs(seg_dir)

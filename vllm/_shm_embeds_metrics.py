@@ -68,6 +68,11 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "binary_bytes": ("counter", "Tensor bytes of accepted binary request bodies", ()),
     "binary_rejected": ("counter", "Binary request bodies rejected, by reason",
                         ("reason",)),
+    "json_tensors": ("counter", "prompt_embeds tensors of base64 JSON bodies that the JSON "
+                     "path decoded, by how (direct: straight into shared memory; loader: "
+                     "vLLM's loader, then one copy)", ("how",)),
+    "json_fallbacks": ("counter", "Large JSON bodies left to vLLM's own decode, by reason "
+                       "(no_embeds: none where vLLM reads prompt_embeds)", ("reason",)),
     "dir_held_bytes": ("gauge", "Bytes of this server's segments in the segment "
                        "directory now (allocated, at scrape time)", ()),
     "dir_free_bytes": ("gauge", "Free bytes of the segment directory's file system "
@@ -165,6 +170,8 @@ def aggregate(stats: list[dict[str, Any]], seg_dir: str | None = None
             out["bytes"][(hop, path)] = 0
         out["received_tensors"][(hop,)] = 0
         out["reused_tensors"][(hop,)] = 0
+    for how in ("direct", "loader"):
+        out["json_tensors"][(how,)] = 0
     for name in ("copied_bytes", "segments_created", "segments_unlinked",
                  "segments_swept", "binary_bodies", "binary_bytes"):
         out[name][()] = 0
@@ -180,6 +187,13 @@ def aggregate(stats: list[dict[str, Any]], seg_dir: str | None = None
                 add("fallbacks", (_hop(parts[1]), parts[2]), value)
             elif parts[0] == "binary_rejected" and len(parts) == 2:
                 add("binary_rejected", (parts[1],), value)
+            elif parts[0] == "json_fallback" and len(parts) == 2:
+                add("json_fallbacks", (parts[1],), value)
+            elif key == "json_tensors":
+                add("json_tensors", ("loader",), value)
+            elif key == "json_direct_tensors":  # counted in json_tensors too
+                add("json_tensors", ("direct",), value)
+                add("json_tensors", ("loader",), -value)
             elif key in out and () in out[key]:
                 add(key, (), value)
             m = re.fullmatch(r"hop([12])_(shm|stock)_(tensors|bytes)", key)
