@@ -159,19 +159,15 @@ def write_chunks_and_digest(chunks: Iterable[memoryview | bytes], segment: shm.S
     pool = _hash_pool() if block_bytes and rows else None
     limit = 2 * shm.writers()
     futures: list[concurrent.futures.Future] = []
-    first = 0  # index of the next chunk's first block
     try:
         for chunk in chunks:
             segment.write(chunk)
             if pool is None:
                 continue
-            whole, rest = divmod(len(chunk), block_bytes)
-            last = first + whole + (1 if rest else 0)
-            if rest and segment.filled != segment.nbytes:
+            if len(chunk) % block_bytes and segment.filled != segment.nbytes:
                 raise ValueError("a chunk before the last is not whole blocks")
             futures.append(pool.submit(_hash_blocks, memoryview(chunk), block_bytes, 0,
-                                       last - first))
-            first = last
+                                       -(-len(chunk) // block_bytes)))
             pending = [f for f in futures if not f.done()]
             if len(pending) > limit:
                 concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)

@@ -484,11 +484,11 @@ def _direct(ctx: ServerContext, piece: memoryview) -> torch.Tensor | None:
 
     vLLM's loader decodes the whole payload into fresh memory, ``torch.load``
     copies the tensor out of it into more fresh memory, and then it is copied
-    into the segment: three passes over new pages. Here the few KiB of zip
-    metadata at the payload's head and tail are decoded first and read with
-    ``torch.load(map_location="meta")`` (torch's own reader and restricted
-    unpickler, no tensor bytes); when that shows one plain tensor
-    (:func:`_plain_tensor_layout`), the base64 characters that hold its
+    into the segment: three passes over new pages. Here the base64 at the
+    payload's head and tail (``HEAD_CHARS``, ``TAIL_CHARS``: the zip's
+    metadata) is decoded first; when that shows one plain tensor
+    (:func:`_plain_tensor_layout`, which reads no tensor bytes), the base64
+    characters that hold its
     bytes are decoded 4 MiB at a time and written into the segment, each
     chunk hashed for the prefix cache while the next one is decoded. Every
     character of the payload is decoded and validated once, as vLLM does.
@@ -540,25 +540,42 @@ def _direct(ctx: ServerContext, piece: memoryview) -> torch.Tensor | None:
                 raise ValueError("payload shorter than its tensor")
             yield chunk
 
+    def write(segment: shm.StreamedSegment) -> hashing.BlockDigests | None:
+        return hashing.write_chunks_and_digest(chunks(), segment, rows, row_bytes,
+                                               ctx.hash_block_tokens)
+
     try:
-        segment = shm.StreamedSegment(dtype, (rows, hidden))
+        out = _into_segment(dtype, (rows, hidden), write)
+    except ValueError:
+        return None  # not valid base64 after all: vLLM's loader says so
+    shm.count(json_direct_tensors=1)
+    return out
+
+
+def _into_segment(dtype: torch.dtype, shape: tuple[int, ...],
+                  write: Callable[[shm.StreamedSegment], hashing.BlockDigests | None]
+                  ) -> torch.Tensor:
+    """A new segment filled by ``write(segment)``, which returns the digests of
+    what it wrote; the segment's read-only tensor, digests attached.
+
+    Raises:
+        Fallback: ``no_space`` / ``os_error``; whatever else ``write`` raises.
+            Either way nothing is left in shared memory.
+    """
+    try:
+        segment = shm.StreamedSegment(dtype, shape)
     except OSError as e:
         raise Fallback("no_space" if e.errno == errno.ENOSPC else "os_error") from None
     try:
-        digests = hashing.write_chunks_and_digest(chunks(), segment, rows, row_bytes,
-                                                  ctx.hash_block_tokens)
+        digests = write(segment)
         out = segment.finish(writable=False)
     except OSError as e:
         segment.abort()
         raise Fallback("no_space" if e.errno == errno.ENOSPC else "os_error") from None
-    except ValueError:
-        segment.abort()  # not valid base64 after all: vLLM's loader says so
-        return None
     except BaseException:
         segment.abort()
         raise
     hashing.attach(out, digests)
-    shm.count(json_direct_tensors=1)
     return out
 
 
@@ -570,21 +587,10 @@ def _to_segment(ctx: ServerContext, tensor: torch.Tensor) -> torch.Tensor:
     """
     if tensor.nbytes < shm.min_bytes():
         raise Fallback("small")
-    try:
-        segment = shm.StreamedSegment(tensor.dtype, tuple(tensor.shape))
-    except OSError as e:
-        raise Fallback("no_space" if e.errno == errno.ENOSPC else "os_error") from None
-    try:
-        digests = hashing.write_and_digest(tensor, segment, ctx.hash_block_tokens)
-        out = segment.finish(writable=False)
-    except OSError as e:
-        segment.abort()
-        raise Fallback("no_space" if e.errno == errno.ENOSPC else "os_error") from None
-    except BaseException:
-        segment.abort()
-        raise
-    hashing.attach(out, digests)
-    return out
+    def write(segment: shm.StreamedSegment) -> hashing.BlockDigests | None:
+        return hashing.write_and_digest(tensor, segment, ctx.hash_block_tokens)
+
+    return _into_segment(tensor.dtype, tuple(tensor.shape), write)
 
 
 def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext) -> Prepared:
