@@ -457,6 +457,34 @@ def test_spoiled_base64_is_rejected_as_vllm_rejects_it(shm_env, name, monkeypatc
             shm.release_streamed(t)
 
 
+@pytest.mark.parametrize("dtype,fail_at", [(torch.float32, 3), (torch.float16, 1)])
+def test_no_space_midway_gives_the_body_back_and_leaves_nothing(shm_env, monkeypatch, dtype,
+                                                                fail_at):
+    """ENOSPC on a write into the segment: the third 64 KiB chunk of the direct
+    decode (the model's dtype), the one write of vLLM's loader path (fp16,
+    cast). The body goes back to vLLM unchanged, counted as ``no_space``, and
+    no segment is left."""
+    import errno
+
+    writes = []
+    real = shm.StreamedSegment.write
+
+    def full(self, data):
+        writes.append(len(data))
+        if len(writes) == fail_at:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, data)
+
+    monkeypatch.setattr(shm.StreamedSegment, "write", full)
+    monkeypatch.setattr(jp, "DECODE_CHUNK_BYTES", 1 << 16)
+    body = _body(prompt="", prompt_embeds=encode_embeds(torch.randn(4000, HIDDEN).to(dtype)))
+    out = jp.prepare(body, "/v1/completions", _ctx())
+    assert out.reason == "no_space" and out.body == body and len(writes) == fail_at
+    assert _direct_count() == 0
+    shm.collect()
+    assert os.listdir(shm_env) == []
+
+
 def test_outline_holds_only_head_and_tail():
     f = jp._Outline(100, b"h" * 10, 90, b"t" * 10)
     assert f.read(10) == b"h" * 10
