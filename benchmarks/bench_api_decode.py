@@ -29,9 +29,10 @@ whole :func:`prepare` as the server runs it):
 * ``j.seg+hash``: write into a streamed segment, hashing the blocks meanwhile
   (the EngineCore then hashes nothing); ``j.load`` + ``j.seg+hash`` is what a
   payload that is not one plain tensor of the model's dtype costs
-* ``j.direct``: instead of those two, the plain case: the zip's metadata read
-  with ``torch.load(map_location="meta")``, then the base64 of the tensor
-  bytes decoded 4 MiB at a time straight into the segment, hashed meanwhile
+* ``j.direct``: instead of those two, the plain case: the zip's metadata
+  checked (``_plain_tensor_layout``: no tensor bytes read), then the base64 of
+  the tensor bytes decoded 4 MiB at a time straight into the segment, hashed
+  meanwhile
 * ``j.total``: ``prepare()`` itself
 * ``stall``: the longest the event loop went without running (a 1 ms ticker)
   while one request's decode ran: stock (join + ``json.loads`` + validation
