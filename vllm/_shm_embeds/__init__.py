@@ -1,0 +1,41 @@
+# SPDX-License-Identifier: Apache-2.0
+"""shm-embeds: large ``prompt_embeds`` cross vLLM V1's process hops by shared memory.
+
+vLLM V1 copies a request's ``prompt_embeds`` (``(num_tokens, hidden_size)``
+in the model dtype; hundreds of MB for long prompts) from the API server to
+the EngineCore (hop 1: msgpack + ZMQ frames) and from there to every TP
+worker (hop 2: the ``SchedulerOutput`` broadcast). With
+``VLLM_SHM_EMBEDS=1`` this plugin puts the tensor in a shared-memory segment
+once and sends a small :class:`SharedTensorHandle` over each hop instead.
+
+One file per job (``docs/design.md`` has the map):
+
+* mechanism, no vLLM classes, no HTTP: ``config``, ``handle``, ``segment``,
+  ``owned``, ``process``, ``transfer``, ``counters``, ``digests``, ``hop1``,
+  ``hop2``;
+* the API server's HTTP side: ``http/``;
+* every patched vLLM site, in one registry: ``sites/``; the entry point
+  vLLM loads: ``plugin.register``.
+
+Public names: :class:`SharedTensorHandle`, :class:`ShmEmbedsError`,
+:func:`externalize` (hop 2 sender: a tensor -> its handle) and
+:func:`internalize` (hop 2 reader: a handle -> the mapped tensor).
+"""
+
+from typing import Any
+
+__all__ = ["SharedTensorHandle", "ShmEmbedsError", "externalize", "internalize"]
+
+_HOME = {"SharedTensorHandle": "handle", "ShmEmbedsError": "handle",
+         "externalize": "hop2", "internalize": "hop2"}
+
+
+def __getattr__(name: str) -> Any:
+    # Loaded on first use (PEP 562): importing the package, as vLLM's plugin
+    # loader does for ``plugin.register``, loads no module it does not need,
+    # and no submodule depends on this file.
+    if name in _HOME:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

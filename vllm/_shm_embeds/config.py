@@ -1,0 +1,189 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Every ``VLLM_SHM_EMBEDS_*`` variable, parsed in one place with one rule.
+
+The environment is read only here. :func:`settings` parses all variables
+together with pydantic (vLLM depends on it) the first time it is called and
+again only when one of them changed (tests set them; the API server sets
+``VLLM_SHM_EMBEDS_STATS_DIR`` before it starts the engines), so a hot path
+pays one tuple comparison. Flags follow pydantic's ``bool`` rule
+(``1/true/yes/on/t/y`` on, ``0/false/no/off/f/n`` off, any case). A bad
+value never raises: the default is used and :attr:`Settings.problems` says
+so (the plugin logs it at start).
+
+Variables (see ``docs/configuration.md``):
+
+* ``VLLM_SHM_EMBEDS``: the feature, default off.
+* ``VLLM_SHM_EMBEDS_MIN_BYTES``: tensors below this many bytes keep the
+  stock path (default 1 MiB).
+* ``VLLM_SHM_EMBEDS_DIR``: segment directory, a tmpfs (default ``/dev/shm``).
+* ``VLLM_SHM_EMBEDS_STATS_DIR``: where every process of a server keeps its
+  counters (``counters.py``); an API server makes a private one if unset.
+* ``VLLM_SHM_EMBEDS_WRITERS``: threads (and files) writing one large tensor
+  (default: usable CPUs, at most 4; 1..16).
+* ``VLLM_SHM_EMBEDS_BINARY_MAX_BYTES``: cap on the tensor bytes of one binary
+  body (default ``max_model_len * hidden_size * 4``).
+* ``VLLM_SHM_EMBEDS_JSON``: the base64 JSON body path (default on).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import pydantic
+
+DEFAULT_MIN_BYTES = 1 << 20
+MAX_WRITERS = 16  # files a segment may be striped over (handles refuse more)
+
+VARIABLES = (
+    "VLLM_SHM_EMBEDS",
+    "VLLM_SHM_EMBEDS_MIN_BYTES",
+    "VLLM_SHM_EMBEDS_DIR",
+    "VLLM_SHM_EMBEDS_STATS_DIR",
+    "VLLM_SHM_EMBEDS_WRITERS",
+    "VLLM_SHM_EMBEDS_BINARY_MAX_BYTES",
+    "VLLM_SHM_EMBEDS_JSON",
+)
+
+_FLAG = pydantic.TypeAdapter(bool)
+_BYTES = pydantic.TypeAdapter(Annotated[int, pydantic.Field(ge=0, strict=False)])
+_WRITERS = pydantic.TypeAdapter(Annotated[int, pydantic.Field(ge=1, le=MAX_WRITERS)])
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The parsed variables of this process.
+
+    Attributes:
+        enabled: ``VLLM_SHM_EMBEDS``.
+        min_bytes: bytes; smallest tensor that takes the shm path.
+        dir: segment directory (a tmpfs).
+        stats_dir: counters directory, or None.
+        writers: threads writing one striped segment.
+        binary_max_bytes: bytes; cap on one binary body's tensors, or None
+            for the model's default.
+        json: the base64 JSON body path.
+        problems: one message per bad value that a default replaced, and
+            ``fatal`` messages that keep the feature off.
+        fatal: messages that keep the feature off (no usable segment dir).
+    """
+
+    enabled: bool = False
+    min_bytes: int = DEFAULT_MIN_BYTES
+    dir: str = "/dev/shm"
+    stats_dir: str | None = None
+    writers: int = 1
+    binary_max_bytes: int | None = None
+    json: bool = True
+    problems: tuple[str, ...] = ()
+    fatal: tuple[str, ...] = ()
+
+
+def _default_writers() -> int:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(4, cpus))
+
+
+def _parse(raw: dict[str, str | None]) -> Settings:
+    problems: list[str] = []
+
+    def get(name: str, adapter: pydantic.TypeAdapter, default: Any, what: str) -> Any:
+        value = (raw[name] or "").strip()
+        if not value:
+            return default
+        try:
+            return adapter.validate_python(value)
+        except pydantic.ValidationError:
+            problems.append(f"{name}={value[:64]!r} is not {what}; using {default}")
+            return default
+
+    writers = _default_writers()
+    directory = raw["VLLM_SHM_EMBEDS_DIR"] or "/dev/shm"
+    max_body = get("VLLM_SHM_EMBEDS_BINARY_MAX_BYTES", _BYTES, None, "a byte count")
+    s = Settings(
+        enabled=get("VLLM_SHM_EMBEDS", _FLAG, False, "a flag (1/0)"),
+        min_bytes=get("VLLM_SHM_EMBEDS_MIN_BYTES", _BYTES, DEFAULT_MIN_BYTES,
+                      "a byte count"),
+        dir=directory,
+        stats_dir=raw["VLLM_SHM_EMBEDS_STATS_DIR"] or None,
+        writers=get("VLLM_SHM_EMBEDS_WRITERS", _WRITERS, writers,
+                    f"a count in 1..{MAX_WRITERS}"),
+        binary_max_bytes=max_body or None,
+        json=get("VLLM_SHM_EMBEDS_JSON", _FLAG, True, "a flag (1/0)"),
+    )
+    fatal = ()
+    if not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
+        fatal = (f"segment directory {directory} is missing or not writable",)
+    return dataclasses.replace(s, problems=tuple(problems), fatal=fatal)
+
+
+_cache: tuple[tuple[str | None, ...], Settings] | None = None
+
+
+def settings() -> Settings:
+    """This process's settings; parsed again only when a variable changed."""
+    global _cache
+    key = tuple(os.environ.get(name) for name in VARIABLES)
+    cached = _cache
+    if cached is None or cached[0] != key:
+        cached = (key, _parse(dict(zip(VARIABLES, key))))
+        _cache = cached
+    return cached[1]
+
+
+def enabled() -> bool:
+    """``VLLM_SHM_EMBEDS`` is on."""
+    return settings().enabled
+
+
+def min_bytes() -> int:
+    """Smallest tensor (bytes) that takes the shm path."""
+    return settings().min_bytes
+
+
+def shm_dir() -> str:
+    """The segment directory."""
+    return settings().dir
+
+
+def writers() -> int:
+    """Threads (and files) that write one tensor into a segment (1..16).
+
+    Default: the CPUs this process may run on, at most 4 (on 2 cores, 2
+    writers beat one ``memcpy``; 1 writer does not: docs/figures.md, hop 1).
+    """
+    return settings().writers
+
+
+def stats_dir() -> str | None:
+    """The counters directory of this server, or None."""
+    return settings().stats_dir
+
+
+def set_stats_dir(path: str) -> None:
+    """Export ``path`` as ``VLLM_SHM_EMBEDS_STATS_DIR`` (children inherit it)."""
+    os.environ["VLLM_SHM_EMBEDS_STATS_DIR"] = path
+
+
+def binary_max_bytes(max_model_len: int, hidden_size: int) -> int:
+    """Cap (bytes) on one binary body's tensors: the variable, or
+    ``max_model_len * hidden_size * 4``."""
+    return settings().binary_max_bytes or max_model_len * hidden_size * 4
+
+
+# What vLLM's ``vllm/envs.py`` ``environment_variables`` table gets (name ->
+# getter), so that ``Platform.validate_environ`` knows our variables.
+ENV_VARS: dict[str, Callable[[], Any]] = {
+    "VLLM_SHM_EMBEDS": enabled,
+    "VLLM_SHM_EMBEDS_MIN_BYTES": min_bytes,
+    "VLLM_SHM_EMBEDS_DIR": shm_dir,
+    "VLLM_SHM_EMBEDS_STATS_DIR": stats_dir,
+    "VLLM_SHM_EMBEDS_WRITERS": writers,
+    "VLLM_SHM_EMBEDS_BINARY_MAX_BYTES": lambda: settings().binary_max_bytes,
+    "VLLM_SHM_EMBEDS_JSON": lambda: settings().json,
+}

@@ -1,0 +1,252 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Segment names and :class:`SharedTensorHandle`: what crosses a hop instead of bytes.
+
+Pure data and parsing; no file is opened here (``segment.py`` does the I/O).
+
+Layout of one segment (files in the segment directory, a tmpfs)::
+
+    [0, 4096)          header: magic b"SHMEMB01", then one flag byte per
+                       reader and broadcast at offset 64 + flag_base + reader
+                       (set to 1 when that reader has mapped the segment)
+    [4096, 4096 + N)   the tensor's bytes, C-contiguous, N = numel * itemsize
+
+A large segment is *striped* over K files (``<name>``, ``<name>p1``, ...
+``<name>p<K-1>``): tmpfs serializes writes to one file (per-inode lock), so K
+threads writing K files at once are K times faster than one. File 0 holds the
+header and the first data bytes, file i the bytes from ``handle.split[i-1]``
+on (page-aligned). Readers map the files back to back into one reserved
+address range, so the tensor is one contiguous view.
+
+Names (:class:`SegmentName`) say who owns a segment:
+``vllm-shm-embeds.<pidns>.<pid>.<start>.<seq>[p<part>]``, ``<pidns>`` the
+owner's PID namespace, ``<start>`` its start time in clock ticks since boot
+(``/proc/<pid>/stat`` field 22, ``0`` when it could not be read). A sweep can
+then tell a dead owner's segments from a live one's even after pid reuse,
+and leaves other containers' segments alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+import re
+from typing import Any
+
+import torch
+
+from vllm._shm_embeds.config import MAX_WRITERS
+
+SEGMENT_PREFIX = "vllm-shm-embeds"
+HEADER_BYTES = 4096
+MAGIC = b"SHMEMB01"
+READER_FLAGS_OFFSET = 64
+MAX_READERS = HEADER_BYTES - READER_FLAGS_OFFSET  # flag bytes per segment
+PAGE_BYTES = mmap.PAGESIZE
+PART_MIN_BYTES = 4 << 20  # a segment is striped only into files at least this big
+
+
+class ShmEmbedsError(RuntimeError):
+    """A segment could not be created, found or mapped."""
+
+
+# --------------------------------------------------------------------------
+# names
+
+_NAME_RE = re.compile(
+    rf"^{re.escape(SEGMENT_PREFIX)}\.(\d+)\.(\d+)\.(\d+)\.(\d+)(?:p(\d+))?$"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentName:
+    """The parts of a segment file name; the only place names are built and parsed.
+
+    Attributes:
+        pidns: owner's PID namespace id (inode of ``/proc/<pid>/ns/pid``), or 0.
+        pid: owner's pid inside that namespace.
+        start: owner's start time in clock ticks since boot; 0 if unknown.
+        seq: per-owner sequence number.
+        part: file index of a striped segment (0: the segment's own name).
+    """
+
+    pidns: int
+    pid: int
+    start: int
+    seq: int
+    part: int = 0
+
+    def __str__(self) -> str:
+        base = f"{SEGMENT_PREFIX}.{self.pidns}.{self.pid}.{self.start}.{self.seq}"
+        return base if self.part == 0 else f"{base}p{self.part}"
+
+    @classmethod
+    def parse(cls, name: str) -> SegmentName | None:
+        """The parts of ``name``, or None if it is not a segment file name of ours."""
+        m = _NAME_RE.match(name)
+        if m is None:
+            return None
+        pidns, pid, start, seq, part = m.groups()
+        return cls(int(pidns), int(pid), int(start), int(seq), int(part or 0))
+
+    def base(self) -> SegmentName:
+        """The segment's own name (file 0)."""
+        return dataclasses.replace(self, part=0)
+
+
+def part_name(name: str, index: int) -> str:
+    """File name of part ``index`` of segment ``name`` (part 0 is ``name`` itself)."""
+    return name if index == 0 else f"{name}p{index}"
+
+
+def pid_namespace() -> int:
+    """This process's PID namespace id (inode of ``/proc/self/ns/pid``), or 0."""
+    try:
+        return int("".join(c for c in os.readlink("/proc/self/ns/pid") if c.isdigit()) or 0)
+    except OSError:
+        return 0
+
+
+def proc_start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot; None if gone or unreadable.
+
+    A zombie (killed, not yet reaped by its parent) counts as gone.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # Field 2 (comm) may contain spaces; fields after the last ')' are fixed:
+    # [0] is the state (field 3), [19] the start time (field 22).
+    fields = stat.rsplit(b")", 1)[1].split()
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
+
+
+def owner_is_dead(name: SegmentName) -> bool:
+    """True only when the owner of ``name`` is certainly gone (a sweep may unlink).
+
+    Gone means: no such pid (``kill(pid, 0)`` says ESRCH), or ``/proc`` shows
+    a zombie or a different start time. When ``/proc`` cannot be read, or the
+    name's start time is unknown (0), a pid that exists counts as alive: a
+    sweep must never remove a live owner's segment.
+    """
+    try:
+        os.kill(name.pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # exists, owned by someone else
+    try:
+        with open(f"/proc/{name.pid}/stat", "rb"):
+            pass
+    except OSError:
+        return False  # /proc unreadable here: cannot tell, keep it
+    start = proc_start_time(name.pid)
+    if start is None:
+        return True  # zombie, or exited between the two reads
+    return name.start != 0 and start != name.start
+
+
+# --------------------------------------------------------------------------
+# handles
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedTensorHandle:
+    """Names a tensor stored in a shared-memory segment; a few hundred bytes pickled.
+
+    Attributes:
+        name: segment file name (no directory part); file 0 when striped.
+        dtype: torch dtype name without the ``torch.`` prefix, e.g. ``"bfloat16"``.
+        shape: tensor shape, e.g. ``(num_tokens, hidden_size)``.
+        split: data byte offsets where files 1, 2, ... of a striped segment
+            begin (increasing multiples of the page size, inside the data);
+            empty for a one-file segment.
+        flag_base: hop 2: where this broadcast's reader flags start (reader
+            ``i`` sets byte ``64 + flag_base + i``); every broadcast of a
+            segment gets flags of its own.
+        owner_pid: hop 2: pid of the owner that holds ``owner_files`` open
+            until every reader of this broadcast has set its flag (0: none).
+        owner_files: hop 2: ``(fd, inode)`` per file, so that readers open
+            ``/proc/<owner_pid>/fd/<fd>``: that works even if something else
+            unlinked the name, and the inode check rules out a reused fd.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    split: tuple[int, ...] = ()
+    flag_base: int = 0
+    owner_pid: int = 0
+    owner_files: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dt = getattr(torch, self.dtype, None)
+        if not isinstance(dt, torch.dtype):
+            raise ShmEmbedsError(f"handle names an unknown dtype {self.dtype!r}")
+        return dt
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the tensor data in bytes (the segment is 4096 bytes larger)."""
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.torch_dtype.itemsize
+
+    def parts(self) -> list[tuple[str, int, int]]:
+        """``(file name, first data byte, data bytes)`` for each file of the segment."""
+        bounds = [0, *self.split, self.nbytes]
+        return [
+            (part_name(self.name, i), bounds[i], bounds[i + 1] - bounds[i])
+            for i in range(len(bounds) - 1)
+        ]
+
+    def renamed(self, name: str) -> SharedTensorHandle:
+        """The same tensor under another segment name."""
+        return dataclasses.replace(self, name=name)
+
+    def to_meta(self) -> dict[str, Any]:
+        """Plain-dict form for msgpack metadata (hop 1: name, dtype, shape, split)."""
+        meta = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        if self.split:
+            meta["split"] = list(self.split)
+        return meta
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> SharedTensorHandle:
+        """Inverse of :meth:`to_meta`; raises ``ShmEmbedsError`` on malformed input."""
+        try:
+            name, dtype, shape = meta["name"], meta["dtype"], meta["shape"]
+            split = tuple(int(b) for b in meta.get("split", ()))
+            handle = cls(str(name), str(dtype), tuple(int(s) for s in shape), split)
+            nbytes = handle.nbytes
+        except (KeyError, TypeError, ValueError, AttributeError, ShmEmbedsError) as e:
+            raise ShmEmbedsError(f"malformed shm-embeds handle {meta!r}") from e
+        parsed = SegmentName.parse(handle.name)
+        if parsed is None or parsed.part != 0:
+            raise ShmEmbedsError(f"not a shm-embeds segment name: {handle.name!r}")
+        bounds = [0, *split, nbytes]
+        if len(split) >= MAX_WRITERS or any(
+            b % PAGE_BYTES or b <= a for a, b in zip(bounds, bounds[1:-1])
+        ) or (split and split[-1] >= nbytes):
+            raise ShmEmbedsError(f"malformed shm-embeds handle split {split!r}")
+        return handle
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def split_for(nbytes: int, writers: int) -> tuple[int, ...]:
+    """Page-aligned data offsets at which to stripe ``nbytes`` over ``writers`` files."""
+    k = min(writers, nbytes // PART_MIN_BYTES)
+    if k <= 1:
+        return ()
+    step = nbytes // k // PAGE_BYTES * PAGE_BYTES
+    return tuple(step * i for i in range(1, k))

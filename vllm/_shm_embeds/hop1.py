@@ -1,0 +1,147 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Hop 1, API server -> EngineCore: ``prompt_embeds`` as a handle in vLLM's msgpack.
+
+vLLM's ``MsgpackEncoder`` (``vllm/v1/serial_utils.py``, 0.32/0.33) offers
+every large tensor of a message to an out-of-band *consumer*, which may
+return metadata to send instead of the bytes; the EngineCore's decoder gives
+that metadata to an out-of-band *provider*, which returns the tensor.
+:class:`HandleOOBConsumer` takes only the request's ``prompt_embeds`` (the
+tensor it was *armed* with), copies it once into a segment (or hands over
+the segment a request body was written into) and sends the handle;
+:class:`HandleOOBProvider` adopts the segment (``transfer.adopt_tensor``: a
+``rename``, then ``mmap``, no copy). Prefix-cache digests computed in the
+API server ride along in the metadata (``digests.py``).
+
+Duck-types vLLM's protocols; imports nothing of vLLM's classes or HTTP.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from vllm.logger import init_logger
+
+from vllm._shm_embeds import digests, process
+from vllm._shm_embeds.counters import count, count_reason
+from vllm._shm_embeds.handle import SharedTensorHandle, ShmEmbedsError
+from vllm._shm_embeds.transfer import (
+    adopt_tensor,
+    dense_nbytes,
+    eligible,
+    share_tensor,
+    take_handover,
+)
+
+logger = init_logger(__name__)
+
+META_KEY = "shm_embeds"
+
+
+class HandleOOBConsumer:
+    """Sender side of hop 1: sends the *armed* tensor as a segment handle.
+
+    Duck-types the out-of-band tensor consumer of vLLM's ``MsgpackEncoder``
+    (``vllm/v1/serial_utils.py``, 0.32/0.33: ``__call__(tensor) -> dict | None``
+    and ``new_message()``). Only the tensor passed to :meth:`arm` (the
+    request's ``prompt_embeds``) is taken; every other tensor goes to
+    ``inner`` (e.g. vLLM's multimodal ``TensorIpcSender``) or inline.
+    Segments made for a message are remembered until :meth:`take_created`,
+    so that the caller can remove them if encoding or sending fails.
+    """
+
+    def __init__(self, inner: Any = None) -> None:
+        self.inner = inner
+        self._armed: torch.Tensor | None = None
+        self._created: list[SharedTensorHandle] = []
+
+    def arm(self, tensor: torch.Tensor | None) -> None:
+        """Mark the tensor to send through shm in the next encoded message."""
+        self._armed = tensor
+
+    def take_created(self) -> list[SharedTensorHandle]:
+        """Handles of the segments created since the last call (and forget them)."""
+        created, self._created = self._created, []
+        return created
+
+    def new_message(self) -> None:
+        if self.inner is not None:
+            self.inner.new_message()
+
+    def __call__(self, tensor: torch.Tensor) -> dict | None:
+        if tensor is self._armed:
+            self._armed = None
+            # A streamed segment (binary body) goes as it is, whatever its size.
+            handover = take_handover(tensor)
+            reason = None if handover is not None else eligible(tensor)
+            if reason is None:
+                try:
+                    handle = handover or share_tensor(tensor)
+                except OSError as e:
+                    reason = process.placement_failed("hop 1", tensor.nbytes, e)
+                else:
+                    self._created.append(handle)
+                    count(hop1_shm_tensors=1, hop1_shm_bytes=tensor.nbytes)
+                    meta = handle.to_meta()
+                    if handover is not None:  # digests our own code computed
+                        meta.update(digests.handover_meta(tensor))
+                    return {META_KEY: meta}
+            count(hop1_stock_tensors=1, hop1_stock_bytes=dense_nbytes(tensor))
+            count_reason("fallback", reason, hop="1")
+        return self.inner(tensor) if self.inner is not None else None
+
+
+ADOPT_FAILED_MESSAGE = (
+    "prompt_embeds could not be read from shared memory (the segment was removed "
+    "before the engine received the request); please retry"
+)
+
+
+class HandleOOBProvider:
+    """Receiver side of hop 1: adopts segments named in OOB tensor metadata.
+
+    Duck-types vLLM's ``OOBTensorProvider`` (``(dtype, shape, meta) ->
+    tensor``). Metadata without our key goes to ``inner``. A handle that cannot
+    be adopted yields an empty tensor that :func:`is_failed` recognizes, so the
+    caller can reject the request instead of crashing its input thread.
+    """
+
+    def __init__(self, inner: Any = None) -> None:
+        self.inner = inner
+        self._failed: dict[int, weakref.ref] = {}
+
+    def __call__(self, dtype: str, shape: tuple[int, ...], meta: dict) -> torch.Tensor:
+        if META_KEY not in meta:
+            if self.inner is None:
+                raise ShmEmbedsError("out-of-band tensor without a provider")
+            return self.inner(dtype, shape, meta)
+        try:
+            handle = SharedTensorHandle.from_meta(meta[META_KEY])
+            if handle.dtype != dtype or handle.shape != tuple(shape):
+                raise ShmEmbedsError(
+                    f"handle {handle} does not match tensor {dtype}{tuple(shape)}"
+                )
+            tensor = adopt_tensor(handle)
+        except ShmEmbedsError as e:
+            logger.warning("shm-embeds: rejecting a request's prompt_embeds: %s", e)
+            count_reason("fallback", "adopt_failed", hop="1")
+            tensor = torch.empty(0)
+            self._failed[id(tensor)] = weakref.ref(tensor)
+            # dict.pop takes no lock: safe in a finalizer.
+            weakref.finalize(tensor, self._failed.pop, id(tensor), None)
+            return tensor
+        count(
+            hop1_shm_tensors=1, hop1_shm_bytes=handle.nbytes, hop1_adopted_tensors=1
+        )
+        digests.adopt_meta(tensor, meta[META_KEY])  # prefix-cache digests
+        return tensor
+
+    def is_failed(self, tensor: Any) -> str | None:
+        """A client-safe error message if ``tensor`` stands for a handle that
+        could not be adopted (no segment name or path in it), else None."""
+        ref = self._failed.get(id(tensor))
+        if ref is None or ref() is not tensor:
+            return None
+        return ADOPT_FAILED_MESSAGE
+

@@ -1,0 +1,387 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A base64 ``torch.save`` payload decoded straight into a segment, when it is plain.
+
+vLLM's loader (``vllm/renderers/embed_utils.py`` ``safe_load_prompt_embeds``,
+0.32/0.33) decodes the whole base64 payload into fresh memory, ``torch.load``
+copies the tensor out of it into more fresh memory, and hop 1 copies it
+again. :func:`direct_decode` decodes only the payload's head and tail first
+(the zip's metadata), decides with :func:`plain_tensor_layout` whether the
+payload is exactly one plain tensor that vLLM's loader would take as it is,
+and if so decodes the tensor's base64 4 MiB at a time straight into a
+segment, hashing each chunk for the prefix cache meanwhile. Anything else
+returns None and vLLM's loader decides, so the outcome is always stock's.
+
+"Plain" is decided without trusting any one reader (details in
+:func:`plain_tensor_layout`): the zip is laid out as ``torch.save`` lays it
+out (so torch's reader, miniz, and Python's ``zipfile`` cannot see two
+archives), a dry run of the pickle with stand-ins asks for exactly one
+contiguous tensor over one storage of the model's dtype, and a meta-device
+``torch.load`` reads every other record. The template is learned from the
+installed torch's own ``torch.save``.
+
+Knows torch's file format and segments; nothing of HTTP.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import io
+import math
+import pickle
+import struct
+import sys
+import zipfile
+from typing import Any
+
+import pybase64
+import torch
+
+from vllm._shm_embeds import digests
+from vllm._shm_embeds.config import min_bytes
+from vllm._shm_embeds.counters import count
+from vllm._shm_embeds.http.common import ServerContext
+
+HEAD_CHARS = 64 << 10  # base64 chars decoded first: the zip records before the data
+TAIL_CHARS = 128 << 10  # and last: the records after it, the central directory
+DECODE_CHUNK_BYTES = 4 << 20  # decoded bytes per step straight into the segment
+
+
+class _NotHeld(Exception):
+    """A read of the payload outside the decoded head and tail."""
+
+
+class _Outline(io.RawIOBase):
+    """A read-only file of ``size`` bytes of which only the head and the tail are held.
+
+    It is the decoded ``torch.save`` zip as far as its metadata goes: reading
+    the bytes in between (the tensor data) raises :class:`_NotHeld`, so a
+    payload whose metadata lies elsewhere cannot be read from it.
+    """
+
+    def __init__(self, size: int, head: bytes, tail_start: int, tail: bytes) -> None:
+        super().__init__()
+        self.size, self.head, self.tail_start, self.tail = size, head, tail_start, tail
+        self.pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, b) -> int:
+        start, end = self.pos, min(self.size, self.pos + len(b))
+        if end <= start:
+            return 0
+        if end <= len(self.head):
+            data = self.head[start:end]
+        elif start >= self.tail_start:
+            data = self.tail[start - self.tail_start:end - self.tail_start]
+        else:
+            raise _NotHeld
+        b[:len(data)] = data
+        self.pos = end
+        return len(data)
+
+
+def _b64(piece: memoryview) -> bytes:
+    """Strict base64 decode, as vLLM's loader does it (``pybase64``, ``validate=True``)."""
+    return pybase64.b64decode(piece, validate=True)
+
+
+class _Rebuild:
+    """What the pickle asked ``torch._utils._rebuild_tensor_v2`` for (:func:`_dry_run`)."""
+
+    __slots__ = ("args", "kwargs")  # no __dict__: a BUILD on it fails
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        self.args, self.kwargs = args, kwargs
+
+
+def _rebuild_stand_in(*args: Any, **kwargs: Any) -> _Rebuild:
+    """Stands for ``_rebuild_tensor_v2`` (a function, as torch's is: no opcode
+    can make a :class:`_Rebuild` without calling it)."""
+    return _Rebuild(args, kwargs)
+
+
+class _StorageType:
+    """Stands for a ``torch.<Name>Storage`` class in :func:`_dry_run`."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class _DryRun(pickle.Unpickler):
+    """Runs a ``torch.save`` pickle with stand-ins instead of torch's functions.
+
+    Only the three globals that ``torch.save`` writes for a plain tensor are
+    found (``_rebuild_tensor_v2``, a storage class, ``OrderedDict``); any
+    other raises. Nothing of torch runs and no tensor is built: the result
+    tells what the pickle asks torch to build (:func:`plain_tensor_layout`).
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild_stand_in
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name.endswith("Storage") and name.isidentifier():
+            return _StorageType(name)
+        raise pickle.UnpicklingError("not a plain tensor")
+
+    def persistent_load(self, pid: Any) -> Any:
+        return ("persistent", pid)
+
+
+def _dry_run(data: bytes) -> _Rebuild | None:
+    try:
+        out = _DryRun(io.BytesIO(data)).load()
+    except Exception:  # pickle raises many kinds on bad input
+        return None
+    return out if type(out) is _Rebuild else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reference:
+    """What this torch's ``torch.save`` writes for a plain tensor of one dtype."""
+
+    records: frozenset[str]  # record names, without the archive's folder
+    flags: frozenset[int]  # zip general purpose flags of its records
+    storage: str  # the storage class the pickle names, e.g. "FloatStorage"
+
+
+@functools.lru_cache(maxsize=8)
+def _reference(dtype: torch.dtype) -> _Reference:
+    """Learned from ``torch.save`` itself (of a 2 x 3 zero tensor), so the
+    template follows the installed torch."""
+    buf = io.BytesIO()
+    torch.save(torch.zeros(2, 3, dtype=dtype), buf)
+    zf = zipfile.ZipFile(buf)
+    infos = zf.infolist()
+    prefix = infos[0].filename.split("/", 1)[0] + "/"
+    call = _dry_run(zf.read(prefix + "data.pkl"))
+    return _Reference(frozenset(i.filename[len(prefix):] for i in infos),
+                      frozenset(i.flag_bits for i in infos), call.args[0][1][1].name)
+
+
+# Zip records (APPNOTE 4.3): miniz (torch's zip reader) and Python's zipfile
+# look for the central directory in different ways when these disagree.
+_EOCD = struct.Struct("<IHHHHIIH")  # end of central directory
+_ZIP64_LOCATOR = struct.Struct("<IIQI")  # zip64 end of central directory locator
+_ZIP64_END = struct.Struct("<IQHHIIQQQQ")  # zip64 end of central directory (no extra)
+_LOCAL = struct.Struct("<IHHHHHIIIHH")  # local file header
+
+
+def _plain_record(outline: _Outline, ref: _Reference) -> tuple[str, int, int, bytes] | None:
+    """``(record name, data offset, size, the pickle)``: ``data/0`` and
+    ``data.pkl`` as Python's ``zipfile`` reads them, when the zip is laid out
+    as ``torch.save`` lays it out, else None.
+
+    Checked so that torch's reader (miniz) and Python's ``zipfile`` cannot see
+    different archives: one end record at the very end, no comment; the
+    zip64 end record (``torch.save`` writes one) right before its locator,
+    saying what the end record says; the central directory right before
+    those; only the record names torch.save writes, none twice even ignoring
+    case (miniz looks names up that way), none a directory; every record
+    stored, with torch.save's flags; the data record's local header as miniz
+    checks it before extracting. Raises whatever the readers raise.
+    """
+    size = outline.size
+    end = size - _EOCD.size  # where the end record starts
+    if end < _ZIP64_END.size + _ZIP64_LOCATOR.size:
+        return None
+    outline.seek(end)
+    sig, disk, cd_disk, n_disk, n_total, cd_size, cd_offset, comment = _EOCD.unpack(
+        outline.read(_EOCD.size))
+    if sig != 0x06054B50 or disk or cd_disk or n_disk != n_total or comment:
+        return None
+    outline.seek(end - _ZIP64_LOCATOR.size)
+    lsig, z_disk, z_offset, disks = _ZIP64_LOCATOR.unpack(outline.read(_ZIP64_LOCATOR.size))
+    if lsig == 0x07064B50:  # torch.save writes zip64 records: they must say the same
+        end = z_offset
+        outline.seek(z_offset)
+        (zsig, zlen, _, _, zdisk, zcd_disk, zn_disk, zn_total, zcd_size,
+         zcd_offset) = _ZIP64_END.unpack(outline.read(_ZIP64_END.size))
+        if (z_disk or disks != 1 or z_offset != size - _EOCD.size - _ZIP64_LOCATOR.size
+                - _ZIP64_END.size or zsig != 0x06064B50 or zlen != _ZIP64_END.size - 12
+                or zdisk or zcd_disk or zn_disk != zn_total or zn_total != n_total
+                or zcd_size != cd_size or zcd_offset != cd_offset):
+            return None
+    if cd_offset + cd_size != end:
+        return None
+    outline.seek(0)
+    zf = zipfile.ZipFile(outline)
+    infos = zf.infolist()
+    prefix = infos[0].filename.split("/", 1)[0] + "/" if infos else ""
+    names = [i.filename for i in infos]
+    if (len(infos) != n_total or len({n.lower() for n in names}) != len(names)
+            or any(not n.startswith(prefix) or n[len(prefix):] not in ref.records
+                   or n.endswith("/") for n in names)
+            or any(i.compress_type != zipfile.ZIP_STORED or i.flag_bits not in ref.flags
+                   or i.external_attr & 0x10 or i.file_size != i.compress_size
+                   for i in infos)):
+        return None
+    name = prefix + "data/0"
+    if name not in names:
+        return None
+    info = zf.getinfo(name)
+    outline.seek(info.header_offset)
+    (lsig, _, _, method, _, _, _, _, _, nlen, xlen) = _LOCAL.unpack(outline.read(_LOCAL.size))
+    if lsig != 0x04034B50 or method != 0 or outline.read(nlen) != name.encode():
+        return None
+    if prefix + "data.pkl" not in names:
+        return None
+    pkl = zf.read(prefix + "data.pkl")
+    return "data/0", info.header_offset + _LOCAL.size + nlen + xlen, info.file_size, pkl
+
+
+def plain_tensor_layout(ctx: ServerContext, outline: _Outline
+                         ) -> tuple[torch.dtype, int, int, int] | None:
+    """``(dtype, rows, hidden, data_offset)`` when the zip in ``outline`` is one
+    plain tensor that vLLM's loader would take as it is, else None.
+
+    "As it is": the archive is laid out as ``torch.save`` lays it out
+    (:func:`_plain_record`; torch's own reader must agree on the record's
+    offset and size, and on the pickle); the pickle asks for exactly
+    ``_rebuild_tensor_v2(storage, 0, size, contiguous stride, False,
+    OrderedDict())`` with nothing more (:func:`_dry_run`; no torch code
+    runs), over one storage of the model's dtype, on "cpu", of exactly the
+    tensor's elements, stored in ``data/0`` as exactly its bytes; the size is
+    ``(rows, hidden)`` or ``(1, rows, hidden)`` (vLLM squeezes it) with
+    ``rows >= 1`` and the model's ``hidden_size``; this host's byte order;
+    and ``torch.load`` to the meta device reads the rest without an error.
+    Anything else (casts, views, sparse, odd zips, odd pickles) is for vLLM's
+    own loader, which answers it as stock does.
+    """
+    if not ctx.enable_prompt_embeds:
+        return None
+    dtype, hidden = ctx.dtype, ctx.hidden_size
+    try:
+        ref = _reference(dtype)
+        record = _plain_record(outline, ref)
+        if record is None:
+            return None
+        name, offset, nbytes, pkl = record
+        outline.seek(0)
+        reader = torch._C.PyTorchFileReader(outline)
+        if (reader.get_record_offset(name) != offset or reader.get_record_size(name) != nbytes
+                or reader.get_record("byteorder") != sys.byteorder.encode()
+                or reader.get_record("data.pkl") != pkl):
+            return None
+    except Exception:  # torch's reader and zipfile raise many kinds here
+        return None
+    call = _dry_run(pkl)
+    if call is None or call.kwargs or len(call.args) != 6:
+        return None
+    pid, storage_offset, shape, stride, requires_grad, hooks = call.args
+    if (not isinstance(pid, tuple) or len(pid) != 2 or pid[0] != "persistent"
+            or not isinstance(pid[1], tuple) or len(pid[1]) != 5):
+        return None
+    kind, storage, key, location, numel = pid[1]
+    shape = shape if type(shape) is tuple and all(type(d) is int for d in shape) else ()
+    rows = shape[-2] if len(shape) == 2 or (len(shape) == 3 and shape[0] == 1) else 0
+    if (kind != "storage" or type(storage) is not _StorageType or storage.name != ref.storage
+            or key != "0" or location != "cpu" or type(numel) is not int
+            or type(storage_offset) is not int or storage_offset != 0
+            or rows < 1 or shape[-1] != hidden
+            or stride != tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+            or requires_grad is not False or type(hooks) is not collections.OrderedDict
+            or hooks or numel != rows * hidden or nbytes != numel * dtype.itemsize
+            or offset + nbytes > outline.size):
+        return None
+    # Last, torch.load itself on a meta device: it reads every other record
+    # as vLLM's loader will (its checks, its errors), but not the tensor bytes.
+    # Safe here: the pickle is the plain one above, in this host's byte order
+    # (torch 2.13 crashes on a meta load that has to byteswap).
+    try:
+        outline.seek(0)
+        meta = torch.load(outline, weights_only=True, map_location="meta")
+    except Exception:
+        return None
+    if type(meta) is not torch.Tensor or meta.shape != shape or meta.dtype != dtype:
+        return None
+    return dtype, rows, hidden, offset
+
+
+def direct_decode(ctx: ServerContext, piece: memoryview) -> torch.Tensor | None:
+    """Decode one base64 ``torch.save`` payload straight into a new segment.
+
+    vLLM's loader decodes the whole payload into fresh memory, ``torch.load``
+    copies the tensor out of it into more fresh memory, and then it is copied
+    into the segment: three passes over new pages. Here the base64 at the
+    payload's head and tail (``HEAD_CHARS``, ``TAIL_CHARS``: the zip's
+    metadata) is decoded first; when that shows one plain tensor
+    (:func:`plain_tensor_layout`, which reads no tensor bytes), the base64
+    characters that hold its
+    bytes are decoded 4 MiB at a time and written into the segment, each
+    chunk hashed for the prefix cache while the next one is decoded. Every
+    character of the payload is decoded and validated once, as vLLM does.
+
+    Returns:
+        the segment-backed tensor ``(rows, hidden)`` (read-only, digests
+        attached), or None when the payload is not that plain case or fails
+        to decode: vLLM's loader then decides (its answer is stock's).
+    Raises:
+        OSError: the segment could not be made or written (e.g. ENOSPC);
+            nothing is left in shared memory.
+    """
+    n = len(piece)
+    if n % 4:
+        return None  # not base64 (vLLM's loader says so)
+    # Characters [0, head_chars) and [tail_chars, n) are decoded first; a
+    # short payload is all head.
+    head_chars = n if n <= HEAD_CHARS + TAIL_CHARS else HEAD_CHARS
+    tail_chars = max(head_chars, n - TAIL_CHARS)
+    try:
+        if head_chars < n and piece[head_chars - 1] == 0x3D:
+            return None  # "=" before the end: not one base64 string
+        head, tail = _b64(piece[:head_chars]), _b64(piece[tail_chars:])
+    except ValueError:
+        return None
+    tail_start = tail_chars // 4 * 3
+    outline = _Outline(tail_start + len(tail) if tail else len(head), head, tail_start, tail)
+    layout = plain_tensor_layout(ctx, outline)
+    if layout is None:
+        return None
+    dtype, rows, hidden, offset = layout
+    row_bytes = hidden * dtype.itemsize
+    nbytes = rows * row_bytes
+    first, last = offset // 3 * 4, min(n, -(-(offset + nbytes) // 3) * 4)
+    if nbytes < min_bytes() or (
+            head_chars < tail_chars and (first > head_chars or last < tail_chars)):
+        return None  # too small to matter; or characters between would go unchecked
+
+    def chunks():
+        step = digests.chunk_bytes(row_bytes, ctx.hash_block_tokens, DECODE_CHUNK_BYTES)
+        for a in range(offset, offset + nbytes, step):
+            b = min(a + step, offset + nbytes)
+            start, end = a // 3 * 4, min(n, -(-b // 3) * 4)
+            if end < n and piece[end - 1] == 0x3D:
+                raise ValueError("padding inside the payload")
+            skip = a - start // 4 * 3
+            chunk = memoryview(_b64(piece[start:end]))[skip:skip + b - a]
+            if len(chunk) != b - a:
+                raise ValueError("payload shorter than its tensor")
+            yield chunk
+
+    def write(segment: Any) -> digests.BlockDigests | None:
+        return digests.write_chunks_and_digest(chunks(), segment, rows, row_bytes,
+                                               ctx.hash_block_tokens)
+
+    try:
+        out = digests.fill_segment(dtype, (rows, hidden), write)
+    except ValueError:
+        return None  # not valid base64 after all: vLLM's loader says so
+    count(json_direct_tensors=1)
+    return out
+

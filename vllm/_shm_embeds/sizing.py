@@ -1,0 +1,68 @@
+# SPDX-License-Identifier: Apache-2.0
+"""How large the segment directory should be for a server, and the start-up warning.
+
+Reads vLLM's config by attribute (``scheduler_config.max_num_seqs``,
+``model_config.max_model_len``, ``get_hidden_size()``, ``dtype``,
+``parallel_config.data_parallel_size_local``; vllm 0.32/0.33).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from vllm._shm_embeds.config import shm_dir
+from vllm._shm_embeds.handle import HEADER_BYTES, dtype_name
+
+
+def dir_need_bytes(max_num_seqs: int, max_model_len: int, hidden_size: int,
+                   dtype_bytes: int, engines: int = 1) -> int:
+    """Bytes the segment directory could need for running requests' embeds.
+
+    ``engines`` x ``max_num_seqs`` x (``max_model_len`` x ``hidden_size`` x
+    ``dtype_bytes`` + one 4 KiB header); queued requests need more.
+    """
+    per_seq = max_model_len * hidden_size * dtype_bytes + HEADER_BYTES
+    return engines * max_num_seqs * per_seq
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def check_dir_size(vllm_config: Any, directory: str | None = None) -> str | None:
+    """The start-up warning if the segment directory is too small, else None.
+
+    Reads ``scheduler_config.max_num_seqs``, ``model_config.max_model_len``,
+    ``get_hidden_size()``, ``dtype`` and ``parallel_config.data_parallel_size_local``
+    (vllm 0.32/0.33). Compares :func:`dir_need_bytes` with the size of the
+    directory's file system (``statvfs``).
+    """
+    directory = directory or shm_dir()
+    mc, sc = vllm_config.model_config, vllm_config.scheduler_config
+    pc = vllm_config.parallel_config
+    engines = max(1, int(getattr(pc, "data_parallel_size_local", 1) or 1))
+    dtype_bytes = mc.dtype.itemsize
+    need = dir_need_bytes(sc.max_num_seqs, mc.max_model_len, mc.get_hidden_size(),
+                          dtype_bytes, engines)
+    st = os.statvfs(directory)
+    size = st.f_blocks * st.f_frsize
+    if size >= need:
+        return None
+    mib = -(-need // (1 << 20))
+    docker = f"{mib}m" if mib < 1024 else f"{-(-mib // 1024)}g"
+    return (
+        f"shm-embeds: the segment directory {directory} holds {_human(size)} "
+        f"({_human(st.f_bavail * st.f_frsize)} free), but {engines} engine(s) x "
+        f"{sc.max_num_seqs} running requests (--max-num-seqs) x {mc.max_model_len} "
+        f"tokens (--max-model-len) x hidden size {mc.get_hidden_size()} x {dtype_bytes} "
+        f"bytes ({dtype_name(mc.dtype)}) of prompt_embeds could need "
+        f"{_human(need)} ({need} bytes), and queued requests hold theirs too. prompt_embeds that do "
+        f"not fit take the slower stock path. Make it at least {_human(need)} "
+        f"(Docker: --shm-size={docker}), or lower --max-num-seqs / --max-model-len."
+    )
+

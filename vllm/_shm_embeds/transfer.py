@@ -1,0 +1,293 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Moving tensors into and out of segments: share, adopt, hand over, open.
+
+One owner per segment, one copy in total:
+
+* hop 1 sender: :func:`share_tensor` copies a tensor once into a new segment
+  whose ownership passes with its handle; a :class:`StreamedSegment` (a
+  request body written straight into a segment) is handed over without a
+  copy (:func:`take_handover`).
+* hop 1 receiver (EngineCore): :func:`adopt_tensor` takes the segment over by
+  an atomic ``rename`` to its own name, then maps it; no copy.
+* readers (TP workers): :func:`open_tensor` maps read-only and sets the
+  reader's flag.
+
+Knows segments and ownership, not vLLM and not HTTP.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from vllm._shm_embeds import process
+from vllm._shm_embeds import segment as seg
+from vllm._shm_embeds.config import min_bytes, shm_dir, writers
+from vllm._shm_embeds.counters import count
+from vllm._shm_embeds.handle import (
+    MAX_READERS,
+    SharedTensorHandle,
+    ShmEmbedsError,
+    dtype_name,
+    part_name,
+    split_for,
+)
+
+
+def eligible(tensor: Any) -> str | None:
+    """Why ``tensor`` must keep the stock path, or None if it can use shm.
+
+    Only dense (strided), CPU, C-contiguous tensors of at least
+    :func:`min_bytes` bytes qualify.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        return "not_a_tensor"
+    if tensor.layout != torch.strided:
+        return "sparse"
+    if tensor.device.type != "cpu":
+        return "not_cpu"
+    if not tensor.is_contiguous():
+        return "non_contiguous"
+    if tensor.is_quantized:
+        return "quantized"
+    if tensor.nbytes < min_bytes():
+        return "small"
+    return None
+
+
+def create_segment(tensor: torch.Tensor) -> tuple[SharedTensorHandle, list[int]]:
+    """Copy ``tensor`` into a new segment of this process (one copy, counted).
+
+    Returns the handle and the open descriptors of its files (the caller
+    closes them). Raises OSError (e.g. ENOSPC); nothing is left behind then.
+    """
+    state = process.current()
+    handle = SharedTensorHandle(
+        state.new_name(),
+        dtype_name(tensor.dtype),
+        tuple(tensor.shape),
+        split_for(tensor.nbytes, writers()),
+    )
+    data = memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+    pool = state.writer_pool() if handle.split else None
+    fds = seg.write_segment(shm_dir(), handle, data, pool)
+    count(segments_created=1, copied_bytes=tensor.nbytes)
+    return handle, fds
+
+
+def share_tensor(tensor: torch.Tensor) -> SharedTensorHandle:
+    """Copy ``tensor`` into a new segment and hand its ownership to the caller's peer.
+
+    Used by hop 1 senders: the segment is *not* tracked here (the receiver
+    adopts it with :func:`adopt_tensor`); if no peer adopts it,
+    :func:`discard_shared`, :func:`shutdown` or a later sweep removes it.
+    One copy of ``tensor.nbytes`` bytes.
+
+    Args:
+        tensor: dense, CPU, C-contiguous tensor of any dtype and shape.
+    Raises:
+        OSError: the segment could not be created (e.g. ENOSPC).
+    """
+    handle, fds = create_segment(tensor)
+    for fd in fds:
+        os.close(fd)
+    return handle
+
+
+def discard_shared(handle: SharedTensorHandle) -> bool:
+    """Remove a segment made by :func:`share_tensor` that will never be adopted
+    (encode or send failed). True if it was still there."""
+    gone = seg.unlink_segment(shm_dir(), handle.name, len(handle.parts()))
+    if gone:
+        count(segments_unlinked=1)
+    return gone
+
+
+def adopt_tensor(handle: SharedTensorHandle) -> torch.Tensor:
+    """Take ownership of a peer's segment and map it as a tensor (no copy).
+
+    The segment is atomically renamed to this process's name, so a crash of
+    either side leaves it attributable. The returned tensor is remembered, so
+    :func:`externalize` sends it onwards (hop 2) without copying it again;
+    the name is unlinked when its storage is freed before any broadcast.
+
+    Returns:
+        tensor of ``handle.dtype`` and ``handle.shape`` backed by the segment.
+    Raises:
+        ShmEmbedsError: missing segment, wrong size or header.
+    """
+    state = process.current()
+    mine = handle.renamed(state.new_name())
+    nparts = len(handle.parts())
+    directory = shm_dir()
+    for i in range(nparts):
+        try:
+            os.rename(os.path.join(directory, part_name(handle.name, i)),
+                      os.path.join(directory, part_name(mine.name, i)))
+        except FileNotFoundError as e:
+            seg.unlink_segment(directory, mine.name, i)  # the parts already taken
+            seg.unlink_segment(directory, handle.name, nparts)
+            raise ShmEmbedsError(
+                f"shm-embeds segment {part_name(handle.name, i)!r} not found in "
+                f"{directory}: the sender is on another host, or something removed it"
+            ) from e
+    try:
+        mm = seg.map_segment(directory, mine)
+    except BaseException:
+        seg.unlink_segment(directory, mine.name, nparts)
+        raise
+    tensor, anchor = seg.tensor_view(mm, mine)
+    state.owned.add_mapped(mine, mm, tensor, anchor)
+    return tensor
+
+
+def open_tensor(handle: SharedTensorHandle, reader_index: int | None = None) -> torch.Tensor:
+    """Map a segment as a tensor (reader side, no copy) and set the reader's flag.
+
+    The mapping is read-only: an in-place write to the tensor faults. The
+    files are opened through the owner's descriptors when the handle carries
+    them (hop 2), else by name.
+
+    Args:
+        handle: from the owner.
+        reader_index: 0-based index of this reader among the broadcast's
+            readers, or None not to mark.
+    Returns:
+        tensor of ``handle.dtype``/``handle.shape``; it stays valid after the
+        owner unlinks the name, until the tensor is freed.
+    Raises:
+        ShmEmbedsError: missing segment, wrong size or header, bad index.
+    """
+    if reader_index is not None and not 0 <= handle.flag_base + reader_index < MAX_READERS:
+        raise ShmEmbedsError(f"reader index {reader_index} out of range")
+    mm = seg.map_segment(shm_dir(), handle, reader_index)
+    return seg.tensor_view(mm, handle)[0]
+
+
+
+def dense_nbytes(tensor: Any) -> int:
+    """Dense size in bytes (also defined for sparse tensors, unlike ``nbytes``)."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor.numel() * tensor.element_size()
+    return 0
+
+
+# --------------------------------------------------------------------------
+# streamed segments: tensors written from a byte stream (request bodies),
+# handed over at hop 1 by handle
+
+
+class StreamedSegment:
+    """A one-file segment that a request body is written into, chunk by chunk.
+
+    The file I/O is ``segment.StreamedFile``'s; this adds ownership: the
+    segment gets a name of this process, :meth:`finish` maps it and returns
+    the tensor, and the segment stays owned here until :func:`take_handover`
+    passes it to a peer (hop 1, by handle, no copy). It is unlinked when the
+    tensor's storage is freed before that (next safe point), by
+    :func:`release_streamed`, or by :meth:`abort`. The caller must have
+    validated ``shape`` and ``dtype`` against its own limits first.
+
+    Args:
+        dtype: element type of the bytes that will be written.
+        shape: tensor shape, e.g. ``(num_tokens, hidden_size)``.
+    Raises:
+        OSError: the file could not be created or sized (nothing is left).
+    """
+
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        handle = SharedTensorHandle(process.current().new_name(), dtype_name(dtype),
+                                    tuple(shape))
+        self._file = seg.StreamedFile(shm_dir(), handle)
+        self.handle = handle
+        self.nbytes = handle.nbytes
+        count(segments_created=1)
+
+    @property
+    def filled(self) -> int:
+        """Bytes written so far."""
+        return self._file.filled
+
+    def write(self, data: bytes | memoryview) -> None:
+        """Append ``data`` (see ``segment.StreamedFile.write`` for the errors)."""
+        self._file.write(data)
+
+    def finish(self, writable: bool = True) -> torch.Tensor:
+        """Map the filled segment; returns the segment-backed tensor.
+
+        Counts the bytes written as ``copied_bytes`` (the one copy).
+        ``writable=False`` maps it read-only (a write through the tensor
+        faults): for bytes that were hashed as they were written.
+        Raises:
+            ShmEmbedsError: not every byte was written (the segment is removed).
+        """
+        try:
+            mm = self._file.finish(writable)
+        except BaseException:
+            self.abort()
+            raise
+        count(copied_bytes=self.nbytes)
+        tensor, anchor = seg.tensor_view(mm, self.handle)
+        state = process.current()
+        state.owned.add_mapped(self.handle, mm, tensor, anchor, handover=True)
+        state.start_reaper()  # unlinks it soon if its storage dies unsent
+        return tensor
+
+    def abort(self) -> None:
+        """Close and unlink (idempotent); counts the bytes written so far as copied."""
+        if self._file.open and self._file.filled:
+            count(copied_bytes=self._file.filled)
+        if self._file.abort():
+            count(segments_unlinked=1)
+
+
+def streamed_tensor_like(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A new writable segment-backed tensor (for a dtype conversion into shm).
+
+    The caller fills it (e.g. ``out.copy_(src)``; counted here as
+    ``copied_bytes``); it is handed over or unlinked like a streamed one.
+    Raises OSError (nothing left) if the segment cannot be created.
+    """
+    streamed = StreamedSegment(dtype, shape)
+    streamed._file.assume_filled()  # filled by the caller through the mapping
+    return streamed.finish()
+
+
+def is_streamed(tensor: Any) -> bool:
+    """True if ``tensor`` covers exactly a streamed segment not yet handed over."""
+    return isinstance(tensor, torch.Tensor) and process.current().owned.handover_entry(tensor) is not None
+
+
+def take_handover(tensor: Any) -> SharedTensorHandle | None:
+    """Hop 1 sender: the handle of ``tensor``'s streamed segment, ownership passed on.
+
+    If ``tensor`` (same data pointer, dtype and shape) is a streamed segment
+    this process owns, it leaves this process's books (the peer adopts it by
+    ``rename``, exactly as a :func:`share_tensor` segment) and its handle is
+    returned: no copy. Otherwise None (the caller copies as usual).
+    """
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    handle = process.current().owned.hand_over(tensor)
+    if handle is not None:
+        count(hop1_handover_tensors=1)
+    return handle
+
+
+def release_streamed(tensor: Any) -> bool:
+    """Unlink the streamed segment behind ``tensor`` now, if not handed over.
+
+    For a request that ends (rejected, failed, disconnected) before hop 1
+    took its segment; True if this call unlinked it.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        return False
+    return process.current().owned.release(tensor)
+
+
+def streamed_pending() -> int:
+    """Streamed segments this process still owns (not handed over, not released)."""
+    return process.current().owned.pending(handover_only=True)
+
