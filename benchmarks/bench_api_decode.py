@@ -17,7 +17,7 @@ end-to-end host tax can be split into "protocol" and "transport":
 * ``hash``: sha256 of the tensor in 16-token blocks, as the prefix cache does
   (``vllm/v1/core/kv_cache_utils.py``, ``_gen_prompt_embeds_extra_hash_keys``)
 
-With shm-embeds' JSON path (``vllm/_shm_embeds_json.py``), the same
+With shm-embeds' JSON path (``vllm/_shm_embeds/http/json_body.py``), the same
 body, in the worker thread the middleware uses (its own steps, then the
 whole :func:`prepare` as the server runs it):
 
@@ -39,7 +39,7 @@ whole :func:`prepare` as the server runs it):
   on the loop, ``safe_load_prompt_embeds`` in a thread as vLLM's async
   renderer does) vs the JSON path (``prepare`` in a thread)
 
-and the same tensor as a binary body (``vllm/_shm_embeds_binary.py``):
+and the same tensor as a binary body (``vllm/_shm_embeds/http/binary.py``):
 
 * ``b.header``: ``parse_header`` of the JSON header (descriptors validated)
 * ``b.stream``: the tensor bytes, in the same 64 KiB chunks, ``pwrite`` into a
@@ -69,6 +69,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
+from vllm._shm_embeds import counters
+from vllm._shm_embeds import transfer
+from vllm._shm_embeds.http import common
+from vllm._shm_embeds.http import json_body
+from vllm._shm_embeds.http import torch_save
 
 STEPS = ("join", "json.loads", "validate", "load", "hash")
 JSON_STEPS = ("j.buffer", "j.scan", "j.load", "j.seg+hash", "j.direct", "j.total")
@@ -78,14 +83,14 @@ BINARY_STEPS = ("b.header", "b.stream", "b.finish", "b.hash")
 def _binary_round(tensor: torch.Tensor, header: bytes, chunks: list, block: int
                   ) -> dict[str, float]:
     """One binary body's steps in the API server (seconds each)."""
-    from vllm import _shm_embeds as shm
-    from vllm._shm_embeds_binary import ModelLimits, parse_header
+    from vllm._shm_embeds.http.binary import parse_header
+    from vllm._shm_embeds.http.common import ServerContext
 
-    limits = ModelLimits(tensor.shape[1], 1 << 20, torch.float32, True, 1 << 40)
+    limits = ServerContext(tensor.shape[1], 1 << 20, torch.float32, True, 1 << 40)
     t0 = time.perf_counter()
     spec = parse_header(header, "/v1/completions", limits, None).specs[0]
     t1 = time.perf_counter()
-    seg = shm.StreamedSegment(spec.dtype, spec.shape)
+    seg = transfer.StreamedSegment(spec.dtype, spec.shape)
     for c in chunks:
         seg.write(c)
     t2 = time.perf_counter()
@@ -97,46 +102,44 @@ def _binary_round(tensor: torch.Tensor, header: bytes, chunks: list, block: int
         hashlib.sha256(flat[i : i + row_bytes]).digest()
     t4 = time.perf_counter()
     del flat
-    shm.release_streamed(embeds)
+    transfer.release_streamed(embeds)
     return {"b.header": t1 - t0, "b.stream": t2 - t1, "b.finish": t3 - t2, "b.hash": t4 - t3}
 
 
 def _json_path_round(chunks, ctx, route="/v1/completions") -> dict[str, float]:
     """One request through the JSON path's steps, then through ``prepare`` (ms)."""
-    from vllm import _shm_embeds as shm
-    from vllm import _shm_embeds_json as jp
 
     t0 = time.perf_counter()
-    raw = _fill(jp.body_buffer(sum(map(len, chunks))), chunks)
+    raw = _fill(json_body.body_buffer(sum(map(len, chunks))), chunks)
     t1 = time.perf_counter()
-    spans = jp.find_long_strings(raw)
+    spans = json_body.find_long_strings(raw)
     names = [f"p{i}" for i in range(len(spans))]
-    json.loads(jp._skeleton(raw, spans, names))
+    json.loads(json_body._skeleton(raw, spans, names))
     t2 = time.perf_counter()
     view = memoryview(raw)
-    tensor = jp._load(ctx, view[spans[0][0]:spans[0][1]])
+    tensor = json_body._load(ctx, view[spans[0][0]:spans[0][1]])
     t3 = time.perf_counter()
-    out = jp._to_segment(ctx, tensor)
+    out = json_body._to_segment(ctx, tensor)
     t4 = time.perf_counter()
-    shm.release_streamed(out)
+    transfer.release_streamed(out)
     del tensor, out
     t4b = time.perf_counter()
-    out = jp._direct(ctx, view[spans[0][0]:spans[0][1]])
+    out = torch_save.direct_decode(ctx, view[spans[0][0]:spans[0][1]])
     t4c = time.perf_counter()
     assert out is not None, "not the plain case: the direct decode did not run"
-    shm.release_streamed(out)
+    transfer.release_streamed(out)
     view.release()
     raw.close()
     del out
     t5 = time.perf_counter()
-    raw = _fill(jp.body_buffer(sum(map(len, chunks))), chunks)
-    prepared = jp.prepare(raw, route, ctx)
+    raw = _fill(json_body.body_buffer(sum(map(len, chunks))), chunks)
+    prepared = json_body.prepare(raw, route, ctx)
     raw.close()
     t6 = time.perf_counter()
     assert prepared.upload is not None, prepared.reason
     for t in prepared.upload.tensors:
         if t is not None:
-            shm.release_streamed(t)
+            transfer.release_streamed(t)
     del prepared
     return {"j.buffer": t1 - t0, "j.scan": t2 - t1, "j.load": t3 - t2,
             "j.seg+hash": t4 - t3, "j.direct": t4c - t4b, "j.total": t6 - t5}
@@ -194,9 +197,8 @@ def main() -> None:
 
         os.environ["VLLM_SHM_EMBEDS_DIR"] = tempfile.mkdtemp(
             prefix="shm-embeds-bench-", dir="/dev/shm")
-        from vllm import _shm_embeds_json as jp
 
-        ctx_of = lambda: jp.ServerContext(model_config, args.block)  # noqa: E731
+        ctx_of = lambda: common.ServerContext.from_model_config(model_config, args.block)  # noqa: E731
 
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
     from vllm.renderers.embed_utils import safe_load_prompt_embeds
@@ -325,11 +327,9 @@ def _peak_child(path: str, tokens: int, hidden: int, block: int, conn) -> None:
     else:
         import asyncio
 
-        from vllm import _shm_embeds as shm
-        from vllm import _shm_embeds_json as jp
 
-        asyncio.run(_json_async(chunks, jp.ServerContext(model_config, block)))
-        assert shm.stats().get("json_tensors") == 1
+        asyncio.run(_json_async(chunks, common.ServerContext.from_model_config(model_config, block)))
+        assert counters.stats().get("json_tensors") == 1
     with open("/proc/self/status") as f:
         peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
     conn.send(peak - base)
@@ -364,8 +364,6 @@ async def _json_async(chunks, ctx) -> None:
     ``prepare`` in a worker thread."""
     import asyncio
 
-    from vllm import _shm_embeds as shm
-    from vllm import _shm_embeds_json as jp
 
     it = iter(chunks)
 
@@ -374,12 +372,12 @@ async def _json_async(chunks, ctx) -> None:
         c = next(it, None)
         return {"type": "http.request", "body": c or b"", "more_body": c is not None}
 
-    raw = await jp.read_body(receive, sum(map(len, chunks)))
-    prepared = await asyncio.to_thread(jp.prepare, raw, "/v1/completions", ctx)
+    raw = await json_body.read_body(receive, sum(map(len, chunks)))
+    prepared = await asyncio.to_thread(json_body.prepare, raw, "/v1/completions", ctx)
     raw.close()
     for t in prepared.upload.tensors:
         if t is not None:
-            shm.release_streamed(t)
+            transfer.release_streamed(t)
 
 
 if __name__ == "__main__":

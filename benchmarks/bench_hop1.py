@@ -57,8 +57,8 @@ import torch  # noqa: E402
 import zmq  # noqa: E402
 
 import _common as C  # noqa: E402
-from vllm import _shm_embeds as shm  # noqa: E402
-from vllm._shm_embeds_glue import _ArmingEncoder  # noqa: E402
+from vllm._shm_embeds import config, counters, hop1, process  # noqa: E402
+from vllm._shm_embeds.sites.core_client import ArmingEncoder as _ArmingEncoder  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.network_utils import get_open_zmq_ipc_path, make_zmq_socket  # noqa: E402
 from vllm.v1.engine import EngineCoreRequest, EngineCoreRequestType  # noqa: E402
@@ -85,7 +85,7 @@ def _engine(addr: str, results: Any) -> None:
     decoders = {
         "stock": MsgpackDecoder(EngineCoreRequest),
         "shm-embeds": MsgpackDecoder(
-            EngineCoreRequest, oob_tensor_provider=shm.HandleOOBProvider(None)
+            EngineCoreRequest, oob_tensor_provider=hop1.HandleOOBProvider(None)
         ),
     }
     ctx = zmq.Context()
@@ -104,13 +104,13 @@ def _engine(addr: str, results: Any) -> None:
                 results.put(("ready",))
                 continue
             assert EngineCoreRequestType(type_frame.bytes) == EngineCoreRequestType.ADD
-            adopted0 = shm.stats().get("hop1_adopted_tensors", 0)
+            adopted0 = counters.stats().get("hop1_adopted_tensors", 0)
             req = decoders[mode].decode(data_frames)
             t_done = time.monotonic()
             t = req.prompt_embeds
             ptr = t.data_ptr()
             aliases_frame = any(a <= ptr < a + n for a, n in map(_frame_addr, data_frames))
-            adopted = shm.stats().get("hop1_adopted_tensors", 0) - adopted0
+            adopted = counters.stats().get("hop1_adopted_tensors", 0) - adopted0
             t_r = time.monotonic()
             t.view(-1).view(torch.int16).max()  # first full read pass (any dtype)
             read_ms = (time.monotonic() - t_r) * 1e3
@@ -119,7 +119,7 @@ def _engine(addr: str, results: Any) -> None:
         req = None
         sock.close(linger=0)
         ctx.term()
-        shm.shutdown()
+        process.shutdown()
 
 
 # --------------------------------------------------------------------------
@@ -135,7 +135,7 @@ class Client:
         self.sock = make_zmq_socket(self.ctx, self.addr, zmq.ROUTER, bind=True)
         self.encoders = {"stock": MsgpackEncoder()}
         enc = MsgpackEncoder()
-        consumer = shm.HandleOOBConsumer(enc.oob_tensor_consumer)  # as the glue
+        consumer = hop1.HandleOOBConsumer(enc.oob_tensor_consumer)  # as the glue
         enc.oob_tensor_consumer = consumer
         self.encoders["shm-embeds"] = _ArmingEncoder(enc, consumer)
         mpctx = mp.get_context("spawn")
@@ -217,7 +217,7 @@ def one_send(client: Client, mode: str, src: torch.Tensor, val: float,
     client.wait("ready")
     req = make_request(src)
     enc = client.encoders[mode]
-    copied0 = shm.stats().get("copied_bytes", 0)
+    copied0 = counters.stats().get("copied_bytes", 0)
     time.sleep(gap_s)
 
     t0 = time.monotonic()
@@ -231,7 +231,7 @@ def one_send(client: Client, mode: str, src: torch.Tensor, val: float,
     if got != val:
         raise AssertionError(f"EngineCore got {got}, want {val}")
     socket_bytes = sum(memoryview(f).nbytes for f in frames)
-    user_copy = shm.stats().get("copied_bytes", 0) - copied0
+    user_copy = counters.stats().get("copied_bytes", 0) - copied0
     if mode == "stock" and not aliases_frame:
         user_copy += nbytes  # the decoder copied out of the frame
     if mode == "shm-embeds" and adopted != 1:
@@ -285,10 +285,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "samples": samples,
         "leftovers": {
             "engine_killed": killed,
-            "segments": C.our_segments([os.getpid(), engine_pid], shm.shm_dir()),
+            "segments": C.our_segments([os.getpid(), engine_pid], config.shm_dir()),
             "ipc_socket_file": os.path.exists(ipc_file),
         },
-        "shm_embeds_counters": shm.stats(),
+        "shm_embeds_counters": counters.stats(),
     }
 
 

@@ -62,8 +62,8 @@ import _common as C  # noqa: E402
 
 # Imported here, not lazily inside a timed call chain: some vLLM module keeps
 # the importing frame alive, which would pin the MessageQueue it references.
-from vllm import _shm_embeds as shm  # noqa: E402
 from vllm import envs  # noqa: E402
+from vllm._shm_embeds import config, counters, hop2, process, transfer  # noqa: E402
 from vllm.distributed.device_communicators import shm_tensor_arena  # noqa: E402
 from vllm.distributed.device_communicators.shm_broadcast import MessageQueue  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
@@ -112,7 +112,7 @@ def _reader(handles: dict[str, Any], rank: int, results: Any, busy_loop_s: float
             _method, args, _kwargs, _out = mq.dequeue(indefinite=True)
             new_reqs = args[0].scheduled_new_reqs
             got = type(new_reqs[0].prompt_embeds).__name__
-            shm.internalize_prompt_embeds(new_reqs, mq.local_reader_rank)
+            hop2.internalize_prompt_embeds(new_reqs, mq.local_reader_rank)
             t_deq = time.monotonic()
             t = new_reqs[0].prompt_embeds
             priv = C.fresh_empty(t.nbytes).view(t.dtype).view(t.shape).copy_(t)
@@ -261,7 +261,7 @@ def one_send(group: ReaderGroup, mode: str, src: torch.Tensor, val: float,
     plain.enqueue({"kind": "rpc", "mq": "arena" if mode == "arena" else "plain"})
     group.collect("ready")
     t_ready = time.monotonic()
-    embeds = shm.adopt_tensor(shm.share_tensor(src)) if mode == "shm-embeds" else src
+    embeds = transfer.adopt_tensor(transfer.share_tensor(src)) if mode == "shm-embeds" else src
     so = make_scheduler_output(embeds)
     msg = ("execute_model", (so,), {}, 0)
     arena = mq.tensor_arena
@@ -271,12 +271,12 @@ def one_send(group: ReaderGroup, mode: str, src: torch.Tensor, val: float,
     c0 = time.thread_time()
     t0 = time.monotonic()
     if mode.startswith("shm-embeds"):
-        shm.collect()
-        swapped = shm.externalize_prompt_embeds(so.scheduled_new_reqs, n)
+        process.collect()
+        swapped = hop2.externalize_prompt_embeds(so.scheduled_new_reqs, n)
         try:
             mq.enqueue(msg)
         finally:
-            shm.restore_prompt_embeds(swapped)
+            hop2.restore_prompt_embeds(swapped)
     else:
         mq.enqueue(msg)
     t1 = time.monotonic()
@@ -293,9 +293,9 @@ def one_send(group: ReaderGroup, mode: str, src: torch.Tensor, val: float,
         )
     del so, msg, embeds
     gc.collect()
-    shm.collect()
-    if shm.pending_segments():
-        raise RuntimeError(f"{shm.pending_segments()} segment(s) still linked after {mode}")
+    process.collect()
+    if process.pending_segments():
+        raise RuntimeError(f"{process.pending_segments()} segment(s) still linked after {mode}")
     return out
 
 
@@ -357,8 +357,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             gc.collect()
             leftovers["mq_shm"] += [x for x in names if os.path.exists(f"/dev/shm/{x}")]
     bar.close()
-    shm.collect()
-    leftovers["segments"] = C.our_segments([os.getpid(), *reader_pids], shm.shm_dir())
+    process.collect()
+    leftovers["segments"] = C.our_segments([os.getpid(), *reader_pids], config.shm_dir())
     return {
         "bench": "hop2",
         "machine": C.machine_info(),
@@ -369,7 +369,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rows": aggregate(samples),
         "samples": samples,
         "leftovers": leftovers,
-        "shm_embeds_counters": shm.stats(),
+        "shm_embeds_counters": counters.stats(),
     }
 
 

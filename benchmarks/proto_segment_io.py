@@ -46,9 +46,10 @@ import torch
 
 os.environ.setdefault("VLLM_SHM_EMBEDS_MIN_BYTES", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-from vllm import _shm_embeds as shm  # noqa: E402
+from vllm._shm_embeds import config, transfer  # noqa: E402
+from vllm._shm_embeds import handle as hdl  # noqa: E402
 
-HDR = shm.HEADER_BYTES
+HDR = hdl.HEADER_BYTES
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 MAX_RW = 0x7FFFF000  # Linux caps one read/write call at this many bytes
@@ -79,7 +80,7 @@ def main() -> None:
     src = torch.full((n // 4,), 1.5, dtype=torch.float32)  # warm, private
     raw = src.view(torch.uint8)
     raw_mv = memoryview(raw.numpy())
-    path = os.path.join(shm.shm_dir(), f"{shm.SEGMENT_PREFIX}.proto.{os.getpid()}")
+    path = os.path.join(config.shm_dir(), f"{hdl.SEGMENT_PREFIX}.proto.{os.getpid()}")
 
     def writer(prealloc: str, how: str) -> Callable[[], float]:
         def run() -> float:
@@ -91,13 +92,13 @@ def main() -> None:
                 else:
                     os.ftruncate(fd, HDR + n)
                 if how == "pwritev":
-                    os.pwrite(fd, shm.MAGIC, 0)
+                    os.pwrite(fd, hdl.MAGIC, 0)
                     pwrite_all(fd, raw_mv, HDR)
                 elif how.startswith("mmap"):
                     mm = mmap.mmap(fd, HDR + n, flags=mmap.MAP_SHARED)
                     if how == "mmap-populate":
                         mm.madvise(MADV_POPULATE_WRITE)
-                    mm[: len(shm.MAGIC)] = shm.MAGIC
+                    mm[: len(hdl.MAGIC)] = hdl.MAGIC
                     dst = torch.frombuffer(mm, dtype=torch.uint8, count=n, offset=HDR)
                     dst.copy_(raw)
                     del dst
@@ -111,17 +112,17 @@ def main() -> None:
 
     def share() -> float:
         t = time.monotonic()
-        h = shm.share_tensor(src)
+        h = transfer.share_tensor(src)
         dt = time.monotonic() - t
-        os.unlink(os.path.join(shm.shm_dir(), h.name))
+        os.unlink(os.path.join(config.shm_dir(), h.name))
         return dt
 
-    handle = shm.share_tensor(src)
-    seg = os.path.join(shm.shm_dir(), handle.name)
+    handle = transfer.share_tensor(src)
+    seg = os.path.join(config.shm_dir(), handle.name)
 
     def open_copy() -> float:
         t = time.monotonic()
-        x = shm.open_tensor(handle, reader_index=0)  # as a worker: private mapping
+        x = transfer.open_tensor(handle, reader_index=0)  # as a worker: private mapping
         y = torch.empty_like(x).copy_(x)
         dt = time.monotonic() - t
         assert y[-1].item() == 1.5

@@ -167,7 +167,7 @@ run_mode() {  # run_mode MODEL MODE(stock|arena|shm) LENGTHS
   if [ "$mode" = shm ]; then  # fail on a silent fallback: counters, not logs
     "$PY" - "$stats" <<'PYEOF' || fail "[$name] the shm path did not carry the embeds"
 import sys
-from vllm._shm_embeds import read_stats_dir
+from vllm._shm_embeds.counters import read_stats_dir
 runs = read_stats_dir(sys.argv[1])
 def total(role, key):
     return sum(r["counters"].get(key, 0) for r in runs if role in r["roles"])
@@ -237,7 +237,8 @@ our_pids=" $(cat "$OUT"/server_*.log 2>/dev/null | grep -o 'pid=[0-9]*' | cut -d
 # Names are parsed by the mechanism's own SegmentName (one place for the format).
 leftover=$("$PY" - "$our_pids" <<'PYEOF'
 import os, sys
-from vllm._shm_embeds_segments import SegmentName, list_segments
+from vllm._shm_embeds.handle import SegmentName
+from vllm._shm_embeds.segment import list_segments
 ours = {int(p) for p in sys.argv[1].split()}
 for name, parsed in list_segments("/dev/shm"):
     if parsed.pid not in ours and os.path.exists(f"/proc/{parsed.pid}"):

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+
 @pytest.fixture
 def shm_env(monkeypatch):
     """Point the mechanism at a fresh directory in /dev/shm; yield its path.
@@ -25,11 +26,12 @@ def shm_env(monkeypatch):
     monkeypatch.setenv("VLLM_SHM_EMBEDS_DIR", seg_dir)
     monkeypatch.setenv("VLLM_SHM_EMBEDS_STATS_DIR", stats_dir)
     monkeypatch.setenv("VLLM_SHM_EMBEDS_MIN_BYTES", "0")
-    from vllm import _shm_embeds as shm
+    from vllm._shm_embeds import counters, process
 
     # Fresh process state per test (as a forked child gets): counters and
     # owned segments of one test never leak into the next.
-    monkeypatch.setattr(shm, "_state", shm._Process())
+    monkeypatch.setattr(process, "_state", process.Process())
+    monkeypatch.setattr(counters, "_state", counters._Counters())
     try:
         yield seg_dir
         left = os.listdir(seg_dir)

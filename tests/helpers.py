@@ -20,7 +20,7 @@ import time
 import requests
 import torch
 
-from vllm._shm_embeds_segments import SegmentName
+from vllm._shm_embeds.handle import SegmentName
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -240,6 +240,37 @@ def run_offline(tmp_path, shm_on: bool, model: str, lengths, extra=(), seg_dir=N
             shutil.rmtree(seg_dir, ignore_errors=True)  # even when the run failed
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert left == [], f"segments left after shutdown: {left}"
-    from vllm._shm_embeds import read_stats_dir
+    from vllm._shm_embeds.counters import read_stats_dir
 
     return json.loads(out.read_text()), read_stats_dir(str(stats)), proc.stdout + proc.stderr
+
+
+def write_counters(stats_dir: str, records: list[dict]) -> list[int]:
+    """Have one forked child per record count ``record["counters"]`` (flat
+    names, as ``counters.stats()`` gives them) with ``record["roles"]`` into
+    ``stats_dir``, through the plugin's own counters; returns their pids."""
+    pids = []
+    for rec in records:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            code = 1
+            try:
+                os.environ["VLLM_SHM_EMBEDS_STATS_DIR"] = stats_dir
+                from vllm._shm_embeds import counters
+
+                for role in rec["roles"]:
+                    counters.set_role(role)
+                for key, n in rec["counters"].items():
+                    parts = key.split(".")
+                    if len(parts) == 1:
+                        counters.count(**{key: n})
+                    elif parts[0] == "fallback":
+                        counters.count_reason("fallback", parts[2], hop=parts[1][3:], n=n)
+                    else:
+                        counters.count_reason(parts[0], parts[1], n=n)
+                code = 0
+            finally:
+                os._exit(code)
+        assert os.waitpid(pid, 0)[1] == 0
+        pids.append(pid)
+    return pids

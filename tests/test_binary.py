@@ -37,7 +37,7 @@ def server(tmp_path_factory):
 
 def _totals(server) -> dict:
     """Counters summed over all processes, plus the API server's alone."""
-    from vllm._shm_embeds import read_stats_dir
+    from vllm._shm_embeds.counters import read_stats_dir
 
     stats = read_stats_dir(server["stats"])
     total: dict = {}

@@ -9,11 +9,16 @@ import os
 
 import pytest
 import torch
+from vllm._shm_embeds import counters
+from vllm._shm_embeds import handle
+from vllm._shm_embeds import hop1
+from vllm._shm_embeds import process
+from vllm._shm_embeds import transfer
+from vllm._shm_embeds.http import binary
+from vllm._shm_embeds.http import common
 
-from vllm import _shm_embeds as shm
-from vllm import _shm_embeds_binary as binary
 
-LIMITS = binary.ModelLimits(hidden_size=8, max_model_len=16, dtype=torch.float32,
+LIMITS = common.ServerContext(hidden_size=8, max_model_len=16, dtype=torch.float32,
                             enable_prompt_embeds=True, max_body_bytes=16 * 8 * 4)
 
 
@@ -81,7 +86,7 @@ def test_content_length_checked_before_allocating():
     bad_json = b'{"prompt_embeds": '
     with pytest.raises(binary.BinaryBodyError, match="JSON"):
         binary.parse_header(bad_json, "/v1/completions", LIMITS, None)
-    off = binary.ModelLimits(8, 16, torch.float32, False, 512)
+    off = common.ServerContext(8, 16, torch.float32, False, 512)
     with pytest.raises(binary.BinaryBodyError, match="enable-prompt-embeds"):
         binary.parse_header(h, "/v1/completions", off, None)
 
@@ -101,36 +106,36 @@ def test_frame_header_length():
 
 def test_streamed_segment_handover_and_release(shm_env):
     t = torch.randn(40, 8)
-    seg = shm.StreamedSegment(torch.float32, (40, 8))
+    seg = transfer.StreamedSegment(torch.float32, (40, 8))
     raw = t.view(torch.uint8).reshape(-1).numpy().tobytes()
     for i in range(0, len(raw), 100):
         seg.write(raw[i:i + 100])
     got = seg.finish()
-    assert torch.equal(got, t) and shm.is_streamed(got)
-    assert shm.is_streamed(got.view(40, 8)) and not shm.is_streamed(got[1:])
-    consumer = shm.HandleOOBConsumer(None)
+    assert torch.equal(got, t) and transfer.is_streamed(got)
+    assert transfer.is_streamed(got.view(40, 8)) and not transfer.is_streamed(got[1:])
+    consumer = hop1.HandleOOBConsumer(None)
     consumer.arm(got)
-    meta = consumer(got)[shm.META_KEY]
-    assert not shm.is_streamed(got)  # handed over: the peer owns it now
-    assert shm.stats().get("hop1_handover_tensors") == 1
-    adopted = shm.adopt_tensor(shm.SharedTensorHandle.from_meta(meta))
+    meta = consumer(got)[hop1.META_KEY]
+    assert not transfer.is_streamed(got)  # handed over: the peer owns it now
+    assert counters.stats().get("hop1_handover_tensors") == 1
+    adopted = transfer.adopt_tensor(handle.SharedTensorHandle.from_meta(meta))
     assert torch.equal(adopted, t)
     del got, adopted
-    shm.shutdown()  # the adopter's name
+    process.shutdown()  # the adopter's name
     # Not handed over: the name goes with the last tensor over the mapping.
-    seg = shm.StreamedSegment(torch.bfloat16, (4, 8))
+    seg = transfer.StreamedSegment(torch.bfloat16, (4, 8))
     seg.write(bytes(64))
     view = seg.finish()[1:]
     assert len(os.listdir(shm_env)) == 1
     del view
-    shm.collect()  # the next safe point (the API server's reaper runs one every 0.1 s)
+    process.collect()  # the next safe point (the API server's reaper runs one every 0.1 s)
     assert os.listdir(shm_env) == []
     # Aborted mid-way: nothing left.
-    seg = shm.StreamedSegment(torch.float16, (4, 8))
+    seg = transfer.StreamedSegment(torch.float16, (4, 8))
     seg.write(bytes(10))
     seg.abort()
     assert os.listdir(shm_env) == []
-    seg = shm.StreamedSegment(torch.float16, (1, 1))
+    seg = transfer.StreamedSegment(torch.float16, (1, 1))
     with pytest.raises(ValueError):
         seg.write(bytes(3))
     seg.abort()
@@ -138,17 +143,17 @@ def test_streamed_segment_handover_and_release(shm_env):
 
 def test_placeholder_resolves_only_in_its_own_context():
     t = torch.ones(2, 8)
-    up = binary._Upload("ab" * 16, [t])
+    up = common.Upload("ab" * 16, [t])
     ph = f"shm-embeds-binary:{'ab' * 16}.0"
-    assert binary.resolve_placeholder(ph.encode()) is None  # no binary body here
-    tok = binary._current.set(up)
+    assert common.resolve_placeholder(ph.encode()) is None  # no binary body here
+    tok = common._current.set(up)
     try:
-        assert binary.resolve_placeholder(ph.encode()) is t
-        assert binary.resolve_placeholder(ph.replace("ab", "cd", 1)) is None
-        assert binary.resolve_placeholder(ph[:-1] + "1") is None
-        assert binary.resolve_placeholder(b"\xff") is None
+        assert common.resolve_placeholder(ph.encode()) is t
+        assert common.resolve_placeholder(ph.replace("ab", "cd", 1)) is None
+        assert common.resolve_placeholder(ph[:-1] + "1") is None
+        assert common.resolve_placeholder(b"\xff") is None
     finally:
-        binary._current.reset(tok)
+        common._current.reset(tok)
 
 
 def _run_middleware(headers, chunks, limits=LIMITS, disconnect=False):
@@ -158,7 +163,7 @@ def _run_middleware(headers, chunks, limits=LIMITS, disconnect=False):
     async def app(scope, receive, send):
         msg = await receive()
         seen["body"] = json.loads(msg["body"])
-        seen["tensors"] = [binary.resolve_placeholder(v) for v in
+        seen["tensors"] = [common.resolve_placeholder(v) for v in
                            (seen["body"]["prompt_embeds"]
                             if isinstance(seen["body"]["prompt_embeds"], list)
                             else [seen["body"]["prompt_embeds"]])]
@@ -203,12 +208,12 @@ def test_middleware_streams_into_segments(shm_env):
     ts = [torch.randn(5, 8), torch.randn(3, 8).half()]
     headers, body = _framed(ts)
     chunks = [body[i:i + 7] for i in range(0, len(body), 7)]  # chunked, no Content-Length
-    before = shm.stats()
+    before = counters.stats()
     status, _, seen = _run_middleware(headers, chunks)
     assert status == 200
     assert torch.equal(seen["tensors"][0], ts[0])
     assert torch.equal(seen["tensors"][1], ts[1].float())  # cast like the JSON path
-    s = {k: v - before.get(k, 0) for k, v in shm.stats().items()}
+    s = {k: v - before.get(k, 0) for k, v in counters.stats().items()}
     assert s["binary_bodies"] == 1 and s["binary_converted_bytes"] == 3 * 8 * 4
     assert s["copied_bytes"] == 5 * 8 * 4 + 3 * 8 * 2 + 3 * 8 * 4
     del seen
@@ -230,7 +235,7 @@ def test_middleware_bad_streams_leave_nothing(shm_env, case):
         assert status == 400 and case.replace("short", "cut short") in msg.decode()
         assert json.loads(msg)["error"]["code"] == 400
     assert os.listdir(shm_env) == []
-    assert shm.stats().get(f"binary_rejected.{case}") >= 1
+    assert counters.stats().get(f"binary_rejected.{case}") >= 1
 
 
 def test_client_frame_uses_tensor_memory():
@@ -242,7 +247,7 @@ def test_client_frame_uses_tensor_memory():
     assert len(pieces[0]) == n and length == n + t.nbytes
     assert pieces[1].obj is not None and bytes(pieces[1]) == t.view(torch.uint8).numpy().tobytes()
     p = binary.parse_header(pieces[0], "/v1/completions",
-                            binary.ModelLimits(8, 16, torch.float32, True, 1 << 20), length)
+                            common.ServerContext(8, 16, torch.float32, True, 1 << 20), length)
     assert p.specs[0].dtype == torch.bfloat16
     with pytest.raises(ValueError):
         sec.frame({"prompt_embeds": torch.ones(3, dtype=torch.int64)})

@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from helpers import by_role, embed_weights, encode_embeds, start_server
-from vllm._shm_embeds import read_stats_dir
+from vllm._shm_embeds.counters import read_stats_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.online]
 

@@ -24,10 +24,15 @@ import pytest
 import torch
 
 from helpers import run_child
-from vllm import _shm_embeds as shm
-from vllm import _shm_embeds_glue as glue
-from vllm import _shm_embeds_segments as segments
-from vllm._shm_embeds_segments import SegmentName, pid_namespace
+from vllm._shm_embeds.handle import SegmentName, pid_namespace
+from vllm._shm_embeds import counters
+from vllm._shm_embeds import handle
+from vllm._shm_embeds import hop1
+from vllm._shm_embeds import hop2
+from vllm._shm_embeds import process
+from vllm._shm_embeds import segment
+from vllm._shm_embeds import transfer
+from vllm._shm_embeds.sites import core_client
 
 
 # -- 1. every writer finishes before any fd is closed ------------------------
@@ -36,10 +41,10 @@ from vllm._shm_embeds_segments import SegmentName, pid_namespace
 def test_writers_finish_before_fds_close(shm_env, monkeypatch):
     """Part 1 fails at once (ENOSPC) while part 2 is still writing: the fds
     must stay open, and nothing be unlinked, until part 2 has returned."""
-    monkeypatch.setattr(segments, "PART_MIN_BYTES", 4096)
+    monkeypatch.setattr(handle, "PART_MIN_BYTES", 4096)
     monkeypatch.setenv("VLLM_SHM_EMBEDS_WRITERS", "3")
     events = []
-    real_write, real_close = segments.pwrite_all, os.close
+    real_write, real_close = segment.pwrite_all, os.close
     fds_of_parts: dict[int, int] = {}
 
     def slow_or_failing(fd, buf, offset, failed=None):
@@ -69,11 +74,11 @@ def test_writers_finish_before_fds_close(shm_env, monkeypatch):
             events.append(f"close{fds_of_parts[fd]}")
         real_close(fd)
 
-    monkeypatch.setattr(segments, "pwrite_all", slow_or_failing)
-    monkeypatch.setattr(segments.os, "open", tracking_open)
-    monkeypatch.setattr(segments.os, "close", tracking_close)
+    monkeypatch.setattr(segment, "pwrite_all", slow_or_failing)
+    monkeypatch.setattr(segment.os, "open", tracking_open)
+    monkeypatch.setattr(segment.os, "close", tracking_close)
     with pytest.raises(OSError) as e:
-        shm.share_tensor(torch.zeros(3, 4096))
+        transfer.share_tensor(torch.zeros(3, 4096))
     assert e.value.errno == errno.ENOSPC
     monkeypatch.undo()  # os.open/os.close are the real ones again for the teardown
     first_close = min(i for i, ev in enumerate(events) if ev.startswith("close"))
@@ -87,32 +92,32 @@ def test_writers_finish_before_fds_close(shm_env, monkeypatch):
 def test_finalizer_under_held_locks_does_not_deadlock(shm_env):
     """The last reference dies on a thread that holds the bookkeeping and the
     counters' locks (as garbage collection can make happen): no deadlock."""
-    adopted = [shm.adopt_tensor(shm.share_tensor(torch.randn(64, 64)))]
-    state = shm._state
+    adopted = [transfer.adopt_tensor(transfer.share_tensor(torch.randn(64, 64)))]
+    state = process._state
 
     def drop_under_locks():
-        with state.owned._lock, state.counters_lock:
+        with state.owned._lock, counters._state.lock:
             adopted.clear()  # the finalizer runs here
 
     t = threading.Thread(target=drop_under_locks, daemon=True)
     t.start()
     t.join(5)
     assert not t.is_alive(), "finalizer deadlocked on a lock its thread held"
-    assert shm.collect() == 1
+    assert process.collect() == 1
     assert os.listdir(shm_env) == []
 
 
 def test_view_outliving_tensor_keeps_segment(shm_env):
     """What is tracked is the storage: a view keeps the segment alive."""
-    adopted = shm.adopt_tensor(shm.share_tensor(torch.randn(16, 64)))
+    adopted = transfer.adopt_tensor(transfer.share_tensor(torch.randn(16, 64)))
     view = adopted[4:8]
     expected = view.clone()
     del adopted
-    assert shm.collect() == 0 and len(os.listdir(shm_env)) == 1
+    assert process.collect() == 0 and len(os.listdir(shm_env)) == 1
     # Still the owner's, and still sent without a copy while linked.
     assert torch.equal(view, expected)
     del view
-    assert shm.collect() == 1 and os.listdir(shm_env) == []
+    assert process.collect() == 1 and os.listdir(shm_env) == []
 
 
 # -- 3. a rank that cannot map fails the step on every rank ------------------
@@ -123,21 +128,22 @@ _RANK_SCRIPT = textwrap.dedent("""
     rank, store_file, handle_file = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo", init_method=f"file://{store_file}",
                             rank=rank, world_size=2)
-    from vllm import _shm_embeds as shm
-    from vllm import _shm_embeds_glue as glue
     from vllm.distributed import parallel_state
     tp = types.SimpleNamespace(world_size=2, cpu_group=dist.group.WORLD)
     pp = types.SimpleNamespace(world_size=1, cpu_group=None)
     parallel_state.get_tp_group = lambda: tp
     parallel_state.get_pp_group = lambda: pp
+    from vllm._shm_embeds import hop2
+    from vllm._shm_embeds.handle import ShmEmbedsError
+    from vllm._shm_embeds.sites import multiproc_executor
     if rank == 1:  # this rank cannot map (e.g. out of memory, fd limit)
         def fail(handle, reader_index=None):
-            raise shm.ShmEmbedsError("injected mapping failure")
-        shm.open_tensor = fail
+            raise ShmEmbedsError("injected mapping failure")
+        hop2.open_tensor = fail
     ran, outputs = [], []
     def orig(self, rpc_request):
         ran.append(rpc_request[0])
-    wrapped = glue._wrap_worker_rpc(orig)
+    wrapped = multiproc_executor.wrap_worker_rpc(orig)
     worker = types.SimpleNamespace(
         rank=rank, handle_output=outputs.append,
         rpc_broadcast_mq=types.SimpleNamespace(local_reader_rank=rank))
@@ -153,7 +159,7 @@ def test_one_rank_failing_to_map_fails_the_step_on_every_rank(shm_env, tmp_path)
     embeds = torch.randn(32, 64)
     req = types.SimpleNamespace(prompt_embeds=embeds)
     sched = types.SimpleNamespace(scheduled_new_reqs=[req])
-    shm.externalize_prompt_embeds(sched.scheduled_new_reqs, readers=2)
+    hop2.externalize_prompt_embeds(sched.scheduled_new_reqs, readers=2)
     import pickle
 
     (tmp_path / "handle.pkl").write_bytes(pickle.dumps(sched))
@@ -177,43 +183,43 @@ def test_one_rank_failing_to_map_fails_the_step_on_every_rank(shm_env, tmp_path)
     assert outs[1] == "RESULT 0 []", outs
     # Rank 0 mapped it (flag set), rank 1 never did: the name stays until
     # the owner shuts down (vLLM stops the engine on the reported error).
-    assert shm.collect() == 0
-    shm.shutdown()
+    assert process.collect() == 0
+    process.shutdown()
 
 
 def test_readers_map_through_owner_fds_after_name_removed(shm_env):
     """Something else unlinks every segment name (a cleanup job, systemd's
     RemoveIPC): readers of a broadcast still map it through the owner's fds."""
     src = torch.randn(64, 64)
-    adopted = shm.adopt_tensor(shm.share_tensor(src))
-    h = shm.externalize(adopted, readers=2)
+    adopted = transfer.adopt_tensor(transfer.share_tensor(src))
+    h = hop2.externalize(adopted, readers=2)
     for name in os.listdir(shm_env):
         os.unlink(os.path.join(shm_env, name))
     reqs = [types.SimpleNamespace(prompt_embeds=h), types.SimpleNamespace(prompt_embeds=h)]
-    shm.internalize_prompt_embeds(reqs[:1], 0)
+    hop2.internalize_prompt_embeds(reqs[:1], 0)
     out = run_child("import pickle, sys\n"
-                    "from vllm import _shm_embeds as shm\n"
+                    "from vllm._shm_embeds import transfer\n"
                     "h = pickle.loads(sys.stdin.buffer.read())\n"
-                    "print(float(shm.open_tensor(h, 1).sum()))\n", h)
+                    "print(float(transfer.open_tensor(h, 1).sum()))\n", h)
     assert out.returncode == 0, out.stderr[-2000:]
     assert abs(float(out.stdout) - float(src.sum())) < 1e-3
     assert torch.equal(reqs[0].prompt_embeds, src)
-    assert shm.collect() == 1  # both flagged: fds closed
+    assert process.collect() == 1  # both flagged: fds closed
     del adopted, reqs
 
 
 def test_internalize_maps_every_handle_even_if_one_fails(shm_env):
     a, b = torch.randn(8, 8), torch.randn(8, 8)
     reqs = [types.SimpleNamespace(prompt_embeds=x) for x in (a, b)]
-    shm.externalize_prompt_embeds(reqs, readers=1)
-    bad = shm.SharedTensorHandle(str(SegmentName(1, 1, 1, 1)), "float32", (8, 8))
+    hop2.externalize_prompt_embeds(reqs, readers=1)
+    bad = handle.SharedTensorHandle(str(SegmentName(1, 1, 1, 1)), "float32", (8, 8))
     wire = [types.SimpleNamespace(prompt_embeds=bad), reqs[1]]
-    with pytest.raises(shm.ShmEmbedsError):
-        shm.internalize_prompt_embeds(wire, 0)
+    with pytest.raises(handle.ShmEmbedsError):
+        hop2.internalize_prompt_embeds(wire, 0)
     assert torch.equal(wire[1].prompt_embeds, b)  # mapped and flagged anyway
-    assert shm.stats()["fallback.hop2.map_failed"] == 1
-    shm.internalize_prompt_embeds(reqs[:1], 0)
-    assert shm.collect() == 2
+    assert counters.stats()["fallback.hop2.map_failed"] == 1
+    hop2.internalize_prompt_embeds(reqs[:1], 0)
+    assert process.collect() == 2
 
 
 # -- 5. hop-1 segments of a request that is never sent -----------------------
@@ -234,8 +240,8 @@ def test_segment_removed_when_encode_fails(shm_env, monkeypatch):
     import vllm.v1.engine as engine_mod
 
     monkeypatch.setattr(engine_mod, "EngineCoreRequest", types.SimpleNamespace)
-    consumer = shm.HandleOOBConsumer()
-    enc = glue._ArmingEncoder(_FailingEncoder(consumer), consumer)
+    consumer = hop1.HandleOOBConsumer()
+    enc = core_client.ArmingEncoder(_FailingEncoder(consumer), consumer)
     with pytest.raises(RuntimeError):
         enc.encode(types.SimpleNamespace(prompt_embeds=torch.randn(16, 16)))
     assert os.listdir(shm_env) == []
@@ -243,11 +249,11 @@ def test_segment_removed_when_encode_fails(shm_env, monkeypatch):
 
 def _client(consumer, send):
     client = types.SimpleNamespace(_shm_embeds_consumer=consumer)
-    return client, glue._wrap_send_input(send)
+    return client, core_client.wrap_send_input(send)
 
 
 def test_segment_removed_when_sync_send_fails(shm_env):
-    consumer = shm.HandleOOBConsumer()
+    consumer = hop1.HandleOOBConsumer()
 
     def send(self, request_type, request):
         consumer.arm(request)
@@ -261,7 +267,7 @@ def test_segment_removed_when_sync_send_fails(shm_env):
 
 
 def test_segment_removed_when_async_send_future_fails(shm_env):
-    consumer = shm.HandleOOBConsumer()
+    consumer = hop1.HandleOOBConsumer()
     fut: concurrent.futures.Future = concurrent.futures.Future()
 
     def send(self, request_type, request):
@@ -277,7 +283,7 @@ def test_segment_removed_when_async_send_future_fails(shm_env):
 
 
 def test_segment_kept_when_send_succeeds(shm_env):
-    consumer = shm.HandleOOBConsumer()
+    consumer = hop1.HandleOOBConsumer()
 
     async def run():
         loop = asyncio.get_running_loop()
@@ -302,17 +308,17 @@ def test_segment_kept_when_send_succeeds(shm_env):
 
 _FORK_SCRIPT = textwrap.dedent("""
     import gc, os, sys, torch
-    from vllm import _shm_embeds as shm
-    adopted = shm.adopt_tensor(shm.share_tensor(torch.randn(32, 32)))
-    h = shm.externalize(torch.randn(32, 32), readers=1)
+    from vllm._shm_embeds import config, hop2, process, transfer
+    adopted = transfer.adopt_tensor(transfer.share_tensor(torch.randn(32, 32)))
+    h = hop2.externalize(torch.randn(32, 32), readers=1)
     pid = os.fork()
     if pid == 0:
         del adopted   # the child drops its copy of the parent's tensor
         gc.collect()
-        shm.collect()
+        process.collect()
         sys.exit(0)   # a normal exit: atexit handlers and finalizers run
     _, status = os.waitpid(pid, 0)
-    print("CHILD", status, sorted(os.listdir(shm.shm_dir())) and len(os.listdir(shm.shm_dir())))
+    print("CHILD", status, sorted(os.listdir(config.shm_dir())) and len(os.listdir(config.shm_dir())))
 """)
 
 
@@ -346,7 +352,7 @@ def test_sweep_with_unreadable_proc_keeps_live_owner(shm_env, monkeypatch):
         return real_open(path, *args, **kwargs)
 
     monkeypatch.setattr("builtins.open", no_proc)
-    assert shm.sweep_stale_segments() == 1
+    assert process.sweep_stale_segments() == 1
     monkeypatch.undo()
     assert os.listdir(shm_env) == [live]
     os.unlink(os.path.join(shm_env, live))
@@ -373,11 +379,11 @@ def test_engine_reaper_sweeps_dead_owners(shm_env, monkeypatch):
                           capture_output=True, text=True, check=True)
     name = str(SegmentName(pid_namespace(), int(dead.stdout), 1, 0))
     open(os.path.join(shm_env, name), "wb").close()
-    monkeypatch.setattr(shm, "SWEEP_INTERVAL_S", 0.2)
-    shm.start_engine_reaper()
+    monkeypatch.setattr(process, "SWEEP_INTERVAL_S", 0.2)
+    process.start_engine_reaper()
     deadline = time.monotonic() + 10
     while os.listdir(shm_env) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert os.listdir(shm_env) == []
-    assert shm.stats()["segments_swept"] == 1
-    shm._state.shutdown_done = True  # stop the reaper
+    assert counters.stats()["segments_swept"] == 1
+    process._state.shutdown_done = True  # stop the reaper

@@ -29,7 +29,7 @@ from helpers import (
     start_server,
     tiny_model,
 )
-from vllm._shm_embeds import read_stats_dir
+from vllm._shm_embeds.counters import read_stats_dir
 
 pytestmark = pytest.mark.integration
 
@@ -175,7 +175,7 @@ def test_names_removed_by_another_process_never_wedge_the_server(tmp_path):
 _INJECT = """
 import os
 if os.environ.get("SHM_EMBEDS_TEST_FAIL_READER"):
-    import vllm._shm_embeds as _m
+    from vllm._shm_embeds import hop2 as _m
     _orig = _m.open_tensor
     def open_tensor(handle, reader_index=None):
         if reader_index == int(os.environ["SHM_EMBEDS_TEST_FAIL_READER"]):

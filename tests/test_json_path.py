@@ -20,18 +20,24 @@ import pytest
 import torch
 
 from helpers import encode_embeds
-from vllm import _shm_embeds as shm
-from vllm import _shm_embeds_hashing as hashing
-from vllm import _shm_embeds_json as jp
-from vllm._shm_embeds_binary import resolve_placeholder
+from vllm._shm_embeds.http.common import resolve_placeholder
+from vllm._shm_embeds import counters
+from vllm._shm_embeds import digests
+from vllm._shm_embeds import hop1
+from vllm._shm_embeds import process
+from vllm._shm_embeds import transfer
+from vllm._shm_embeds.http import common
+from vllm._shm_embeds.http import json_body
+from vllm._shm_embeds.http import torch_save
+from vllm._shm_embeds.sites import core_client
 
 HIDDEN = 64
 
 
 def _ctx(block=16, dtype=torch.float32):
-    mc = types.SimpleNamespace(enable_prompt_embeds=True, dtype=dtype,
+    mc = types.SimpleNamespace(enable_prompt_embeds=True, dtype=dtype, max_model_len=2048,
                                get_hidden_size=lambda: HIDDEN)
-    return jp.ServerContext(mc, block)
+    return common.ServerContext.from_model_config(mc, block)
 
 
 def _body(**fields) -> bytes:
@@ -59,10 +65,10 @@ def _stock_block_hashes(embeds: torch.Tensor, block: int, extra_tokens: int = 0)
 def test_find_long_strings_skips_escapes_and_short_strings():
     long = "A" * 5000
     raw = json.dumps({"a": "x", "b": long, "c": "q\"" + long, "d": [long]}).encode()
-    spans = jp.find_long_strings(raw)
+    spans = json_body.find_long_strings(raw)
     assert [raw[a:b].decode() for a, b in spans] == [long, long]  # "c" has an escape
-    with pytest.raises(jp.Fallback):
-        jp.find_long_strings(b'{"a": "' + b"A" * 5000)
+    with pytest.raises(json_body.Fallback):
+        json_body.find_long_strings(b'{"a": "' + b"A" * 5000)
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
@@ -75,7 +81,7 @@ def test_prepare_equals_vllm_decode_and_digests(shm_env, route):
             else _body(messages=[{"role": "user", "content": [
                 {"type": "text", "text": "t" * 5000},
                 {"type": "prompt_embeds", "data": b64}]}]))
-    out = jp.prepare(body, route, _ctx())
+    out = json_body.prepare(body, route, _ctx())
     assert out.reason is None
     skeleton = json.loads(out.body)
     assert len(out.body) < 6000  # the embeds are out; the long prompt text stayed
@@ -84,7 +90,7 @@ def test_prepare_equals_vllm_decode_and_digests(shm_env, route):
     assert ("p" * 5000 in out.body.decode()) == (route == "/v1/completions")
     # Only this request's context resolves the placeholder.
     assert resolve_placeholder(value) is None
-    from vllm._shm_embeds_binary import _current
+    from vllm._shm_embeds.http.common import _current
 
     token = _current.set(out.upload)
     try:
@@ -93,14 +99,14 @@ def test_prepare_equals_vllm_decode_and_digests(shm_env, route):
         _current.reset(token)
     want = safe_load_prompt_embeds(_ctx().model_config, b64.encode())
     assert torch.equal(got, want) and got.dtype == torch.float32
-    assert shm.is_streamed(got)
-    d = hashing.attached(got)
+    assert transfer.is_streamed(got)
+    d = digests.attached(got)
     stock, req = _stock_block_hashes(want, 16)
     assert d.digests == b"".join(req._prompt_embeds_per_block_hashes[(i, i + 16)]
                                  for i in range(0, 96, 16)) + d.digests[-32:]
     assert len(d.digests) == 7 * 32  # 6 full blocks and the short tail
-    assert shm.stats()["json_tensors"] == 1
-    shm.release_streamed(got)
+    assert counters.stats()["json_tensors"] == 1
+    transfer.release_streamed(got)
     del got
 
 
@@ -119,7 +125,7 @@ BAD = {
 def test_prepare_gives_bad_payloads_back_unchanged(shm_env, name):
     payload = BAD[name]()
     body = _body(prompt="", prompt_embeds=payload)
-    out = jp.prepare(body, "/v1/completions", _ctx())
+    out = json_body.prepare(body, "/v1/completions", _ctx())
     assert out.upload is None and out.body == body  # stock answers it, as stock
     assert out.reason in ("rejected", "empty", "no_embeds")
     assert os.listdir(shm_env) == []
@@ -127,19 +133,19 @@ def test_prepare_gives_bad_payloads_back_unchanged(shm_env, name):
 
 def test_prepare_leaves_other_long_strings_and_non_json_alone(shm_env):
     body = _body(prompt="p" * 9000)
-    assert jp.prepare(body, "/v1/completions", _ctx()).reason == "no_embeds"
+    assert json_body.prepare(body, "/v1/completions", _ctx()).reason == "no_embeds"
     bad = body[:-1] + b",,}"
-    assert jp.prepare(bad, "/v1/completions", _ctx()).reason == "not_json"
+    assert json_body.prepare(bad, "/v1/completions", _ctx()).reason == "not_json"
     # A client's own "digest" fields are just unknown JSON to vLLM: never read.
     t = torch.randn(40, HIDDEN)
     body = _body(prompt="", prompt_embeds=encode_embeds(t),
                  block_sha256={"block": 16, "rows": 40, "digests": "00" * 96})
-    out = jp.prepare(body, "/v1/completions", _ctx())
+    out = json_body.prepare(body, "/v1/completions", _ctx())
     [got] = [x for x in out.upload.tensors if x is not None]
-    assert hashing.attached(got).digests == b"".join(
+    assert digests.attached(got).digests == b"".join(
         __import__("hashlib").sha256(t[i:i + 16].numpy().tobytes()).digest()
         for i in range(0, 40, 16))
-    shm.release_streamed(got)
+    transfer.release_streamed(got)
 
 
 @pytest.mark.parametrize("late", [False, True])
@@ -150,14 +156,14 @@ def test_read_body_fills_a_prefaulted_buffer(monkeypatch, late):
 
     body = bytes(range(256)) * 1000
     gate = threading.Event()
-    real = jp.body_buffer
+    real = json_body.body_buffer
 
     def slow_buffer(n):
         if late:
             gate.wait(10)  # every chunk arrives before the buffer
         return real(n)
 
-    monkeypatch.setattr(jp, "body_buffer", slow_buffer)
+    monkeypatch.setattr(json_body, "body_buffer", slow_buffer)
 
     async def run(pieces, length, disconnect=False):
         msgs = [{"type": "http.request", "body": p, "more_body": i < len(pieces) - 1}
@@ -171,7 +177,7 @@ def test_read_body_fills_a_prefaulted_buffer(monkeypatch, late):
                 gate.set()
             return msgs.pop(0)
 
-        return await jp.read_body(receive, length)
+        return await json_body.read_body(receive, length)
 
     pieces = [body[i:i + 7000] for i in range(0, len(body), 7000)]
     got = asyncio.run(run(pieces, len(body)))
@@ -216,7 +222,7 @@ def _asgi(body: bytes, ctype=b"application/json", path="/v1/completions", cut=Fa
     async def send(msg):
         pass
 
-    asyncio.run(jp.JsonBodyMiddleware(app)(scope, receive, send))
+    asyncio.run(json_body.JsonBodyMiddleware(app)(scope, receive, send))
     return seen
 
 
@@ -225,17 +231,17 @@ def test_middleware_takes_json_and_passes_the_rest(shm_env):
     body = _body(prompt="", prompt_embeds=encode_embeds(t))
     seen = _asgi(body)
     assert torch.equal(seen["tensor"], t) and len(seen["body"]) < 300
-    assert shm.stats()["json_tensors"] == 1
+    assert counters.stats()["json_tensors"] == 1
     # Not JSON content, another route, or an upload cut short: untouched / nothing.
     assert _asgi(body, ctype=b"text/plain")["body"] == body
     assert _asgi(body, path="/v1/embeddings")["body"] == body
     assert _asgi(body, cut=True) == {}
-    assert shm.stats()["json_fallback.disconnect"] == 1
+    assert counters.stats()["json_fallback.disconnect"] == 1
     # A bad payload: vLLM gets the very bytes the client sent.
     bad = _body(prompt="", prompt_embeds=BAD["wrong-hidden"]())
     assert _asgi(bad) == {"body": bad, "tensor": None}
-    assert shm.stats()["json_fallback.rejected"] == 1
-    assert shm.stats()["json_tensors"] == 1
+    assert counters.stats()["json_fallback.rejected"] == 1
+    assert counters.stats()["json_tensors"] == 1
     assert os.listdir(shm_env) == []
 
 
@@ -243,10 +249,10 @@ def test_middleware_falls_back_on_its_own_errors(shm_env, monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("bug")
 
-    monkeypatch.setattr(jp, "prepare", broken)
+    monkeypatch.setattr(json_body, "prepare", broken)
     body = _body(prompt="", prompt_embeds=encode_embeds(torch.randn(60, HIDDEN)))
     assert _asgi(body) == {"body": body, "tensor": None}
-    assert shm.stats()["json_fallback.error"] == 1
+    assert counters.stats()["json_fallback.error"] == 1
 
 
 # -- unit: decoding straight into the segment (the plain case) or by vLLM's loader
@@ -320,7 +326,7 @@ def _storage_numel_minus_one(b64: str) -> str:
 
 
 def _direct_count():
-    return shm.stats().get("json_direct_tensors", 0)
+    return counters.stats().get("json_direct_tensors", 0)
 
 
 @pytest.mark.parametrize("shape", [(60, HIDDEN), (1000, HIDDEN), (1, 1000, HIDDEN)])
@@ -334,16 +340,16 @@ def test_plain_payload_is_decoded_straight_into_the_segment(shm_env, shape):
 
     tensor = torch.randn(*shape)
     b64 = encode_embeds(tensor)
-    assert (len(b64) > jp.HEAD_CHARS + jp.TAIL_CHARS) == (shape[-2] == 1000)
-    out = jp.prepare(_body(prompt="", prompt_embeds=b64), "/v1/completions", _ctx())
+    assert (len(b64) > torch_save.HEAD_CHARS + torch_save.TAIL_CHARS) == (shape[-2] == 1000)
+    out = json_body.prepare(_body(prompt="", prompt_embeds=b64), "/v1/completions", _ctx())
     assert out.reason is None and _direct_count() == 1
     [got] = [t for t in out.upload.tensors if t is not None]
     want = safe_load_prompt_embeds(_ctx().model_config, b64.encode())
     assert torch.equal(got, want) and got.shape == want.shape
     rows = want.shape[0]
-    assert hashing.attached(got).digests == b"".join(
+    assert digests.attached(got).digests == b"".join(
         hashlib.sha256(want[i:i + 16].numpy().tobytes()).digest() for i in range(0, rows, 16))
-    shm.release_streamed(got)
+    transfer.release_streamed(got)
 
 
 def _big():
@@ -388,12 +394,12 @@ def test_anything_else_goes_to_vllms_loader(shm_env, name):
     except Exception:
         want = None
     body = _body(prompt="", prompt_embeds=b64)
-    out = jp.prepare(body, "/v1/completions", _ctx())
+    out = json_body.prepare(body, "/v1/completions", _ctx())
     assert _direct_count() == 0
     if name == "directory-bit":  # vLLM's loader answers with uninitialized memory:
         for t in out.upload.tensors:  # nothing to compare
             if t is not None:
-                shm.release_streamed(t)
+                transfer.release_streamed(t)
     elif want is None:
         assert out.reason == "rejected" and out.body == body
     else:
@@ -403,8 +409,8 @@ def test_anything_else_goes_to_vllms_loader(shm_env, name):
         want = want.resolve_neg().contiguous()
         assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8),
                                                        want.view(torch.uint8))
-        shm.release_streamed(got)
-    shm.collect()
+        transfer.release_streamed(got)
+    process.collect()
     assert os.listdir(shm_env) == []
 
 
@@ -417,7 +423,7 @@ _DATA_OFFSET = 64 * 11  # where torch.save puts the tensor bytes (checked in the
 SPOILED = {  # (where, what) in a payload longer than the head and tail
     "bad-char-mid-data": (lambda n: n // 2, "!"),
     "padding-mid-data": (lambda n: n // 2 // 4 * 4 + 2, "=="),
-    "padding-end-of-head": (lambda n: jp.HEAD_CHARS - 2, "=="),
+    "padding-end-of-head": (lambda n: torch_save.HEAD_CHARS - 2, "=="),
     # "==" ending the characters of the 1st / 2nd 1 MiB chunk: valid padding
     # for that chunk alone. The 1st chunk's bytes end with a whole base64
     # quantum; the 2nd's end inside one, which the 3rd chunk decodes again.
@@ -434,27 +440,27 @@ def test_spoiled_base64_is_rejected_as_vllm_rejects_it(shm_env, name, monkeypatc
     is left, and vLLM's loader indeed rejects it."""
     from vllm.renderers.embed_utils import safe_load_prompt_embeds
 
-    monkeypatch.setattr(jp, "DECODE_CHUNK_BYTES", 1 << 20)  # several chunks
+    monkeypatch.setattr(torch_save, "DECODE_CHUNK_BYTES", 1 << 20)  # several chunks
     good = encode_embeds(torch.randn(16000, HIDDEN))  # 4 MB: four chunks
     n = len(good)
-    outline = jp._Outline(n // 4 * 3, base64.b64decode(good[:jp.HEAD_CHARS]), (n - jp.TAIL_CHARS)
-                          // 4 * 3, base64.b64decode(good[n - jp.TAIL_CHARS:]))
-    assert jp._plain_tensor_layout(_ctx(), outline)[3] == _DATA_OFFSET
+    outline = torch_save._Outline(n // 4 * 3, base64.b64decode(good[:torch_save.HEAD_CHARS]), (n - torch_save.TAIL_CHARS)
+                          // 4 * 3, base64.b64decode(good[n - torch_save.TAIL_CHARS:]))
+    assert torch_save.plain_tensor_layout(_ctx(), outline)[3] == _DATA_OFFSET
     where, text = SPOILED[name]
     b64 = _spoil(good, where(len(good)), text)
     with pytest.raises(ValueError):
         safe_load_prompt_embeds(_ctx().model_config, b64.encode())
     body = _body(prompt="", prompt_embeds=b64)
-    out = jp.prepare(body, "/v1/completions", _ctx())
+    out = json_body.prepare(body, "/v1/completions", _ctx())
     assert out.reason == "rejected" and out.body == body
-    shm.collect()
+    process.collect()
     assert os.listdir(shm_env) == []
     # The same payload unspoiled takes the direct path, in several chunks.
-    out = jp.prepare(_body(prompt="", prompt_embeds=good), "/v1/completions", _ctx())
+    out = json_body.prepare(_body(prompt="", prompt_embeds=good), "/v1/completions", _ctx())
     assert _direct_count() == 1
     for t in out.upload.tensors:
         if t is not None:
-            shm.release_streamed(t)
+            transfer.release_streamed(t)
 
 
 @pytest.mark.parametrize("dtype,fail_at", [(torch.float32, 3), (torch.float16, 1)])
@@ -467,7 +473,7 @@ def test_no_space_midway_gives_the_body_back_and_leaves_nothing(shm_env, monkeyp
     import errno
 
     writes = []
-    real = shm.StreamedSegment.write
+    real = transfer.StreamedSegment.write
 
     def full(self, data):
         writes.append(len(data))
@@ -475,23 +481,23 @@ def test_no_space_midway_gives_the_body_back_and_leaves_nothing(shm_env, monkeyp
             raise OSError(errno.ENOSPC, "No space left on device")
         real(self, data)
 
-    monkeypatch.setattr(shm.StreamedSegment, "write", full)
-    monkeypatch.setattr(jp, "DECODE_CHUNK_BYTES", 1 << 16)
+    monkeypatch.setattr(transfer.StreamedSegment, "write", full)
+    monkeypatch.setattr(torch_save, "DECODE_CHUNK_BYTES", 1 << 16)
     body = _body(prompt="", prompt_embeds=encode_embeds(torch.randn(4000, HIDDEN).to(dtype)))
-    out = jp.prepare(body, "/v1/completions", _ctx())
+    out = json_body.prepare(body, "/v1/completions", _ctx())
     assert out.reason == "no_space" and out.body == body and len(writes) == fail_at
     assert _direct_count() == 0
-    shm.collect()
+    process.collect()
     assert os.listdir(shm_env) == []
 
 
 def test_outline_holds_only_head_and_tail():
-    f = jp._Outline(100, b"h" * 10, 90, b"t" * 10)
+    f = torch_save._Outline(100, b"h" * 10, 90, b"t" * 10)
     assert f.read(10) == b"h" * 10
     f.seek(-10, 2)
     assert f.read() == b"t" * 10
     f.seek(5)
-    with pytest.raises(jp._NotHeld):
+    with pytest.raises(torch_save._NotHeld):
         f.read(10)
 
 
@@ -502,34 +508,35 @@ def test_hop1_carries_digests_and_engine_hashes_nothing(shm_env):
     from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    from vllm import _shm_embeds_glue as glue
     from vllm.v1.core import kv_cache_utils as kcu
 
     tensor = torch.randn(50, HIDDEN)
     body = _body(prompt="", prompt_embeds=encode_embeds(tensor))
-    [sent] = [t for t in jp.prepare(body, "/v1/completions", _ctx()).upload.tensors
+    [sent] = [t for t in json_body.prepare(body, "/v1/completions", _ctx()).upload.tensors
               if t is not None]
     enc = MsgpackEncoder()
-    consumer = shm.HandleOOBConsumer(enc.oob_tensor_consumer)
+    consumer = hop1.HandleOOBConsumer(enc.oob_tensor_consumer)
     enc.oob_tensor_consumer = consumer
     req = EngineCoreRequest(
         request_id="r1", prompt_token_ids=None, mm_features=None, sampling_params=None,
         pooling_params=None, arrival_time=0.0, lora_request=None, cache_salt=None,
         data_parallel_rank=None, prompt_embeds=sent)
-    frames = glue._ArmingEncoder(enc, consumer).encode(req)
+    frames = core_client.ArmingEncoder(enc, consumer).encode(req)
     del sent, req
-    got = MsgpackDecoder(EngineCoreRequest, oob_tensor_provider=shm.HandleOOBProvider(None)
+    got = MsgpackDecoder(EngineCoreRequest, oob_tensor_provider=hop1.HandleOOBProvider(None)
                          ).decode(frames).prompt_embeds
-    assert torch.equal(got, tensor) and hashing.attached(got) is not None
+    assert torch.equal(got, tensor) and digests.attached(got) is not None
 
     orig = kcu._gen_prompt_embeds_extra_hash_keys
-    site = glue.JSON_SITES["embeds_block_hash"]
+    from vllm._shm_embeds import sites
+
+    site = sites.get("embeds_block_hash")
     kcu._gen_prompt_embeds_extra_hash_keys = site.wrap(orig)
     try:
         ours, _ = _stock_block_hashes(got, 16, extra_tokens=20)
-        before = shm.stats()
+        before = counters.stats()
         stock, _ = _stock_block_hashes(tensor.clone(), 16, extra_tokens=20)
-        after = shm.stats()
+        after = counters.stats()
     finally:
         kcu._gen_prompt_embeds_extra_hash_keys = orig
     assert ours == stock and len(ours) == 4  # 70 tokens: the 4th block mixes in output
@@ -538,20 +545,20 @@ def test_hop1_carries_digests_and_engine_hashes_nothing(shm_env):
     assert after["hash_engine_blocks"] == 4  # a tensor without digests: vLLM hashes
     assert before["hash_sent_tensors"] == 1
     del got
-    shm.collect()
+    process.collect()
 
 
 def test_malformed_or_foreign_digests_are_refused(shm_env):
     t = torch.randn(40, HIDDEN)
-    hashing.adopt_meta(t, {"block_sha256": {"block": 16, "rows": 40, "digests": b"x" * 64}})
-    hashing.adopt_meta(t, {"block_sha256": {"block": "a", "rows": 40, "digests": b""}})
-    assert hashing.attached(t) is None and shm.stats()["hash_rejected_meta"] == 2
+    digests.adopt_meta(t, {"block_sha256": {"block": 16, "rows": 40, "digests": b"x" * 64}})
+    digests.adopt_meta(t, {"block_sha256": {"block": "a", "rows": 40, "digests": b""}})
+    assert digests.attached(t) is None and counters.stats()["hash_rejected_meta"] == 2
     # A tensor our code did not write and hash sends no digests at hop 1.
-    assert hashing.handover_meta(t) == {}
+    assert digests.handover_meta(t) == {}
     # Digests of another shape never apply.
-    d = hashing.BlockDigests(16, 40, b"\0" * 96)
-    hashing.attach(t[:30], d)
-    assert hashing.attached(t[:30]) is None
+    d = digests.BlockDigests(16, 40, b"\0" * 96)
+    digests.attach(t[:30], d)
+    assert digests.attached(t[:30]) is None
 
 
 # -- integration: one TP=2 server, shm on (only VLLM_SHM_EMBEDS=1 and test dirs)
@@ -573,7 +580,7 @@ def server(tmp_path_factory):
 
 def _totals(server, role=None) -> dict:
     from helpers import by_role
-    from vllm._shm_embeds import read_stats_dir
+    from vllm._shm_embeds.counters import read_stats_dir
 
     stats = read_stats_dir(server["stats"])
     if role is not None:

@@ -12,9 +12,14 @@ import pytest
 import torch
 
 from helpers import mine, run_child
-from vllm import _shm_embeds as shm
-from vllm import _shm_embeds_segments as segments
-from vllm._shm_embeds_segments import SegmentName, pid_namespace, proc_start_time
+from vllm._shm_embeds.handle import SegmentName, pid_namespace, proc_start_time
+from vllm._shm_embeds import config
+from vllm._shm_embeds import counters
+from vllm._shm_embeds import handle
+from vllm._shm_embeds import hop1
+from vllm._shm_embeds import hop2
+from vllm._shm_embeds import process
+from vllm._shm_embeds import transfer
 
 
 class _Req:
@@ -28,7 +33,7 @@ def _reader(handles, index, q):
     try:
         out = []
         for h in handles:
-            t = shm.open_tensor(h, index)
+            t = transfer.open_tensor(h, index)
             out.append((t.dtype, tuple(t.shape), t.float().tolist()))
         q.put(out)
     except Exception as e:  # surface to the parent
@@ -54,7 +59,7 @@ def _read_in_spawned_readers(handles, readers):
 
 
 def _delta(before, key):
-    return shm.stats().get(key, 0) - before.get(key, 0)
+    return counters.stats().get(key, 0) - before.get(key, 0)
 
 
 def test_round_trip_across_spawned_readers(shm_env):
@@ -64,8 +69,8 @@ def test_round_trip_across_spawned_readers(shm_env):
         for dtype in (torch.float32, torch.float16, torch.bfloat16)
         for rows in (0, 1, 37)
     ]
-    before = shm.stats()
-    handles = [shm.externalize(src, readers=2) for src in srcs]
+    before = counters.stats()
+    handles = [hop2.externalize(src, readers=2) for src in srcs]
     assert all(len(pickle.dumps(h)) < 300 for h in handles)
     assert [h.nbytes for h in handles] == [s.nbytes for s in srcs]
     assert _delta(before, "copied_bytes") == sum(s.nbytes for s in srcs)
@@ -74,60 +79,60 @@ def test_round_trip_across_spawned_readers(shm_env):
             assert dtype == src.dtype and shape == tuple(src.shape)
             assert values == src.float().tolist()
     # Both readers set their flags: the names go at the next collect().
-    assert shm.collect() == len(srcs)
+    assert process.collect() == len(srcs)
     assert os.listdir(shm_env) == []
 
 
 def test_reused_without_copy_and_released_on_free(shm_env):
     src = torch.arange(4096, dtype=torch.float32).view(64, 64)
-    h1 = shm.externalize(src, readers=1)
-    before = shm.stats()
-    h2 = shm.externalize(src, readers=1)  # same tensor, still linked
+    h1 = hop2.externalize(src, readers=1)
+    before = counters.stats()
+    h2 = hop2.externalize(src, readers=1)  # same tensor, still linked
     assert h2.name == h1.name
     assert _delta(before, "copied_bytes") == 0
     assert _delta(before, "hop2_reused_tensors") == 1
-    assert shm.collect() == 0  # reader has not mapped it yet
+    assert process.collect() == 0  # reader has not mapped it yet
     assert h2.flag_base == h1.flag_base + 1  # each broadcast has flags of its own
-    t = shm.open_tensor(h1, 0)
+    t = transfer.open_tensor(h1, 0)
     assert torch.equal(t, src)
     # The first broadcast's reader is done, the second's is not: the name stays.
-    assert shm.collect() == 0 and os.listdir(shm_env) == [h1.name]
-    assert torch.equal(shm.open_tensor(h2, 0), src)
-    assert shm.collect() == 1
+    assert process.collect() == 0 and os.listdir(shm_env) == [h1.name]
+    assert torch.equal(transfer.open_tensor(h2, 0), src)
+    assert process.collect() == 1
     # The mapping stays valid after the name is gone.
     assert torch.equal(t, src)
 
 
 def test_adopt_renames_to_owner_and_hop2_reuses_it(shm_env):
     src = torch.randn(10, 32)
-    sent = shm.share_tensor(src)  # hop 1 sender (owner: us, then the adopter)
-    adopted = shm.adopt_tensor(sent)
+    sent = transfer.share_tensor(src)  # hop 1 sender (owner: us, then the adopter)
+    adopted = transfer.adopt_tensor(sent)
     names = os.listdir(shm_env)
     assert len(names) == 1 and names[0] != sent.name
     assert mine(names[0])
     assert torch.equal(adopted, src)
-    before = shm.stats()
-    h = shm.externalize(adopted, readers=1)
+    before = counters.stats()
+    h = hop2.externalize(adopted, readers=1)
     assert h.name == names[0]
     assert _delta(before, "copied_bytes") == 0  # one copy in total (at hop 1)
-    shm.open_tensor(h, 0)
-    assert shm.collect() == 1
+    transfer.open_tensor(h, 0)
+    assert process.collect() == 1
 
 
 def test_adopted_but_never_broadcast_is_unlinked_when_freed(shm_env):
-    adopted = shm.adopt_tensor(shm.share_tensor(torch.randn(4, 4)))
+    adopted = transfer.adopt_tensor(transfer.share_tensor(torch.randn(4, 4)))
     assert len(os.listdir(shm_env)) == 1
     del adopted  # e.g. the request was aborted before it was scheduled
-    shm.collect()  # the next safe point (the reaper runs one every 0.1 s)
+    process.collect()  # the next safe point (the reaper runs one every 0.1 s)
     assert os.listdir(shm_env) == []
 
 
 def test_missing_segment_is_a_clear_error(shm_env):
-    h = shm.SharedTensorHandle(str(SegmentName(1, 1, 1, 1)), "float32", (2, 2))
-    with pytest.raises(shm.ShmEmbedsError, match="not found"):
-        shm.open_tensor(h)
-    with pytest.raises(shm.ShmEmbedsError, match="not a shm-embeds segment"):
-        shm.SharedTensorHandle.from_meta({"name": "../etc/x", "dtype": "float32", "shape": [1]})
+    h = handle.SharedTensorHandle(str(SegmentName(1, 1, 1, 1)), "float32", (2, 2))
+    with pytest.raises(handle.ShmEmbedsError, match="not found"):
+        transfer.open_tensor(h)
+    with pytest.raises(handle.ShmEmbedsError, match="not a shm-embeds segment"):
+        handle.SharedTensorHandle.from_meta({"name": "../etc/x", "dtype": "float32", "shape": [1]})
 
 
 @pytest.mark.parametrize(
@@ -140,8 +145,8 @@ def test_missing_segment_is_a_clear_error(shm_env):
 )
 def test_ineligible_tensors_keep_stock_path(shm_env, tensor, reason):
     req = _Req(tensor)
-    before = shm.stats()
-    assert shm.externalize_prompt_embeds([req], readers=2) == []
+    before = counters.stats()
+    assert hop2.externalize_prompt_embeds([req], readers=2) == []
     assert req.prompt_embeds is tensor
     assert _delta(before, f"fallback.hop2.{reason}") == 1
     assert _delta(before, "hop2_stock_tensors") == 1
@@ -150,7 +155,7 @@ def test_ineligible_tensors_keep_stock_path(shm_env, tensor, reason):
 def test_small_tensor_keeps_stock_path(shm_env, monkeypatch):
     monkeypatch.setenv("VLLM_SHM_EMBEDS_MIN_BYTES", str(1 << 20))
     req = _Req(torch.randn(4, 4))
-    assert shm.externalize_prompt_embeds([req], readers=1) == []
+    assert hop2.externalize_prompt_embeds([req], readers=1) == []
     assert isinstance(req.prompt_embeds, torch.Tensor)
 
 
@@ -161,11 +166,11 @@ def test_full_dev_shm_falls_back(shm_env, monkeypatch):
     monkeypatch.setattr(os, "pwrite", no_space)
     tensor = torch.randn(16, 16)
     req = _Req(tensor)
-    before = shm.stats()
-    assert shm.externalize_prompt_embeds([req], readers=1) == []
+    before = counters.stats()
+    assert hop2.externalize_prompt_embeds([req], readers=1) == []
     assert req.prompt_embeds is tensor
     assert _delta(before, "fallback.hop2.no_space") == 1
-    consumer = shm.HandleOOBConsumer()
+    consumer = hop1.HandleOOBConsumer()
     consumer.arm(tensor)
     assert consumer(tensor) is None  # inline
     assert _delta(before, "fallback.hop1.no_space") == 1
@@ -174,26 +179,26 @@ def test_full_dev_shm_falls_back(shm_env, monkeypatch):
 def test_externalize_internalize_restore(shm_env):
     a, b = torch.randn(5, 8), torch.randn(3, 8)
     reqs = [_Req(a), _Req(None), _Req(b)]
-    swapped = shm.externalize_prompt_embeds(reqs, readers=1)
+    swapped = hop2.externalize_prompt_embeds(reqs, readers=1)
     assert len(swapped) == 2
     wire = pickle.loads(pickle.dumps(reqs))  # what a worker receives
-    assert isinstance(wire[0].prompt_embeds, shm.SharedTensorHandle)
-    shm.restore_prompt_embeds(swapped)
+    assert isinstance(wire[0].prompt_embeds, handle.SharedTensorHandle)
+    hop2.restore_prompt_embeds(swapped)
     assert reqs[0].prompt_embeds is a and reqs[2].prompt_embeds is b
-    assert shm.internalize_prompt_embeds(wire, reader_index=0) == 2
+    assert hop2.internalize_prompt_embeds(wire, reader_index=0) == 2
     assert torch.equal(wire[0].prompt_embeds, a) and torch.equal(wire[2].prompt_embeds, b)
-    assert shm.collect() == 2
+    assert process.collect() == 2
 
 
 def test_oob_consumer_provider_round_trip(shm_env):
     tensor = torch.randn(6, 8).to(torch.bfloat16)
-    consumer = shm.HandleOOBConsumer()
+    consumer = hop1.HandleOOBConsumer()
     other = torch.randn(6, 8)
     assert consumer(other) is None  # not armed: not ours
     consumer.arm(tensor)
     meta = consumer(tensor)
-    assert set(meta) == {shm.META_KEY}
-    provider = shm.HandleOOBProvider()
+    assert set(meta) == {hop1.META_KEY}
+    provider = hop1.HandleOOBProvider()
     got = provider("bfloat16", (6, 8), meta)
     assert torch.equal(got, tensor) and provider.is_failed(got) is None
     # The same handle again: the segment was adopted, so it is gone.
@@ -201,9 +206,9 @@ def test_oob_consumer_provider_round_trip(shm_env):
     message = provider.is_failed(failed)
     assert "could not be read from shared memory" in message
     # Nothing internal reaches the client: no segment name, no directory.
-    assert shm.SEGMENT_PREFIX not in message and shm_env not in message
+    assert handle.SEGMENT_PREFIX not in message and shm_env not in message
     del got
-    shm.collect()
+    process.collect()
     assert os.listdir(shm_env) == []
 
 
@@ -218,17 +223,17 @@ def test_sweep_removes_only_dead_owners(shm_env):
     other_ns = str(SegmentName(ns + 1, dead_pid, 1, 0))
     for name in (dead_name, live_name, other_ns):
         open(os.path.join(shm_env, name), "wb").close()
-    assert shm.sweep_stale_segments() == 1
+    assert process.sweep_stale_segments() == 1
     assert sorted(os.listdir(shm_env)) == sorted([live_name, other_ns])
     os.unlink(os.path.join(shm_env, live_name))
     os.unlink(os.path.join(shm_env, other_ns))
 
 
 def test_shutdown_unlinks_own_segments(shm_env):
-    shm.share_tensor(torch.randn(3, 3))  # sent, never adopted
-    shm.externalize(torch.randn(3, 3), readers=2)  # broadcast, never read
+    transfer.share_tensor(torch.randn(3, 3))  # sent, never adopted
+    hop2.externalize(torch.randn(3, 3), readers=2)  # broadcast, never read
     assert len(os.listdir(shm_env)) == 2
-    shm.shutdown()
+    process.shutdown()
     assert os.listdir(shm_env) == []
 
 
@@ -265,16 +270,16 @@ def test_plugin_patches_only_when_enabled(flag, extra, expected):
 
 
 def test_forked_child_does_not_own_parents_segments(shm_env):
-    h = shm.externalize(torch.randn(4, 4), readers=1)
+    h = hop2.externalize(torch.randn(4, 4), readers=1)
     pid = os.fork()
     if pid == 0:  # e.g. a TP worker under the fork start method
-        shm.shutdown()
-        os._exit(0 if shm.pending_segments() == 0 and not shm.stats() else 1)
+        process.shutdown()
+        os._exit(0 if process.pending_segments() == 0 and not counters.stats() else 1)
     _, status = os.waitpid(pid, 0)
     assert status == 0
     assert os.listdir(shm_env) == [h.name]
-    shm.open_tensor(h, 0)
-    assert shm.collect() == 1
+    transfer.open_tensor(h, 0)
+    assert process.collect() == 1
 
 
 def test_sweep_treats_zombie_owner_as_dead(shm_env):
@@ -284,50 +289,50 @@ def test_sweep_treats_zombie_owner_as_dead(shm_env):
         pass  # exits, stays a zombie (not yet waited for)
     name = str(SegmentName(pid_namespace(), child.pid, 1, 0))
     open(os.path.join(shm_env, name), "wb").close()
-    assert shm.sweep_stale_segments() == 1
+    assert process.sweep_stale_segments() == 1
     child.wait()
 
 
 @pytest.mark.parametrize("files", [1, 3])
 def test_readers_cannot_change_what_others_read(shm_env, monkeypatch, files):
     """A stray in-place write in one TP rank faults there; others are unharmed."""
-    monkeypatch.setattr(segments, "PART_MIN_BYTES", 4096)
+    monkeypatch.setattr(handle, "PART_MIN_BYTES", 4096)
     monkeypatch.setenv("VLLM_SHM_EMBEDS_WRITERS", str(files))
     src = torch.zeros(3, 4096)
-    h = shm.externalize(src, readers=2)
+    h = hop2.externalize(src, readers=2)
     assert len(os.listdir(shm_env)) == files
     child = run_child("import pickle, sys\n"
-                      "from vllm import _shm_embeds as shm\n"
-                      "t = shm.open_tensor(pickle.loads(sys.stdin.buffer.read()), 0)\n"
+                      "from vllm._shm_embeds import transfer\n"
+                      "t = transfer.open_tensor(pickle.loads(sys.stdin.buffer.read()), 0)\n"
                       "t[-1].add_(1.0)\n", h)
     assert child.returncode < 0  # killed by SIGSEGV/SIGBUS, not silently written
-    assert torch.equal(shm.open_tensor(h, 1), src)
-    assert shm.collect() == 1
+    assert torch.equal(transfer.open_tensor(h, 1), src)
+    assert process.collect() == 1
 
 
 def test_vanished_segment_is_copied_again(shm_env):
     """A tmp cleaner removed an adopted segment's name: hop 2 must not send it."""
-    adopted = shm.adopt_tensor(shm.share_tensor(torch.randn(8, 8)))
+    adopted = transfer.adopt_tensor(transfer.share_tensor(torch.randn(8, 8)))
     [name] = os.listdir(shm_env)
     os.unlink(os.path.join(shm_env, name))
-    h = shm.externalize(adopted, readers=1)
+    h = hop2.externalize(adopted, readers=1)
     assert h.name != name
-    assert torch.equal(shm.open_tensor(h, 0), adopted)
-    assert shm.collect() == 1
-    assert shm.stats().get("fallback.hop2.vanished", 0) >= 1
+    assert torch.equal(transfer.open_tensor(h, 0), adopted)
+    assert process.collect() == 1
+    assert counters.stats().get("fallback.hop2.vanished", 0) >= 1
 
 
 @pytest.mark.parametrize("raw", ["", "1MiB", "1e6", "-5"])
 def test_bad_min_bytes_defaults(monkeypatch, raw):
     monkeypatch.setenv("VLLM_SHM_EMBEDS_MIN_BYTES", raw)
-    assert shm.min_bytes() == shm.DEFAULT_MIN_BYTES
-    assert bool(shm.config_problems()) == bool(raw)
+    assert config.min_bytes() == config.DEFAULT_MIN_BYTES
+    assert bool(config.settings().problems) == bool(raw)
 
 
 @pytest.fixture
 def striped(shm_env, monkeypatch):
     """Stripe every segment of more than one page over 3 files."""
-    monkeypatch.setattr(segments, "PART_MIN_BYTES", 4096)
+    monkeypatch.setattr(handle, "PART_MIN_BYTES", 4096)
     monkeypatch.setenv("VLLM_SHM_EMBEDS_WRITERS", "3")
     return shm_env
 
@@ -335,44 +340,44 @@ def striped(shm_env, monkeypatch):
 def test_striped_segment_hop1_hop2_round_trip(striped):
     """3 files written by 3 threads; adopted, re-sent and read back as one tensor."""
     src = torch.randn(37, 1000)  # 148000 bytes: the last file is not page-sized
-    sent = shm.share_tensor(src)
+    sent = transfer.share_tensor(src)
     assert len(sent.split) == 2 and all(b % 4096 == 0 for b in sent.split)
     assert len(os.listdir(striped)) == 3
-    wire = shm.SharedTensorHandle.from_meta(sent.to_meta())
+    wire = handle.SharedTensorHandle.from_meta(sent.to_meta())
     assert wire == sent
-    adopted = shm.adopt_tensor(wire)
+    adopted = transfer.adopt_tensor(wire)
     assert torch.equal(adopted, src)
     names = sorted(os.listdir(striped))
     assert len(names) == 3 and all(mine(n) for n in names)
-    before = shm.stats()
-    h = shm.externalize(adopted, readers=2)
+    before = counters.stats()
+    h = hop2.externalize(adopted, readers=2)
     assert _delta(before, "copied_bytes") == 0 and h.split == sent.split
     for r in _read_in_spawned_readers([h], 2):
         assert r[0][2] == src.tolist()
-    assert shm.collect() == 1
+    assert process.collect() == 1
     assert os.listdir(striped) == []
     assert torch.equal(adopted, src)  # the mapping outlives the names
 
 
 def test_striped_segment_private_tensor_and_free(striped):
     src = torch.arange(3 * 4096, dtype=torch.float32)
-    h = shm.externalize(src, readers=1)
+    h = hop2.externalize(src, readers=1)
     assert len(os.listdir(striped)) == 3
-    t = shm.open_tensor(h, 0)
+    t = transfer.open_tensor(h, 0)
     assert torch.equal(t, src)
-    assert shm.collect() == 1 and os.listdir(striped) == []
-    adopted = shm.adopt_tensor(shm.share_tensor(src))
+    assert process.collect() == 1 and os.listdir(striped) == []
+    adopted = transfer.adopt_tensor(transfer.share_tensor(src))
     assert len(os.listdir(striped)) == 3
     del adopted  # freed before any broadcast: every file goes
-    shm.collect()
+    process.collect()
     assert os.listdir(striped) == []
 
 
 def test_striped_segment_missing_part_is_a_clear_error(striped):
-    sent = shm.share_tensor(torch.randn(3, 4096))
+    sent = transfer.share_tensor(torch.randn(3, 4096))
     os.unlink(os.path.join(striped, sent.name + "p2"))
-    with pytest.raises(shm.ShmEmbedsError, match="not found"):
-        shm.adopt_tensor(sent)
+    with pytest.raises(handle.ShmEmbedsError, match="not found"):
+        transfer.adopt_tensor(sent)
     assert os.listdir(striped) == []  # the remaining files are not left behind
 
 
@@ -380,13 +385,13 @@ def test_striped_segment_missing_part_is_a_clear_error(striped):
 def test_bad_split_is_rejected(split):
     meta = {"name": str(SegmentName(1, 1, 1, 1)), "dtype": "float32",
             "shape": [4, 4096], "split": split}
-    with pytest.raises(shm.ShmEmbedsError, match="malformed"):
-        shm.SharedTensorHandle.from_meta(meta)
+    with pytest.raises(handle.ShmEmbedsError, match="malformed"):
+        handle.SharedTensorHandle.from_meta(meta)
 
 
 @pytest.mark.parametrize("raw,ok", [("", True), ("2", True), ("0", False), ("x", False),
                                     ("99", False)])
 def test_writers_setting(monkeypatch, raw, ok):
     monkeypatch.setenv("VLLM_SHM_EMBEDS_WRITERS", raw)
-    assert 1 <= shm.writers() <= shm.MAX_WRITERS
-    assert (not any("WRITERS" in p.message for p in shm.config_problems())) == ok
+    assert 1 <= config.writers() <= config.MAX_WRITERS
+    assert (not any("WRITERS" in p for p in config.settings().problems)) == ok

@@ -14,7 +14,6 @@ same totals, equal to the files and to the requests sent; the directory is
 removed at exit.
 """
 
-import json
 import os
 import re
 import signal
@@ -30,8 +29,11 @@ import torch
 from helpers import embed_weights, encode_embeds, engine_env, new_seg_dir, ours_in, tiny_model
 from helpers import SERVE_CLI
 from helpers import free_port as _free_port
-from vllm import _shm_embeds_metrics as metrics
-from vllm._shm_embeds import read_stats_dir
+from helpers import write_counters
+from vllm._shm_embeds import counters, sizing
+from vllm._shm_embeds.counters import read_stats_dir
+from vllm._shm_embeds.http import metrics as hmetrics
+from vllm._shm_embeds.sites import entrypoints
 
 PREFIX = "vllm:shm_embeds_"
 MAX_LEN = 2048
@@ -126,30 +128,34 @@ def test_aggregate_attributes_hops_to_senders_and_sums_processes(tmp_path):
     seg_dir = tmp_path / "seg"
     seg_dir.mkdir()
     stats = [
-        {"pid": os.getpid(), "roles": ["client"], "counters": {
+        {"roles": ["client"], "counters": {
             "hop1_shm_tensors": 2, "hop1_shm_bytes": 100, "hop1_stock_tensors": 1,
             "hop1_stock_bytes": 7, "fallback.hop1.small": 1, "copied_bytes": 100,
             "segments_created": 2, "binary_rejected.no_space": 1, "hop1_handover_tensors": 1,
             "json_tensors": 3, "json_direct_tensors": 2, "json_fallback.rejected": 1}},
-        {"pid": 10**7, "roles": ["client"], "counters": {"hop1_shm_tensors": 3,
+        {"roles": ["client"], "counters": {"hop1_shm_tensors": 3,
                                                           "hop1_shm_bytes": 30}},
-        {"pid": 2, "roles": ["engine"], "counters": {
+        {"roles": ["engine"], "counters": {
             "hop1_shm_tensors": 5, "hop1_shm_bytes": 130, "hop1_adopted_tensors": 5,
             "hop2_shm_tensors": 5, "hop2_shm_bytes": 130, "hop2_reused_tensors": 5,
             "fallback.hop2.no_space": 2, "segments_unlinked": 5}},
-        {"pid": 3, "roles": ["worker"], "counters": {"hop2_shm_tensors": 5,
+        {"roles": ["worker"], "counters": {"hop2_shm_tensors": 5,
                                                       "hop2_shm_bytes": 130}},
-        {"pid": 4, "roles": ["worker"], "counters": {"hop2_shm_tensors": 5,
+        {"roles": ["worker"], "counters": {"hop2_shm_tensors": 5,
                                                       "hop2_shm_bytes": 130,
                                                       "fallback.hop2.map_failed": 1}},
     ]
+    stats_dir = tmp_path / "stats"
+    stats_dir.mkdir()
+    pids = write_counters(str(stats_dir), stats)
     # One segment file of a process in ``stats``, one of a process that is not.
-    from vllm._shm_embeds_segments import SegmentName, pid_namespace
+    from vllm._shm_embeds.handle import SegmentName, pid_namespace
 
-    ours = SegmentName(pid_namespace(), os.getpid(), 1, 0)
+    ours = SegmentName(pid_namespace(), pids[0], 1, 0)
     (seg_dir / str(ours)).write_bytes(b"x" * 8192)
     (seg_dir / str(SegmentName(pid_namespace(), 99, 1, 0))).write_bytes(b"x" * 4096)
-    v = metrics.aggregate(stats, str(seg_dir))
+    assert counters.server_pids(str(stats_dir)) == set(pids)
+    v = hmetrics.aggregate(counters.read_server(str(stats_dir)), set(pids), str(seg_dir))
     assert v["tensors"] == {("1", "shm"): 5, ("1", "stock"): 1, ("2", "shm"): 5,
                             ("2", "stock"): 0}
     assert v["bytes"][("1", "shm")] == 130 and v["bytes"][("2", "shm")] == 130
@@ -173,17 +179,16 @@ def test_metrics_route_appends_families_equal_to_files(tmp_path, monkeypatch):
     from fastapi.testclient import TestClient
     from vllm.entrypoints.serve.instrumentator import metrics as route
 
-    stats = [{"pid": 1, "roles": ["client"], "counters": {
+    stats = [{"roles": ["client"], "counters": {
                   "hop1_shm_tensors": 3, "hop1_shm_bytes": 300, "fallback.hop1.no_space": 2}},
-             {"pid": 2, "roles": ["engine"], "counters": {
+             {"roles": ["engine"], "counters": {
                   "hop1_shm_tensors": 3, "hop1_shm_bytes": 300, "hop2_shm_tensors": 3}},
-             {"pid": 3, "roles": ["worker"], "counters": {"hop2_shm_tensors": 3}}]
-    for s in stats:
-        (tmp_path / f"{s['pid']}.json").write_text(json.dumps(s))
+             {"roles": ["worker"], "counters": {"hop2_shm_tensors": 3}}]
+    write_counters(str(tmp_path), stats)
     monkeypatch.setenv("VLLM_SHM_EMBEDS_STATS_DIR", str(tmp_path))
-    monkeypatch.setattr(metrics, "_model_name", "tiny")
+    monkeypatch.setattr(hmetrics, "_model_name", "tiny")
     app = FastAPI()
-    metrics.wrap_attach_router(route.attach_router)(app)
+    entrypoints.wrap_attach_router(route.attach_router)(app)
     app.get("/other")(lambda: {"metrics": "no"})
     client = TestClient(app)
     for headers in ({}, {"Accept-Encoding": "gzip"}):
@@ -216,13 +221,13 @@ def test_sizing_warning_says_how_large():
 
     need = 2 * 16 * (8192 * 8192 * 2 + 4096)
     st = os.statvfs("/dev/shm")
-    warning = metrics.check_dir_size(Cfg, "/dev/shm")
+    warning = sizing.check_dir_size(Cfg, "/dev/shm")
     if st.f_blocks * st.f_frsize >= need:
         assert warning is None
     else:
         assert f"({need} bytes)" in warning and "--shm-size=5g" in warning
     Cfg.scheduler_config.max_num_seqs = 1 << 20
-    warning = metrics.check_dir_size(Cfg, "/dev/shm")
+    warning = sizing.check_dir_size(Cfg, "/dev/shm")
     assert str(2 * (1 << 20) * (8192 * 8192 * 2 + 4096)) in warning
 
 
@@ -418,7 +423,7 @@ def test_two_api_servers_and_dp2_add_up(tmp_path):
     try:
         with Server(tmp_path, ("--data-parallel-size", "2"), env, serve=True) as server:
             [stats_dir] = [p for p in tmpdir.iterdir()
-                           if p.name.startswith(metrics.STATS_DIR_PREFIX)]
+                           if p.name.startswith(hmetrics.STATS_DIR_PREFIX)]
             bodies = [{"prompt": "", "prompt_embeds": encode_embeds(t)} for t in embeds]
             bodies += [{"prompt": "text between the embeds"}] * 4
             with ThreadPoolExecutor(8) as pool:  # a new connection per request

@@ -57,7 +57,7 @@ TEXTS = [
 
 def test_embeds_equal_text_and_use_shm(server):
     client = _client(server)
-    from vllm._shm_embeds import read_stats_dir
+    from vllm._shm_embeds.counters import read_stats_dir
 
     total = 0
     for text in TEXTS:
@@ -136,7 +136,7 @@ def test_many_embeds_parts_in_one_request(server):
 
 def test_chat_completions_embeds_part_uses_shm(server):
     """/v1/chat/completions with a ``prompt_embeds`` content part (vLLM 0.32)."""
-    from vllm._shm_embeds import read_stats_dir
+    from vllm._shm_embeds.counters import read_stats_dir
 
     def hop1_bytes():
         return sum(c.get("hop1_shm_bytes", 0)

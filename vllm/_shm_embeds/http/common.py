@@ -64,7 +64,6 @@ class ServerContext:
     """The served model, as the body paths need it (vLLM's ``VllmConfig``).
 
     Attributes:
-        model_config: vLLM's ``ModelConfig`` (for ``safe_load_prompt_embeds``).
         hidden_size: ``model_config.get_hidden_size()``.
         max_model_len: tokens; ``--max-model-len``.
         dtype: the model dtype; tensors of another datatype are cast to it.
@@ -74,24 +73,25 @@ class ServerContext:
         hash_block_tokens: rows per prefix-cache digest
             (``cache_config.hash_block_size``, else ``block_size``), or None
             when prefix caching is off (nothing to hash).
+        model_config: vLLM's ``ModelConfig`` (for ``safe_load_prompt_embeds``).
     """
 
-    model_config: Any
     hidden_size: int
     max_model_len: int
     dtype: torch.dtype
     enable_prompt_embeds: bool
     max_body_bytes: int
-    hash_block_tokens: int | None
+    hash_block_tokens: int | None = None
+    model_config: Any = None
 
     @classmethod
     def from_model_config(cls, model_config: Any,
                           hash_block_tokens: int | None = None) -> ServerContext:
         hidden = int(model_config.get_hidden_size())
         max_len = int(model_config.max_model_len)
-        return cls(model_config, hidden, max_len, model_config.dtype,
+        return cls(hidden, max_len, model_config.dtype,
                    bool(model_config.enable_prompt_embeds),
-                   binary_max_bytes(max_len, hidden), hash_block_tokens)
+                   binary_max_bytes(max_len, hidden), hash_block_tokens, model_config)
 
     @classmethod
     def from_vllm_config(cls, config: Any) -> ServerContext:

@@ -160,3 +160,11 @@ def apply(before_patch: dict | None = None) -> dict[str, list[str]]:
         if problems:
             logger.warning(message, os.getpid(), "; ".join(problems))
     return STATUS
+
+
+def get(key: str) -> Site:
+    """The site named ``key``; raises KeyError."""
+    for site in SITES:
+        if site.key == key:
+            return site
+    raise KeyError(key)

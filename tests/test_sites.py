@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The glue (vllm/_shm_embeds_glue.py) against the installed vLLM, without engines.
+"""The sites registry (vllm/_shm_embeds/sites/) against the installed vLLM, without engines.
 
 Hop 1 through vLLM's real ``MsgpackEncoder``/``MsgpackDecoder`` and
 ``EngineCoreRequest``; hop 2's ``collective_rpc`` wrapper with local and with
-remote (other-node) readers; every site resolves; executors we do not
-support stay untouched.
+remote (other-node) readers; every site resolves, here and (statically) in
+the vllm 0.33 wheel; executors we do not support stay untouched.
 """
 
 import os
@@ -15,9 +15,12 @@ import types
 import pytest
 import torch
 
-from helpers import mine
-from vllm import _shm_embeds as shm
-from vllm import _shm_embeds_glue as glue
+from helpers import REPO, mine
+from vllm._shm_embeds import counters, handle, hop1, process, sites, transfer
+from vllm._shm_embeds.sites import core_client, multiproc_executor
+
+sys.path.insert(0, os.path.join(REPO, "tools"))
+import check_sites  # noqa: E402
 
 
 def _request(embeds):
@@ -32,9 +35,29 @@ def _request(embeds):
 
 
 def test_every_site_resolves_in_installed_vllm():
-    assert glue.check_sites() == {"hop1": [], "hop2": []}
-    for key, site in glue.BINARY_SITES.items():
-        site.resolve()  # raises if a binary-body site does not hold
+    assert len(sites.SITES) == 21 and len({s.key for s in sites.SITES}) == 21
+    for group in sites.GROUPS:
+        assert sites.check(group)[0] == [], group
+
+
+def test_encoder_wrapper_forwards_vllm_attributes():
+    """vLLM reads attributes of ``MPClient.encoder`` that the wrapper does not
+    define (``oob_tensor_consumer``, ``aux_buffers``, ...): they must be the
+    inner ``MsgpackEncoder``'s. (An unreachable ``__getattr__`` once made
+    every such read raise AttributeError.)"""
+    from vllm.v1.serial_utils import MsgpackEncoder
+
+    enc = MsgpackEncoder()
+    consumer = hop1.HandleOOBConsumer(enc.oob_tensor_consumer)
+    enc.oob_tensor_consumer = consumer
+    wrapped = core_client.ArmingEncoder(enc, consumer)
+    assert wrapped.oob_tensor_consumer is consumer
+    assert wrapped.size_threshold == enc.size_threshold
+    assert wrapped.enc_hook == enc.enc_hook
+    wrapped.encode(("utility", 1))
+    assert wrapped.aux_buffers is enc.aux_buffers
+    with pytest.raises(AttributeError):
+        wrapped.no_such_attribute
 
 
 def test_hop1_through_vllm_msgpack(shm_env):
@@ -43,13 +66,13 @@ def test_hop1_through_vllm_msgpack(shm_env):
 
     embeds = torch.randn(300, 64).to(torch.bfloat16)
     enc = MsgpackEncoder()
-    consumer = shm.HandleOOBConsumer(enc.oob_tensor_consumer)
+    consumer = hop1.HandleOOBConsumer(enc.oob_tensor_consumer)
     enc.oob_tensor_consumer = consumer
-    wrapped = glue._ArmingEncoder(enc, consumer)
+    wrapped = core_client.ArmingEncoder(enc, consumer)
     frames = wrapped.encode(_request(embeds))
     # Only the msgpack header crosses: no frame carries the tensor bytes.
     assert sum(len(memoryview(f)) for f in frames) < 1024
-    provider = shm.HandleOOBProvider(None)
+    provider = hop1.HandleOOBProvider(None)
     req = MsgpackDecoder(EngineCoreRequest, oob_tensor_provider=provider).decode(frames)
     assert torch.equal(req.prompt_embeds, embeds)
     assert mine(os.listdir(shm_env)[0])
@@ -57,7 +80,7 @@ def test_hop1_through_vllm_msgpack(shm_env):
     other = wrapped.encode(("utility", torch.randn(300, 64)))
     assert sum(len(memoryview(f)) for f in other) > 300 * 64 * 4
     del req
-    shm.collect()
+    process.collect()
     assert os.listdir(shm_env) == []  # released before any broadcast
 
 
@@ -82,23 +105,23 @@ def test_hop2_wrapper_local_vs_remote_readers(shm_env, n_remote):
         seen.append(type(args[0].scheduled_new_reqs[0].prompt_embeds))
         return "ok"
 
-    rpc = glue._wrap_executor_rpc(orig)
+    rpc = multiproc_executor.wrap_executor_rpc(orig)
     executor = _fake_executor(2, n_remote)
-    before = shm.stats()
+    before = counters.stats()
     assert rpc(executor, "execute_model", args=(so,)) == "ok"
     assert so.scheduled_new_reqs[0].prompt_embeds is embeds  # restored
     if n_remote:
         # A reader on another node cannot map a local file: stock path.
         assert seen == [torch.Tensor]
         assert executor._shm_embeds_readers == 0
-        assert shm.stats() == before
+        assert counters.stats() == before
     else:
-        assert seen == [shm.SharedTensorHandle]
+        assert seen == [handle.SharedTensorHandle]
         [name] = os.listdir(shm_env)
-        h = shm.SharedTensorHandle(name, "float32", (100, 64))
+        h = handle.SharedTensorHandle(name, "float32", (100, 64))
         for reader in range(2):
-            shm.open_tensor(h, reader)
-        assert shm.collect() == 1
+            transfer.open_tensor(h, reader)
+        assert process.collect() == 1
 
 
 _UNTOUCHED_PROBE = """
@@ -126,41 +149,35 @@ def test_uniproc_and_ray_executors_untouched():
 
 
 def _check_tree(vllm_dir):
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "tools"))
-    from check_sites import check_site
-
-    return {
-        key: check_site(vllm_dir, s.hop, s.module, s.qualname, s.params, s.source_marks,
-                        getattr(s, "alt_modules", ()))
-        for key, s in {**glue.SITES, **glue.BINARY_SITES, **glue.JSON_SITES}.items()
-    }
+    return {site.key: check_sites.check_site(vllm_dir, site) for site in sites.SITES}
 
 
 def test_static_site_check_agrees_with_installed_vllm():
     import vllm
 
-    assert set(_check_tree(os.path.dirname(vllm.__file__)).values()) == {None}
+    assert _check_tree(os.path.dirname(vllm.__file__)) == {s.key: None for s in sites.SITES}
 
 
-def test_sites_hold_in_vllm_0_33_wheel(tmp_path):
-    """vllm 0.33.0 (CUDA wheel, what GPU users run), checked from its source."""
-    import zipfile
+def test_static_check_sees_a_missing_mark(tmp_path):
+    """The static check is not a rubber stamp: a site whose source lost a
+    line we rely on fails it."""
+    import vllm
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "tools"))
-    import check_sites
+    src = os.path.dirname(vllm.__file__)
+    site = sites.get("client_init")
+    rel = check_sites.site_files(site.module)[0]
+    os.makedirs(tmp_path / os.path.dirname(rel))
+    text = open(os.path.join(src, rel)).read()
+    (tmp_path / rel).write_text(text.replace("self.encoder = MsgpackEncoder(", "self.enc = X("))
+    assert "no longer contains" in check_sites.check_site(str(tmp_path), site)
 
-    dl = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "vllm==0.33.0",
-         "-d", str(tmp_path)], capture_output=True, text=True, timeout=900,
-    )
-    wheels = list(tmp_path.glob("vllm-0.33.0-*.whl"))
-    if dl.returncode != 0 or not wheels:
-        pytest.skip(f"cannot download vllm 0.33.0: {dl.stderr[-300:]}")
-    sites = {**glue.SITES, **glue.BINARY_SITES, **glue.JSON_SITES}
-    wanted = {f"vllm/{rel}" for s in sites.values()
-              for m in (s.module, *getattr(s, "alt_modules", ()))
-              for rel in check_sites.site_files(m)}
-    with zipfile.ZipFile(wheels[0]) as z:
-        for name in wanted & set(z.namelist()):
-            z.extract(name, tmp_path / "src")
-    assert _check_tree(str(tmp_path / "src" / "vllm")) == {k: None for k in sites}
+
+def test_sites_hold_in_vllm_0_33_wheel():
+    """vllm 0.33.0 (CUDA wheel, what GPU users run), checked from its source.
+
+    The wheel is downloaded once and only the site files are kept
+    (``.cache/vllm-0.33.0/``; ``tools/check_sites.py --fetch``)."""
+    tree = check_sites.fetch("0.33.0")
+    if tree is None:
+        pytest.skip("cannot download vllm 0.33.0 (no package index?)")
+    assert _check_tree(tree) == {s.key: None for s in sites.SITES}
