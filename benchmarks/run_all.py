@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Run every benchmark, save JSON/PNG under ``benchmarks/results/``, refresh the README.
+"""Run every benchmark, save JSON/PNG under ``benchmarks/results/``, refresh docs/figures.md.
 
 Usage (from the repo root, after ``bash scripts/setup.sh --wide``)::
 
@@ -21,7 +21,7 @@ A full run does, one after the other (never in parallel: they share 2 cores):
   ``results/e2e.png``
 
 then writes ``results/README_tables.md`` and replaces the blocks between
-``<!-- run_all:NAME -->`` and ``<!-- /run_all:NAME -->`` in ``README.md``
+``<!-- run_all:NAME -->`` and ``<!-- /run_all:NAME -->`` in ``docs/figures.md``
 (NAME: hop1, hop2, e2e, targets). Times in ms, sizes in MiB.
 """
 
@@ -185,7 +185,8 @@ def e2e_markdown() -> str | None:
                 runs[m] = {r["length"]: r for r in json.load(f)["results"]}
     lines = ["", "The API server's own work per request (`bench_api_decode.py`, same "
              "machine, one process, no load): body join + `json.loads` + pydantic + "
-             "`safe_load_prompt_embeds` + prefix-cache sha256. No transport can go below it.",
+             "`safe_load_prompt_embeds` + prefix-cache sha256, as stock vLLM does it (the "
+             "JSON and binary paths of shm-embeds do less: docs/figures.md, input paths).",
              "", "| tokens | embeds MB | API decode floor ms | stock tax | shm tax | "
              "target (stock tax / 5) | shm tax - floor |", "|---:|---:|---:|---:|---:|---:|---:|"]
     for n, a in sorted(api.items()):
@@ -288,9 +289,10 @@ def render(tag: str) -> dict[str, str]:
     return out
 
 
-def patch_readme(sections: dict[str, str], path: str = os.path.join(REPO, "README.md")) -> list[str]:
+def patch_readme(sections: dict[str, str],
+                 path: str = os.path.join(REPO, "docs", "figures.md")) -> list[str]:
     """Replace each ``<!-- run_all:NAME -->`` ... ``<!-- /run_all:NAME -->`` block of
-    the README with ``sections[NAME]``; returns the names replaced."""
+    docs/figures.md with ``sections[NAME]``; returns the names replaced."""
     with open(path) as f:
         text = f.read()
     done = []
@@ -318,7 +320,7 @@ def main() -> None:
     ap.add_argument("--e2e-repeats", type=int, default=3, help="prof_embeds.py --repeats")
     ap.add_argument("--tables-only", action="store_true",
                     help="only re-render the markdown (and README) from saved JSON")
-    ap.add_argument("--no-readme", action="store_true", help="do not patch README.md")
+    ap.add_argument("--no-readme", action="store_true", help="do not patch docs/figures.md")
     args = ap.parse_args()
     tag = "_quick" if args.quick else ""
     only = set(args.only.split(","))
@@ -367,7 +369,7 @@ def main() -> None:
         f.write(md)
     print(md)
     if not tag and not args.no_readme:
-        print("README.md blocks refreshed:", ", ".join(patch_readme(sections)) or "none")
+        print("docs/figures.md blocks refreshed:", ", ".join(patch_readme(sections)) or "none")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ alternate trial by trial so that machine load weighs on both alike.
 
     .venv/bin/python benchmarks/sigterm_trials.py --trials 10
 
-Writes ``benchmarks/results/sigterm_trials.json`` and prints a table.
+Writes ``benchmarks/results/sigterm_trials.json`` and prints a table (each
+trial's server log under the printed ``logs`` directory).
 """
 
 from __future__ import annotations
@@ -21,11 +22,9 @@ import collections
 import io
 import json
 import os
+import pathlib
 import random
-import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,12 +34,7 @@ import requests
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # the one server launcher: helpers.Server
 
 
 def _embeds_body(weights: torch.Tensor, rng: random.Random, length: int) -> dict:
@@ -70,50 +64,27 @@ def _outcome(url: str, body: dict) -> str:
     return f"http-{r.status_code}{':' + kind if kind else ''}"
 
 
-def trial(model: str, shm_on: bool, bodies: list[dict], log_path: str) -> dict:
-    """One server start, load, SIGTERM; returns outcomes and timings."""
-    seg_dir = tempfile.mkdtemp(prefix="shm-embeds-sigterm-", dir="/dev/shm")
-    port = _free_port()
-    env = dict(os.environ, VLLM_SHM_EMBEDS="1" if shm_on else "0",
-               VLLM_SHM_EMBEDS_DIR=seg_dir, VLLM_SHM_EMBEDS_MIN_BYTES="1024",
-               VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"),
-               VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-             "--served-model-name", "tiny", "--port", str(port), "--enable-prompt-embeds",
-             "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager", "-tp", "2"],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+def trial(shm_on: bool, bodies: list[dict], tmp: pathlib.Path) -> dict:
+    """One server start (tests/helpers.py's launcher), load, SIGTERM; returns
+    outcomes and timings."""
+    from helpers import Server, ours_in
+
+    tmp.mkdir(parents=True)
+    server = Server(tmp, "-tp", "2", shm_on=shm_on, check_clean=False).start()
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server died at start; see {log_path}")
-            try:
-                if requests.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not start")
-            time.sleep(1)
         with ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(_outcome, url, b) for b in bodies]
+            futures = [pool.submit(_outcome, server.url, b) for b in bodies]
             time.sleep(1.0)
             t0 = time.monotonic()
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(180)
+            server.stop(signal.SIGTERM)
             exit_s = time.monotonic() - t0
             outcomes = [f.result() for f in futures]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        left = [n for n in os.listdir(seg_dir) if n.startswith("vllm-shm-embeds")]
-        shutil.rmtree(seg_dir, ignore_errors=True)
+        server.stop(signal.SIGKILL)
+        left = ours_in(server.seg_dir)
+        server.close()
     return {"shm": shm_on, "outcomes": outcomes, "exit_s": round(exit_s, 2),
-            "returncode": proc.returncode, "left": left}
+            "returncode": server.proc.returncode, "left": left}
 
 
 def main() -> None:
@@ -136,7 +107,7 @@ def main() -> None:
     results = []
     for i in range(args.trials):
         for shm_on in (False, True):
-            r = trial(model, shm_on, bodies, os.path.join(logs, f"{i}_{int(shm_on)}.log"))
+            r = trial(shm_on, bodies, pathlib.Path(logs) / f"{i}_{int(shm_on)}")
             results.append(r)
             c = collections.Counter(r["outcomes"])
             print(f"trial {i} {'shm-embeds' if shm_on else 'stock':10} exit {r['exit_s']:5.1f} s"

@@ -5,9 +5,9 @@
 #
 #   scripts/test.sh [pytest args]     # e.g. -m "not integration" for unit tests only
 #
-# Runs unit tests, the offline TP=2 integration tests (incl. 256 MiB of
-# prompt_embeds on the wide model), topologies/lifetime and the online server
-# tests. About 15 minutes on 2 cores after setup.
+# Runs the unit tests, then the integration tests on the few vLLM engines the
+# suite shares (tests/conftest.py: offline TP=2 runs incl. 256 MiB of
+# prompt_embeds on the wide model, and four OpenAI servers).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"

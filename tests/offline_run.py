@@ -5,13 +5,16 @@ Used by the integration tests, each run in its own process so that the
 plugin's environment (``VLLM_SHM_EMBEDS``) and shutdown are real.
 
     python tests/offline_run.py --model DIR --out result.json \
-        --lengths 40,300 [--long 700] [--max-num-batched-tokens 256]
+        --lengths 40,300 [--max-num-batched-tokens 256] [--lifetime] [--preempt N]
 
 For every length L it generates greedily (``--max-tokens`` tokens) from L
 fixed pseudo-random token ids, once as token ids and once as
 ``{"prompt_embeds": embed_tokens(ids)}``, with the embedding weights read from
 the model's safetensors (so both inputs mean the same thing). Writes JSON:
-``{"token_ids": [[...]], "embeds": [[...]], "embeds_bytes": [...]}``.
+``{"token_ids": [[...]], "embeds": [[...]], "embeds_bytes": [...]}``; with
+``VLLM_SHM_EMBEDS_STATS_DIR`` set also ``stats_after_generate``: every
+process's counters once that first round has settled (the later phases
+count on).
 """
 
 import argparse
@@ -22,6 +25,24 @@ import time
 import torch
 
 from helpers import embed_weights, ours_in
+
+
+def settled_stats(n: int) -> list[dict] | None:
+    """Every process's counters once the EngineCore unlinked ``n`` names (it
+    does so when the requests' tensors are freed), or None without a stats dir."""
+    stats_dir = os.environ.get("VLLM_SHM_EMBEDS_STATS_DIR")
+    if not stats_dir or os.environ.get("VLLM_SHM_EMBEDS") != "1":
+        return None
+    from vllm._shm_embeds.counters import read_stats_dir
+
+    deadline = time.monotonic() + 30
+    while True:
+        stats = read_stats_dir(stats_dir)
+        unlinked = sum(s["counters"].get("segments_unlinked", 0) for s in stats
+                       if "engine" in s["roles"])
+        if unlinked >= n or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
 
 
 def lifetime(llm, embeds, weights, sp, max_model_len: int) -> dict:
@@ -54,13 +75,39 @@ def lifetime(llm, embeds, weights, sp, max_model_len: int) -> dict:
     return out
 
 
-# --preempt: 32-token blocks (the CPU attention backend needs multiples of
-# 32), 12 of them (384 tokens of KV cache in all).
-# Prompts of 2 blocks less a few tokens fit when admitted, then each needs a
-# third block a few decode steps later, which the full cache cannot give:
-# the scheduler preempts the newest running request and recomputes it later.
+# --preempt N: 32-token blocks (the CPU attention backend needs multiples of
+# 32), just enough of them for --max-model-len. N prompts of 2 blocks less a
+# few tokens fit when admitted, then each needs a third block a few decode
+# steps later, which the full cache cannot give: the scheduler preempts the
+# newest running request and recomputes it later.
 PREEMPT_BLOCK = 32
-PREEMPT_BLOCKS = 12
+PREEMPT_PROMPT = 58
+PREEMPT_TOKENS = 16
+
+
+def preempt(llm, weights, n: int) -> dict:
+    """``n`` prompts at once that outgrow the KV cache: outputs and preemptions."""
+    from vllm import SamplingParams
+
+    gen = torch.Generator().manual_seed(58)
+    ids = [torch.randint(3, weights.shape[0], (PREEMPT_PROMPT,), generator=gen).tolist()
+           for _ in range(n)]
+    sp = SamplingParams(temperature=0.0, max_tokens=PREEMPT_TOKENS, ignore_eos=True)
+
+    def count() -> float:
+        return sum(getattr(m, "value", 0) for m in llm.get_metrics()
+                   if m.name == "vllm:num_preemptions")
+
+    before = count()
+    by_ids = llm.generate([{"prompt_token_ids": i} for i in ids], sp, use_tqdm=False)
+    by_embeds = llm.generate([{"prompt_embeds": weights[torch.tensor(i)].contiguous()}
+                              for i in ids], sp, use_tqdm=False)
+    return {
+        "preempt_token_ids": [list(o.outputs[0].token_ids) for o in by_ids],
+        "preempt_embeds": [list(o.outputs[0].token_ids) for o in by_embeds],
+        "preemptions": count() - before,
+        "left_after_preempt": ours_in(os.environ.get("VLLM_SHM_EMBEDS_DIR", "/dev/shm")),
+    }
 
 
 def main() -> None:
@@ -84,9 +131,12 @@ def main() -> None:
     )
     p.add_argument(
         "--preempt",
-        action="store_true",
-        help="give the KV cache only a few blocks so that concurrent requests are "
-        "preempted and recomputed; record vLLM's preemption count",
+        type=int,
+        default=0,
+        metavar="N",
+        help="give the KV cache only max_model_len tokens of blocks and then send N "
+        "concurrent prompts that outgrow it, so that requests are preempted and "
+        "recomputed; record their outputs and vLLM's preemption count",
     )
     args = p.parse_args()
 
@@ -115,13 +165,16 @@ def main() -> None:
         async_scheduling={"on": True, "off": False, None: None}[args.async_scheduling],
         enable_prefix_caching=args.prefix_caching or None,
         block_size=PREEMPT_BLOCK if args.preempt else None,
-        num_gpu_blocks_override=PREEMPT_BLOCKS if args.preempt else None,
+        # (one block more: vLLM keeps one for itself)
+        num_gpu_blocks_override=(args.max_model_len // PREEMPT_BLOCK + 1 if args.preempt
+                                 else None),
         disable_log_stats=not args.preempt,
     )
     started = time.monotonic() - t0
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     out_ids = llm.generate([{"prompt_token_ids": i} for i in ids], sp, use_tqdm=False)
     out_emb = llm.generate([{"prompt_embeds": e} for e in embeds], sp, use_tqdm=False)
+    stats_after_generate = settled_stats(len(embeds))
     if args.prefix_caching:  # the same prompts again, now served from the cache
         again = llm.generate([{"prompt_embeds": e} for e in embeds], sp, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in again] == [
@@ -133,14 +186,13 @@ def main() -> None:
         "embeds_bytes": [e.nbytes for e in embeds],
         "engine_start_s": started,
         "left_after_generate": ours_in(os.environ.get("VLLM_SHM_EMBEDS_DIR", "/dev/shm")),
+        "stats_after_generate": stats_after_generate,
+        "worker_multiproc_method": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"),
     }
     if args.lifetime:
         result.update(lifetime(llm, embeds[-1], weights, sp, args.max_model_len))
     if args.preempt:
-        result["preemptions"] = sum(
-            getattr(m, "value", 0) for m in llm.get_metrics()
-            if m.name == "vllm:num_preemptions"
-        )
+        result.update(preempt(llm, weights, args.preempt))
     llm.llm_engine.engine_core.shutdown()
     del llm
     with open(args.out, "w") as f:

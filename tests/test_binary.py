@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Online: binary ``prompt_embeds`` bodies on a stock OpenAI server, TP=2.
 
-One server for the module (shm on, only ``VLLM_SHM_EMBEDS=1`` and the test's
-dirs set). Greedy outputs of the binary path must equal those of the same
+On the suite's main server (conftest.py: shm on, only ``VLLM_SHM_EMBEDS=1``
+and the test's dirs set; counters as deltas). Greedy outputs of the binary path must equal those of the same
 token ids and of the JSON path; the counters of every process must show the
 bytes went socket -> segment -> handles with one copy and no JSON decode (a
 silent fallback to the JSON path fails); bad bodies get their 4xx, leave
@@ -19,20 +19,16 @@ import requests
 import torch
 
 import shm_embeds_client as sec
-from helpers import CHAT_TEMPLATE, embed_weights, encode_embeds, ours_in, start_server
+from helpers import encode_embeds, ours_in
 
 pytestmark = [pytest.mark.integration, pytest.mark.online]
 
 MAX_LEN = 2048
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("binary")
-    (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
-    with start_server(tmp, "-tp", "2", "--chat-template", str(tmp / "chat.jinja")) as s:
-        s["weights"] = embed_weights(s["model"])
-        yield s
+@pytest.fixture
+def server(main_server):
+    return main_server
 
 
 def _totals(server) -> dict:

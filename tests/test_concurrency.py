@@ -3,7 +3,8 @@
 
 64 concurrent requests mixing text and ``prompt_embeds`` of different lengths:
 each output equals the one the same request gets alone, nothing deadlocks, the
-counters of all processes add up, and no segment is left.
+counters of all processes add up, and no segment is left. On ``tp4_server``
+(TP=4, two API servers) and ``dp_server`` (DP=2, two API servers).
 """
 
 import random
@@ -12,8 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from helpers import by_role, embed_weights, encode_embeds, start_server
-from vllm._shm_embeds.counters import read_stats_dir
+from helpers import embed_weights, encode_embeds, ours_in
 
 pytestmark = [pytest.mark.integration, pytest.mark.online]
 
@@ -45,33 +45,36 @@ def _send(url, body):
     return r.json()["choices"][0]["text"]
 
 
-@pytest.mark.parametrize(
-    "server_args",
-    [
-        pytest.param(("-tp", "2", "--api-server-count", "2"), id="tp2-2-api-servers"),
-        pytest.param(("--data-parallel-size", "2"), id="dp2"),
-    ],
-)
-def test_64_concurrent_mixed_requests(tmp_path, server_args):
-    # `vllm serve`: the module entry point would start one API server only.
-    with start_server(tmp_path, *server_args, serve_cli=True) as server:
-        bodies = _requests(server["model"])
-        alone = [_send(server["url"], b) for b in bodies[:8]]
-        with ThreadPoolExecutor(N_REQUESTS) as pool:
-            together = list(pool.map(lambda b: _send(server["url"], b), bodies))
-        assert together[:8] == alone
-        # The same requests again, alone, must give what they gave together.
-        assert [_send(server["url"], b) for b in bodies[8:16]] == together[8:16]
-        stats = read_stats_dir(server["stats"])
+def _64_concurrent_mixed_requests(server, engines: int):
+    bodies = _requests(server["model"])
+    before = {p["pid"]: p["counters"] for p in server.read_stats()}
+    alone = [_send(server["url"], b) for b in bodies[:8]]
+    with ThreadPoolExecutor(N_REQUESTS) as pool:
+        together = list(pool.map(lambda b: _send(server["url"], b), bodies))
+    assert together[:8] == alone
+    # The same requests again, alone, must give what they gave together.
+    assert [_send(server["url"], b) for b in bodies[8:16]] == together[8:16]
+    after = server.read_stats()
+    assert ours_in(server["seg_dir"]) == []
     n_embeds = sum("prompt_embeds" in b for b in bodies) + sum(
         "prompt_embeds" in b for b in bodies[:16]
     )
-    clients = by_role(stats, "client")
-    engines = by_role(stats, "engine")
-    assert sum(c.get("hop1_shm_tensors", 0) for c in clients) == n_embeds
-    assert sum(e.get("hop1_adopted_tensors", 0) for e in engines) == n_embeds
-    assert sum(e.get("hop2_shm_tensors", 0) for e in engines) == n_embeds
-    if "--data-parallel-size" in server_args:
-        assert len(engines) == 2  # the load balancer used both EngineCores
-    if "--api-server-count" in server_args:
-        assert len(clients) == 2  # both API servers took requests
+
+    def grew(role, key):  # per process of ``role``: how much ``key`` grew
+        return [p["counters"].get(key, 0) - before.get(p["pid"], {}).get(key, 0)
+                for p in after if role in p["roles"]]
+
+    assert sum(grew("client", "hop1_shm_tensors")) == n_embeds
+    assert sum(grew("engine", "hop1_adopted_tensors")) == n_embeds
+    assert sum(grew("engine", "hop2_shm_tensors")) == n_embeds
+    # The load balancer used every EngineCore; both API servers took requests.
+    assert sum(g > 0 for g in grew("engine", "hop1_adopted_tensors")) == engines
+    assert sum(g > 0 for g in grew("client", "hop1_shm_tensors")) == 2
+
+
+def test_64_concurrent_mixed_requests_tp4_two_api_servers(tp4_server):
+    _64_concurrent_mixed_requests(tp4_server, engines=1)
+
+
+def test_64_concurrent_mixed_requests_dp2(dp_server):
+    _64_concurrent_mixed_requests(dp_server, engines=2)

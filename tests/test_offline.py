@@ -1,44 +1,36 @@
 # SPDX-License-Identifier: Apache-2.0
 """Integration: offline ``vllm.LLM``, TP=2, mp executor, CPU, the tiny local model.
 
-Each configuration runs in its own process (tests/offline_run.py). The shm
-run must (1) give the same greedy tokens as token-id prompts and as the stock
-path, and (2) show in every process's counters that both hops carried every
-prompt_embeds tensor through shared memory, with one copy in total: this test
-fails if either hop silently falls back.
+Two engines for the tiny model (``offline_tiny`` in conftest.py: the plugin on
+and stock, the same engine config) and two for 256 MiB of embeds on the wide
+model. The shm run must (1) give the same greedy tokens as token-id prompts
+and as the stock path, and (2) show in every process's counters that both
+hops carried every prompt_embeds tensor through shared memory, with one copy
+in total: this test fails if either hop silently falls back. Lifetime,
+preemption and the fork start method are checked on the same run
+(test_topologies.py).
 """
-
 
 import pytest
 
-from helpers import by_role, local_model, run_offline, tiny_model  # noqa: F401
+from helpers import by_role, local_model, run_offline
 
 pytestmark = pytest.mark.integration
 
-LENGTHS = [40, 300, 700]  # 700 > max_num_batched_tokens: chunked prefill
-MAX_BATCHED = 256
 
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("offline")
-    model = tiny_model()
-    extra = ("--max-num-batched-tokens", str(MAX_BATCHED))
-    on = run_offline(tmp, True, model, LENGTHS, extra)
-    off = run_offline(tmp, False, model, LENGTHS, extra)
-    return on, off
-
-
-def test_outputs_match_stock_and_token_ids(runs):
-    (on, _, _), (off, _, _) = runs
+def test_outputs_match_stock_and_token_ids(offline_tiny):
+    (on, _, _), (off, _, _) = offline_tiny
     assert on["embeds"] == off["embeds"]
     assert on["embeds"] == on["token_ids"]
     assert on["token_ids"] == off["token_ids"]
 
 
-def test_both_hops_carried_every_tensor_by_shm(runs):
-    (on, stats, log), _ = runs
-    n, total = len(LENGTHS), sum(on["embeds_bytes"])
+def test_both_hops_carried_every_tensor_by_shm(offline_tiny):
+    (on, _, log), _ = offline_tiny
+    # The counters once the first round of embeds prompts has settled (the
+    # same run goes on with prefix-cache hits, aborts and preemption).
+    stats = on["stats_after_generate"]
+    n, total = len(on["embeds_bytes"]), sum(on["embeds_bytes"])
     [client] = by_role(stats, "client")
     [engine] = by_role(stats, "engine")
     workers = by_role(stats, "worker")
@@ -60,8 +52,8 @@ def test_both_hops_carried_every_tensor_by_shm(runs):
     assert "shm-embeds summary" in log
 
 
-def test_feature_off_touches_nothing(runs):
-    _, (off, stats, log) = runs
+def test_feature_off_touches_nothing(offline_tiny):
+    _, (off, stats, log) = offline_tiny
     assert stats == []  # no counter moved in any process
     assert "shm-embeds: off" in log
     assert "shm-embeds: hooks installed" not in log

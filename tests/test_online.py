@@ -8,8 +8,6 @@ hops carried the bytes through shared memory, and bad input must get a 400
 without hurting later requests or leaking a segment.
 """
 
-import os
-import signal
 
 import pytest
 import requests
@@ -17,23 +15,18 @@ import torch
 
 from helpers import (
     BAD_PAYLOADS,
-    CHAT_TEMPLATE,
     by_role,
     embed_weights,
     encode_embeds,
     ours_in,
-    start_server,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.online]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("online")
-    (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
-    with start_server(tmp, "-tp", "2", "--chat-template", str(tmp / "chat.jinja")) as s:
-        yield s
+@pytest.fixture
+def server(main_server):
+    return main_server
 
 
 def _client(server):
@@ -57,8 +50,7 @@ TEXTS = [
 
 def test_embeds_equal_text_and_use_shm(server):
     client = _client(server)
-    from vllm._shm_embeds.counters import read_stats_dir
-
+    before = {p["pid"]: p["counters"] for p in server.read_stats()}
     total = 0
     for text in TEXTS:
         embeds = _same_tokens_as_embeds(server, text)
@@ -69,7 +61,10 @@ def test_embeds_equal_text_and_use_shm(server):
             prompt="", extra_body={"prompt_embeds": encode_embeds(embeds)}, **kw
         )
         assert by_embeds.choices[0].text == by_text.choices[0].text
-    stats = read_stats_dir(server["stats"])
+    # What each process counted for these requests (the server is shared).
+    stats = [{**p, "counters": {k: v - before.get(p["pid"], {}).get(k, 0)
+                                for k, v in p["counters"].items()}}
+             for p in server.read_stats()]
     [api] = by_role(stats, "client")
     [engine] = by_role(stats, "engine")
     workers = by_role(stats, "worker")
@@ -136,11 +131,9 @@ def test_many_embeds_parts_in_one_request(server):
 
 def test_chat_completions_embeds_part_uses_shm(server):
     """/v1/chat/completions with a ``prompt_embeds`` content part (vLLM 0.32)."""
-    from vllm._shm_embeds.counters import read_stats_dir
 
     def hop1_bytes():
-        return sum(c.get("hop1_shm_bytes", 0)
-                   for c in by_role(read_stats_dir(server["stats"]), "client"))
+        return server.totals("client").get("hop1_shm_bytes", 0)
 
     ids = torch.randint(3, 1000, (300,), generator=torch.Generator().manual_seed(7))
     embeds = embed_weights(server["model"])[ids].contiguous()
@@ -157,11 +150,3 @@ def test_chat_completions_embeds_part_uses_shm(server):
     assert text.status_code == 200, text.text
     assert chat.json()["choices"][0]["message"]["content"] == text.json()["choices"][0]["text"]
     assert ours_in(server["seg_dir"]) == []
-
-
-def test_clean_shutdown_leaves_nothing(server):
-    proc = server["proc"]
-    os.killpg(proc.pid, signal.SIGTERM)
-    assert proc.wait(180) is not None
-    assert ours_in(server["seg_dir"]) == []
-    assert "shm-embeds summary" in server["log"].read_text()
