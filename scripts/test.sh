@@ -3,6 +3,7 @@
 #
 # The test command: set up (scripts/setup.sh) and run the test suite.
 #
+#   scripts/test.sh                   # the whole suite
 #   scripts/test.sh [pytest args]     # e.g. -m "not integration" for unit tests only
 #
 # Runs the unit tests, then the integration tests on the few vLLM engines the
@@ -15,4 +16,12 @@ bash scripts/setup.sh --wide
 PY=${SHM_EMBEDS_VENV:-$ROOT/.venv}/bin/python
 export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-"0|1"}
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
-exec "$PY" -m pytest -q -p no:cacheprovider "$@" tests
+if [ $# -gt 0 ]; then  # your selection, as given
+  exec "$PY" -m pytest -q -p no:cacheprovider "$@" tests
+fi
+# The whole suite: the unit tests on both cores (pytest-xdist), then the
+# integration tests in one process (one shared engine at a time).
+status=0
+"$PY" -m pytest -q -p no:cacheprovider -n 2 -m "not integration" tests || status=$?
+"$PY" -m pytest -q -p no:cacheprovider -m integration tests || status=$?
+exit "$status"

@@ -92,17 +92,37 @@ def small_tmpfs(tmp_path):
 # file SHM_EMBEDS_TEST_FAIL_FILE exists, the TP worker with reader index 1
 # cannot map any segment, as if out of memory or descriptors. Until then it
 # changes nothing (test_faults.py's rank-failure test creates the file last).
+# It imports nothing at start-up (importing torch before vLLM has set up its
+# OpenMP threads would slow every worker down): it wraps ``open_tensor`` when
+# vllm._shm_embeds.hop2 is first imported.
 _INJECT = """
-import os
+import os, sys
 if os.environ.get("SHM_EMBEDS_TEST_FAIL_FILE"):
-    from vllm._shm_embeds import hop2 as _m
-    from vllm._shm_embeds.handle import ShmEmbedsError as _E
-    _orig = _m.open_tensor
-    def open_tensor(handle, reader_index=None):
-        if reader_index == 1 and os.path.exists(os.environ["SHM_EMBEDS_TEST_FAIL_FILE"]):
-            raise _E("injected: this rank cannot map segments")
-        return _orig(handle, reader_index)
-    _m.open_tensor = open_tensor
+    import importlib.abc, importlib.machinery
+
+    def _patch(m):
+        from vllm._shm_embeds.handle import ShmEmbedsError
+        orig = m.open_tensor
+        def open_tensor(handle, reader_index=None):
+            if reader_index == 1 and os.path.exists(os.environ["SHM_EMBEDS_TEST_FAIL_FILE"]):
+                raise ShmEmbedsError("injected: this rank cannot map segments")
+            return orig(handle, reader_index)
+        m.open_tensor = open_tensor
+
+    class _Hook(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != "vllm._shm_embeds.hop2":
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            if spec is not None:
+                run = spec.loader.exec_module
+                def exec_module(module):
+                    run(module)
+                    _patch(module)
+                spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _Hook())
 """
 
 

@@ -27,7 +27,7 @@ from vllm.logger import init_logger
 
 from vllm._shm_embeds import counters
 from vllm._shm_embeds import segment as seg
-from vllm._shm_embeds.config import MAX_WRITERS, shm_dir, stats_dir
+from vllm._shm_embeds.config import MAX_WRITERS, enabled, shm_dir, stats_dir
 from vllm._shm_embeds.handle import SegmentName, pid_namespace, proc_start_time
 from vllm._shm_embeds.owned import OwnedSegments
 
@@ -237,5 +237,18 @@ def shutdown() -> None:
         )
 
 
-atexit.register(shutdown)
+def _at_exit() -> None:
+    """Process exit: unlink what this process owns; then, with the feature on,
+    sweep what dead processes left. The launcher of a multi-API-server or DP
+    server (``vllm serve``'s main process) exits after it force-killed its
+    EngineCores, so segments they had adopted go here."""
+    shutdown()
+    if enabled():
+        try:
+            sweep_stale_segments(expected=True)
+        except OSError:
+            pass
+
+
+atexit.register(_at_exit)
 os.register_at_fork(after_in_child=_after_fork_in_child)
