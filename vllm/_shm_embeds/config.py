@@ -23,6 +23,12 @@ Variables (see ``docs/configuration.md``):
 * ``VLLM_SHM_EMBEDS_BINARY_MAX_BYTES``: cap on the tensor bytes of one binary
   body (default ``max_model_len * hidden_size * 4``).
 * ``VLLM_SHM_EMBEDS_JSON``: the base64 JSON body path (default on).
+* ``VLLM_SHM_EMBEDS_MAX_BYTES``: the most this server's segments may hold in
+  the segment directory (bytes; default: half its file system, never more
+  than what was free at start less a 64 MiB reserve for vLLM's own rings).
+  A tensor that would go over takes the stock path (``budget``).
+* ``VLLM_SHM_EMBEDS_BODY_TIMEOUT_S``: a request body that sends no bytes for
+  this many seconds gets 408 and its segment is freed (default 30).
 """
 
 from __future__ import annotations
@@ -45,11 +51,16 @@ VARIABLES = (
     "VLLM_SHM_EMBEDS_WRITERS",
     "VLLM_SHM_EMBEDS_BINARY_MAX_BYTES",
     "VLLM_SHM_EMBEDS_JSON",
+    "VLLM_SHM_EMBEDS_MAX_BYTES",
+    "VLLM_SHM_EMBEDS_BODY_TIMEOUT_S",
 )
 
 _FLAG = pydantic.TypeAdapter(bool)
 _BYTES = pydantic.TypeAdapter(Annotated[int, pydantic.Field(ge=0, strict=False)])
 _WRITERS = pydantic.TypeAdapter(Annotated[int, pydantic.Field(ge=1, le=MAX_WRITERS)])
+_SECONDS = pydantic.TypeAdapter(Annotated[float, pydantic.Field(gt=0)])
+DEFAULT_BODY_TIMEOUT_S = 30.0
+RING_RESERVE_BYTES = 64 << 20  # left free for vLLM's own broadcast rings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +76,9 @@ class Settings:
         binary_max_bytes: bytes; cap on one binary body's tensors, or None
             for the model's default.
         json: the base64 JSON body path.
+        max_bytes: bytes; an explicit budget for this server's segments, or
+            None for the default (:func:`budget_bytes`).
+        body_timeout_s: seconds a request body may send nothing.
         problems: one message per bad value that a default replaced, and
             ``fatal`` messages that keep the feature off.
         fatal: messages that keep the feature off (no usable segment dir).
@@ -77,6 +91,8 @@ class Settings:
     writers: int = 1
     binary_max_bytes: int | None = None
     json: bool = True
+    max_bytes: int | None = None
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     problems: tuple[str, ...] = ()
     fatal: tuple[str, ...] = ()
 
@@ -115,6 +131,9 @@ def _parse(raw: dict[str, str | None]) -> Settings:
                     f"a count in 1..{MAX_WRITERS}"),
         binary_max_bytes=max_body or None,
         json=get("VLLM_SHM_EMBEDS_JSON", _FLAG, True, "a flag (1/0)"),
+        max_bytes=get("VLLM_SHM_EMBEDS_MAX_BYTES", _BYTES, None, "a byte count"),
+        body_timeout_s=get("VLLM_SHM_EMBEDS_BODY_TIMEOUT_S", _SECONDS,
+                           DEFAULT_BODY_TIMEOUT_S, "a number of seconds"),
     )
     fatal = ()
     if not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
@@ -176,6 +195,31 @@ def binary_max_bytes(max_model_len: int, hidden_size: int) -> int:
     return settings().binary_max_bytes or max_model_len * hidden_size * 4
 
 
+_budget: dict[str, int] = {}  # segment directory -> default budget, set once
+
+
+def budget_bytes() -> int:
+    """The most this server's segments may hold (bytes): ``VLLM_SHM_EMBEDS_MAX_BYTES``,
+    else half the segment directory's file system, at most what was free the
+    first time this was asked less :data:`RING_RESERVE_BYTES`."""
+    s = settings()
+    if s.max_bytes is not None:
+        return s.max_bytes
+    if s.dir not in _budget:
+        try:
+            st = os.statvfs(s.dir)
+            size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+        except OSError:
+            size = free = 0
+        _budget[s.dir] = max(0, min(size // 2, free - RING_RESERVE_BYTES))
+    return _budget[s.dir]
+
+
+def body_timeout_s() -> float:
+    """Seconds a request body may send nothing before it gets 408."""
+    return settings().body_timeout_s
+
+
 # What vLLM's ``vllm/envs.py`` ``environment_variables`` table gets (name ->
 # getter), so that ``Platform.validate_environ`` knows our variables.
 ENV_VARS: dict[str, Callable[[], Any]] = {
@@ -186,4 +230,6 @@ ENV_VARS: dict[str, Callable[[], Any]] = {
     "VLLM_SHM_EMBEDS_WRITERS": writers,
     "VLLM_SHM_EMBEDS_BINARY_MAX_BYTES": lambda: settings().binary_max_bytes,
     "VLLM_SHM_EMBEDS_JSON": lambda: settings().json,
+    "VLLM_SHM_EMBEDS_MAX_BYTES": budget_bytes,
+    "VLLM_SHM_EMBEDS_BODY_TIMEOUT_S": body_timeout_s,
 }

@@ -101,6 +101,8 @@ class OwnedSegments:
         self._segs: dict[str, _Owned] = {}
         self._by_ptr: dict[int, str] = {}  # data address -> segment name
         self._lock = threading.Lock()
+        # Files a request body is being written into (``segment.StreamedFile``).
+        self._streams: set = set()
 
     # -- adding
 
@@ -278,6 +280,21 @@ class OwnedSegments:
         return True
 
     # -- whole process
+
+    def stream_started(self, f: Any) -> None:
+        """``f`` (a ``segment.StreamedFile``) is being filled from a request body."""
+        with self._lock:
+            self._streams.add(f)
+
+    def stream_ended(self, f: Any) -> None:
+        """``f`` was finished or aborted."""
+        with self._lock:
+            self._streams.discard(f)
+
+    def pending_stream_bytes(self) -> int:
+        """Bytes this process's bodies still arriving will write (budget)."""
+        with self._lock:
+            return sum(f.nbytes - f.filled for f in self._streams)
 
     def pending(self, handover_only: bool = False) -> int:
         with self._lock:

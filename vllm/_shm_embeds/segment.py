@@ -33,9 +33,21 @@ from vllm._shm_embeds.handle import (
 WRITE_CHUNK_BYTES = 64 << 20  # writers check for a peer's failure this often
 
 
+class BudgetExceeded(OSError):
+    """A new segment would take this server's segments over their budget
+    (``VLLM_SHM_EMBEDS_MAX_BYTES``); an ENOSPC of our own making."""
+
+    def __init__(self, nbytes: int, held: int, budget: int) -> None:
+        super().__init__(errno.ENOSPC, f"{nbytes} more bytes would take shm-embeds' segments "
+                         f"({held} bytes now) over their budget of {budget} bytes")
+
+
 def fallback_reason(e: OSError) -> str:
-    """The counter reason for a segment that could not be made: ``no_space``
-    (ENOSPC: the directory is full or too small) or ``os_error``."""
+    """The counter reason for a segment that could not be made: ``budget``
+    (:class:`BudgetExceeded`), ``no_space`` (ENOSPC: the directory is full or
+    too small) or ``os_error``."""
+    if isinstance(e, BudgetExceeded):
+        return "budget"
     return "no_space" if e.errno == errno.ENOSPC else "os_error"
 
 
@@ -350,6 +362,18 @@ def sweep(directory: str, pidns: int) -> int:
     return removed
 
 
+def held_bytes(directory: str) -> int:
+    """Bytes our segment files in ``directory`` hold now (allocated blocks: a
+    body still arriving counts by what it has written)."""
+    held = 0
+    for name, _ in list_segments(directory):
+        try:
+            held += os.stat(os.path.join(directory, name)).st_blocks * 512
+        except OSError:  # unlinked meanwhile
+            pass
+    return held
+
+
 def free_bytes(directory: str) -> int:
     """Free bytes of ``directory``'s file system (-1 if unknown)."""
     try:
@@ -429,6 +453,21 @@ class StreamedFile:
         os.close(self._fd)
         self._fd = None
         return mm
+
+    def read_back(self, out: memoryview) -> None:
+        """Copy the bytes written so far into ``out`` (at least :attr:`filled` bytes).
+
+        Raises:
+            ShmEmbedsError: already finished or aborted; OSError: the read failed.
+        """
+        if self._fd is None:
+            raise ShmEmbedsError("segment already finished or aborted")
+        done = 0
+        while done < self.filled:
+            n = os.preadv(self._fd, [out[done:self.filled]], HEADER_BYTES + done)
+            if n <= 0:
+                raise OSError(errno.EIO, "short read of a streamed segment")
+            done += n
 
     def abort(self) -> bool:
         """Close and unlink (idempotent); True if this call unlinked the file."""

@@ -24,7 +24,7 @@ import torch
 
 from vllm._shm_embeds import process
 from vllm._shm_embeds import segment as seg
-from vllm._shm_embeds.config import min_bytes, shm_dir, writers
+from vllm._shm_embeds.config import budget_bytes, min_bytes, shm_dir, writers
 from vllm._shm_embeds.counters import count
 from vllm._shm_embeds.handle import (
     MAX_READERS,
@@ -57,12 +57,27 @@ def eligible(tensor: Any) -> str | None:
     return None
 
 
+def check_budget(nbytes: int) -> None:
+    """Raise :class:`~vllm._shm_embeds.segment.BudgetExceeded` if ``nbytes`` more
+    would take our segments in the directory over ``config.budget_bytes()``.
+
+    Counted: what our files hold now (every process of the server; a body
+    still arriving by what it has written) plus what this process's bodies
+    still arriving will write.
+    """
+    budget = budget_bytes()
+    held = seg.held_bytes(shm_dir()) + process.current().owned.pending_stream_bytes()
+    if held + nbytes > budget:
+        raise seg.BudgetExceeded(nbytes, held, budget)
+
+
 def create_segment(tensor: torch.Tensor) -> tuple[SharedTensorHandle, list[int]]:
     """Copy ``tensor`` into a new segment of this process (one copy, counted).
 
     Returns the handle and the open descriptors of its files (the caller
     closes them). Raises OSError (e.g. ENOSPC); nothing is left behind then.
     """
+    check_budget(tensor.nbytes)
     state = process.current()
     handle = SharedTensorHandle(
         state.new_name(),
@@ -198,11 +213,13 @@ class StreamedSegment:
     """
 
     def __init__(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        handle = SharedTensorHandle(process.current().new_name(), dtype_name(dtype),
-                                    tuple(shape))
+        state = process.current()
+        handle = SharedTensorHandle(state.new_name(), dtype_name(dtype), tuple(shape))
+        check_budget(handle.nbytes)
         self._file = seg.StreamedFile(shm_dir(), handle)
         self.handle = handle
         self.nbytes = handle.nbytes
+        state.owned.stream_started(self._file)
         count(segments_created=1)
 
     @property
@@ -213,6 +230,10 @@ class StreamedSegment:
     def write(self, data: bytes | memoryview) -> None:
         """Append ``data`` (see ``segment.StreamedFile.write`` for the errors)."""
         self._file.write(data)
+
+    def read_back(self, out: memoryview) -> None:
+        """Copy the bytes written so far into ``out`` (``segment.StreamedFile.read_back``)."""
+        self._file.read_back(out)
 
     def finish(self, writable: bool = True) -> torch.Tensor:
         """Map the filled segment; returns the segment-backed tensor.
@@ -228,6 +249,7 @@ class StreamedSegment:
         except BaseException:
             self.abort()
             raise
+        process.current().owned.stream_ended(self._file)
         count(copied_bytes=self.nbytes)
         tensor, anchor = seg.tensor_view(mm, self.handle)
         state = process.current()
@@ -239,6 +261,7 @@ class StreamedSegment:
         """Close and unlink (idempotent); counts the bytes written so far as copied."""
         if self._file.open and self._file.filled:
             count(copied_bytes=self._file.filled)
+        process.current().owned.stream_ended(self._file)
         if self._file.abort():
             count(segments_unlinked=1)
 

@@ -74,12 +74,15 @@ from vllm._shm_embeds.http.common import (
     Receive,
     Send,
     ServerContext,
+    Stalled,
     Upload,
     call_with_body,
     embeds_slots,
     new_token,
     placeholder,
+    receive_body_message,
     route,
+    send_error,
 )
 from vllm._shm_embeds.transfer import StreamedSegment, release_streamed, streamed_tensor_like
 
@@ -274,16 +277,56 @@ def _reject(e: BinaryBodyError) -> None:
 
 
 async def _send_error(send: Send, e: BinaryBodyError) -> None:
-    """vLLM's error JSON (``ErrorResponse`` in vllm/entrypoints/serve/engine/protocol.py)."""
     status = HTTPStatus(e.status)
     err_type = "BadRequestError" if e.status == 400 else status.phrase.replace(" ", "")
-    payload = json.dumps({"error": {"message": e.message, "type": err_type,
-                                    "param": "prompt_embeds", "code": e.status}}).encode()
-    await send({"type": "http.response.start", "status": e.status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(payload)).encode()),
-                            (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": payload, "more_body": False})
+    await send_error(send, e.status, e.message, err_type)
+
+
+class _Private:
+    """A tensor in this process's memory that a body is written into: the stock
+    way, for a tensor that cannot go to shared memory (budget, ENOSPC, a failed
+    write). Same interface as ``transfer.StreamedSegment``."""
+
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        self.tensor = torch.empty(shape, dtype=dtype)
+        self.nbytes = self.tensor.nbytes
+        self.filled = 0
+        self._bytes = memoryview(self.tensor.view(-1).view(torch.uint8).numpy())
+
+    def write(self, data: bytes | memoryview) -> None:
+        if self.filled + len(data) > self.nbytes:
+            raise ValueError("more bytes than the tensor holds")
+        self._bytes[self.filled:self.filled + len(data)] = data
+        self.filled += len(data)
+
+    def finish(self) -> torch.Tensor:
+        return self.tensor
+
+    def abort(self) -> None:
+        pass
+
+
+def _open_sink(spec: TensorSpec) -> StreamedSegment | _Private:
+    """A segment for the tensor ``spec`` describes, else private memory (counted)."""
+    try:
+        return StreamedSegment(spec.dtype, spec.shape)
+    except OSError as e:
+        return _fall_back(None, spec, e)
+
+
+def _fall_back(segment: StreamedSegment | None, spec: TensorSpec, e: OSError) -> _Private:
+    """Move a tensor's body bytes from a segment that failed to private memory."""
+    reason = seg.fallback_reason(e)
+    count_reason("binary_fallback", reason)
+    logger.debug("shm-embeds: a binary body's tensor goes the stock way (%s): %s", reason, e)
+    private = _Private(spec.dtype, spec.shape)
+    if segment is not None:
+        try:
+            segment.read_back(private._bytes)
+            private.filled = segment.filled
+        finally:
+            segment.abort()
+    return private
 
 
 class _BodyReader:
@@ -296,7 +339,10 @@ class _BodyReader:
 
     async def _fill(self) -> bool:
         while not self._buf and self.more:
-            msg = await self._receive()
+            try:
+                msg = await receive_body_message(self._receive)
+            except Stalled as e:
+                raise _bad("timeout", str(e), 408) from None
             if msg["type"] == "http.disconnect":
                 raise _Disconnected
             self._buf = memoryview(msg.get("body", b""))
@@ -316,15 +362,15 @@ class _BodyReader:
             need -= len(piece)
         return b"".join(parts)
 
-    async def copy_into(self, segment: StreamedSegment) -> None:
+    async def copy_into(self, segment: StreamedSegment | _Private) -> None:
         """Write the next ``segment.nbytes`` body bytes into ``seg``, chunk by chunk."""
         while segment.filled < segment.nbytes:
             if not await self._fill():
                 raise _bad("short", f"the body is cut short: a tensor got {segment.filled} "
                            f"of its {segment.nbytes} bytes")
             piece = self._buf[: segment.nbytes - segment.filled]
+            segment.write(piece)  # on OSError the piece stays for the next sink
             self._buf = self._buf[len(piece):]
-            segment.write(piece)
 
     async def at_end(self) -> bool:
         return not await self._fill()
@@ -352,7 +398,7 @@ class BinaryBodyMiddleware:
         await self._serve(scope, receive, send, path, *framing)
 
     async def _serve(self, scope, receive, send, path, json_len, content_length):
-        segs: list[StreamedSegment] = []
+        segs: list[StreamedSegment | _Private] = []
         upload: Upload | None = None
         try:
             limits = ServerContext.of_app(scope)
@@ -362,25 +408,20 @@ class BinaryBodyMiddleware:
             parsed = parse_header(await reader.read_exact(json_len), path, limits,
                                   content_length)
             for spec in parsed.specs:
-                try:
-                    segs.append(StreamedSegment(spec.dtype, spec.shape))
-                except OSError as e:
-                    raise _no_space(e, spec.nbytes) from None
+                segs.append(_open_sink(spec))
                 try:
                     await reader.copy_into(segs[-1])
-                except OSError as e:
-                    raise _no_space(e, spec.nbytes) from None
+                except OSError as e:  # e.g. ENOSPC midway: go on in private memory
+                    segs[-1] = _fall_back(segs[-1], spec, e)
+                    await reader.copy_into(segs[-1])
             if not await reader.at_end():
                 raise _bad("extra", "extra bytes after the last tensor")
             tensors = [s.finish() for s in segs]
             segs = []
             upload = Upload(parsed.token, tensors)
             if any(t.dtype != limits.dtype for t in tensors):
-                try:
-                    upload.tensors = await asyncio.get_running_loop().run_in_executor(
-                        None, _convert, tensors, limits.dtype)
-                except OSError as e:
-                    raise _no_space(e, sum(t.nbytes for t in tensors)) from None
+                upload.tensors = await asyncio.get_running_loop().run_in_executor(
+                    None, _convert, tensors, limits.dtype)
             count(binary_bodies=1, binary_tensors=len(tensors),
                   binary_bytes=sum(t.nbytes for t in tensors))
             del tensors
@@ -408,16 +449,9 @@ class BinaryBodyMiddleware:
                              upload, content_type=b"application/json")
 
 
-def _no_space(e: OSError, nbytes: int) -> BinaryBodyError:
-    if seg.fallback_reason(e) == "no_space":
-        return _bad("no_space", f"no room for {nbytes} bytes of prompt_embeds in "
-                    "shared memory; retry later", 507)
-    logger.error("shm-embeds: binary upload failed: %s", e)
-    return _bad("os_error", "the server could not store the prompt_embeds", 500)
-
-
 def _convert(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-    """Cast each tensor not of ``dtype`` into a new segment (one more counted copy).
+    """Cast each tensor not of ``dtype`` into a new segment (one more counted
+    copy), or into private memory when there is no room (counted fallback).
 
     Runs in a thread. The source segments are released as their tensors go.
     """
@@ -426,8 +460,13 @@ def _convert(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tens
         if t.dtype == dtype:
             out.append(t)
             continue
-        dst = streamed_tensor_like(dtype, tuple(t.shape))
-        dst.copy_(t)
+        try:
+            dst = streamed_tensor_like(dtype, tuple(t.shape))
+        except OSError as e:  # no room: cast in private memory, the stock way
+            count_reason("binary_fallback", seg.fallback_reason(e))
+            dst = t.to(dtype)
+        else:
+            dst.copy_(t)
         count(binary_converted_bytes=dst.nbytes)
         release_streamed(t)
         out.append(dst)

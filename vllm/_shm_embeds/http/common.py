@@ -14,9 +14,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import dataclasses
 import hmac
+import json
 import secrets
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -24,7 +26,7 @@ from typing import Any
 import torch
 from starlette.datastructures import Headers
 
-from vllm._shm_embeds.config import binary_max_bytes
+from vllm._shm_embeds.config import binary_max_bytes, body_timeout_s
 from vllm._shm_embeds.transfer import release_streamed
 
 Receive = Callable[[], Awaitable[dict]]
@@ -46,6 +48,37 @@ def route(scope: dict) -> str | None:
     if root and path.startswith(root):
         path = path[len(root):] or path
     return path if path in ROUTES else None
+
+
+class Stalled(Exception):
+    """The client sent no body bytes for ``VLLM_SHM_EMBEDS_BODY_TIMEOUT_S`` seconds."""
+
+
+async def receive_body_message(receive: Receive) -> dict:
+    """The next ASGI message of a request body, waiting at most
+    ``VLLM_SHM_EMBEDS_BODY_TIMEOUT_S`` seconds.
+
+    Raises:
+        Stalled: nothing came in time (the caller answers 408 and frees
+            what the body held).
+    """
+    timeout = body_timeout_s()
+    try:
+        return await asyncio.wait_for(receive(), timeout)
+    except asyncio.TimeoutError:
+        raise Stalled(f"no request body bytes for {timeout:g} s") from None
+
+
+async def send_error(send: Send, status: int, message: str, err_type: str) -> None:
+    """An error response in vLLM's shape (``ErrorResponse``,
+    ``vllm/entrypoints/serve/engine/protocol.py``); the connection closes."""
+    payload = json.dumps({"error": {"message": message, "type": err_type,
+                                    "param": "prompt_embeds", "code": status}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(payload)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": payload, "more_body": False})
 
 
 def headers(scope: dict) -> Headers:

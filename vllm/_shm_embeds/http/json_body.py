@@ -76,6 +76,7 @@ from vllm._shm_embeds.http.common import (
     Receive,
     Send,
     ServerContext,
+    Stalled,
     Upload,
     call_with_body,
     content_type,
@@ -83,7 +84,9 @@ from vllm._shm_embeds.http.common import (
     headers,
     new_token,
     placeholder,
+    receive_body_message,
     route,
+    send_error,
 )
 from vllm._shm_embeds.http.torch_save import direct_decode
 from vllm._shm_embeds.transfer import release_streamed
@@ -307,6 +310,9 @@ async def read_body(receive: Receive, length: int) -> mmap.mmap | bytes | None:
     Returns None if the client disconnected; ``bytes`` when no buffer could
     be made or the body did not match ``length`` (the stock app then judges
     it as it is); else the buffer (the caller closes it).
+    Raises:
+        Stalled: no body bytes for ``VLLM_SHM_EMBEDS_BODY_TIMEOUT_S`` seconds
+            (what was read is freed).
     """
     loop = asyncio.get_running_loop()
     pending = loop.run_in_executor(None, body_buffer, length)
@@ -315,7 +321,7 @@ async def read_body(receive: Receive, length: int) -> mmap.mmap | bytes | None:
     filled, more, usable = 0, True, True
     try:
         while more:
-            msg = await receive()
+            msg = await receive_body_message(receive)
             if msg["type"] == "http.disconnect":
                 return None
             chunk = msg.get("body", b"")
@@ -396,7 +402,12 @@ class JsonBodyMiddleware:
         ctx = ServerContext.of_app(scope) if length is not None else None
         if length is None or length < max(1, min_bytes()) or ctx is None:
             return await self.app(scope, receive, send)
-        raw = await read_body(receive, length)
+        try:
+            raw = await read_body(receive, length)
+        except Stalled as e:  # a body that stalls holds memory: refuse it, as 408
+            count_reason("json_fallback", "timeout")
+            logger.info("shm-embeds: JSON body stalled: %s", e)
+            return await send_error(send, 408, f"{e}; request timed out", "RequestTimeout")
         if raw is None:
             count_reason("json_fallback", "disconnect")
             return

@@ -69,6 +69,9 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "binary_bytes": ("counter", "Tensor bytes of accepted binary request bodies", ()),
     "binary_rejected": ("counter", "Binary request bodies rejected, by reason",
                         ("reason",)),
+    "binary_fallbacks": ("counter", "Tensors of binary request bodies received into "
+                         "private memory and sent the stock way, by reason (budget, "
+                         "no_space, os_error)", ("reason",)),
     "json_tensors": ("counter", "prompt_embeds tensors of base64 JSON bodies that the JSON "
                      "path decoded, by how (direct: straight into shared memory; loader: "
                      "vLLM's loader, then one copy)", ("how",)),
@@ -152,7 +155,7 @@ _HOP_EVENTS = {f"hop{h}_{p}_{w}": (h, p, w) for h in "12" for p in ("shm", "stoc
 _RECEIVER = {"1": "engine", "2": "worker"}  # role of a hop's receiving process
 _REUSED = {"hop1_handover_tensors": "1", "hop2_reused_tensors": "2"}
 _REASONS = {"fallback": "fallbacks", "binary_rejected": "binary_rejected",
-            "json_fallback": "json_fallbacks"}
+            "binary_fallback": "binary_fallbacks", "json_fallback": "json_fallbacks"}
 _PLAIN = ("copied_bytes", "segments_created", "segments_unlinked", "segments_swept",
           "binary_bodies", "binary_bytes")
 
