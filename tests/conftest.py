@@ -179,7 +179,9 @@ def small_shm_server(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("small-shm-server")
     with _tmpfs(tmp / "small-shm", "256k") as mnt:
-        with Server(tmp, "-tp", "2", "--max-num-seqs", "4", seg_dir=mnt) as server:
+        # The whole tmpfs as the budget: what fills it is ENOSPC, not the budget.
+        with Server(tmp, "-tp", "2", "--max-num-seqs", "4", seg_dir=mnt,
+                    env_extra={"VLLM_SHM_EMBEDS_MAX_BYTES": str(256 << 10)}) as server:
             yield server
 
 

@@ -4,15 +4,17 @@ the streamed segment and its hand-over at hop 1, placeholder resolution, the
 middleware over a fake ASGI app, and the client's framing."""
 
 import asyncio
+import errno
 import json
 import os
+import time
 
 import pytest
 import torch
 from vllm._shm_embeds import counters
 from vllm._shm_embeds import handle
 from vllm._shm_embeds import hop1
-from vllm._shm_embeds import process
+from vllm._shm_embeds import process, segment
 from vllm._shm_embeds import transfer
 from vllm._shm_embeds.http import binary
 from vllm._shm_embeds.http import common
@@ -156,6 +158,18 @@ def test_placeholder_resolves_only_in_its_own_context():
         common._current.reset(tok)
 
 
+def _scope(headers, limits=LIMITS):
+    """An ASGI scope of a POST /v1/completions to an app serving ``limits``' model."""
+    state = type("S", (), {})()
+    state.vllm_config = type("C", (), {})()
+    mc = type("M", (), {"max_model_len": limits.max_model_len, "dtype": limits.dtype,
+                        "enable_prompt_embeds": limits.enable_prompt_embeds,
+                        "get_hidden_size": lambda self: limits.hidden_size})()
+    state.vllm_config.model_config = mc
+    return {"type": "http", "method": "POST", "path": "/v1/completions",
+            "headers": headers, "app": type("A", (), {"state": state})()}
+
+
 def _run_middleware(headers, chunks, limits=LIMITS, disconnect=False):
     """Drive the middleware with a fake downstream app; returns (status, body, seen)."""
     seen = {}
@@ -170,14 +184,7 @@ def _run_middleware(headers, chunks, limits=LIMITS, disconnect=False):
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
 
-    state = type("S", (), {})()
-    state.vllm_config = type("C", (), {})()
-    mc = type("M", (), {"max_model_len": limits.max_model_len, "dtype": limits.dtype,
-                        "enable_prompt_embeds": limits.enable_prompt_embeds,
-                        "get_hidden_size": lambda self: limits.hidden_size})()
-    state.vllm_config.model_config = mc
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
-             "headers": headers, "app": type("A", (), {"state": state})()}
+    scope = _scope(headers, limits)
     msgs = [{"type": "http.request", "body": c, "more_body": True} for c in chunks]
     msgs.append({"type": "http.disconnect"} if disconnect else
                 {"type": "http.request", "body": b"", "more_body": False})
@@ -251,3 +258,88 @@ def test_client_frame_uses_tensor_memory():
     assert p.specs[0].dtype == torch.bfloat16
     with pytest.raises(ValueError):
         sec.frame({"prompt_embeds": torch.ones(3, dtype=torch.int64)})
+
+
+# -- under load (issue 16): no refusal stock would serve, stalled bodies, budget
+
+
+@pytest.mark.parametrize("when", ["create", "midway"])
+def test_no_room_takes_the_stock_way_not_507(shm_env, monkeypatch, when):
+    """ENOSPC when the segment is made, or after part of the body was written:
+    the body is received into private memory (the bytes written so far are
+    read back), served, counted; nothing left in shared memory."""
+    ts = [torch.randn(8, 8), torch.randn(6, 8)]
+    headers, body = _framed(ts)
+    if when == "create":
+        def full(*a, **kw):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(binary, "StreamedSegment", full)
+    else:
+        real = transfer.StreamedSegment.write
+
+        def write(self, data):  # the second tensor's segment fills up midway
+            if self.nbytes == 6 * 8 * 4 and self.filled + len(data) > 100:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            real(self, data)
+        monkeypatch.setattr(transfer.StreamedSegment, "write", write)
+    before = counters.stats()
+    status, _, seen = _run_middleware(headers, [body[i:i + 97] for i in range(0, len(body), 97)])
+    assert status == 200
+    assert [torch.equal(a, b) for a, b in zip(seen["tensors"], ts)] == [True, True]
+    d = {k: v - before.get(k, 0) for k, v in counters.stats().items()}
+    assert d["binary_bodies"] == 1
+    assert d["binary_fallback.no_space"] == (2 if when == "create" else 1)
+    assert not any(k.startswith("binary_rejected") for k in d)
+    del seen
+    assert os.listdir(shm_env) == []
+
+
+def test_over_budget_takes_the_stock_way(shm_env, monkeypatch):
+    """A tensor that would take our segments over VLLM_SHM_EMBEDS_MAX_BYTES is
+    received privately (reason ``budget``); below it, shared memory as usual."""
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_MAX_BYTES", str(8 * 8 * 4 + 100))
+    ts = [torch.randn(8, 8), torch.randn(6, 8)]  # the first fits, then no more room
+    headers, body = _framed(ts)
+    before = counters.stats()
+    status, _, seen = _run_middleware(headers, [body])
+    assert status == 200 and all(torch.equal(a, b) for a, b in zip(seen["tensors"], ts))
+    d = {k: v - before.get(k, 0) for k, v in counters.stats().items()}
+    assert d["binary_fallback.budget"] == 1 and d["segments_created"] == 1
+    del seen
+    assert os.listdir(shm_env) == []
+    # hop 1's copy of a private tensor checks the budget too
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_MAX_BYTES", "1")
+    with pytest.raises(OSError) as e:
+        transfer.share_tensor(torch.randn(4, 4))
+    assert segment.fallback_reason(e.value) == "budget"
+    assert os.listdir(shm_env) == []
+
+
+def test_stalled_body_gets_408_and_frees_its_segment(shm_env, monkeypatch):
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_BODY_TIMEOUT_S", "0.3")
+    headers, body = _framed([torch.randn(8, 8)])
+    state = {}
+
+    async def run():
+        sent = []
+        msgs = [{"type": "http.request", "body": body[:-100], "more_body": True}]
+
+        async def receive():
+            if msgs:
+                return msgs.pop(0)
+            state["held"] = os.listdir(shm_env)  # the upload's segment, while it waits
+            await asyncio.sleep(3600)  # the client stalls
+
+        async def send(m):
+            sent.append(m)
+
+        scope = _scope(headers)
+        t0 = time.monotonic()
+        await binary.BinaryBodyMiddleware(None)(scope, receive, send)
+        return sent, time.monotonic() - t0
+
+    sent, took = asyncio.run(run())
+    assert sent[0]["status"] == 408 and took < 2
+    assert json.loads(sent[1]["body"])["error"]["code"] == 408
+    assert state["held"] != [] and os.listdir(shm_env) == []
+    assert counters.stats()["binary_rejected.timeout"] == 1

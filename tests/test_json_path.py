@@ -750,3 +750,37 @@ def test_client_cannot_supply_digests(server):
               {**KW, **fake, "prompt": "", "prompt_embeds": encode_embeds(other)})
     assert r.status_code == 200, r.text
     assert _prefix_hits(server) == before
+
+
+def test_stalled_json_body_gets_408(shm_env, monkeypatch):
+    """A large JSON body that stops sending for VLLM_SHM_EMBEDS_BODY_TIMEOUT_S
+    seconds gets 408 (its buffer freed), instead of holding memory."""
+    import asyncio
+    import time
+
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_BODY_TIMEOUT_S", "0.3")
+    body = _body(prompt="", prompt_embeds=encode_embeds(torch.randn(60, HIDDEN)))
+    config = types.SimpleNamespace(model_config=_ctx().model_config, cache_config=None)
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+             "app": types.SimpleNamespace(state=types.SimpleNamespace(vllm_config=config)),
+             "headers": [(b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode())]}
+    msgs = [{"type": "http.request", "body": body[:4096], "more_body": True}]
+    sent = []
+
+    async def receive():
+        if msgs:
+            return msgs.pop(0)
+        await asyncio.sleep(3600)  # the client stalls
+
+    async def send(m):
+        sent.append(m)
+
+    async def never(scope, receive, send):
+        raise AssertionError("a stalled body reached the app")
+
+    t0 = time.monotonic()
+    asyncio.run(json_body.JsonBodyMiddleware(never)(scope, receive, send))
+    assert time.monotonic() - t0 < 2
+    assert sent[0]["status"] == 408 and json.loads(sent[1]["body"])["error"]["code"] == 408
+    assert counters.stats()["json_fallback.timeout"] == 1

@@ -96,6 +96,8 @@ def expected_from_files(stats: list[dict]) -> dict[tuple[str, frozenset], float]
                 add("fallbacks", v, hop=hop.removeprefix("hop"), reason=reason)
             elif k.startswith("binary_rejected."):
                 add("binary_rejected", v, reason=k.split(".")[1])
+            elif k.startswith("binary_fallback."):
+                add("binary_fallbacks", v, reason=k.split(".")[1])
             elif k.startswith("json_fallback."):
                 add("json_fallbacks", v, reason=k.split(".")[1])
         add("json_tensors", c.get("json_direct_tensors", 0), how="direct")
@@ -265,8 +267,8 @@ def test_metrics_equal_every_process_counters_tp2_small_tmpfs(small_shm_server):
         server.complete({"prompt": "", "prompt_embeds": encode_embeds(t)})
         scrapes.append(server.scrape()[1])
     sec.complete(server.url, "tiny", fits, max_tokens=4, temperature=0.0)
-    with pytest.raises(Exception, match="507"):  # the binary path rejects, no fallback
-        sec.complete(server.url, "tiny", big, max_tokens=4, temperature=0.0)
+    # Too big for the tmpfs: received into private memory, served the stock way.
+    sec.complete(server.url, "tiny", big, max_tokens=4, temperature=0.0)
     stats = settled(str(stats_dir))
     text, scraped = server.scrape()
     scrapes.append(scraped)
@@ -278,8 +280,8 @@ def test_metrics_equal_every_process_counters_tp2_small_tmpfs(small_shm_server):
     [client] = by_role(stats, "client")
     [engine] = by_role(stats, "engine")
     assert client.get("hop1_shm_tensors") == 2 and client.get("hop1_handover_tensors") == 2
-    assert client.get("fallback.hop1.no_space") == 1
-    assert engine.get("fallback.hop2.no_space") == 1
+    assert client.get("fallback.hop1.no_space") == 2  # the big JSON and binary ones
+    assert engine.get("fallback.hop2.no_space") == 2
     assert engine.get("hop2_reused_tensors") == 2
     assert "SIGBUS" not in log
     # Every counter series equals the processes' files (API server, EngineCore,
@@ -292,10 +294,11 @@ def test_metrics_equal_every_process_counters_tp2_small_tmpfs(small_shm_server):
     n = fits.nbytes
     assert value(scraped, "tensors_total", hop="1", path="shm") == 2  # JSON + binary
     assert value(scraped, "bytes_total", hop="1", path="shm") == 2 * n
-    assert value(scraped, "tensors_total", hop="1", path="stock") == 2  # tiny + big
-    assert value(scraped, "bytes_total", hop="1", path="stock") == tiny.nbytes + big.nbytes
+    # tiny, and big twice (JSON and binary)
+    assert value(scraped, "tensors_total", hop="1", path="stock") == 3
+    assert value(scraped, "bytes_total", hop="1", path="stock") == tiny.nbytes + 2 * big.nbytes
     assert value(scraped, "tensors_total", hop="2", path="shm") == 2
-    assert value(scraped, "tensors_total", hop="2", path="stock") == 2
+    assert value(scraped, "tensors_total", hop="2", path="stock") == 3
     assert value(scraped, "received_tensors_total", hop="1") == 2
     assert value(scraped, "received_tensors_total", hop="2") == 4  # 2 tensors x 2 ranks
     # the binary body and the JSON one (decoded by the JSON path into a segment)
@@ -303,16 +306,19 @@ def test_metrics_equal_every_process_counters_tp2_small_tmpfs(small_shm_server):
     assert value(scraped, "reused_tensors_total", hop="2") == 2
     for hop in "12":
         assert value(scraped, "fallbacks_total", hop=hop, reason="small") == 1
-        assert value(scraped, "fallbacks_total", hop=hop, reason="no_space") == 1
-    # The JSON and binary tensors, plus what the rejected upload wrote before
-    # the tmpfs was full (counted too: it was copied).
-    assert 2 * n <= value(scraped, "copied_bytes_total") < 2 * n + 256 * 1024
-    assert value(scraped, "binary_bodies_total") == 1
-    assert value(scraped, "binary_bytes_total") == n
-    assert value(scraped, "binary_rejected_total", reason="no_space") == 1
+        assert value(scraped, "fallbacks_total", hop=hop, reason="no_space") == 2
+    # The JSON and binary tensors, plus what the big JSON and binary uploads
+    # wrote before the tmpfs was full (counted too: it was copied).
+    assert 2 * n <= value(scraped, "copied_bytes_total") < 2 * n + 2 * 256 * 1024
+    assert value(scraped, "binary_bodies_total") == 2  # none refused
+    assert value(scraped, "binary_bytes_total") == n + big.nbytes
+    assert value(scraped, "binary_fallbacks_total", reason="no_space") == 1
+    assert ("vllm:shm_embeds_binary_rejected_total", frozenset({("reason", "no_space")})) \
+        not in scraped
     created = value(scraped, "segments_created_total")
-    # JSON, binary, the rejected binary upload, and the JSON path's attempt at
-    # the big tensor (ENOSPC while writing: removed, then vLLM's own decode)
+    # JSON, binary, the big binary upload's segment (ENOSPC midway: read back
+    # into private memory, removed), and the JSON path's attempt at the big
+    # tensor (ENOSPC while writing: removed, then vLLM's own decode)
     assert created == 4
     assert value(scraped, "segments_unlinked_total") == created
     # Gauges: nothing held now; the tmpfs's own size and free bytes.

@@ -24,8 +24,9 @@ Variables (see ``docs/configuration.md``):
   body (default ``max_model_len * hidden_size * 4``).
 * ``VLLM_SHM_EMBEDS_JSON``: the base64 JSON body path (default on).
 * ``VLLM_SHM_EMBEDS_MAX_BYTES``: the most this server's segments may hold in
-  the segment directory (bytes; default: half its file system, never more
-  than what was free at start less a 64 MiB reserve for vLLM's own rings).
+  the segment directory (bytes; default: half its file system; on the file
+  system of ``/dev/shm``, never more than what was free at start less a
+  64 MiB reserve for vLLM's own broadcast rings).
   A tensor that would go over takes the stock path (``budget``).
 * ``VLLM_SHM_EMBEDS_BODY_TIMEOUT_S``: a request body that sends no bytes for
   this many seconds gets 408 and its segment is freed (default 30).
@@ -200,8 +201,9 @@ _budget: dict[str, int] = {}  # segment directory -> default budget, set once
 
 def budget_bytes() -> int:
     """The most this server's segments may hold (bytes): ``VLLM_SHM_EMBEDS_MAX_BYTES``,
-    else half the segment directory's file system, at most what was free the
-    first time this was asked less :data:`RING_RESERVE_BYTES`."""
+    else half the segment directory's file system; when that is the file
+    system of ``/dev/shm`` (where vLLM keeps its broadcast rings), at most what
+    was free the first time this was asked less :data:`RING_RESERVE_BYTES`."""
     s = settings()
     if s.max_bytes is not None:
         return s.max_bytes
@@ -209,9 +211,14 @@ def budget_bytes() -> int:
         try:
             st = os.statvfs(s.dir)
             size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+            shared = os.stat(s.dir).st_dev == os.stat("/dev/shm").st_dev
         except OSError:
             size = free = 0
-        _budget[s.dir] = max(0, min(size // 2, free - RING_RESERVE_BYTES))
+            shared = False
+        budget = size // 2
+        if shared:
+            budget = min(budget, free - RING_RESERVE_BYTES)
+        _budget[s.dir] = max(0, budget)
     return _budget[s.dir]
 
 

@@ -102,7 +102,7 @@ class BinaryBodyError(Exception):
     """A binary body the server refuses; becomes a 4xx in vLLM's error shape.
 
     Attributes:
-        status: HTTP status (400 or 413; 507 when /dev/shm is full).
+        status: HTTP status (400, 408, 413 or 503).
         reason: counter suffix, ``binary_rejected.<reason>``.
         message: for the client; never names a segment or a path.
     """
