@@ -80,3 +80,6 @@ def _register() -> None:
             config.shm_dir(),
             config.min_bytes(),
         )
+        logger.info("shm-embeds: our segments may hold up to %d bytes in %s "
+                    "(VLLM_SHM_EMBEDS_MAX_BYTES); beyond that, the stock path",
+                    config.budget_bytes(), config.shm_dir())
