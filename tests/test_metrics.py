@@ -417,3 +417,31 @@ def test_two_api_servers_and_dp2_add_up(dp_server):
     assert value(scraped, "dir_held_bytes") == 0
     # The start-up sizing warning comes once, from the first API server.
     assert len(re.findall(r"WARNING.*segment directory .* holds", log)) <= 1
+
+
+@pytest.mark.integration
+@pytest.mark.online
+def test_back_to_back_binary_bodies_on_a_dev_shm_that_holds_one(small_shm_server):
+    """The 3 MiB case of issue 16, scaled to this server's 256 KiB tmpfs: a
+    binary body that only fits once. After each request its memory is back
+    within a second on an otherwise idle server (no later step needed), so the
+    next one goes by shared memory again; none is refused."""
+    import shm_embeds_client as sec
+
+    server = small_shm_server
+    w = embed_weights(tiny_model())
+    t = _embeds(w, 300, 7)  # 150 KiB: one fits in the 256 KiB tmpfs, two do not
+    assert 128 * 1024 < t.nbytes + 4096 < 256 * 1024 < 2 * t.nbytes
+    before = server.totals()
+    for i in range(4):
+        sec.complete(server.url, "tiny", t, max_tokens=4, temperature=0.0)
+        deadline = time.monotonic() + 1.0
+        while ours_in(server.seg_dir) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        held = os.statvfs(server.seg_dir)
+        assert ours_in(server.seg_dir) == [], f"request {i}: memory not back within 1 s"
+        assert (held.f_blocks - held.f_bfree) * held.f_frsize < t.nbytes, \
+            f"request {i}: the tmpfs still holds the request's pages"
+    d = {k: v - before.get(k, 0) for k, v in server.totals().items()}
+    assert d.get("binary_bodies") == 4 and d.get("hop1_handover_tensors") == 4
+    assert not any(k.startswith(("binary_fallback", "binary_rejected")) for k in d), d
