@@ -1,0 +1,216 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A flood of large requests on a small segment directory: stock vLLM vs shm-embeds.
+
+Both servers in one run (tests/helpers.py's launcher, TP=2, the wide model),
+the segment directory on a tmpfs of ``--tmpfs-mib`` (256), the same requests at
+once: ``--binary`` binary bodies and ``--json`` base64 JSON bodies of
+``--tokens`` tokens each (stock gets the binary ones as JSON: it has no binary
+path), ``--text`` text prompts, and ``--stalled`` uploaders that declare a
+full binary body, send 1 MiB and then nothing for ``--stall-s`` seconds. For
+each mode it prints outcomes by kind (HTTP status, or ``cut``/``timeout``),
+the time to the first token (``max_tokens=1``, so the whole response) p50/p99
+by kind, the API server's peak RSS over its start RSS, the segment
+directory's peak use (sampled every 50 ms), and what was left in it.
+
+    .venv/bin/python benchmarks/bench_load.py            # about 5 minutes
+    .venv/bin/python benchmarks/bench_load.py --quick    # fewer, smaller requests
+
+Writes ``benchmarks/results/load.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import requests
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # the one server launcher: helpers.Server
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+
+def _json_body(t: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return json.dumps({"model": "tiny", "prompt": "", "max_tokens": 1, "temperature": 0.0,
+                       "prompt_embeds": base64.b64encode(buf.getvalue()).decode()}).encode()
+
+
+def _stall(url: str, t: torch.Tensor, stall_s: float) -> str:
+    """Declare a full binary body, send 1 MiB, then nothing; the server's answer
+    (its HTTP status), ``cut``, or ``timeout`` when nothing came ``stall_s`` + 15 s
+    later (stock vLLM waits for the body as long as the connection lives)."""
+    import shm_embeds_client as sec
+
+    headers, pieces, length = sec.frame({"model": "tiny", "max_tokens": 1, "prompt_embeds": t})
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)), timeout=stall_s + 15)
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n"
+              f"{head}Connection: close\r\n\r\n".encode())
+    sent = 0
+    for piece in pieces:
+        part = memoryview(piece)[: max(0, (1 << 20) - sent)]
+        s.sendall(part)
+        sent += len(part)
+    try:
+        reply = s.recv(64).decode(errors="replace")
+        return reply.split(" ")[1] if reply.startswith("HTTP/") else "cut"
+    except TimeoutError:
+        return "timeout"
+    finally:
+        s.close()
+
+
+def run_mode(shm_on: bool, args, weights: torch.Tensor, tmp: pathlib.Path) -> dict:
+    from helpers import Server, ours_in
+
+    import shm_embeds_client as sec
+
+    mnt = tmp / "shm"
+    mnt.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={args.tmpfs_mib}m", "tmpfs",
+                    str(mnt)], check=True)
+    try:
+        server = Server(tmp, "-tp", "2", shm_on=shm_on, seg_dir=str(mnt), check_clean=False,
+                        model=os.path.join(ROOT, ".models", "wide"),
+                        max_model_len=args.tokens + 64,
+                        env_extra={"VLLM_SHM_EMBEDS_MIN_BYTES": str(1 << 20)}).start()
+        api = psutil.Process(server.proc.pid)
+        rss0 = api.memory_info().rss
+        peak = {"rss": rss0, "fs": 0}
+        stop = threading.Event()
+
+        def sample():
+            while not stop.is_set():
+                st = os.statvfs(str(mnt))
+                peak["fs"] = max(peak["fs"], (st.f_blocks - st.f_bfree) * st.f_frsize)
+                try:
+                    peak["rss"] = max(peak["rss"], api.memory_info().rss)
+                except psutil.Error:
+                    pass
+                time.sleep(0.05)
+
+        gen = torch.Generator().manual_seed(16)
+        tensors = [weights[torch.randint(3, weights.shape[0], (args.tokens,), generator=gen)]
+                   .contiguous() for _ in range(args.binary + args.json)]
+        bodies = {i: _json_body(t) for i, t in enumerate(tensors)}  # encoded before the clock
+        jobs = [("binary" if i < args.binary else "json", i) for i in range(len(tensors))]
+        jobs += [("text", i) for i in range(args.text)] + [("stalled", i)
+                                                            for i in range(args.stalled)]
+
+        def one(job):
+            kind, i = job
+            t0 = time.monotonic()
+            try:
+                if kind == "stalled":
+                    return kind, _stall(server.url, tensors[0], args.stall_s), None
+                if kind == "binary" and shm_on:
+                    sec.complete(server.url, "tiny", tensors[i], max_tokens=1,
+                                 temperature=0.0, timeout=600)
+                    code = "200"
+                elif kind in ("binary", "json"):
+                    r = requests.post(server.url + "/v1/completions", data=bodies[i],
+                                      headers={"Content-Type": "application/json"},
+                                      timeout=600)
+                    code = str(r.status_code)
+                else:
+                    r = requests.post(server.url + "/v1/completions", timeout=600,
+                                      json={"model": "tiny", "prompt": f"text {i} " * 50,
+                                            "max_tokens": 1, "temperature": 0.0})
+                    code = str(r.status_code)
+            except requests.Timeout:
+                code = "timeout"
+            except Exception as e:  # the binary client raises on a 4xx/5xx
+                code = str(e)[:40]
+            return kind, code, time.monotonic() - t0
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            results = list(pool.map(one, jobs))
+        time.sleep(2)
+        stop.set()
+        sampler.join()
+        healthy = requests.get(server.url + "/health", timeout=10).status_code == 200
+        left = ours_in(str(mnt))
+        server.close()
+    finally:
+        subprocess.run(["umount", str(mnt)])
+    out = {"mode": "shm-embeds" if shm_on else "stock", "healthy_after": healthy,
+           "left": left, "api_rss_peak_mb": (peak["rss"] - rss0) / 2**20,
+           "fs_peak_mb": peak["fs"] / 2**20, "kinds": {}}
+    for kind in ("binary", "json", "text", "stalled"):
+        rs = [r for r in results if r[0] == kind]
+        if not rs:
+            continue
+        codes: dict[str, int] = {}
+        for _, c, _ in rs:
+            codes[c] = codes.get(c, 0) + 1
+        ttft = [d for _, c, d in rs if c == "200" and d is not None]
+        out["kinds"][kind] = {"outcomes": codes, "ttft_p50_s": _pct(ttft, 0.5),
+                              "ttft_p99_s": _pct(ttft, 0.99)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=1024, help="tokens per embeds request")
+    ap.add_argument("--binary", type=int, default=12)
+    ap.add_argument("--json", type=int, default=12)
+    ap.add_argument("--text", type=int, default=4)
+    ap.add_argument("--stalled", type=int, default=4)
+    ap.add_argument("--stall-s", type=float, default=45.0)
+    ap.add_argument("--tmpfs-mib", type=int, default=256)
+    ap.add_argument("--quick", action="store_true", help="4+4 requests of 256 tokens")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "load.json"))
+    args = ap.parse_args()
+    if args.quick:
+        args.tokens, args.binary, args.json, args.stalled, args.stall_s = 256, 4, 4, 2, 35.0
+    from helpers import embed_weights
+
+    weights = embed_weights(os.path.join(ROOT, ".models", "wide"))
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench-load-"))
+    runs = [run_mode(on, args, weights, tmp / str(int(on))) for on in (False, True)]
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "runs": runs}, f, indent=1)
+    mb = args.tokens * weights.shape[1] * 4 / 2**20
+    print(f"\n{args.binary} binary + {args.json} JSON requests of {mb:.0f} MiB, {args.text} "
+          f"text, {args.stalled} stalled uploads; segment dir: {args.tmpfs_mib} MiB tmpfs")
+    print("| mode | kind | outcomes | TTFT p50 s | TTFT p99 s |")
+    print("|---|---|---|---:|---:|")
+    for r in runs:
+        for kind, k in r["kinds"].items():
+            p50 = "-" if k["ttft_p50_s"] is None else f"{k['ttft_p50_s']:.1f}"
+            p99 = "-" if k["ttft_p99_s"] is None else f"{k['ttft_p99_s']:.1f}"
+            print(f"| {r['mode']} | {kind} | {k['outcomes']} | {p50} | {p99} |")
+    print("\n| mode | API server peak RSS growth MB | segment fs peak MB | left | healthy |")
+    print("|---|---:|---:|---|---|")
+    for r in runs:
+        print(f"| {r['mode']} | {r['api_rss_peak_mb']:.0f} | {r['fs_peak_mb']:.0f} | "
+              f"{len(r['left'])} | {r['healthy_after']} |")
+
+
+if __name__ == "__main__":
+    main()
