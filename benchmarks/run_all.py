@@ -156,7 +156,7 @@ def verdicts(h1: dict | None, h2: dict | None) -> list[str]:
     return out
 
 
-E2E_MODES = ("stock", "arena", "shm")
+E2E_MODES = ("stock", "arena", "shm_json", "shm_binary")  # main_job.sh --arena runs
 
 
 def e2e_markdown() -> str | None:
@@ -191,7 +191,7 @@ def e2e_markdown() -> str | None:
              "target (stock tax / 5) | shm tax - floor |", "|---:|---:|---:|---:|---:|---:|---:|"]
     for n, a in sorted(api.items()):
         st = runs.get("stock", {}).get(n, {}).get("embeds_minus_text_ms")
-        sh = runs.get("shm", {}).get(n, {}).get("embeds_minus_text_ms")
+        sh = runs.get("shm_json", {}).get(n, {}).get("embeds_minus_text_ms")
         lines.append(f"| {n} | {a['embeds_mb']:.1f} | {a['total_ms']:.0f} | {_fmt(st, '.0f')} | "
                      f"{_fmt(sh, '.0f')} | {_fmt(st and st / 5, '.0f')} | "
                      f"{_fmt(sh and sh - a['total_ms'], '.0f')} |")
@@ -201,14 +201,14 @@ def e2e_markdown() -> str | None:
 def e2e_verdicts() -> list[str]:
     """Target lines for the end-to-end run: tax ratio and shared memory held."""
     runs = {}
-    for m in ("stock", "shm"):
+    for m in ("stock", "shm_json"):
         path = os.path.join(RESULTS, f"e2e_{m}.json")
         if not os.path.exists(path):
             return []
         with open(path) as f:
             runs[m] = {r["length"]: r for r in json.load(f)["results"]}
-    n = max(runs["shm"])
-    st, sh = runs["stock"][n], runs["shm"][n]
+    n = max(runs["shm_json"])
+    st, sh = runs["stock"][n], runs["shm_json"][n]
     ratio = sh["embeds_minus_text_ms"] / st["embeds_minus_text_ms"]
     api = None
     api_path = os.path.join(RESULTS, "api_decode.json")
@@ -221,7 +221,7 @@ def e2e_verdicts() -> list[str]:
            + (f"; the API server's own decode of that request alone takes "
               f"{api['total_ms']:.0f} ms = {api['total_ms'] / st['embeds_minus_text_ms']:.2f}x "
               f"stock's tax" if api else "") + "."]
-    held = [r for r in runs["shm"].values() if "shm_peak_bytes" in r]
+    held = [r for r in runs["shm_json"].values() if "shm_peak_bytes" in r]
     if held:
         worst = max(r["shm_peak_bytes"] / (r["embeds_mb"] * 1e6) for r in held)
         left = max(r["shm_after_bytes"] for r in held)

@@ -179,9 +179,10 @@ def small_shm_server(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("small-shm-server")
     with _tmpfs(tmp / "small-shm", "256k") as mnt:
-        # The whole tmpfs as the budget: what fills it is ENOSPC, not the budget.
+        # A budget above the tmpfs: what fills it is ENOSPC (the budget has
+        # unit tests of its own).
         with Server(tmp, "-tp", "2", "--max-num-seqs", "4", seg_dir=mnt,
-                    env_extra={"VLLM_SHM_EMBEDS_MAX_BYTES": str(256 << 10)}) as server:
+                    env_extra={"VLLM_SHM_EMBEDS_MAX_BYTES": str(1 << 30)}) as server:
             yield server
 
 

@@ -17,6 +17,7 @@ scheduling off, two API servers).
 import os
 
 import pytest
+import torch
 
 from helpers import by_role, run_offline, tiny_model
 
@@ -69,22 +70,44 @@ def test_worker_start_method_fork_asked(offline_tiny):
     _assert_shm_both_hops(stats, tp=2, n=len(out["embeds"]))
 
 
+def _assert_shm_both_hops_on(server, tp: int, engines: int = 1):
+    """Send ``engines`` embeds requests (so that each EngineCore gets some) and
+    check both hops by the counters that moved (the server is shared)."""
+    from helpers import encode_embeds
+
+    w = server.extra.get("weights")
+    if w is None:
+        from helpers import embed_weights
+
+        w = embed_weights(server.model)
+    before = {p["pid"]: p["counters"] for p in server.read_stats()}
+    ids = torch.randint(3, w.shape[0], (300,), generator=torch.Generator().manual_seed(3))
+    for _ in range(4 * engines):  # enough that the load balancer uses every EngineCore
+        server.complete({"prompt": "", "prompt_embeds": encode_embeds(w[ids].contiguous())})
+    stats = [{**p, "counters": {k: v - before.get(p["pid"], {}).get(k, 0)
+                                for k, v in p["counters"].items()
+                                if v != before.get(p["pid"], {}).get(k, 0)}}
+             for p in server.read_stats()]
+    moved = [p for p in stats if "engine" not in p["roles"] or p["counters"]]
+    _assert_shm_both_hops(moved, tp=tp, n=1, engines=engines)
+
+
 def test_worker_start_method_spawn(main_server):
     assert main_server.env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
-    _assert_shm_both_hops(main_server.read_stats(), tp=2, n=1)
+    _assert_shm_both_hops_on(main_server, tp=2)
 
 
 def test_async_scheduling_off_and_tp4(tp4_server):
     """Four TP workers on 2 cores (each OpenMP pool binds one core), async
     scheduling off, two API servers."""
     assert "--no-async-scheduling" in tp4_server.args
-    _assert_shm_both_hops(tp4_server.read_stats(), tp=4, n=1)
+    _assert_shm_both_hops_on(tp4_server, tp=4)
 
 
 def test_tp1_mp_executor(dp_server):
     """Each DP EngineCore runs one TP worker through the mp executor: hop 2
     to a single local reader."""
-    _assert_shm_both_hops(dp_server.read_stats(), tp=1, n=1, engines=2)
+    _assert_shm_both_hops_on(dp_server, tp=1, engines=2)
 
 
 @pytest.mark.skipif(not os.environ.get("SHM_EMBEDS_TEST_UNIPROC"),

@@ -389,8 +389,9 @@ def _json_body_length(scope: dict) -> int | None:
 class JsonBodyMiddleware:
     """Pure ASGI middleware: large JSON bodies on the completion routes (see module doc).
 
-    Everything else passes through untouched. Never answers by itself: a
-    body it cannot take goes to the stock app unchanged.
+    Everything else passes through untouched. It answers by itself only a
+    body that stalls (408, ``VLLM_SHM_EMBEDS_BODY_TIMEOUT_S``); any other body
+    it cannot take goes to the stock app unchanged.
     """
 
     def __init__(self, app: Callable) -> None:

@@ -57,7 +57,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                          "by receivers (hop 1: EngineCore; hop 2: each TP worker)",
                          ("hop",)),
     "reused_tensors": ("counter", "prompt_embeds tensors sent by shared memory without "
-                       "a copy (hop 1: binary bodies; hop 2: segments adopted at hop 1)",
+                       "a copy (hop 1: binary and JSON bodies written into shared memory; hop 2: "
+                       "segments adopted at hop 1)",
                        ("hop",)),
     "fallbacks": ("counter", "prompt_embeds tensors that took the stock path, by hop "
                   "and reason", ("hop", "reason")),
