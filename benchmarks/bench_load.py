@@ -62,11 +62,11 @@ def _stall(url: str, t: torch.Tensor, stall_s: float) -> str:
     later (stock vLLM waits for the body as long as the connection lives)."""
     import shm_embeds_client as sec
 
-    headers, pieces, length = sec.frame({"model": "tiny", "max_tokens": 1, "prompt_embeds": t})
+    headers, pieces, _ = sec.frame({"model": "tiny", "max_tokens": 1, "prompt_embeds": t})
     host, port = url.removeprefix("http://").split(":")
     s = socket.create_connection((host, int(port)), timeout=stall_s + 15)
     head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-    s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n"
+    s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"  # (head has Content-Length)
               f"{head}Connection: close\r\n\r\n".encode())
     sent = 0
     for piece in pieces:
