@@ -362,11 +362,15 @@ def sweep(directory: str, pidns: int) -> int:
     return removed
 
 
-def held_bytes(directory: str) -> int:
+def held_bytes(directory: str, owners: set[int] | None = None,
+               pidns: int | None = None) -> int:
     """Bytes our segment files in ``directory`` hold now (allocated blocks: a
-    body still arriving counts by what it has written)."""
+    body still arriving counts by what it has written); with ``owners``, only
+    the files of those pids in PID namespace ``pidns``."""
     held = 0
-    for name, _ in list_segments(directory):
+    for name, parsed in list_segments(directory):
+        if owners is not None and (parsed.pid not in owners or parsed.pidns != pidns):
+            continue
         try:
             held += os.stat(os.path.join(directory, name)).st_blocks * 512
         except OSError:  # unlinked meanwhile

@@ -77,6 +77,7 @@ from vllm._shm_embeds.http.common import (
     Stalled,
     Upload,
     call_with_body,
+    content_type,
     embeds_slots,
     new_token,
     placeholder,
@@ -246,7 +247,7 @@ def frame_header_length(headers: list[tuple[bytes, bytes]]) -> tuple[int, int | 
             header is longer than the body or than :data:`MAX_JSON_BYTES`.
     """
     h = Headers(raw=headers)
-    ctype = h.get("content-type", "").split(";", 1)[0].strip().lower().encode()
+    ctype = content_type(h)
     hlen, clen = h.get(HEADER_NAME), h.get("content-length")
     hlen = hlen.strip() if hlen is not None else None
     clen = clen.strip() if clen is not None else None

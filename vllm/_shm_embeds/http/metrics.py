@@ -210,15 +210,7 @@ def aggregate(values: dict[tuple[counters.Key, str], float], pids: set[int],
             elif what == "tensors" and path == "shm":
                 add("received_tensors", (hop,), value)
     seg_dir = seg_dir or config.shm_dir()
-    pidns = pid_namespace()
-    held = 0
-    for name, parsed in seg.list_segments(seg_dir):
-        if parsed.pid in pids and parsed.pidns == pidns:
-            try:
-                held += os.stat(os.path.join(seg_dir, name)).st_blocks * 512
-            except OSError:  # unlinked meanwhile
-                pass
-    out["dir_held_bytes"][()] = held
+    out["dir_held_bytes"][()] = seg.held_bytes(seg_dir, pids, pid_namespace())
     try:
         st = os.statvfs(seg_dir)
         out["dir_free_bytes"][()] = st.f_bavail * st.f_frsize
