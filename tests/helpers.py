@@ -7,6 +7,7 @@ One home for what several test modules need (conftest.py keeps the fixtures).
 import base64
 import io
 import json
+import contextlib
 import os
 import shutil
 import signal
@@ -36,6 +37,50 @@ def mine(name: str) -> bool:
 def ours_in(seg_dir: str) -> list[str]:
     """Our segment file names in ``seg_dir`` (every file of every segment)."""
     return sorted(n for n in os.listdir(seg_dir) if SegmentName.parse(n) is not None)
+
+
+def holders(directory: str) -> dict[str, list[str]]:
+    """Which processes map or open a file in ``directory``: ``{"<pid> <name>": [...]}``."""
+    out: dict[str, list[str]] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        found = []
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                found += [line.split(None, 5)[-1].strip() for line in f if directory in line]
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if directory in target:
+                        found.append(f"fd {fd}: {target}")
+            if found:
+                with open(f"/proc/{pid}/comm") as f:
+                    out[f"{pid} {f.read().strip()}"] = found
+        except OSError:
+            continue
+    return out
+
+
+VLLM_SHM_FILES = ("psm_", "vllm_dist_", "sem.mp-")  # vLLM's own /dev/shm files
+
+
+def vllm_shm_files() -> set[str]:
+    """vLLM's own files in /dev/shm (broadcast rings, the CPU communicator's)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(VLLM_SHM_FILES)}
+
+
+def remove_vllm_leftovers(before: set[str]) -> list[str]:
+    """Remove vLLM's own /dev/shm files that appeared since ``before`` and that
+    no live process maps or opens: what vLLM leaves when a test SIGKILLs one
+    of its processes. A run leaves /dev/shm as it found it. Returns the names."""
+    new = vllm_shm_files() - before
+    if not new:
+        return []
+    used = {p.split("/")[-1].split()[0] for h in holders("/dev/shm/").values() for p in h}
+    gone = sorted(n for n in new if n not in used)
+    for n in gone:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join("/dev/shm", n))
+    return gone
 
 
 def new_seg_dir() -> str:
@@ -230,6 +275,7 @@ class Server:
         # module entry point starts the same server (one API server).
         cmd = ([sys.executable, "-c", SERVE_CLI, "serve"] if self.serve_cli
                else [sys.executable, "-m", "vllm.entrypoints.openai.api_server"])
+        self._vllm_files = vllm_shm_files()
         self.proc = subprocess.Popen(
             [*cmd, "--model", self.model, "--served-model-name", "tiny", "--port",
              str(self.port), "--enable-prompt-embeds", "--dtype", "float32",
@@ -259,6 +305,7 @@ class Server:
         try:
             self.stop()
         finally:
+            remove_vllm_leftovers(getattr(self, "_vllm_files", set()))
             left = ours_in(self.seg_dir)
             if self.own_seg_dir:
                 shutil.rmtree(self.seg_dir, ignore_errors=True)  # even when a test failed

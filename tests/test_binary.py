@@ -98,21 +98,40 @@ def _prefix_cache_hits(url: str) -> float:
 
 
 def test_prefix_cache_hits_for_binary_and_json_alike(server):
-    """A repeated binary request hits the prefix cache, and so does the same
-    tensor sent as JSON afterwards: the cache keys (the EngineCore's hashes
-    of the embeds) are the same whichever way the bytes came."""
+    """Issue 17 item 1. A binary body is hashed in the API server while it
+    arrives: the EngineCore hashes none of its blocks (counters). A repeated
+    binary request hits the prefix cache, and so do the same tensor sent as
+    JSON, as a chat prompt of two parts (assembled into a segment and hashed
+    there) and as a binary body that the EngineCore hashes itself (fp16,
+    cast to the model's fp32 first): every path's keys are stock's."""
     url, w = server["url"], server["weights"]
-    embeds = w[_ids(320, 11)].contiguous()  # 10 blocks of the CPU backend's 32 tokens
-    first = sec.complete(url, "tiny", embeds, **KW)["choices"][0]["text"]
-    h0 = _prefix_cache_hits(url)
-    again = sec.complete(url, "tiny", embeds, **KW)["choices"][0]["text"]
-    h1 = _prefix_cache_hits(url)
-    by_json = requests.post(url + "/v1/completions", timeout=300, json={
-        "model": "tiny", "prompt": "", "prompt_embeds": encode_embeds(embeds), **KW}).json()
-    h2 = _prefix_cache_hits(url)
-    assert first == again == by_json["choices"][0]["text"]
-    assert h1 - h0 >= 256, (h0, h1)  # all full blocks but the last one
-    assert h2 - h1 >= 256, (h1, h2)
+    # fp16-exact values: the fp16 body below casts to exactly these bytes.
+    embeds = w[_ids(320, 11)].half().float().contiguous()  # 2 full blocks of 128 tokens
+
+    def sent(send):
+        before, h = _totals(server), _prefix_cache_hits(url)
+        text = send()
+        return text, _prefix_cache_hits(url) - h, _delta(before, _totals(server))
+
+    first, h, d = sent(lambda: sec.complete(url, "tiny", embeds, **KW)["choices"][0]["text"])
+    assert h == 0 and d.get("hash_engine_blocks", 0) == 0, d  # hashed on arrival
+    assert d.get("hash_api_blocks", 0) == d.get("hash_reused_blocks", 0) > 0, d
+    assert d.get("hop1_handover_tensors") == 1, d
+    again, h, d = sent(lambda: sec.complete(url, "tiny", embeds, **KW)["choices"][0]["text"])
+    assert h >= 256 and d.get("hash_engine_blocks", 0) == 0, (h, d)  # all but the last
+    by_json, h, d = sent(lambda: requests.post(url + "/v1/completions", timeout=300, json={
+        "model": "tiny", "prompt": "", "prompt_embeds": encode_embeds(embeds), **KW}
+    ).json()["choices"][0]["text"])
+    assert h >= 256 and d.get("hash_engine_blocks", 0) == 0, (h, d)
+    parts = [{"role": "user", "content": [{"type": "prompt_embeds", "data": embeds[:100]},
+                                          {"type": "prompt_embeds", "data": embeds[100:]}]}]
+    _, h, d = sent(lambda: sec.chat(url, "tiny", messages=parts, **KW))
+    assert d.get("hash_engine_blocks", 0) == 0 and d.get("hash_api_blocks", 0) > 0, d
+    # the prompt assembled in a segment of its own, hashed there, handed over
+    assert d.get("hop1_handover_tensors") == 1 and d.get("hash_sent_tensors") == 1, d
+    half, h, d = sent(lambda: sec.complete(url, "tiny", embeds.half(), **KW)["choices"][0]["text"])
+    assert h >= 256 and d.get("hash_engine_blocks", 0) > 0, (h, d)  # vLLM's own keys hit
+    assert first == again == by_json == half
     assert ours_in(server["seg_dir"]) == []
 
 

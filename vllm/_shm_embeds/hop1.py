@@ -51,8 +51,9 @@ class HandleOOBConsumer:
     so that the caller can remove them if encoding or sending fails.
     """
 
-    def __init__(self, inner: Any = None) -> None:
+    def __init__(self, inner: Any = None, block_tokens: int | None = None) -> None:
         self.inner = inner
+        self.block_tokens = block_tokens  # prefix-cache rows per digest, None: off
         self._armed: torch.Tensor | None = None
         self._created: list[SharedTensorHandle] = []
 
@@ -76,20 +77,40 @@ class HandleOOBConsumer:
             handover = take_handover(tensor)
             reason = None if handover is not None else eligible(tensor)
             if reason is None:
+                found = None
                 try:
-                    handle = handover or share_tensor(tensor)
+                    if handover is not None:
+                        handle = handover
+                    else:
+                        handle, found = self._copy(tensor)
                 except OSError as e:
                     reason = process.placement_failed("hop 1", tensor.nbytes, e)
                 else:
                     self._created.append(handle)
                     count(hop1_shm_tensors=1, hop1_shm_bytes=tensor.nbytes)
                     meta = handle.to_meta()
-                    if handover is not None:  # digests our own code computed
-                        meta.update(digests.handover_meta(tensor))
+                    # digests our own code computed over exactly these bytes
+                    meta.update(digests.handover_meta(tensor, found))
                     return {META_KEY: meta}
             count(hop1_stock_tensors=1, hop1_stock_bytes=dense_nbytes(tensor))
             count_reason("fallback", reason, hop="1")
         return self.inner(tensor) if self.inner is not None else None
+
+
+    def _copy(self, tensor: torch.Tensor) -> tuple[SharedTensorHandle, Any]:
+        """Copy ``tensor`` into a new segment, hashing its blocks meanwhile
+        (when prefix caching is on and no digests are attached yet); returns
+        the handle and the digests (or None). Raises OSError from the copy."""
+        hashing = None
+        if (self.block_tokens and tensor.dim() == 2 and tensor.shape[0]
+                and digests.attached(tensor) is None):
+            hashing = digests.hash_tensor(tensor, self.block_tokens)
+        try:
+            handle = share_tensor(tensor)
+        finally:
+            # The pool reads the tensor: done before anything else may touch it.
+            found = hashing.result() if hashing is not None else None
+        return handle, found
 
 
 ADOPT_FAILED_MESSAGE = (

@@ -103,6 +103,9 @@ class OwnedSegments:
         self._lock = threading.Lock()
         # Files a request body is being written into (``segment.StreamedFile``).
         self._streams: set = set()
+        # Streamed segments handed over (hop 1) whose tensor still lives here:
+        # name -> entry, for :meth:`end_request` (dropped when the storage dies).
+        self._handed: dict[str, _Owned] = {}
 
     # -- adding
 
@@ -140,6 +143,8 @@ class OwnedSegments:
         while released:
             key = released.popleft()
             name = key[1]
+            if key[0] == "storage":
+                self._handed.pop(name, None)
             entry = self._segs.get(name)
             if key[0] == "source":
                 if self._by_ptr.get(key[2]) == name:
@@ -265,18 +270,44 @@ class OwnedSegments:
             entry = self.handover_entry(tensor)
             if entry is not None:
                 self._pop(entry.handle.name)
+                self._handed[entry.handle.name] = entry
         self._unlink(gone)
         return entry.handle if entry is not None else None
 
+    def _handed_entry(self, tensor: torch.Tensor) -> _Owned | None:
+        """The handed-over segment that is exactly ``tensor`` (lock held)."""
+        for entry in self._handed.values():
+            if (entry.data_ptr == tensor.data_ptr() and tensor.dtype == entry.handle.torch_dtype
+                    and tuple(tensor.shape) == entry.handle.shape):
+                return entry
+        return None
+
     def release(self, tensor: torch.Tensor) -> bool:
-        """Unlink the streamed segment that is ``tensor`` now (not handed over)."""
+        """This process is done with ``tensor``, a streamed segment (its request ended).
+
+        Unlinks the segment now if it was not handed over, and drops this
+        process's pages of it either way (``segment.drop_pages``: the tensor
+        stays valid and reads zeros), so that the memory comes back as soon
+        as the peer that took it lets go, whatever here still holds the
+        tensor object. Returns True if ``tensor`` was such a segment.
+        """
         with self._lock:
             entry = self.handover_entry(tensor)
-            if entry is not None:
+            unlink = entry is not None
+            if unlink:
                 self._pop(entry.handle.name)
+            else:
+                entry = self._handed_entry(tensor)
+            if entry is not None:
+                self._handed.pop(entry.handle.name, None)
         if entry is None:
             return False
-        self._unlink([entry])
+        if unlink:
+            self._unlink([entry])
+        try:
+            seg.drop_pages(entry.mm)
+        except OSError as e:  # the pages then go when the tensor does
+            logger.debug("shm-embeds: could not drop a finished request's pages: %s", e)
         return True
 
     # -- whole process
@@ -307,6 +338,7 @@ class OwnedSegments:
             gone = list(self._segs.values())
             self._segs.clear()
             self._by_ptr.clear()
+            self._handed.clear()
         n = 0
         for entry in gone:
             entry.close_fds()

@@ -147,8 +147,8 @@ _MAP_NORESERVE = 0x4000
 _libc: Any = None
 
 
-def _map_fixed(addr: int, length: int, prot: int, fd: int) -> None:
-    """``mmap(addr, length, prot, MAP_SHARED | MAP_FIXED, fd, 0)``; raises OSError."""
+def _mmap_fixed(addr: int, length: int, prot: int, flags: int, fd: int) -> None:
+    """``mmap(addr, length, prot, flags | MAP_FIXED, fd, 0)``; raises OSError."""
     global _libc
     if _libc is None:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -156,36 +156,56 @@ def _map_fixed(addr: int, length: int, prot: int, fd: int) -> None:
         libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                               ctypes.c_int, ctypes.c_int, ctypes.c_long]
         _libc = libc
-    got = _libc.mmap(addr, length, prot, mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
+    got = _libc.mmap(addr, length, prot, flags | _MAP_FIXED, fd, 0)
     if got != addr:
         err = ctypes.get_errno()
-        raise OSError(err, f"mmap of a segment part failed: {os.strerror(err)}")
+        raise OSError(err, f"mmap of a segment failed: {os.strerror(err)}")
+
+
+def _base(mm: mmap.mmap) -> int:
+    anchor = ctypes.c_char.from_buffer(mm)
+    try:
+        return ctypes.addressof(anchor)
+    finally:
+        del anchor  # no export of mm may outlive this call
 
 
 def map_files(fds: list[int], sizes: list[int], prot: int) -> mmap.mmap:
     """Map the files of a segment back to back as one mapping.
 
-    One file: a plain shared mapping. Several: an anonymous reservation of
-    the whole size (Python's ``mmap``, so ``munmap`` of the whole range
-    follows the Python object), then each file over its slice with
-    ``MAP_FIXED``. Every file but the last has a page-multiple size.
+    An anonymous reservation of the whole size (Python's ``mmap``, so
+    ``munmap`` of the whole range follows the Python object), then each file
+    over its slice with ``MAP_FIXED`` and ``prot``. Every file but the last
+    has a page-multiple size. Unlike ``mmap.mmap(fd)`` this keeps no
+    duplicate of a file descriptor: a mapping is the only thing that holds
+    the file's pages, and :func:`drop_pages` can let go of them.
     """
-    if len(fds) == 1:
-        return mmap.mmap(fds[0], sizes[0], flags=mmap.MAP_SHARED, prot=prot)
-    total = sum(sizes)
-    mm = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+    mm = mmap.mmap(-1, sum(sizes),
+                   flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
     try:
-        anchor = ctypes.c_char.from_buffer(mm)
-        base = ctypes.addressof(anchor)
-        del anchor
-        offset = 0
+        base, offset = _base(mm), 0
         for fd, size in zip(fds, sizes):
-            _map_fixed(base + offset, size, prot, fd)
+            _mmap_fixed(base + offset, size, prot, mmap.MAP_SHARED, fd)
             offset += size
     except BaseException:
         mm.close()
         raise
     return mm
+
+
+def drop_pages(mm: mmap.mmap) -> None:
+    """Let go of a segment's pages in this process; ``mm`` stays valid memory.
+
+    Maps private zero pages over the whole of ``mm`` (made by
+    :func:`map_files`), so this process no longer holds the files' pages
+    (tmpfs frees them once no other process maps or opens them) while every
+    tensor or view over ``mm`` stays valid and reads zeros. For a request
+    whose tensor this process will never read again (it has ended).
+    Raises OSError (e.g. ENOMEM).
+    """
+    if not mm.closed:
+        _mmap_fixed(_base(mm), len(mm), mmap.PROT_READ | mmap.PROT_WRITE,
+                    mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1)
 
 
 def _open_by_owner_fd(handle: SharedTensorHandle, writable_first: bool) -> list[int] | None:

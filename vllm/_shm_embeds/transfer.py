@@ -300,10 +300,14 @@ def take_handover(tensor: Any) -> SharedTensorHandle | None:
 
 
 def release_streamed(tensor: Any) -> bool:
-    """Unlink the streamed segment behind ``tensor`` now, if not handed over.
+    """This process is done with ``tensor``'s streamed segment (its request ended).
 
-    For a request that ends (rejected, failed, disconnected) before hop 1
-    took its segment; True if this call unlinked it.
+    Unlinks it now if hop 1 did not hand it over (rejected, failed,
+    disconnected), and lets go of this process's pages of it either way
+    (``OwnedSegments.release``): the tensor stays valid but reads zeros, and
+    the memory is back once the EngineCore and TP workers are done with it,
+    even if something here keeps the tensor object alive. True if ``tensor``
+    was a streamed segment of this process.
     """
     if not isinstance(tensor, torch.Tensor):
         return False

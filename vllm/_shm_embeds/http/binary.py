@@ -37,8 +37,12 @@ including the same placeholder sent by a JSON client, take vLLM's own path
 and get its usual error. Hop 1 then sends the segment itself by handle
 (:func:`~vllm._shm_embeds.transfer.take_handover`): the socket-to-segment write is the
 only copy of the bytes (a ``datatype`` other than the model's costs one more,
-counted, as the JSON path's cast). Segments not handed over when the request
-ends (rejected by vLLM, disconnect, error) are unlinked at once.
+counted, as the JSON path's cast). The prefix-cache digests of each block are
+computed on the hashing pool while the body arrives (``digests.StreamHasher``),
+so the EngineCore hashes none of them (a cast tensor is still hashed there).
+Segments not handed over when the request ends (rejected by vLLM, disconnect,
+error) are unlinked at once, and the API server lets go of its pages of the
+others.
 
 Why a middleware and not an endpoint plugin: endpoint plugins load only when
 named in ``VLLM_PLUGINS``, which would also turn off every general plugin the
@@ -68,9 +72,11 @@ import torch
 from starlette.datastructures import Headers
 from vllm.logger import init_logger
 
+from vllm._shm_embeds import digests
 from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.counters import count, count_reason
 from vllm._shm_embeds.http.common import (
+    COMPLETIONS,
     Receive,
     Send,
     ServerContext,
@@ -300,7 +306,7 @@ class _Private:
         self._bytes[self.filled:self.filled + len(data)] = data
         self.filled += len(data)
 
-    def finish(self) -> torch.Tensor:
+    def finish(self, writable: bool = True) -> torch.Tensor:
         return self.tensor
 
     def abort(self) -> None:
@@ -346,7 +352,9 @@ class _BodyReader:
                 raise _bad("timeout", str(e), 408) from None
             if msg["type"] == "http.disconnect":
                 raise _Disconnected
-            self._buf = memoryview(msg.get("body", b""))
+            body = msg.get("body", b"")
+            # Pieces are hashed after this returns: they must not change.
+            self._buf = memoryview(body if isinstance(body, bytes) else bytes(body))
             self.more = bool(msg.get("more_body", False))
         return bool(self._buf)
 
@@ -363,8 +371,10 @@ class _BodyReader:
             need -= len(piece)
         return b"".join(parts)
 
-    async def copy_into(self, segment: StreamedSegment | _Private) -> None:
-        """Write the next ``segment.nbytes`` body bytes into ``seg``, chunk by chunk."""
+    async def copy_into(self, segment: StreamedSegment | _Private,
+                        hasher: digests.StreamHasher | None = None) -> None:
+        """Write the next ``segment.nbytes`` body bytes into ``seg``, chunk by
+        chunk, and give each piece written to ``hasher``."""
         while segment.filled < segment.nbytes:
             if not await self._fill():
                 raise _bad("short", f"the body is cut short: a tensor got {segment.filled} "
@@ -372,6 +382,8 @@ class _BodyReader:
             piece = self._buf[: segment.nbytes - segment.filled]
             segment.write(piece)  # on OSError the piece stays for the next sink
             self._buf = self._buf[len(piece):]
+            if hasher is not None and (wait := hasher.feed(piece)) is not None:
+                await asyncio.wrap_future(wait)  # the pool is behind: bounded memory
 
     async def at_end(self) -> bool:
         return not await self._fill()
@@ -400,6 +412,7 @@ class BinaryBodyMiddleware:
 
     async def _serve(self, scope, receive, send, path, json_len, content_length):
         segs: list[StreamedSegment | _Private] = []
+        hashers: list[digests.StreamHasher | None] = []
         upload: Upload | None = None
         try:
             limits = ServerContext.of_app(scope)
@@ -410,16 +423,25 @@ class BinaryBodyMiddleware:
                                   content_length)
             for spec in parsed.specs:
                 segs.append(_open_sink(spec))
+                hashers.append(_hasher(spec, limits, segs[-1], path))
                 try:
-                    await reader.copy_into(segs[-1])
+                    await reader.copy_into(segs[-1], hashers[-1])
                 except OSError as e:  # e.g. ENOSPC midway: go on in private memory
+                    if hashers[-1] is not None:
+                        hashers[-1].abort()
+                        hashers[-1] = None
                     segs[-1] = _fall_back(segs[-1], spec, e)
                     await reader.copy_into(segs[-1])
             if not await reader.at_end():
                 raise _bad("extra", "extra bytes after the last tensor")
-            tensors = [s.finish() for s in segs]
+            # Hashed bytes are mapped read-only: nothing here can change them.
+            tensors = [s.finish(writable=h is None) for s, h in zip(segs, hashers)]
             segs = []
-            upload = Upload(parsed.token, tensors)
+            for t, h in zip(tensors, hashers):
+                if h is not None:
+                    digests.attach(t, await asyncio.wrap_future(h.result()))
+            hashers = []
+            upload = Upload(parsed.token, tensors, limits.hash_block_tokens)
             if any(t.dtype != limits.dtype for t in tensors):
                 upload.tensors = await asyncio.get_running_loop().run_in_executor(
                     None, _convert, tensors, limits.dtype)
@@ -440,6 +462,9 @@ class BinaryBodyMiddleware:
         finally:
             for s in segs:
                 s.abort()
+            for h in hashers:
+                if h is not None:
+                    h.abort()
         try:
             await self._downstream(scope, receive, send, parsed.body, upload)
         finally:
@@ -448,6 +473,20 @@ class BinaryBodyMiddleware:
     async def _downstream(self, scope, receive, send, body: dict, upload: Upload):
         await call_with_body(self.app, scope, receive, send, json.dumps(body).encode(),
                              upload, content_type=b"application/json")
+
+
+def _hasher(spec: TensorSpec, limits: ServerContext, sink: StreamedSegment | _Private,
+            path: str) -> digests.StreamHasher | None:
+    """A hasher for a completions tensor that goes to the EngineCore as it
+    arrives (its segment, in the model's dtype, prefix caching on), else None:
+    a chat part is hashed once the prompt is assembled
+    (``sites/renderers.py``); a cast tensor by vLLM in the EngineCore
+    (counted there)."""
+    if (isinstance(sink, _Private) or spec.dtype != limits.dtype
+            or not limits.hash_block_tokens or path != COMPLETIONS):
+        return None
+    tokens = spec.shape[0]
+    return digests.StreamHasher(tokens, spec.nbytes // tokens, limits.hash_block_tokens)
 
 
 def _convert(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:

@@ -27,6 +27,7 @@ import torch
 from starlette.datastructures import Headers
 
 from vllm._shm_embeds.config import binary_max_bytes, body_timeout_s
+from vllm._shm_embeds.digests import block_tokens_of
 from vllm._shm_embeds.transfer import release_streamed
 
 Receive = Callable[[], Awaitable[dict]]
@@ -128,13 +129,8 @@ class ServerContext:
 
     @classmethod
     def from_vllm_config(cls, config: Any) -> ServerContext:
-        cache = getattr(config, "cache_config", None)
-        block = None
-        if cache is not None and getattr(cache, "enable_prefix_caching", False):
-            block = (getattr(cache, "hash_block_size", None)
-                     or getattr(cache, "prefix_match_unit", None)
-                     or getattr(cache, "block_size", None))
-        return cls.from_model_config(config.model_config, int(block) if block else None)
+        return cls.from_model_config(
+            config.model_config, block_tokens_of(getattr(config, "cache_config", None)))
 
     @classmethod
     def of_app(cls, scope: dict) -> ServerContext | None:
@@ -193,22 +189,36 @@ class Upload:
         token: the request's random placeholder token.
         tensors: tensor ``i`` stands for ``placeholder(token, i)`` (None:
             that index is not a tensor of ours).
+        hash_block_tokens: rows per prefix-cache digest
+            (:attr:`ServerContext.hash_block_tokens`), None when off.
+        made: segment-backed tensors made from these while rendering (a chat
+            prompt assembled from parts), released with them.
     """
 
     token: str
     tensors: list[torch.Tensor | None]
+    hash_block_tokens: int | None = None
+    made: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
     def release(self) -> None:
-        """Unlink what vLLM did not take over (hop 1 hands the rest over)."""
-        for t in self.tensors:
+        """The request has ended: unlink what vLLM did not take over (hop 1
+        hands the rest over) and let go of this process's pages of every
+        tensor (``transfer.release_streamed``)."""
+        for t in [*self.tensors, *self.made]:
             if t is not None:
                 release_streamed(t)
         self.tensors.clear()
+        self.made.clear()
 
 
 _current: contextvars.ContextVar[Upload | None] = contextvars.ContextVar(
     "shm_embeds_upload", default=None
 )
+
+
+def current_upload() -> Upload | None:
+    """The upload of the request being served in this context, or None."""
+    return _current.get()
 
 
 def resolve_placeholder(data: Any) -> torch.Tensor | None:

@@ -264,7 +264,7 @@ def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext) -> Prepared:
         view.release()
     count(json_bodies=1, json_tensors=len(keep),
               json_bytes=sum(t.nbytes for t in tensors if t is not None))
-    return Prepared(skeleton, Upload(token, tensors))
+    return Prepared(skeleton, Upload(token, tensors, ctx.hash_block_tokens))
 
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14, <asm-generic/mman-common.h>

@@ -16,6 +16,7 @@ from vllm.logger import init_logger
 from vllm._shm_embeds import process, sizing
 from vllm._shm_embeds.config import min_bytes
 from vllm._shm_embeds.counters import set_role
+from vllm._shm_embeds.digests import block_tokens_of
 from vllm._shm_embeds.hop1 import HandleOOBConsumer
 from vllm._shm_embeds.sites.site import Site
 from vllm._shm_embeds.transfer import discard_shared
@@ -123,7 +124,9 @@ def wrap_client_init(orig: Callable) -> Callable:
                 logger.info("shm-embeds: hop 1 uses the stock path: %s", reason)
                 return
             set_role("client")
-            consumer = HandleOOBConsumer(self.encoder.oob_tensor_consumer)
+            consumer = HandleOOBConsumer(
+                self.encoder.oob_tensor_consumer,
+                block_tokens_of(getattr(self.vllm_config, "cache_config", None)))
             self.encoder.oob_tensor_consumer = consumer
             self.encoder = ArmingEncoder(self.encoder, consumer)
             self._shm_embeds_consumer = consumer

@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 import torch
 
-from vllm._shm_embeds.http.common import resolve_placeholder
+from vllm._shm_embeds import digests
+from vllm._shm_embeds.http.common import current_upload, resolve_placeholder
 from vllm._shm_embeds.sites.site import Site
 from vllm._shm_embeds.transfer import is_streamed, streamed_tensor_like
 
@@ -67,8 +68,11 @@ def wrap_build_mixed_prompt_embeds(orig: Callable) -> Callable:
     came from a binary body: a prompt that is exactly one such part is
     returned as is (no copy; same values and an all-False ``is_token_ids``
     mask); otherwise the full tensor is assembled in a new streamed segment
-    (one counted copy) so that hop 1 hands it over instead of copying it.
-    Any other input takes vLLM's function.
+    (one counted copy) so that hop 1 hands it over instead of copying it,
+    and released with the request's upload. Either is hashed per
+    prefix-cache block on the pool here (``digests.hash_tensor``) unless it
+    carries digests already, so the EngineCore hashes none of it. Any other
+    input takes vLLM's function.
     """
 
     def _build_mixed_prompt_embeds(token_ids, prompt_embeds_tensors, positions,
@@ -77,8 +81,12 @@ def wrap_build_mixed_prompt_embeds(orig: Callable) -> Callable:
         if args or kwargs or not tensors or not any(is_streamed(t) for t in tensors):
             return orig(token_ids, prompt_embeds_tensors, positions, *args, **kwargs)
         total = len(token_ids)
+        upload = current_upload()
+        block = upload.hash_block_tokens if upload is not None else None
         if len(tensors) == 1 and list(positions) == [(0, total)] and \
                 tensors[0].shape[0] == total:
+            if block and digests.attached(tensors[0]) is None:
+                digests.attach(tensors[0], digests.hash_tensor(tensors[0], block).result())
             return tensors[0], [False] * total
         try:
             full = streamed_tensor_like(tensors[0].dtype, (total, tensors[0].shape[1]))
@@ -88,6 +96,10 @@ def wrap_build_mixed_prompt_embeds(orig: Callable) -> Callable:
         for (start, length), t in zip(positions, tensors, strict=True):
             full[start:start + length] = t
             is_token_ids[start:start + length] = False
+        if upload is not None:
+            upload.made.append(full)
+        if block:
+            digests.attach(full, digests.hash_tensor(full, block).result())
         return full, is_token_ids.tolist()
 
     return _build_mixed_prompt_embeds
