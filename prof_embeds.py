@@ -313,6 +313,7 @@ def profile_length(client, weights, length, args, n_special, watcher=None, rss=N
     one embeds request (``api_peak_rss_bytes``).
     """
     text_ms, embeds_ms, kinds, mb, peaks, rss_peaks = [], [], set(), 0.0, [], []
+    starts = []  # shared memory still held when an embeds request started
     encodes = []  # the client's own encoding per sample (ms), inside embeds_ms
     for i in range(args.warmup + args.repeats):
         rng = random.Random(f"{args.seed}-{length}-{i}")
@@ -336,6 +337,10 @@ def profile_length(client, weights, length, args, n_special, watcher=None, rss=N
             bodies.reverse()
         for kind, body in bodies:
             if watcher and kind == "embeds":
+                # From the idle level: what the last request held must be back
+                # first (the TP workers drop a request at the step after it),
+                # or a new segment replacing an old one would read as no rise.
+                starts.append(watcher.settle(timeout=2.0))
                 watcher.reset()  # the new request's rise is measured from here
             if rss and kind == "embeds":
                 rss.start()
@@ -358,6 +363,7 @@ def profile_length(client, weights, length, args, n_special, watcher=None, rss=N
         out["api_peak_rss_bytes"] = max(rss_peaks)
     if watcher:
         out["shm_peak_bytes"] = max(peaks)
+        out["shm_start_bytes"] = max(starts)
         out["shm_after_bytes"] = watcher.settle()
     return out
 
@@ -465,10 +471,12 @@ def compare(paths):
     _side_table(
         runs, "shm_peak_bytes",
         "shared memory used on the segments' tmpfs beyond the idle server's (statvfs, "
-        "sampled every 2 ms): peak during one embeds request, and what is left once it "
-        "has returned",
+        "sampled every 2 ms): peak during one embeds request, measured from what was "
+        "held when it started (after up to 2 s for the previous one's to come back), "
+        "and what is left once the last has returned",
         [("peak MB", lambda r, n: f"{r['shm_peak_bytes'] / 1e6:.1f}"),
          ("peak / embeds", lambda r, n: f"{r['shm_peak_bytes'] / (r['embeds_mb'] * 1e6):.3f}"),
+         ("held at start (bytes)", lambda r, n: f"{r.get('shm_start_bytes', 0)}"),
          ("left (bytes)", lambda r, n: f"{r['shm_after_bytes']}")])
     return 0
 

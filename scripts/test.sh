@@ -6,9 +6,9 @@
 #   scripts/test.sh                   # the whole suite
 #   scripts/test.sh [pytest args]     # e.g. -m "not integration" for unit tests only
 #
-# Runs the unit tests, then the integration tests on the few vLLM engines the
+# Runs the unit tests and the integration tests on the few vLLM engines the
 # suite shares (tests/conftest.py: offline TP=2 runs incl. 256 MiB of
-# prompt_embeds on the wide model, and four OpenAI servers).
+# prompt_embeds on the wide model, and four OpenAI servers), two at a time.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -19,9 +19,7 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 if [ $# -gt 0 ]; then  # your selection, as given
   exec "$PY" -m pytest -q -p no:cacheprovider "$@" tests
 fi
-# The whole suite: the unit tests on both cores (pytest-xdist), then the
-# integration tests in one process (one shared engine at a time).
-status=0
-"$PY" -m pytest -q -p no:cacheprovider -n 2 -m "not integration" tests || status=$?
-"$PY" -m pytest -q -p no:cacheprovider -m integration tests || status=$?
-exit "$status"
+# The whole suite in one run on both cores (pytest-xdist): each shared engine's
+# tests form one group that a single worker runs (tests/conftest.py), the unit
+# tests fill the gaps while the other worker waits on an engine.
+exec "$PY" -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup tests

@@ -26,12 +26,10 @@ That is 9 EngineCores in a full run.
 """
 
 import contextlib
-import glob
 import os
 import shutil
 import subprocess
 import tempfile
-import time
 
 import pytest
 
@@ -203,49 +201,64 @@ ENGINES = ("offline_tiny", "main_server", "dp_server", "small_shm_server", "tp4_
 def pytest_configure(config):
     config.addinivalue_line("markers", "ends_engine: stops its shared engine; runs last "
                             "among that engine's tests")
+    config.addinivalue_line("markers", "wide: runs engines of the wide model itself "
+                            "(a pytest-xdist group of its own)")
 
 
+def _engine_group(item) -> str | None:
+    """The shared engine ``item`` uses (its pytest-xdist group), or None."""
+    names = getattr(item, "fixturenames", ())
+    used = [e for e in ENGINES if e in names]
+    if used:
+        return used[0]
+    return "wide" if item.get_closest_marker("wide") else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(session, config, items):
-    """Tests without an engine first, then each shared engine's tests together
-    (its ``ends_engine`` test last), in file order otherwise."""
+    """Each shared engine's tests together (its ``ends_engine`` test last),
+    the engines first (the longest first), then the other tests, in file
+    order otherwise. Each engine's tests form one pytest-xdist group
+    (``--dist loadgroup``), so that one worker starts it and runs them all."""
     def key(item):
-        names = getattr(item, "fixturenames", ())
-        used = [i for i, e in enumerate(ENGINES) if e in names]
-        group = 1 + used[0] if used else (0 if item.get_closest_marker("integration") is None
-                                          else len(ENGINES) + 1)
-        return group, item.get_closest_marker("ends_engine") is not None
+        group = _engine_group(item)
+        rank = ENGINES.index(group) if group in ENGINES else (
+            len(ENGINES) if group else len(ENGINES) + 1)
+        return rank, item.get_closest_marker("ends_engine") is not None
 
     items[:] = [item for _, item in sorted(enumerate(items), key=lambda p: (key(p[1]), p[0]))]
+    for item in items:
+        group = _engine_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
-_SESSION_START = time.time()
+def pytest_collection_finish(session):
+    """Under ``--dist loadgroup`` every engine's tests must really be one group
+    (pytest 9.2 silently drops the grouping: pytest-xdist#1386): else two
+    workers would start the same engine and end it under each other."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    split = [i.nodeid for i in session.items
+             if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+    if split:
+        raise pytest.UsageError(
+            f"pytest-xdist did not group {len(split)} engine tests (pytest {pytest.__version__}"
+            "; pytest-xdist#1386): install pytest<9.2 (pyproject.toml) or run without -n")
+
+
+def pytest_sessionstart(session):
+    from helpers import vllm_shm_files
+
+    session.config._vllm_shm_before = vllm_shm_files()
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Remove what stock vLLM's CPU backend leaves in /dev/shm after the engines
-    these tests stopped (``vllm_dist_*``, not ours): only files created during
-    this session that no live process still maps."""
-    try:
-        names = [n for n in os.listdir("/dev/shm") if n.startswith("vllm_dist_")]
-    except OSError:
-        return
-    fresh = []
-    for n in names:
-        try:
-            if os.stat(os.path.join("/dev/shm", n)).st_mtime >= _SESSION_START:
-                fresh.append(n)
-        except OSError:
-            pass
-    if not fresh:
-        return
-    mapped = set()
-    for maps in glob.glob("/proc/[0-9]*/maps"):
-        try:
-            with open(maps) as f:
-                mapped.update(line.rsplit("/", 1)[-1].strip() for line in f if "vllm_dist_" in line)
-        except OSError:
-            pass
-    for n in fresh:
-        if n not in mapped:
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join("/dev/shm", n))
+    """Remove what stock vLLM leaves in /dev/shm after the engines these tests
+    stopped or killed (``vllm_dist_*``, ``psm_*``, not ours): only files that
+    appeared during this session and that no live process still maps."""
+    from helpers import remove_vllm_leftovers, vllm_shm_files
+
+    if hasattr(session.config, "workerinput"):
+        return  # a pytest-xdist worker: the controller does it once all have ended
+    remove_vllm_leftovers(vllm_shm_files() - getattr(session.config, "_vllm_shm_before", set()))

@@ -68,15 +68,25 @@ def vllm_shm_files() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith(VLLM_SHM_FILES)}
 
 
-def remove_vllm_leftovers(before: set[str]) -> list[str]:
-    """Remove vLLM's own /dev/shm files that appeared since ``before`` and that
+def vllm_shm_files_of(pgid: int) -> set[str]:
+    """vLLM's /dev/shm files that processes of process group ``pgid`` map or open."""
+    out = set()
+    for key, found in holders("/dev/shm/").items():
+        with contextlib.suppress(OSError):
+            if os.getpgid(int(key.split()[0])) == pgid:
+                out.update(p.split("/")[-1].split()[0] for p in found)
+    return {n for n in out if n.startswith(VLLM_SHM_FILES)}
+
+
+def remove_vllm_leftovers(names: set[str]) -> list[str]:
+    """Remove those of vLLM's /dev/shm files ``names`` that still exist and that
     no live process maps or opens: what vLLM leaves when a test SIGKILLs one
     of its processes. A run leaves /dev/shm as it found it. Returns the names."""
-    new = vllm_shm_files() - before
-    if not new:
+    if not names:
         return []
     used = {p.split("/")[-1].split()[0] for h in holders("/dev/shm/").values() for p in h}
-    gone = sorted(n for n in new if n not in used)
+    gone = sorted(n for n in names if n not in used
+                  and os.path.exists(os.path.join("/dev/shm", n)))
     for n in gone:
         with contextlib.suppress(OSError):
             os.unlink(os.path.join("/dev/shm", n))
@@ -275,7 +285,6 @@ class Server:
         # module entry point starts the same server (one API server).
         cmd = ([sys.executable, "-c", SERVE_CLI, "serve"] if self.serve_cli
                else [sys.executable, "-m", "vllm.entrypoints.openai.api_server"])
-        self._vllm_files = vllm_shm_files()
         self.proc = subprocess.Popen(
             [*cmd, "--model", self.model, "--served-model-name", "tiny", "--port",
              str(self.port), "--enable-prompt-embeds", "--dtype", "float32",
@@ -288,6 +297,7 @@ class Server:
             assert self.proc.poll() is None, self.log()[-4000:]
             try:
                 if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    self._vllm_files = vllm_shm_files_of(self.proc.pid)
                     return self
             except requests.ConnectionError:
                 pass
@@ -305,7 +315,7 @@ class Server:
         try:
             self.stop()
         finally:
-            remove_vllm_leftovers(getattr(self, "_vllm_files", set()))
+            remove_vllm_leftovers(getattr(self, "_vllm_files", set()))  # after a SIGKILL
             left = ours_in(self.seg_dir)
             if self.own_seg_dir:
                 shutil.rmtree(self.seg_dir, ignore_errors=True)  # even when a test failed

@@ -59,6 +59,7 @@ def test_feature_off_touches_nothing(offline_tiny):
     assert "shm-embeds: hooks installed" not in log
 
 
+@pytest.mark.wide
 def test_256mib_embeds_same_tokens_and_both_hops_by_shm(tmp_path):
     """8192 tokens x hidden 8192 x fp32 = 256 MiB of prompt_embeds, TP=2."""
     model = local_model("wide")
