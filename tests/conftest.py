@@ -4,15 +4,15 @@ state per unit test; the few vLLM engines the whole suite shares; the
 session's clean-up of stock vLLM's /dev/shm leftovers. Helpers that tests
 import live in ``helpers.py``.
 
-Engines (each starts once per run; ``pytest_collection_modifyitems`` runs the
-tests of one engine together, so that only one runs at a time, and the test
-that ends its engine last; a test must assert on counter deltas unless it is
-the first to use its engine):
+Engines (each starts once per run; ``pytest_collection_modifyitems`` makes the
+tests of one engine one pytest-xdist group, run together by one worker, the
+test that ends its engine last; a test must assert on counter deltas unless it
+is the first to use its engine):
 
 * ``offline_tiny``: two offline runs of the tiny model, TP=2 (plugin on,
   with fork workers, prefix caching, 64-token chunks, aborts, an over-long
   prompt and preemption; and stock) -> 2 engines;
-* ``test_offline.py``'s 256 MiB runs on the wide model (on and stock) -> 2;
+* ``test_offline.py``'s 256 MiB run on the wide model (plugin on) -> 1;
 * ``main_server``: TP=2, spawn workers; ended by the rank-failure test -> 1;
 * ``dp_server``: ``vllm serve --data-parallel-size 2`` (two API servers,
   the plugin's own stats directory); ended by SIGTERM with requests in
@@ -22,7 +22,7 @@ the first to use its engine):
 * ``tp4_server``: TP=4, two API servers, async scheduling off; ended by
   SIGKILL of a TP worker -> 1.
 
-That is 9 EngineCores in a full run.
+That is 8 EngineCores in a full run, at most two at a time.
 """
 
 import contextlib
@@ -245,20 +245,3 @@ def pytest_collection_finish(session):
         raise pytest.UsageError(
             f"pytest-xdist did not group {len(split)} engine tests (pytest {pytest.__version__}"
             "; pytest-xdist#1386): install pytest<9.2 (pyproject.toml) or run without -n")
-
-
-def pytest_sessionstart(session):
-    from helpers import vllm_shm_files
-
-    session.config._vllm_shm_before = vllm_shm_files()
-
-
-def pytest_sessionfinish(session, exitstatus):
-    """Remove what stock vLLM leaves in /dev/shm after the engines these tests
-    stopped or killed (``vllm_dist_*``, ``psm_*``, not ours): only files that
-    appeared during this session and that no live process still maps."""
-    from helpers import remove_vllm_leftovers, vllm_shm_files
-
-    if hasattr(session.config, "workerinput"):
-        return  # a pytest-xdist worker: the controller does it once all have ended
-    remove_vllm_leftovers(vllm_shm_files() - getattr(session.config, "_vllm_shm_before", set()))

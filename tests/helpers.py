@@ -63,11 +63,6 @@ def holders(directory: str) -> dict[str, list[str]]:
 VLLM_SHM_FILES = ("psm_", "vllm_dist_", "sem.mp-")  # vLLM's own /dev/shm files
 
 
-def vllm_shm_files() -> set[str]:
-    """vLLM's own files in /dev/shm (broadcast rings, the CPU communicator's)."""
-    return {n for n in os.listdir("/dev/shm") if n.startswith(VLLM_SHM_FILES)}
-
-
 def vllm_shm_files_of(pgid: int) -> set[str]:
     """vLLM's /dev/shm files that processes of process group ``pgid`` map or open."""
     out = set()
@@ -188,9 +183,18 @@ BAD_PAYLOADS = {
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port. Under pytest-xdist, one that is the worker's index
+    modulo the worker count, so that two workers starting servers at the same
+    moment never pick the same one."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port % count == index % count:
+            return port
 
 
 # The tiny model has no chat template; this one renders the messages' content

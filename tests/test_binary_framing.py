@@ -178,12 +178,15 @@ def test_request_end_lets_go_of_the_pages(shm_env):
     assert not transfer.release_streamed(got)  # once only
     del adopted
     process.shutdown()
-    # Not handed over (rejected by vLLM): unlinked and let go at once.
+    # Not handed over (rejected by vLLM): unlinked and let go at once, by the
+    # request's upload, which also drops its digests (they no longer hold).
     seg = transfer.StreamedSegment(torch.float32, (4, 8))
     seg.write(bytes(128))
     kept = seg.finish()
-    assert transfer.release_streamed(kept)
+    digests.attach(kept, digests.hash_tensor(kept, 2).result())
+    common.Upload("ab" * 16, [kept]).release()
     assert os.listdir(shm_env) == [] and _holds(shm_env) == [] and kept.shape == (4, 8)
+    assert digests.attached(kept) is None
 
 
 def test_placeholder_resolves_only_in_its_own_context():

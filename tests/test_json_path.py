@@ -567,6 +567,10 @@ def test_binary_pieces_and_hop1_copies_hashed_as_vllm_does(shm_env):
     assert d.rows == 70 and len(d.digests) == 5 * 32  # 4 full blocks and the tail
     assert digests.hash_tensor(tensor, 16).result() == d
     before = counters.stats()
+    for _ in range(20):  # groups finishing together join exactly once
+        assert digests.hash_tensor(tensor, 16).result() == d
+    assert counters.stats()["hash_api_tensors"] - before["hash_api_tensors"] == 20
+    before = counters.stats()
     consumer = hop1.HandleOOBConsumer(None, block_tokens=16)
     consumer.arm(tensor)
     meta = consumer(tensor)

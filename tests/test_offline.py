@@ -2,7 +2,7 @@
 """Integration: offline ``vllm.LLM``, TP=2, mp executor, CPU, the tiny local model.
 
 Two engines for the tiny model (``offline_tiny`` in conftest.py: the plugin on
-and stock, the same engine config) and two for 256 MiB of embeds on the wide
+and stock, the same engine config) and one for 256 MiB of embeds on the wide
 model. The shm run must (1) give the same greedy tokens as token-id prompts
 and as the stock path, and (2) show in every process's counters that both
 hops carried every prompt_embeds tensor through shared memory, with one copy
@@ -61,13 +61,18 @@ def test_feature_off_touches_nothing(offline_tiny):
 
 @pytest.mark.wide
 def test_256mib_embeds_same_tokens_and_both_hops_by_shm(tmp_path):
-    """8192 tokens x hidden 8192 x fp32 = 256 MiB of prompt_embeds, TP=2."""
+    """8192 tokens x hidden 8192 x fp32 = 256 MiB of prompt_embeds, TP=2.
+
+    The embeds give the tokens of the same prompt as token ids (the embedding
+    rows of those ids), in the same run: what stock vLLM gives for both (the
+    plugin never touches token ids; that stock's embeds give the same tokens
+    as the plugin's is shown on the tiny model, ``offline_tiny``). A stock run
+    of its own here cost a minute of the suite."""
     model = local_model("wide")
     extra = ("--max-model-len", "8448", "--max-tokens", "4")
     on, stats, _ = run_offline(tmp_path, True, model, [8192], extra)
-    off, _, _ = run_offline(tmp_path, False, model, [8192], extra)
     assert on["embeds_bytes"] == [256 << 20]
-    assert on["embeds"] == off["embeds"] == on["token_ids"]
+    assert on["embeds"] == on["token_ids"]
     [client] = by_role(stats, "client")
     [engine] = by_role(stats, "engine")
     assert client.get("hop1_shm_bytes") == 256 << 20

@@ -276,10 +276,13 @@ class StreamHasher:
         if self._pieces:
             self._submit()
         futures, done = list(self._futures), concurrent.futures.Future()
+        left, lock = [len(futures)], threading.Lock()
 
         def _joined(_: concurrent.futures.Future) -> None:
-            if done.done() or not all(f.done() for f in futures):
-                return
+            with lock:  # the last group to finish, exactly once
+                left[0] -= 1
+                if left[0] > 0:
+                    return
             try:
                 digests = b"".join(d for f in futures for d in f.result())
             except BaseException as e:  # pragma: no cover - hashlib does not fail
@@ -288,10 +291,11 @@ class StreamHasher:
             count(hash_api_tensors=1, hash_api_blocks=len(digests) // DIGEST_BYTES)
             done.set_result(BlockDigests(self.block_tokens, self.rows, digests))
 
+        if not futures:
+            left[0] = 1
+            _joined(done)
         for f in futures:
             f.add_done_callback(_joined)
-        if not futures:
-            _joined(done)
         return done
 
     def abort(self) -> None:
@@ -310,7 +314,7 @@ def hash_tensor(tensor: torch.Tensor, block_tokens: int) -> concurrent.futures.F
     The caller must not change ``tensor`` until the future is done. Returns a
     future of :class:`BlockDigests` (counted ``hash_api_*``).
     """
-    data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    data = memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
     rows = tensor.shape[0]
     block_bytes = tensor.shape[1] * tensor.element_size() * block_tokens
     nblocks = -(-rows // block_tokens)
@@ -346,6 +350,12 @@ def write_and_digest(src: torch.Tensor, segment: StreamedSegment,
     step = chunk_bytes(row_bytes, block_tokens)
     return write_chunks_and_digest((data[i:i + step] for i in range(0, len(data), step)),
                                    segment, src.shape[0], row_bytes, block_tokens)
+
+
+def forget(tensor: Any) -> None:
+    """Drop the digests attached to ``tensor`` (its bytes are going away)."""
+    if isinstance(tensor, torch.Tensor) and hasattr(tensor, ATTR):
+        delattr(tensor, ATTR)
 
 
 def attach(tensor: torch.Tensor, digests: BlockDigests | None) -> None:

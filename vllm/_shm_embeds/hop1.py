@@ -104,7 +104,11 @@ class HandleOOBConsumer:
         hashing = None
         if (self.block_tokens and tensor.dim() == 2 and tensor.shape[0]
                 and digests.attached(tensor) is None):
-            hashing = digests.hash_tensor(tensor, self.block_tokens)
+            try:
+                hashing = digests.hash_tensor(tensor, self.block_tokens)
+            except Exception:  # e.g. no numpy view: the EngineCore hashes it
+                logger.debug("shm-embeds: hop 1 sends a tensor without digests",
+                             exc_info=True)
         try:
             handle = share_tensor(tensor)
         finally:

@@ -104,7 +104,7 @@ class OwnedSegments:
         # Files a request body is being written into (``segment.StreamedFile``).
         self._streams: set = set()
         # Streamed segments handed over (hop 1) whose tensor still lives here:
-        # name -> entry, for :meth:`end_request` (dropped when the storage dies).
+        # name -> entry, for :meth:`release` (dropped when the storage dies).
         self._handed: dict[str, _Owned] = {}
 
     # -- adding

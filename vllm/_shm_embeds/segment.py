@@ -196,15 +196,17 @@ def map_files(fds: list[int], sizes: list[int], prot: int) -> mmap.mmap:
 def drop_pages(mm: mmap.mmap) -> None:
     """Let go of a segment's pages in this process; ``mm`` stays valid memory.
 
-    Maps private zero pages over the whole of ``mm`` (made by
+    Maps read-only private zero pages over the whole of ``mm`` (made by
     :func:`map_files`), so this process no longer holds the files' pages
     (tmpfs frees them once no other process maps or opens them) while every
     tensor or view over ``mm`` stays valid and reads zeros. For a request
     whose tensor this process will never read again (it has ended).
-    Raises OSError (e.g. ENOMEM).
+    Read-only pages are never charged to the commit limit (so this cannot
+    fail for want of memory and leave a hole); a write to them faults.
+    Raises OSError.
     """
     if not mm.closed:
-        _mmap_fixed(_base(mm), len(mm), mmap.PROT_READ | mmap.PROT_WRITE,
+        _mmap_fixed(_base(mm), len(mm), mmap.PROT_READ,
                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1)
 
 

@@ -27,7 +27,7 @@ import torch
 from starlette.datastructures import Headers
 
 from vllm._shm_embeds.config import binary_max_bytes, body_timeout_s
-from vllm._shm_embeds.digests import block_tokens_of
+from vllm._shm_embeds.digests import block_tokens_of, forget
 from vllm._shm_embeds.transfer import release_streamed
 
 Receive = Callable[[], Awaitable[dict]]
@@ -206,6 +206,7 @@ class Upload:
         tensor (``transfer.release_streamed``)."""
         for t in [*self.tensors, *self.made]:
             if t is not None:
+                forget(t)  # it reads zeros from here on: no digests of other bytes
                 release_streamed(t)
         self.tensors.clear()
         self.made.clear()
