@@ -33,6 +33,12 @@ import tempfile
 
 import pytest
 
+# Test engines load helpers.SITECUSTOMIZE: vLLM's readers busy-loop 50 ms after
+# a read instead of 1 s (two engines share 2 cores here); the rank-failure
+# injection of the main server.
+os.environ.setdefault("SHM_EMBEDS_TEST_HOOKS", "1")
+os.environ.setdefault("SHM_EMBEDS_TEST_BUSY_LOOP_S", "0.05")
+
 
 @pytest.fixture
 def shm_env(monkeypatch):
@@ -86,44 +92,6 @@ def small_tmpfs(tmp_path):
 # the engines the suite shares
 
 
-# Loaded by every Python process of the main server (PYTHONPATH): once the
-# file SHM_EMBEDS_TEST_FAIL_FILE exists, the TP worker with reader index 1
-# cannot map any segment, as if out of memory or descriptors. Until then it
-# changes nothing (test_faults.py's rank-failure test creates the file last).
-# It imports nothing at start-up (importing torch before vLLM has set up its
-# OpenMP threads would slow every worker down): it wraps ``open_tensor`` when
-# vllm._shm_embeds.hop2 is first imported.
-_INJECT = """
-import os, sys
-if os.environ.get("SHM_EMBEDS_TEST_FAIL_FILE"):
-    import importlib.abc, importlib.machinery
-
-    def _patch(m):
-        from vllm._shm_embeds.handle import ShmEmbedsError
-        orig = m.open_tensor
-        def open_tensor(handle, reader_index=None):
-            if reader_index == 1 and os.path.exists(os.environ["SHM_EMBEDS_TEST_FAIL_FILE"]):
-                raise ShmEmbedsError("injected: this rank cannot map segments")
-            return orig(handle, reader_index)
-        m.open_tensor = open_tensor
-
-    class _Hook(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-            if name != "vllm._shm_embeds.hop2":
-                return None
-            spec = importlib.machinery.PathFinder.find_spec(name, path)
-            if spec is not None:
-                run = spec.loader.exec_module
-                def exec_module(module):
-                    run(module)
-                    _patch(module)
-                spec.loader.exec_module = exec_module
-            return spec
-
-    sys.meta_path.insert(0, _Hook())
-"""
-
-
 @pytest.fixture(scope="session")
 def offline_tiny(tmp_path_factory):
     """Offline runs of the tiny model, TP=2, plugin on and stock, same engine:
@@ -146,10 +114,7 @@ def main_server(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("main-server")
     (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
-    inject = tmp / "inject"
-    inject.mkdir()
-    (inject / "sitecustomize.py").write_text(_INJECT)
-    env = {"PYTHONPATH": str(inject), "SHM_EMBEDS_TEST_FAIL_FILE": str(tmp / "fail-rank-1"),
+    env = {"SHM_EMBEDS_TEST_FAIL_FILE": str(tmp / "fail-rank-1"),
            "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     with Server(tmp, "-tp", "2", "--chat-template", str(tmp / "chat.jinja"),
                 "--enable-prompt-tokens-details", env_extra=env) as server:

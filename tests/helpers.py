@@ -97,12 +97,94 @@ def new_seg_dir() -> str:
     return tempfile.mkdtemp(prefix="shm-embeds-it-", dir="/dev/shm")
 
 
+# Loaded by every Python process of a test engine (``PYTHONPATH``, when
+# SHM_EMBEDS_TEST_HOOKS is set: tests/conftest.py sets it; benchmarks do not).
+# It imports nothing at start-up (importing torch before vLLM has set up its
+# OpenMP threads would slow every worker down): it patches modules as they are
+# first imported.
+# * SHM_EMBEDS_TEST_BUSY_LOOP_S: vLLM's broadcast readers (TP workers, the
+#   EngineCore) busy-loop 1 s after every read (shm_broadcast.SpinCondition);
+#   with two engines on 2 cores that steals the other's CPU. Tests shorten it;
+#   nothing else changes (a reader then waits on vLLM's own notify socket).
+# * SHM_EMBEDS_TEST_FAIL_FILE: once that file exists, the TP worker with
+#   reader index 1 cannot map any segment, as if out of memory or
+#   descriptors (test_faults.py's rank-failure test creates it last).
+SITECUSTOMIZE = """
+import os, sys
+import importlib.abc, importlib.machinery
+
+
+def _fail_rank_1(m):
+    from vllm._shm_embeds.handle import ShmEmbedsError
+    orig = m.open_tensor
+    def open_tensor(handle, reader_index=None):
+        if reader_index == 1 and os.path.exists(os.environ["SHM_EMBEDS_TEST_FAIL_FILE"]):
+            raise ShmEmbedsError("injected: this rank cannot map segments")
+        return orig(handle, reader_index)
+    m.open_tensor = open_tensor
+
+
+def _short_busy_loop(m):
+    limit = float(os.environ["SHM_EMBEDS_TEST_BUSY_LOOP_S"])
+    orig = m.SpinCondition.__init__
+    def __init__(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        self.busy_loop_s = min(self.busy_loop_s, limit)
+    m.SpinCondition.__init__ = __init__
+
+
+_PATCHES = {}
+if os.environ.get("SHM_EMBEDS_TEST_FAIL_FILE"):
+    _PATCHES["vllm._shm_embeds.hop2"] = _fail_rank_1
+if os.environ.get("SHM_EMBEDS_TEST_BUSY_LOOP_S"):
+    _PATCHES["vllm.distributed.device_communicators.shm_broadcast"] = _short_busy_loop
+
+
+class _Hook(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        patch = _PATCHES.get(name)
+        if patch is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None:
+            run = spec.loader.exec_module
+            def exec_module(module):
+                run(module)
+                patch(module)
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+if _PATCHES:
+    sys.meta_path.insert(0, _Hook())
+"""
+
+
+def _hooks_dir() -> str | None:
+    """A directory holding :data:`SITECUSTOMIZE` when SHM_EMBEDS_TEST_HOOKS is set."""
+    if not os.environ.get("SHM_EMBEDS_TEST_HOOKS"):
+        return None
+    path = os.path.join(tempfile.gettempdir(), f"shm-embeds-test-hooks-{os.getuid()}")
+    os.makedirs(path, exist_ok=True)
+    target = os.path.join(path, "sitecustomize.py")
+    tmp = f"{target}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(SITECUSTOMIZE)
+    os.replace(tmp, target)  # atomic: two workers may write it at once
+    return path
+
+
 def engine_env(shm_on: bool, seg_dir: str, stats_dir) -> dict:
     """Environment for one engine run: the plugin on or off, its segment and
-    stats dirs, a 1 KiB threshold (the tiny model's prompts are small), and
-    the CPU backend's settings for TP on 2 cores."""
+    stats dirs, a 1 KiB threshold (the tiny model's prompts are small), the
+    CPU backend's settings for TP on 2 cores, and in tests the hooks of
+    :data:`SITECUSTOMIZE`."""
+    hooks = _hooks_dir()
+    extra = {"PYTHONPATH": os.pathsep.join(
+        p for p in (hooks, os.environ.get("PYTHONPATH")) if p)} if hooks else {}
     return dict(
         os.environ,
+        **extra,
         VLLM_SHM_EMBEDS="1" if shm_on else "0",
         VLLM_SHM_EMBEDS_DIR=seg_dir,
         VLLM_SHM_EMBEDS_MIN_BYTES="1024",

@@ -176,7 +176,7 @@ def test_a_rank_that_cannot_map_stops_the_engine_instead_of_hanging(main_server)
     """One TP rank fails to map a request's segment while the other can: the
     request ends at once with an error, and the server does not stay up
     reporting healthy while it can no longer answer (the review's wedge).
-    conftest.py's injection makes TP rank 1 fail once the file exists."""
+    helpers.SITECUSTOMIZE makes TP rank 1 fail once the file exists."""
     server = main_server
     server["fail_file"].write_text("1")
     body = _embeds_bodies(server["model"], 1, length=300)[0]
