@@ -9,6 +9,7 @@ import io
 import json
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -265,18 +266,25 @@ BAD_PAYLOADS = {
 
 
 def free_port() -> int:
-    """A free TCP port. Under pytest-xdist, one that is the worker's index
-    modulo the worker count, so that two workers starting servers at the same
-    moment never pick the same one."""
+    """A free TCP port. Under pytest-xdist, one from a range of the worker's
+    own, so that two workers starting servers at the same moment never pick
+    the same one (bind(0) hands out recently freed ports; on Linux it also
+    prefers even ones, so no filter on its result may loop on it)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
-    index = int(worker[2:]) if worker[2:].isdigit() else 0
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port % count == index % count:
-            return port
+    if worker[2:].isdigit():
+        index = int(worker[2:])
+        rng = random.Random()
+        for _ in range(200):
+            port = 20000 + 2000 * (index % 10) + rng.randrange(2000)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # The tiny model has no chat template; this one renders the messages' content

@@ -127,6 +127,34 @@ def test_adopted_but_never_broadcast_is_unlinked_when_freed(shm_env):
     assert os.listdir(shm_env) == []
 
 
+def _maps_of(directory):
+    return [line for line in open("/proc/self/maps") if directory in line]
+
+
+def test_freed_request_lets_go_of_the_engine_pages(shm_env):
+    """Issue 16 item 3: when vLLM frees a request, the EngineCore drops its
+    pages of the adopted segment, even while something (vLLM's input path
+    keeps the last request it received) still holds the tensor."""
+    src = torch.randn(1024, 32)
+    adopted = transfer.adopt_tensor(transfer.share_tensor(src))
+    h = hop2.externalize(adopted, readers=1)
+    reader = transfer.open_tensor(h, 0)  # a TP worker's mapping
+    assert process.collect() == 1 and os.listdir(shm_env) == []  # name gone, pages mapped
+    del reader
+    assert len(_maps_of(shm_env)) == 1  # the EngineCore's
+    assert transfer.release_adopted(adopted)
+    assert _maps_of(shm_env) == [] and adopted.shape == src.shape and not adopted.any()
+    assert not transfer.release_adopted(adopted)  # once
+    # Freed before it was ever broadcast (aborted): unlinked and let go at once.
+    other = transfer.adopt_tensor(transfer.share_tensor(src))
+    assert len(os.listdir(shm_env)) == 1
+    assert transfer.release_adopted(other)
+    assert os.listdir(shm_env) == [] and _maps_of(shm_env) == []
+    # Not ours: nothing happens.
+    assert not transfer.release_adopted(src) and torch.equal(src, src.clone())
+    assert counters.stats()["engine_pages_released"] == 2
+
+
 def test_missing_segment_is_a_clear_error(shm_env):
     h = handle.SharedTensorHandle(str(SegmentName(1, 1, 1, 1)), "float32", (2, 2))
     with pytest.raises(handle.ShmEmbedsError, match="not found"):

@@ -459,3 +459,5 @@ def test_back_to_back_binary_bodies_on_a_dev_shm_that_holds_one(small_shm_server
     # Every page back within 2 s of the answer, whatever process held them.
     assert held == {}, f"a finished request's pages still held (by pid): {held}"
     assert d.get("hop1_handover_tensors") == 4, d
+    # ... and the EngineCore let go of each freed request's pages (the release site)
+    assert d.get("engine_pages_released") == 4, d

@@ -35,7 +35,7 @@ def _request(embeds):
 
 
 def test_every_site_resolves_in_installed_vllm():
-    assert len(sites.SITES) == 21 and len({s.key for s in sites.SITES}) == 21
+    assert len(sites.SITES) == 22 and len({s.key for s in sites.SITES}) == 22
     for group in sites.GROUPS:
         assert sites.check(group)[0] == [], group
 

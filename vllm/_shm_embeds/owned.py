@@ -103,9 +103,10 @@ class OwnedSegments:
         self._lock = threading.Lock()
         # Files a request body is being written into (``segment.StreamedFile``).
         self._streams: set = set()
-        # Streamed segments handed over (hop 1) whose tensor still lives here:
-        # name -> entry, for :meth:`release` (dropped when the storage dies).
-        self._handed: dict[str, _Owned] = {}
+        # Segments out of the books whose tensor still maps them here (handed
+        # over at hop 1; adopted ones whose name is gone): name -> entry, for
+        # :meth:`release` (forgotten when the storage dies).
+        self._views: dict[str, _Owned] = {}
 
     # -- adding
 
@@ -144,7 +145,7 @@ class OwnedSegments:
             key = released.popleft()
             name = key[1]
             if key[0] == "storage":
-                self._handed.pop(name, None)
+                self._views.pop(name, None)
             entry = self._segs.get(name)
             if key[0] == "source":
                 if self._by_ptr.get(key[2]) == name:
@@ -192,6 +193,8 @@ class OwnedSegments:
                 ]
                 if not entry.broadcasts:
                     gone.append(self._pop(name))
+                    if entry.data_ptr is not None:  # still mapped here as a tensor
+                        self._views[name] = entry
         self._unlink(gone)
         return len(gone)
 
@@ -270,17 +273,47 @@ class OwnedSegments:
             entry = self.handover_entry(tensor)
             if entry is not None:
                 self._pop(entry.handle.name)
-                self._handed[entry.handle.name] = entry
+                self._views[entry.handle.name] = entry
         self._unlink(gone)
         return entry.handle if entry is not None else None
 
-    def _handed_entry(self, tensor: torch.Tensor) -> _Owned | None:
-        """The handed-over segment that is exactly ``tensor`` (lock held)."""
-        for entry in self._handed.values():
+    def _view_entry(self, tensor: torch.Tensor) -> _Owned | None:
+        """The segment out of the books that is exactly ``tensor`` (lock held)."""
+        for entry in self._views.values():
             if (entry.data_ptr == tensor.data_ptr() and tensor.dtype == entry.handle.torch_dtype
                     and tuple(tensor.shape) == entry.handle.shape):
                 return entry
         return None
+
+    def release_adopted(self, tensor: torch.Tensor) -> bool:
+        """The EngineCore is done with ``tensor``, a segment it adopted (its
+        request was freed): drop this process's pages of it (the TP workers
+        have mappings of their own). A name still linked is unlinked unless a
+        broadcast of it is pending (its readers' flags live in the mapping:
+        then the pages go with the tensor). True if the pages were dropped."""
+        with self._lock:
+            name = self._by_ptr.get(tensor.data_ptr())
+            entry = self._segs.get(name) if name is not None else None
+            unlink = False
+            if entry is not None:
+                if (entry.handover or entry.broadcasts or entry.data_ptr != tensor.data_ptr()
+                        or tuple(tensor.shape) != entry.handle.shape):
+                    return False
+                self._pop(entry.handle.name)
+                unlink = True
+            else:
+                entry = self._view_entry(tensor)
+                if entry is None:
+                    return False
+                self._views.pop(entry.handle.name, None)
+        if unlink:
+            self._unlink([entry])
+        try:
+            seg.drop_pages(entry.mm)
+        except OSError as e:  # the pages then go when the tensor does
+            logger.debug("shm-embeds: could not drop a freed request's pages: %s", e)
+            return False
+        return True
 
     def release(self, tensor: torch.Tensor) -> bool:
         """This process is done with ``tensor``, a streamed segment (its request ended).
@@ -297,9 +330,9 @@ class OwnedSegments:
             if unlink:
                 self._pop(entry.handle.name)
             else:
-                entry = self._handed_entry(tensor)
+                entry = self._view_entry(tensor)
             if entry is not None:
-                self._handed.pop(entry.handle.name, None)
+                self._views.pop(entry.handle.name, None)
         if entry is None:
             return False
         if unlink:
@@ -338,7 +371,7 @@ class OwnedSegments:
             gone = list(self._segs.values())
             self._segs.clear()
             self._by_ptr.clear()
-            self._handed.clear()
+            self._views.clear()
         n = 0
         for entry in gone:
             entry.close_fds()

@@ -314,6 +314,23 @@ def release_streamed(tensor: Any) -> bool:
     return process.current().owned.release(tensor)
 
 
+def release_adopted(tensor: Any) -> bool:
+    """EngineCore: its request is freed; let go of this process's pages of
+    ``tensor`` if it is a segment adopted at hop 1 (``OwnedSegments.release_adopted``).
+
+    Whatever still holds the tensor object afterwards (vLLM keeps the last
+    request it received until the next message) reads zeros and holds no
+    page of the file. True if the pages were dropped (counted
+    ``engine_pages_released``).
+    """
+    if not isinstance(tensor, torch.Tensor):
+        return False
+    if not process.current().owned.release_adopted(tensor):
+        return False
+    count(engine_pages_released=1)
+    return True
+
+
 def streamed_pending() -> int:
     """Streamed segments this process still owns (not handed over, not released)."""
     return process.current().owned.pending(handover_only=True)

@@ -71,6 +71,15 @@ json, needs hop1 (``renderers.py``, ``kv_cache_utils.py``)
                      ``prompt_embeds`` in the frontend (or carrying digests on
                      ``EngineCoreRequest``).
 
+release, EngineCore, needs hop1 (``scheduler.py``)
+  free_request       ``Scheduler._free_request``: the EngineCore drops its
+                     pages of a freed request's adopted segment; vLLM's input
+                     path keeps the last request received alive until the
+                     next message, so an idle server held one request's
+                     embeds -> vLLM dropping its reference to a decoded
+                     request once it is added (or freeing ``prompt_embeds``
+                     with the request).
+
 metrics, API server only (``entrypoints.py``)
   metrics_route,     ``attach_router``: after vLLM mounts ``/metrics`` our
   metrics_caller     middleware appends the ``vllm:shm_embeds_*`` families of
@@ -92,6 +101,7 @@ from vllm._shm_embeds.sites import (
     kv_cache_utils,
     multiproc_executor,
     renderers,
+    scheduler,
 )
 from vllm._shm_embeds.sites.site import STATUS, Site
 
@@ -104,6 +114,7 @@ SITES: tuple[Site, ...] = (
     *renderers.SITES,
     *kv_cache_utils.SITES,
     *entrypoints.SITES,
+    *scheduler.SITES,
 )
 
 # group -> (needs hop 1, API server only, log line when it stays stock)
@@ -114,6 +125,8 @@ GROUPS: dict[str, tuple[bool, bool, str]] = {
     "metrics": (False, True, "shm-embeds: metrics not on /metrics in pid %d: %s"),
     "json": (True, False, "shm-embeds: JSON body path and API-server prefix-cache "
              "digests off in pid %d: %s"),
+    "release": (True, False, "shm-embeds: the EngineCore keeps a finished request's "
+                "embeds until vLLM drops it, in pid %d: %s"),
 }
 
 APP_MODULE = "vllm.entrypoints.launchers.app"  # imported in an API server only

