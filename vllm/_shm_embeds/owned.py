@@ -306,14 +306,7 @@ class OwnedSegments:
                 if entry is None:
                     return False
                 self._views.pop(entry.handle.name, None)
-        if unlink:
-            self._unlink([entry])
-        try:
-            seg.drop_pages(entry.mm)
-        except OSError as e:  # the pages then go when the tensor does
-            logger.debug("shm-embeds: could not drop a freed request's pages: %s", e)
-            return False
-        return True
+        return self._let_go(entry, unlink)
 
     def release(self, tensor: torch.Tensor) -> bool:
         """This process is done with ``tensor``, a streamed segment (its request ended).
@@ -335,12 +328,19 @@ class OwnedSegments:
                 self._views.pop(entry.handle.name, None)
         if entry is None:
             return False
+        self._let_go(entry, unlink)
+        return True
+
+    def _let_go(self, entry: _Owned, unlink: bool) -> bool:
+        """Unlink ``entry`` (if ``unlink``) and drop this process's pages of it
+        (lock not held); False if the pages could not be dropped."""
         if unlink:
             self._unlink([entry])
         try:
             seg.drop_pages(entry.mm)
         except OSError as e:  # the pages then go when the tensor does
             logger.debug("shm-embeds: could not drop a finished request's pages: %s", e)
+            return False
         return True
 
     # -- whole process
