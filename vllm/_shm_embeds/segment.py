@@ -176,9 +176,8 @@ def map_files(fds: list[int], sizes: list[int], prot: int) -> mmap.mmap:
     An anonymous reservation of the whole size (Python's ``mmap``, so
     ``munmap`` of the whole range follows the Python object), then each file
     over its slice with ``MAP_FIXED`` and ``prot``. Every file but the last
-    has a page-multiple size. Unlike ``mmap.mmap(fd)`` this keeps no
-    duplicate of a file descriptor: a mapping is the only thing that holds
-    the file's pages, and :func:`drop_pages` can let go of them.
+    has a page-multiple size. Unlike ``mmap.mmap(fd)`` this keeps no dup of
+    the fd, so :func:`drop_pages` can let go of the file's pages.
     """
     mm = mmap.mmap(-1, sum(sizes),
                    flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
@@ -196,14 +195,11 @@ def map_files(fds: list[int], sizes: list[int], prot: int) -> mmap.mmap:
 def drop_pages(mm: mmap.mmap) -> None:
     """Let go of a segment's pages in this process; ``mm`` stays valid memory.
 
-    Maps read-only private zero pages over the whole of ``mm`` (made by
-    :func:`map_files`), so this process no longer holds the files' pages
-    (tmpfs frees them once no other process maps or opens them) while every
-    tensor or view over ``mm`` stays valid and reads zeros. For a request
-    whose tensor this process will never read again (it has ended).
-    Read-only pages are never charged to the commit limit (so this cannot
-    fail for want of memory and leave a hole); a write to them faults.
-    Raises OSError.
+    Maps read-only private zero pages over all of ``mm`` (from
+    :func:`map_files`): this process no longer holds the files' pages, while
+    every tensor over ``mm`` stays valid and reads zeros. For a request that
+    has ended. Read-only pages are never charged to the commit limit (no
+    hole for want of memory); a write to them faults. Raises OSError.
     """
     if not mm.closed:
         _mmap_fixed(_base(mm), len(mm), mmap.PROT_READ,

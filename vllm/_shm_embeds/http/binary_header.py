@@ -1,0 +1,198 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The framing of a binary ``prompt_embeds`` body: its headers and JSON header,
+parsed and validated against the served model before anything is allocated.
+
+Wire format: ``http/binary.py``'s docstring and docs/binary-protocol.md. Knows
+nothing of segments: the middleware (``http/binary.py``) decides where the
+bytes go.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import torch
+from starlette.datastructures import Headers
+
+from vllm._shm_embeds.http.common import (
+    ServerContext,
+    content_type,
+    embeds_slots,
+    new_token,
+    placeholder,
+)
+
+HEADER_NAME = "inference-header-content-length"
+CONTENT_TYPE = b"application/octet-stream"
+DATATYPES: dict[str, torch.dtype] = {
+    "FP32": torch.float32,
+    "FP16": torch.float16,
+    "BF16": torch.bfloat16,
+}
+MAX_JSON_BYTES = 16 << 20  # the JSON header is read into memory; bounded
+
+
+class BinaryBodyError(Exception):
+    """A binary body the server refuses; becomes a 4xx in vLLM's error shape.
+
+    Attributes:
+        status: HTTP status (400, 408, 413 or 503).
+        reason: counter suffix, ``binary_rejected.<reason>``.
+        message: for the client; never names a segment or a path.
+    """
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.reason, self.message = status, reason, message
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One validated descriptor: ``dtype`` and ``shape`` ``(T, H)``; ``nbytes`` = T*H*itemsize."""
+
+    dtype: torch.dtype
+    shape: tuple[int, int]
+    nbytes: int
+
+
+@dataclasses.dataclass
+class ParsedHeader:
+    """The JSON header with descriptors replaced by placeholders, and the tensors to read.
+
+    Attributes:
+        body: the request dict to hand to vLLM (placeholders in place).
+        specs: tensors in body order.
+        token: this request's random placeholder token (hex str).
+    """
+
+    body: dict
+    specs: list[TensorSpec]
+    token: str
+
+
+def _bad(reason: str, message: str, status: int = 400) -> BinaryBodyError:
+    return BinaryBodyError(status, reason, message)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def parse_spec(desc: Any, limits: ServerContext, where: str) -> TensorSpec:
+    """Validate one descriptor (see the module docstring) against ``limits``.
+
+    Raises:
+        BinaryBodyError: 400 naming what is wrong (``where`` says which value).
+    """
+    if not isinstance(desc, dict):
+        raise _bad("descriptor", f"{where} must be an object "
+                   '{"datatype", "shape", "parameters": {"binary_data_size"}} '
+                   "in a binary request body")
+    datatype = desc.get("datatype")
+    if datatype not in DATATYPES:
+        raise _bad("datatype", f"{where}: datatype {str(datatype)[:32]!r} is not one of "
+                   f"{', '.join(DATATYPES)} (prompt_embeds must be floating point)")
+    shape = desc.get("shape")
+    if not isinstance(shape, list) or not all(_is_int(s) for s in shape):
+        raise _bad("shape", f"{where}: shape must be a list of integers")
+    if len(shape) != 2:
+        raise _bad("not_2d", f"{where}: prompt_embeds must be a 2D tensor of shape "
+                   f"(num_tokens, hidden_size); got {len(shape)} dimension(s)")
+    tokens, hidden = shape
+    if hidden != limits.hidden_size:
+        raise _bad("hidden_size", f"{where}: prompt_embeds hidden_size {hidden} does not "
+                   f"match the model's hidden_size {limits.hidden_size}")
+    if tokens < 1:
+        raise _bad("empty", f"{where}: prompt_embeds must have at least one token")
+    if tokens > limits.max_model_len:
+        raise _bad("too_long", f"{where}: {tokens} prompt_embeds tokens exceed the "
+                   f"maximum context length of {limits.max_model_len} tokens")
+    params = desc.get("parameters")
+    size = params.get("binary_data_size") if isinstance(params, dict) else None
+    dtype = DATATYPES[datatype]
+    want = tokens * hidden * torch.empty((), dtype=dtype).element_size()
+    if not _is_int(size) or size != want:
+        raise _bad("size", f"{where}: parameters.binary_data_size must be {want} "
+                   f"({datatype} x {tokens} x {hidden}); got {str(size)[:32]}")
+    return TensorSpec(dtype, (tokens, hidden), want)
+
+
+def parse_header(
+    json_bytes: bytes, route: str, limits: ServerContext, content_length: int | None
+) -> ParsedHeader:
+    """Parse and validate the JSON header of a binary body; allocates nothing.
+
+    Args:
+        json_bytes: the first ``Inference-Header-Content-Length`` body bytes.
+        route: ``/v1/completions`` or ``/v1/chat/completions``.
+        limits: the served model's limits.
+        content_length: the request's ``Content-Length`` (None if chunked).
+    Returns:
+        the body with placeholders, and the specs of the tensors that follow.
+    Raises:
+        BinaryBodyError: 400 (bad JSON, bad descriptor, sizes that do not add
+            up to ``Content-Length``), 413 (over :attr:`ServerContext.max_body_bytes`).
+    """
+    if not limits.enable_prompt_embeds:
+        raise _bad("disabled", "You must set `--enable-prompt-embeds` to input "
+                   "`prompt_embeds`.")
+    try:
+        body = json.loads(json_bytes.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise _bad("json", f"the JSON header is not valid UTF-8 JSON: {str(e)[:120]}")
+    if not isinstance(body, dict):
+        raise _bad("json", "the JSON header must be an object")
+    token = new_token()
+    specs: list[TensorSpec] = []
+    for where, container, key in list(embeds_slots(route, body)):
+        specs.append(parse_spec(container.get(key) if isinstance(container, dict)
+                                else container[key], limits, where))
+        container[key] = placeholder(token, len(specs) - 1)
+    if not specs:
+        raise _bad("no_tensor", "a binary request body needs at least one "
+                   "prompt_embeds descriptor in its JSON header")
+    total = sum(s.nbytes for s in specs)
+    if total > limits.max_body_bytes:
+        raise _bad("too_large", f"the body's tensors hold {total} bytes, more than the "
+                   f"server's limit of {limits.max_body_bytes} bytes", 413)
+    if content_length is not None:
+        expected = len(json_bytes) + total
+        if content_length < expected:
+            raise _bad("short", f"the body is cut short: Content-Length {content_length}"
+                       f" but the header and tensors need {expected} bytes")
+        if content_length > expected:
+            raise _bad("extra", f"{content_length - expected} extra bytes after the "
+                       "last tensor (Content-Length larger than header + tensors)")
+    return ParsedHeader(body, specs, token)
+
+
+def frame_header_length(headers: list[tuple[bytes, bytes]]) -> tuple[int, int | None] | None:
+    """``(Inference-Header-Content-Length, Content-Length or None)`` of a binary body.
+
+    Returns None when the request is not a binary body (content type not
+    ``application/octet-stream`` or no ``Inference-Header-Content-Length``):
+    it then goes to stock handling.
+    Raises:
+        BinaryBodyError: the header values are not byte counts, or the JSON
+            header is longer than the body or than :data:`MAX_JSON_BYTES`.
+    """
+    h = Headers(raw=headers)
+    ctype = content_type(h)
+    hlen, clen = h.get(HEADER_NAME), h.get("content-length")
+    hlen = hlen.strip() if hlen is not None else None
+    clen = clen.strip() if clen is not None else None
+    if ctype != CONTENT_TYPE or hlen is None:
+        return None
+    if not hlen.isdigit() or (clen is not None and not clen.isdigit()):
+        raise _bad("header", "Inference-Header-Content-Length and Content-Length must "
+                   "be byte counts")
+    n, length = int(hlen), (int(clen) if clen is not None else None)
+    if length is not None and n > length:
+        raise _bad("header_too_long", f"Inference-Header-Content-Length {n} is larger "
+                   f"than the body ({length} bytes)")
+    if n > MAX_JSON_BYTES:
+        raise _bad("header_too_long", f"Inference-Header-Content-Length {n} exceeds "
+                   f"{MAX_JSON_BYTES} bytes", 413)
+    return n, length
