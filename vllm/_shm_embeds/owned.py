@@ -81,6 +81,12 @@ class _Owned:
     released: bool = False
     handover: bool = False
 
+    def maps(self, tensor: torch.Tensor) -> bool:
+        """True if ``tensor`` is exactly this segment's mapping here (same
+        address, dtype and shape)."""
+        return (self.data_ptr == tensor.data_ptr() and tensor.dtype == self.handle.torch_dtype
+                and tuple(tensor.shape) == self.handle.shape)
+
     def close_fds(self) -> None:
         for fd in self.fds or ():
             os.close(fd)
@@ -260,9 +266,8 @@ class OwnedSegments:
         """The streamed segment that is exactly ``tensor`` (lock held by caller or not)."""
         name = self._by_ptr.get(tensor.data_ptr())
         entry = self._segs.get(name) if name is not None else None
-        if (entry is None or not entry.handover or entry.data_ptr != tensor.data_ptr()
-                or tensor.dtype != entry.handle.torch_dtype
-                or tuple(tensor.shape) != entry.handle.shape or not tensor.is_contiguous()):
+        if (entry is None or not entry.handover or not entry.maps(tensor)
+                or not tensor.is_contiguous()):
             return None
         return entry
 
@@ -279,11 +284,7 @@ class OwnedSegments:
 
     def _view_entry(self, tensor: torch.Tensor) -> _Owned | None:
         """The segment out of the books that is exactly ``tensor`` (lock held)."""
-        for entry in self._views.values():
-            if (entry.data_ptr == tensor.data_ptr() and tensor.dtype == entry.handle.torch_dtype
-                    and tuple(tensor.shape) == entry.handle.shape):
-                return entry
-        return None
+        return next((e for e in self._views.values() if e.maps(tensor)), None)
 
     def release_adopted(self, tensor: torch.Tensor) -> bool:
         """The EngineCore is done with ``tensor``, a segment it adopted (its
@@ -296,8 +297,7 @@ class OwnedSegments:
             entry = self._segs.get(name) if name is not None else None
             unlink = False
             if entry is not None:
-                if (entry.handover or entry.broadcasts or entry.data_ptr != tensor.data_ptr()
-                        or tuple(tensor.shape) != entry.handle.shape):
+                if entry.handover or entry.broadcasts or not entry.maps(tensor):
                     return False
                 self._pop(entry.handle.name)
                 unlink = True
