@@ -448,9 +448,9 @@ class Server:
         r.raise_for_status()
         return r.text, parse_metrics(r.text)
 
-    def complete(self, body: dict, expect: int = 200):
+    def complete(self, body: dict, expect: int = 200, headers: dict | None = None):
         """A greedy 4-token ``/v1/completions`` request that must get ``expect``."""
-        r = requests.post(f"{self.url}/v1/completions", timeout=300,
+        r = requests.post(f"{self.url}/v1/completions", timeout=300, headers=headers,
                           json={"model": "tiny", "max_tokens": 4, "temperature": 0.0, **body})
         assert r.status_code == expect, r.text
         return r

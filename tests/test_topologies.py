@@ -82,8 +82,12 @@ def _assert_shm_both_hops_on(server, tp: int, engines: int = 1):
         w = embed_weights(server.model)
     before = {p["pid"]: p["counters"] for p in server.read_stats()}
     ids = torch.randint(3, w.shape[0], (300,), generator=torch.Generator().manual_seed(3))
-    for _ in range(4 * engines):  # enough that the load balancer uses every EngineCore
-        server.complete({"prompt": "", "prompt_embeds": encode_embeds(w[ids].contiguous())})
+    for i in range(2 * engines):
+        # vLLM's X-data-parallel-rank header (the router's; entrypoints/generate/
+        # base/serving.py) puts requests on every EngineCore: the load balancer
+        # may send back-to-back requests all to the same one.
+        server.complete({"prompt": "", "prompt_embeds": encode_embeds(w[ids].contiguous())},
+                        headers={"X-data-parallel-rank": str(i % engines)} if engines > 1 else None)
     stats = [{**p, "counters": {k: v - before.get(p["pid"], {}).get(k, 0)
                                 for k, v in p["counters"].items()
                                 if v != before.get(p["pid"], {}).get(k, 0)}}
