@@ -16,7 +16,10 @@ Runs against a running OpenAI-compatible vLLM server started with
   with ``prompt_embeds`` = base64 of the ``torch.save`` bytes of an
   ``(L, hidden_size)`` tensor. With ``--input binary``: the same tensor as a
   binary body (shm-embeds: the JSON, then the raw bytes; needs the
-  plugin with ``VLLM_SHM_EMBEDS=1`` on the server).
+  plugin with ``VLLM_SHM_EMBEDS=1`` on the server). With ``--input region``:
+  the tensor registered as a sealed memfd on the server's region socket
+  (``--regions``, the server's ``VLLM_SHM_EMBEDS_REGIONS``; same host) and
+  named in a small JSON body; the registration is the client's "encoding".
 
 Latency is measured as the wall time of one non-streaming ``/v1/completions``
 request with ``max_tokens=1`` (send until full response): prefill plus one
@@ -255,6 +258,9 @@ def completion_body(model, prompt=None, embeds=None, max_tokens=1):
     greedy ``/v1/completions`` request."""
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0,
             "return_token_ids": True}
+    if isinstance(embeds, dict):  # a registered region's reference
+        body.update(prompt="", prompt_embeds=embeds)
+        return json.dumps(body).encode()
     if embeds is not None and not isinstance(embeds, str):
         from shm_embeds_client import frame
 
@@ -328,6 +334,10 @@ def profile_length(client, weights, length, args, n_special, watcher=None, rss=N
             time.sleep(1.2)  # past the workers' spin window (measured: ~1 s)
         t0 = time.perf_counter()
         payload, _ = embeds_payload(weights, ids, args.input)
+        region = None
+        if args.input == "region":
+            region = args.region_client.register(payload)
+            payload = region.to_json()
         embeds_body = completion_body(client.model, embeds=payload)
         encode_ms = 0.0 if args.exclude_encode else (time.perf_counter() - t0) * 1e3
         del payload
@@ -351,6 +361,8 @@ def profile_length(client, weights, length, args, n_special, watcher=None, rss=N
                 rss_peaks.append(rss.stop())
             if i >= args.warmup:
                 (text_ms if kind == "text" else embeds_ms).append(ms)
+        if region is not None:
+            args.region_client.unregister(region)
         if i >= args.warmup:
             encodes.append(encode_ms)
     t_med, e_med = statistics.median(text_ms), statistics.median(embeds_ms)
@@ -373,11 +385,16 @@ def check_outputs(client, weights, length, args, n_special):
     rng = random.Random(f"{args.seed}-{length}-check")
     text, ids = make_prompt(client, length, rng, n_special)
     b64, _ = embeds_payload(weights, ids, args.input)
+    region = args.region_client.register(b64) if args.input == "region" else None
+    if region is not None:
+        b64 = region.to_json()
     n = args.check_tokens
     a = client.post("/v1/completions", completion_body(
         client.model, text if text is not None else ids, max_tokens=n))["choices"][0]
     b = client.post("/v1/completions", completion_body(
         client.model, embeds=b64, max_tokens=n))["choices"][0]
+    if region is not None:
+        args.region_client.unregister(region)
     prompt_ok = a.get("prompt_token_ids") in (None, ids)
     match = prompt_ok and a.get("token_ids") == b.get("token_ids") and a["text"] == b["text"]
     return {"length": length, "match": match, "text_prompt_ids_ok": prompt_ok,
@@ -498,9 +515,12 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5, help="timed samples per length and kind")
     p.add_argument("--warmup", type=int, default=2, help="untimed samples per length")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--input", choices=("json", "binary"), default="json",
-                   help="how embeds are sent: json (base64 of torch.save, vLLM's format) "
-                        "or binary (raw bytes after the JSON, shm-embeds' binary body)")
+    p.add_argument("--input", choices=("json", "binary", "region"), default="json",
+                   help="how embeds are sent: json (base64 of torch.save, vLLM's format), "
+                        "binary (raw bytes after the JSON, shm-embeds' binary body) or "
+                        "region (a sealed memfd registered on --regions, then named)")
+    p.add_argument("--regions", metavar="SOCKET",
+                   help="the server's VLLM_SHM_EMBEDS_REGIONS socket (--input region)")
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     p.add_argument("--exclude-encode", action="store_true",
                    help="start the clock after the client's torch.save + base64 (or framing)")
@@ -520,6 +540,13 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.compare:
         return compare(args.compare)
+    args.region_client = None
+    if args.input == "region":
+        if not args.regions:
+            p.error("--input region needs --regions SOCKET")
+        from shm_embeds_client import RegionClient
+
+        args.region_client = RegionClient(args.regions)
 
     try:
         lengths = [int(x) for x in args.lengths.split(",") if x.strip()]

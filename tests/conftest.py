@@ -115,11 +115,13 @@ def main_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("main-server")
     (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
     env = {"SHM_EMBEDS_TEST_FAIL_FILE": str(tmp / "fail-rank-1"),
-           "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+           "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+           "VLLM_SHM_EMBEDS_REGIONS": str(tmp / "regions.sock")}
     with Server(tmp, "-tp", "2", "--chat-template", str(tmp / "chat.jinja"),
                 "--enable-prompt-tokens-details", env_extra=env) as server:
         server["weights"] = embed_weights(server.model)
         server["fail_file"] = tmp / "fail-rank-1"
+        server["regions"] = str(tmp / "regions.sock")
         yield server
 
 

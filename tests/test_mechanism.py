@@ -155,6 +155,77 @@ def test_freed_request_lets_go_of_the_engine_pages(shm_env):
     assert counters.stats()["engine_pages_released"] == 2
 
 
+def _sealed_memfd(t: torch.Tensor) -> int:
+    """A producer's region: ``t``'s bytes in a memfd sealed against any change."""
+    import fcntl
+
+    fd = os.memfd_create("test-region", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    while data:
+        data = data[os.write(fd, data):]
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK
+                | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    return fd
+
+
+def _memfd_refs() -> int:
+    """This process's mappings and fds of test regions."""
+    maps = sum("memfd:test-region" in line for line in open("/proc/self/maps"))
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += "memfd:test-region" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return maps + fds
+
+
+def test_region_crosses_both_hops_without_a_copy(shm_env):
+    """Issue 17: a registered region goes by descriptor at hop 1 (a header-only
+    segment for the reader flags) and hop 2; nobody copies its bytes, and
+    every mapping and fd of it goes when the request is freed."""
+    src = torch.randn(1024, 32)
+    fd = _sealed_memfd(src)
+    before = counters.stats()
+    h = transfer.share_region(src, (os.getpid(), fd, os.fstat(fd).st_ino))
+    assert handle.SharedTensorHandle.from_meta(h.to_meta()) == h
+    assert os.path.getsize(os.path.join(shm_env, h.name)) == handle.HEADER_BYTES
+    adopted = transfer.adopt_tensor(h)  # the EngineCore, through /proc/<pid>/fd
+    assert torch.equal(adopted, src)
+    os.close(fd)  # the API server lets go: the EngineCore holds its own fd
+    hb = hop2.externalize(adopted, readers=1)
+    assert len(hb.owner_files) == 2 and hb.region
+    reader = transfer.open_tensor(hb, 0)  # a TP worker, through the EngineCore's fds
+    assert torch.equal(reader, src)
+    assert _delta(before, "copied_bytes") == 0 and _delta(before, "hop2_reused_tensors") == 1
+    assert _delta(before, "hop1_region_adopted") == 1
+    assert process.collect() == 1 and os.listdir(shm_env) == []
+    del reader
+    assert transfer.release_adopted(adopted)
+    assert _memfd_refs() == 0 and not adopted.any()
+
+
+def test_region_gone_before_adoption_is_a_clear_error(shm_env):
+    """The API server's descriptor closed (request aborted, region gone) or
+    reused by another file: the EngineCore refuses the handle and leaves
+    nothing behind."""
+    src = torch.randn(64, 32)
+    fd = _sealed_memfd(src)
+    h = transfer.share_region(src, (os.getpid(), fd, os.fstat(fd).st_ino))
+    os.close(fd)
+    with pytest.raises(handle.ShmEmbedsError, match="region is gone"):
+        transfer.adopt_tensor(h)
+    other = _sealed_memfd(src)  # very likely the same number, another inode
+    h = transfer.share_region(src, (os.getpid(), other, os.fstat(other).st_ino + 1))
+    with pytest.raises(handle.ShmEmbedsError, match="region is gone"):
+        transfer.adopt_tensor(h)
+    os.close(other)
+    process.collect()
+    assert os.listdir(shm_env) == [] and _memfd_refs() == 0
+    with pytest.raises(handle.ShmEmbedsError, match="malformed"):
+        handle.SharedTensorHandle.from_meta({**h.to_meta(), "region": [1, 2]})
+
+
 def test_missing_segment_is_a_clear_error(shm_env):
     h = handle.SharedTensorHandle(str(SegmentName(1, 1, 1, 1)), "float32", (2, 2))
     with pytest.raises(handle.ShmEmbedsError, match="not found"):

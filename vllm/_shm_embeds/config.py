@@ -30,6 +30,17 @@ Variables (see ``docs/configuration.md``):
   A tensor that would go over takes the stock path (``budget``).
 * ``VLLM_SHM_EMBEDS_BODY_TIMEOUT_S``: a request body that sends no bytes for
   this many seconds gets 408 and its segment is freed (default 30).
+* ``VLLM_SHM_EMBEDS_REGIONS``: path of the Unix socket on which same-host
+  producers register sealed memfds (``region_server.py``); unset: off.
+* ``VLLM_SHM_EMBEDS_REGIONS_GROUP``: a group name: the socket gets that
+  group and mode 0660 (default: mode 0600).
+* ``VLLM_SHM_EMBEDS_REGIONS_UIDS``: comma-separated uids that may register
+  besides the server's own.
+* ``VLLM_SHM_EMBEDS_REGIONS_MAX``: regions one uid may hold (default 64).
+* ``VLLM_SHM_EMBEDS_REGIONS_MAX_BYTES``: bytes one uid's regions may hold
+  (default 16 GiB).
+* ``VLLM_SHM_EMBEDS_REGIONS_TTL_S``: a region no request used for this many
+  seconds is unregistered (default 600).
 """
 
 from __future__ import annotations
@@ -54,13 +65,28 @@ VARIABLES = (
     "VLLM_SHM_EMBEDS_JSON",
     "VLLM_SHM_EMBEDS_MAX_BYTES",
     "VLLM_SHM_EMBEDS_BODY_TIMEOUT_S",
+    "VLLM_SHM_EMBEDS_REGIONS",
+    "VLLM_SHM_EMBEDS_REGIONS_GROUP",
+    "VLLM_SHM_EMBEDS_REGIONS_UIDS",
+    "VLLM_SHM_EMBEDS_REGIONS_MAX",
+    "VLLM_SHM_EMBEDS_REGIONS_MAX_BYTES",
+    "VLLM_SHM_EMBEDS_REGIONS_TTL_S",
 )
 
 _FLAG = pydantic.TypeAdapter(bool)
 _BYTES = pydantic.TypeAdapter(Annotated[int, pydantic.Field(ge=0, strict=False)])
 _WRITERS = pydantic.TypeAdapter(Annotated[int, pydantic.Field(ge=1, le=MAX_WRITERS)])
 _SECONDS = pydantic.TypeAdapter(Annotated[float, pydantic.Field(gt=0)])
+_POSITIVE = pydantic.TypeAdapter(Annotated[int, pydantic.Field(ge=1, strict=False)])
+_UIDS = pydantic.TypeAdapter(Annotated[
+    tuple[Annotated[int, pydantic.Field(ge=0)], ...],
+    pydantic.BeforeValidator(
+        lambda v: [p.strip() for p in v.split(",") if p.strip()] if isinstance(v, str) else v),
+])
 DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_REGIONS_MAX = 64
+DEFAULT_REGIONS_MAX_BYTES = 16 << 30
+DEFAULT_REGIONS_TTL_S = 600.0
 RING_RESERVE_BYTES = 64 << 20  # left free for vLLM's own broadcast rings
 
 
@@ -80,6 +106,12 @@ class Settings:
         max_bytes: bytes; an explicit budget for this server's segments, or
             None for the default (:func:`budget_bytes`).
         body_timeout_s: seconds a request body may send nothing.
+        regions: path of the regions socket, or None (regions off).
+        regions_group: group of the regions socket (mode 0660), or None (0600).
+        regions_uids: uids that may register regions besides this process's.
+        regions_max: regions one uid may hold.
+        regions_max_bytes: bytes one uid's regions may hold.
+        regions_ttl_s: seconds a region may go unused before it is unregistered.
         problems: one message per bad value that a default replaced, and
             ``fatal`` messages that keep the feature off.
         fatal: messages that keep the feature off (no usable segment dir).
@@ -94,6 +126,12 @@ class Settings:
     json: bool = True
     max_bytes: int | None = None
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    regions: str | None = None
+    regions_group: str | None = None
+    regions_uids: tuple[int, ...] = ()
+    regions_max: int = DEFAULT_REGIONS_MAX
+    regions_max_bytes: int = DEFAULT_REGIONS_MAX_BYTES
+    regions_ttl_s: float = DEFAULT_REGIONS_TTL_S
     problems: tuple[str, ...] = ()
     fatal: tuple[str, ...] = ()
 
@@ -135,6 +173,16 @@ def _parse(raw: dict[str, str | None]) -> Settings:
         max_bytes=get("VLLM_SHM_EMBEDS_MAX_BYTES", _BYTES, None, "a byte count"),
         body_timeout_s=get("VLLM_SHM_EMBEDS_BODY_TIMEOUT_S", _SECONDS,
                            DEFAULT_BODY_TIMEOUT_S, "a number of seconds"),
+        regions=(raw["VLLM_SHM_EMBEDS_REGIONS"] or "").strip() or None,
+        regions_group=(raw["VLLM_SHM_EMBEDS_REGIONS_GROUP"] or "").strip() or None,
+        regions_uids=get("VLLM_SHM_EMBEDS_REGIONS_UIDS", _UIDS, (),
+                         "a comma-separated list of uids"),
+        regions_max=get("VLLM_SHM_EMBEDS_REGIONS_MAX", _POSITIVE, DEFAULT_REGIONS_MAX,
+                        "a positive count"),
+        regions_max_bytes=get("VLLM_SHM_EMBEDS_REGIONS_MAX_BYTES", _POSITIVE,
+                              DEFAULT_REGIONS_MAX_BYTES, "a positive byte count"),
+        regions_ttl_s=get("VLLM_SHM_EMBEDS_REGIONS_TTL_S", _SECONDS, DEFAULT_REGIONS_TTL_S,
+                          "a number of seconds"),
     )
     fatal = ()
     if not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
@@ -227,6 +275,37 @@ def body_timeout_s() -> float:
     return settings().body_timeout_s
 
 
+def regions_path() -> str | None:
+    """Path of the regions socket, or None: regions are off."""
+    return settings().regions
+
+
+def regions_group() -> str | None:
+    """Group of the regions socket (mode 0660), or None (mode 0600)."""
+    return settings().regions_group
+
+
+def regions_allowed_uids() -> frozenset[int]:
+    """Uids that may register regions: this process's and
+    ``VLLM_SHM_EMBEDS_REGIONS_UIDS``."""
+    return frozenset((os.getuid(), *settings().regions_uids))
+
+
+def regions_max() -> int:
+    """Regions one uid may hold."""
+    return settings().regions_max
+
+
+def regions_max_bytes() -> int:
+    """Bytes one uid's regions may hold."""
+    return settings().regions_max_bytes
+
+
+def regions_ttl_s() -> float:
+    """Seconds a region no request used may stay registered."""
+    return settings().regions_ttl_s
+
+
 # What vLLM's ``vllm/envs.py`` ``environment_variables`` table gets (name ->
 # getter), so that ``Platform.validate_environ`` knows our variables.
 ENV_VARS: dict[str, Callable[[], Any]] = {
@@ -239,4 +318,10 @@ ENV_VARS: dict[str, Callable[[], Any]] = {
     "VLLM_SHM_EMBEDS_JSON": lambda: settings().json,
     "VLLM_SHM_EMBEDS_MAX_BYTES": budget_bytes,
     "VLLM_SHM_EMBEDS_BODY_TIMEOUT_S": body_timeout_s,
+    "VLLM_SHM_EMBEDS_REGIONS": regions_path,
+    "VLLM_SHM_EMBEDS_REGIONS_GROUP": regions_group,
+    "VLLM_SHM_EMBEDS_REGIONS_UIDS": lambda: settings().regions_uids,
+    "VLLM_SHM_EMBEDS_REGIONS_MAX": regions_max,
+    "VLLM_SHM_EMBEDS_REGIONS_MAX_BYTES": regions_max_bytes,
+    "VLLM_SHM_EMBEDS_REGIONS_TTL_S": regions_ttl_s,
 }

@@ -173,6 +173,12 @@ class SharedTensorHandle:
         owner_files: hop 2: ``(fd, inode)`` per file, so that readers open
             ``/proc/<owner_pid>/fd/<fd>``: that works even if something else
             unlinked the name, and the inode check rules out a reused fd.
+        region: a registered region (``regions.py``): ``(pid, fd, inode)`` of
+            the API server's descriptor of the producer's sealed memfd, which
+            holds the tensor's bytes from offset 0. File 0 is then the header
+            alone (``HEADER_BYTES``) and the memfd is file 1: it has no name,
+            so it is opened only through ``/proc`` (hop 1: the API server's
+            fd; hop 2: the owner's ``owner_files``) and mapped read-only.
     """
 
     name: str
@@ -182,6 +188,7 @@ class SharedTensorHandle:
     flag_base: int = 0
     owner_pid: int = 0
     owner_files: tuple[tuple[int, int], ...] = ()
+    region: tuple[int, int, int] = ()
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -199,7 +206,10 @@ class SharedTensorHandle:
         return n * self.torch_dtype.itemsize
 
     def parts(self) -> list[tuple[str, int, int]]:
-        """``(file name, first data byte, data bytes)`` for each file of the segment."""
+        """``(file name, first data byte, data bytes)`` for each file of the segment
+        (a region's file 1 has no name in the directory: see :attr:`region`)."""
+        if self.region:
+            return [(self.name, 0, 0), (part_name(self.name, 1), 0, self.nbytes)]
         bounds = [0, *self.split, self.nbytes]
         return [
             (part_name(self.name, i), bounds[i], bounds[i + 1] - bounds[i])
@@ -215,6 +225,8 @@ class SharedTensorHandle:
         meta = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
         if self.split:
             meta["split"] = list(self.split)
+        if self.region:
+            meta["region"] = list(self.region)
         return meta
 
     @classmethod
@@ -223,8 +235,12 @@ class SharedTensorHandle:
         try:
             name, dtype, shape = meta["name"], meta["dtype"], meta["shape"]
             split = tuple(int(b) for b in meta.get("split", ()))
-            handle = cls(str(name), str(dtype), tuple(int(s) for s in shape), split)
+            region = tuple(int(x) for x in meta.get("region", ()))
+            handle = cls(str(name), str(dtype), tuple(int(s) for s in shape), split,
+                         region=region)
             nbytes = handle.nbytes
+            if region and (len(region) != 3 or min(region) <= 0 or split):
+                raise ValueError("region")
         except (KeyError, TypeError, ValueError, AttributeError, ShmEmbedsError) as e:
             raise ShmEmbedsError(f"malformed shm-embeds handle {meta!r}") from e
         parsed = SegmentName.parse(handle.name)

@@ -30,6 +30,7 @@ from vllm._shm_embeds.transfer import (
     adopt_tensor,
     dense_nbytes,
     eligible,
+    share_region,
     share_tensor,
     take_handover,
 )
@@ -73,13 +74,18 @@ class HandleOOBConsumer:
     def __call__(self, tensor: torch.Tensor) -> dict | None:
         if tensor is self._armed:
             self._armed = None
-            # A streamed segment (binary body) goes as it is, whatever its size.
-            handover = take_handover(tensor)
-            reason = None if handover is not None else eligible(tensor)
+            regions = process.current().regions
+            holder = regions.find(tensor) if regions is not None else None
+            # A streamed segment (binary body) goes as it is, whatever its size;
+            # a registered region by the API server's descriptor of it.
+            handover = take_handover(tensor) if holder is None else None
+            reason = None if handover is not None or holder is not None else eligible(tensor)
             if reason is None:
                 found = None
                 try:
-                    if handover is not None:
+                    if holder is not None:
+                        handle = share_region(tensor, holder)
+                    elif handover is not None:
                         handle = handover
                     else:
                         handle, found = self._copy(tensor)

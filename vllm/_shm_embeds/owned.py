@@ -117,16 +117,17 @@ class OwnedSegments:
     # -- adding
 
     def add_mapped(self, handle: SharedTensorHandle, mm: mmap.mmap, tensor: torch.Tensor,
-                   anchor: Any, handover: bool = False) -> None:
+                   anchor: Any, handover: bool = False, fds: list[int] | None = None) -> None:
         """Own a segment mapped here as ``tensor``; released when its storage dies.
 
         ``anchor``: the buffer object the storage keeps alive
-        (:func:`~vllm._shm_embeds_segments.tensor_view`). ``handover``: a
-        streamed segment, for :meth:`hand_over`.
+        (:func:`~vllm._shm_embeds.segment.tensor_view`). ``handover``: a
+        streamed segment, for :meth:`hand_over`. ``fds``: its files, held
+        open from now on (a region's memfd can be opened only by fd).
         """
         with self._lock:
             self._segs[handle.name] = _Owned(handle, mm, data_ptr=tensor.data_ptr(),
-                                             handover=handover)
+                                             handover=handover, fds=fds)
             self._by_ptr[tensor.data_ptr()] = handle.name
         weakref.finalize(anchor, on_release, self._state, ("storage", handle.name))
 

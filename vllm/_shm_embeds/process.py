@@ -22,6 +22,7 @@ import itertools
 import os
 import threading
 import time
+from typing import Any
 
 from vllm.logger import init_logger
 
@@ -45,6 +46,8 @@ class Process:
         pid: the process this state belongs to (finalizers check it).
         owned: segments this process owns.
         released: keys appended by finalizers; drained at safe points.
+        regions: the API server's ``regions.RegionRegistry`` when it serves
+            registered regions (``VLLM_SHM_EMBEDS_REGIONS``), else None.
     """
 
     def __init__(self) -> None:
@@ -59,6 +62,7 @@ class Process:
         self.sweep_interval: float | None = None
         self.placement_warned = False
         self.shutdown_done = False
+        self.regions: Any = None
 
     def new_name(self) -> str:
         """A fresh segment name owned by this process."""

@@ -170,21 +170,23 @@ def _base(mm: mmap.mmap) -> int:
         del anchor  # no export of mm may outlive this call
 
 
-def map_files(fds: list[int], sizes: list[int], prot: int) -> mmap.mmap:
+def map_files(fds: list[int], sizes: list[int], prot: int | list[int]) -> mmap.mmap:
     """Map the files of a segment back to back as one mapping.
 
     An anonymous reservation of the whole size (Python's ``mmap``, so
     ``munmap`` of the whole range follows the Python object), then each file
-    over its slice with ``MAP_FIXED`` and ``prot``. Every file but the last
-    has a page-multiple size. Unlike ``mmap.mmap(fd)`` this keeps no dup of
-    the fd, so :func:`drop_pages` can let go of the file's pages.
+    over its slice with ``MAP_FIXED`` and ``prot`` (one for all files, or one
+    per file). Every file but the last has a page-multiple size. Unlike
+    ``mmap.mmap(fd)`` this keeps no dup of the fd, so :func:`drop_pages` can
+    let go of the file's pages.
     """
+    prots = prot if isinstance(prot, list) else [prot] * len(fds)
     mm = mmap.mmap(-1, sum(sizes),
                    flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
     try:
         base, offset = _base(mm), 0
-        for fd, size in zip(fds, sizes):
-            _mmap_fixed(base + offset, size, prot, mmap.MAP_SHARED, fd)
+        for fd, size, p in zip(fds, sizes, prots):
+            _mmap_fixed(base + offset, size, p, mmap.MAP_SHARED, fd)
             offset += size
     except BaseException:
         mm.close()
@@ -206,9 +208,28 @@ def drop_pages(mm: mmap.mmap) -> None:
                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1)
 
 
+def open_region(pid: int, fd: int, inode: int, nbytes: int) -> int:
+    """Open a region's memfd through ``/proc/<pid>/fd/<fd>`` read-only (hop 1:
+    the API server's descriptor); the inode and the size must match.
+
+    Raises:
+        ShmEmbedsError: gone (the producer unregistered it and the request
+            ended), another file under that number, or the wrong size.
+    """
+    try:
+        fd2 = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise ShmEmbedsError("registered region is gone") from e
+    st = os.fstat(fd2)
+    if st.st_ino != inode or st.st_size != nbytes:
+        os.close(fd2)
+        raise ShmEmbedsError("registered region is gone (descriptor reused)")
+    return fd2
+
+
 def _open_by_owner_fd(handle: SharedTensorHandle, writable_first: bool) -> list[int] | None:
     """Open the files through ``/proc/<owner_pid>/fd``; None if that is not possible."""
-    if not handle.owner_pid or len(handle.owner_files) != len(handle.split) + 1:
+    if not handle.owner_pid or len(handle.owner_files) != len(handle.parts()):
         return None
     fds: list[int] = []
     try:
@@ -288,7 +309,9 @@ def map_segment(
                     f"segment {part!r} holds {size} bytes, handle expects {want}"
                 )
             sizes.append(size)
-        mm = map_files(fds, sizes, prot)
+        # A region (file 1, a sealed memfd) is mapped read-only by everyone.
+        mm = map_files(fds, sizes, [prot] + [mmap.PROT_READ] * (len(fds) - 1)
+                       if handle.region else prot)
         if mm[: len(MAGIC)] != MAGIC:
             mm.close()
             raise ShmEmbedsError(f"segment {handle.name!r} has no shm-embeds header")

@@ -111,6 +111,26 @@ def share_tensor(tensor: torch.Tensor) -> SharedTensorHandle:
     return handle
 
 
+def share_region(tensor: torch.Tensor, holder: tuple[int, int, int]) -> SharedTensorHandle:
+    """Hop 1 sender: a handle for ``tensor``, which is a registered region
+    (``regions.RegionRegistry.find`` gave ``holder``: this process's pid, its
+    descriptor of the producer's memfd and the memfd's inode). No copy: a
+    header-only segment (``HEADER_BYTES``, for hop 2's reader flags) is made,
+    and its ownership passes with the handle as with :func:`share_tensor`.
+
+    Raises:
+        OSError: the header file could not be created (nothing is left).
+    """
+    state = process.current()
+    name = state.new_name()
+    header = SharedTensorHandle(name, "uint8", (0,))
+    for fd in seg.write_segment(shm_dir(), header, memoryview(b""), None):
+        os.close(fd)
+    count(segments_created=1, hop1_region_tensors=1)
+    return SharedTensorHandle(name, dtype_name(tensor.dtype), tuple(tensor.shape),
+                              region=tuple(holder))
+
+
 def discard_shared(handle: SharedTensorHandle) -> bool:
     """Remove a segment made by :func:`share_tensor` that will never be adopted
     (encode or send failed). True if it was still there."""
@@ -137,6 +157,8 @@ def adopt_tensor(handle: SharedTensorHandle) -> torch.Tensor:
     mine = handle.renamed(state.new_name())
     nparts = len(handle.parts())
     directory = shm_dir()
+    if handle.region:
+        return _adopt_region(handle, mine)
     for i in range(nparts):
         try:
             os.rename(os.path.join(directory, part_name(handle.name, i)),
@@ -155,6 +177,33 @@ def adopt_tensor(handle: SharedTensorHandle) -> torch.Tensor:
         raise
     tensor, anchor = seg.tensor_view(mm, mine)
     state.owned.add_mapped(mine, mm, tensor, anchor)
+    return tensor
+
+
+def _adopt_region(handle: SharedTensorHandle, mine: SharedTensorHandle) -> torch.Tensor:
+    """:func:`adopt_tensor` of a region: take over the header file by
+    ``rename``, open the producer's memfd through the API server's
+    descriptor, and map both (the memfd read-only). The files stay open
+    here, so that hop 2's readers open them through this process's fds."""
+    directory = shm_dir()
+    try:
+        os.rename(os.path.join(directory, handle.name), os.path.join(directory, mine.name))
+    except FileNotFoundError as e:
+        raise ShmEmbedsError("shm-embeds region header not found: the sender is on "
+                             "another host, or something removed it") from e
+    fds: list[int] = []
+    try:
+        fds.append(os.open(os.path.join(directory, mine.name), os.O_RDWR | os.O_CLOEXEC))
+        fds.append(seg.open_region(*handle.region, handle.nbytes))
+        mm = seg.map_segment(directory, mine, fds=fds)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        seg.unlink_segment(directory, mine.name, 1)
+        raise
+    tensor, anchor = seg.tensor_view(mm, mine)
+    process.current().owned.add_mapped(mine, mm, tensor, anchor, fds=fds)
+    count(hop1_region_adopted=1)
     return tensor
 
 

@@ -193,23 +193,31 @@ class Upload:
             (:attr:`ServerContext.hash_block_tokens`), None when off.
         made: segment-backed tensors made from these while rendering (a chat
             prompt assembled from parts), released with them.
+        leases: ``regions.Lease`` of each registered region the request
+            names; their tensors are the regions' (not released with the
+            request), the leases end with it.
     """
 
     token: str
     tensors: list[torch.Tensor | None]
     hash_block_tokens: int | None = None
     made: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    leases: list[Any] = dataclasses.field(default_factory=list)
 
     def release(self) -> None:
         """The request has ended: unlink what vLLM did not take over (hop 1
-        hands the rest over) and let go of this process's pages of every
-        tensor (``transfer.release_streamed``)."""
+        hands the rest over), let go of this process's pages of every
+        tensor (``transfer.release_streamed``) and end the region leases."""
+        borrowed = {id(lease.tensor) for lease in self.leases}
         for t in [*self.tensors, *self.made]:
-            if t is not None:
+            if t is not None and id(t) not in borrowed:
                 forget(t)  # it reads zeros from here on: no digests of other bytes
                 release_streamed(t)
+        for lease in self.leases:
+            lease.release()
         self.tensors.clear()
         self.made.clear()
+        self.leases.clear()
 
 
 _current: contextvars.ContextVar[Upload | None] = contextvars.ContextVar(

@@ -37,6 +37,7 @@ def wrap_init_middleware(orig: Callable) -> Callable:
             logger.info("shm-embeds: binary prompt_embeds bodies accepted on "
                         "/v1/completions and /v1/chat/completions")
             _add_json_middleware(app)
+            _add_region_middleware(app)
         except Exception:
             logger.exception("shm-embeds: binary bodies not enabled; stock app")
         return orig(args, app, supported_tasks, *a, **kw)
@@ -59,6 +60,19 @@ def _add_json_middleware(app: Any) -> None:
                     "into shared memory (bodies >= %d bytes)", config.min_bytes())
     except Exception:
         logger.exception("shm-embeds: JSON body path not enabled; stock app")
+
+
+def _add_region_middleware(app: Any) -> None:
+    """With ``VLLM_SHM_EMBEDS_REGIONS`` set, add the registered-regions middleware
+    (it opens the socket at the app's start-up); never raises."""
+    if not config.regions_path():
+        return
+    try:
+        from vllm._shm_embeds.http.region_refs import RegionRefsMiddleware
+
+        app.add_middleware(RegionRefsMiddleware)
+    except Exception:
+        logger.exception("shm-embeds: registered regions not enabled; stock app")
 
 
 def wrap_attach_router(orig: Callable) -> Callable:

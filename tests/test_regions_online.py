@@ -1,0 +1,186 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Online: registered regions (issue 17) on the suite's main server, TP=2.
+
+The main server serves registrations on ``VLLM_SHM_EMBEDS_REGIONS``
+(conftest.py). A producer registers a sealed memfd; requests name it in a
+plain JSON body. The counters must show that no process copied its bytes
+(hop 1 by the API server's descriptor, hop 2 by the EngineCore's) and that
+the EngineCore hashed none of its blocks; the answers must equal the binary
+path's; a reference that does not match gets 400 and leaves the server
+healthy; a producer killed while its region is in use leaves nothing behind
+once the requests end.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import requests
+import torch
+
+import shm_embeds_client as sec
+from test_binary import KW, _delta, _ids, _prefix_cache_hits, _totals
+
+pytestmark = [pytest.mark.integration, pytest.mark.online]
+
+MEMFD_NAME = "shm-embeds-region"  # the client's memfd name
+
+
+@pytest.fixture
+def server(main_server):
+    return main_server
+
+
+def _memfd_holders() -> dict[int, int]:
+    """pid -> mappings and fds of client regions (memfds named by the client)."""
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        n = 0
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                n += sum(f"memfd:{MEMFD_NAME}" in line for line in f)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    n += f"memfd:{MEMFD_NAME}" in os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    pass
+        except OSError:
+            continue
+        if n and int(pid) != os.getpid():
+            out[int(pid)] = n
+    return out
+
+
+def _wait_released(timeout: float = 10.0) -> dict[int, int]:
+    deadline = time.monotonic() + timeout
+    while (held := _memfd_holders()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return held
+
+
+def _settled(server, before: dict) -> dict:
+    """Counters once both TP workers counted the request's hop 2."""
+    deadline = time.monotonic() + 10
+    while True:
+        d = _delta(before, _totals(server))
+        if d.get("hop2_shm_tensors", 0) >= 3 or time.monotonic() > deadline:
+            return d
+        time.sleep(0.1)
+
+
+def test_region_request_copies_nothing_and_hits_the_prefix_cache(server):
+    """The same tensor as a binary body, then as a registered region (twice),
+    then in a chat part: equal answers; the region requests copy no byte in
+    any process, the EngineCore hashes none of their blocks, and the region
+    hits the blocks the binary body cached (same keys as stock)."""
+    url, w = server["url"], server["weights"]
+    embeds = w[_ids(320, 21)].contiguous()
+    binary = sec.complete(url, "tiny", embeds, **KW)["choices"][0]["text"]
+    with sec.RegionClient(server["regions"]) as producer:
+        region = producer.register(embeds)
+        assert region.byte_size == embeds.nbytes
+        for i in range(2):
+            before, hits = _totals(server), _prefix_cache_hits(url)
+            text = sec.complete(url, "tiny", region, **KW)["choices"][0]["text"]
+            d = _settled(server, before)
+            assert text == binary
+            assert d.get("hop1_region_tensors") == 1 and d.get("hop1_region_adopted") == 1, d
+            assert d.get("copied_bytes", 0) == 0, d  # no process copied a byte
+            assert d.get("hop2_reused_tensors") == 1 and d.get("hop2_shm_tensors") == 3, d
+            assert d.get("hash_engine_blocks", 0) == 0, d  # hashed once, at registration
+            assert _prefix_cache_hits(url) - hits >= 256, d
+        # a chat content part and a completions list item name it too
+        chat = sec.chat(url, "tiny", messages=[{"role": "user", "content": [
+            {"type": "prompt_embeds", "data": region}]}], **KW)
+        assert chat["choices"][0]["message"]["content"]
+        listed = requests.post(url + "/v1/completions", timeout=300, json={
+            "model": "tiny", "prompt": "", "prompt_embeds": [region.to_json()], **KW})
+        assert listed.status_code == 200 and listed.json()["choices"][0]["text"] == binary
+    # unregistered by closing the connection: every mapping and fd goes
+    assert _wait_released() == {}
+
+
+def test_region_references_that_do_not_match_get_400(server):
+    url, w = server["url"], server["weights"]
+    embeds = w[_ids(64, 22)].contiguous()
+    with sec.RegionClient(server["regions"]) as producer:
+        region = producer.register(embeds)
+        good = region.to_json()
+
+        def post(ref):
+            return requests.post(url + "/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": "", "prompt_embeds": ref, **KW})
+
+        bad = [
+            {**good, "parameters": {**good["parameters"], "shared_memory_region": "x" * 22}},
+            {**good, "parameters": {**good["parameters"], "shared_memory_byte_size": 4}},
+            {**good, "parameters": {**good["parameters"], "shared_memory_offset": 4096}},
+            {**good, "shape": [32, 2 * good["shape"][1]]},
+            {**good, "datatype": "FP16"},
+            {**good, "parameters": {**good["parameters"], "shared_memory_region": 7}},
+        ]
+        for ref in bad:
+            r = post(ref)
+            assert r.status_code == 400, (ref, r.text)
+            msg = r.json()["error"]["message"]
+            assert "/" not in msg.replace("prompt_embeds", "") and "memfd" not in msg, msg
+            assert ref["parameters"]["shared_memory_region"] != msg
+        producer.unregister(region)
+        assert post(good).status_code == 400  # unregistered
+    assert post(good).status_code == 400
+    assert post({**good, "parameters": {}}).status_code == 400  # vLLM's own validation
+    assert requests.get(url + "/health", timeout=30).status_code == 200
+    assert _wait_released() == {}
+
+
+PRODUCER = textwrap.dedent("""
+    import sys, time, torch
+    import shm_embeds_client as sec
+    t = torch.load(sys.argv[2])
+    c = sec.RegionClient(sys.argv[1])
+    r = c.register(t)
+    print(r.id, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_producer_killed_while_its_region_is_in_use(server, tmp_path):
+    """A producer SIGKILLed while requests use its region: those requests end
+    well, later ones get 400, and nothing of the region is left anywhere."""
+    import concurrent.futures
+
+    url, w = server["url"], server["weights"]
+    embeds = w[_ids(1500, 23)].contiguous()
+    torch.save(embeds, tmp_path / "e.pt")
+    proc = subprocess.Popen([sys.executable, "-c", PRODUCER, server["regions"],
+                             str(tmp_path / "e.pt")], stdout=subprocess.PIPE, text=True)
+    try:
+        region_id = proc.stdout.readline().strip()
+        assert region_id, "the producer did not register"
+        ref = {"datatype": "FP32", "shape": list(embeds.shape), "parameters": {
+            "shared_memory_region": region_id, "shared_memory_byte_size": embeds.nbytes,
+            "shared_memory_offset": 0}}
+        body = {"model": "tiny", "prompt": "", "prompt_embeds": ref, "max_tokens": 24,
+                "temperature": 0.0}
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(requests.post, url + "/v1/completions", json=body,
+                                   timeout=300) for _ in range(3)]
+            time.sleep(0.3)  # in flight
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+            answers = [f.result() for f in futures]
+        assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
+        assert len({r.json()["choices"][0]["text"] for r in answers}) == 1
+        deadline = time.monotonic() + 10
+        while requests.post(url + "/v1/completions", json=body, timeout=60).status_code != 400:
+            assert time.monotonic() < deadline, "the dead producer's region still serves"
+            time.sleep(0.2)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert _wait_released() == {}
+    assert requests.get(url + "/health", timeout=30).status_code == 200

@@ -1,0 +1,241 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Registered regions in the API server: the socket at start-up, references in request bodies.
+
+With ``VLLM_SHM_EMBEDS_REGIONS=<path>``, same-host producers register sealed
+memfds holding ``prompt_embeds`` tensors over a Unix socket
+(``region_server.py``; the registry and its checks are ``regions.py``;
+protocol and security model in ``docs/regions.md``). A request then names a
+region wherever a ``prompt_embeds`` tensor can appear (the completions field
+or a list item of it, a chat ``prompt_embeds`` content part), in a plain JSON
+body, with Triton's parameter names::
+
+    {"datatype": "FP32", "shape": [T, H],
+     "parameters": {"shared_memory_region": "<id>",
+                    "shared_memory_byte_size": N, "shared_memory_offset": 0}}
+
+:class:`RegionRefsMiddleware` (pure ASGI, added next to the JSON body
+middleware) starts the registry and the socket server at the app's
+``lifespan`` start-up (the served model is known then:
+``app.state.vllm_config``) and closes them at shutdown. On the two
+completion routes it reads JSON bodies smaller than
+``VLLM_SHM_EMBEDS_MIN_BYTES`` (larger ones are the JSON path's), and when a
+body names a region it *leases* each region for the request
+(``RegionRegistry.lease``: the reference must match the registration) and
+puts a placeholder there that resolves, in this request's context only, to
+the region's read-only tensor (``common.resolve_placeholder``). Hop 1 then
+sends the API server's descriptor of the memfd instead of the bytes
+(``hop1.py``, ``transfer.share_region``); the digests computed at
+registration ride along. A reference that does not match gets 400, with a
+message that names no path and does not echo the id. Leases end when the
+response has been sent.
+
+Knows HTTP and the registry; no vLLM class.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm._shm_embeds import digests, process
+from vllm._shm_embeds.config import min_bytes, regions_group, regions_path
+from vllm._shm_embeds.counters import count, count_reason
+from vllm._shm_embeds.http.common import (
+    Receive,
+    Send,
+    ServerContext,
+    Stalled,
+    Upload,
+    call_with_body,
+    content_type,
+    embeds_slots,
+    headers,
+    new_token,
+    placeholder,
+    receive_body_message,
+    route,
+    send_error,
+)
+
+logger = init_logger(__name__)
+
+REF_KEY = b'"shared_memory_region"'
+
+
+def _region_ref(value: Any) -> dict | None:
+    """``value``'s ``parameters`` if it is a region reference, else None."""
+    if not isinstance(value, dict):
+        return None
+    params = value.get("parameters")
+    if isinstance(params, dict) and "shared_memory_region" in params:
+        return params
+    return None
+
+
+def lease_refs(path: str, body: Any, registry: Any) -> Upload | None:
+    """Replace each region reference in ``body`` (in place) by a placeholder.
+
+    Returns the request's :class:`~vllm._shm_embeds.http.common.Upload`
+    (its tensors are the regions', its leases end with it), or None when the
+    body names no region.
+
+    Raises:
+        regions.RegionError: a reference that does not match a registration
+            (client-safe message; the leases taken so far are released).
+    """
+    token, tensors, leases = new_token(), [], []
+    try:
+        for where, container, key in list(embeds_slots(path, body)):
+            params = _region_ref(container[key])
+            if params is None:
+                continue
+            ref = container[key]
+            try:
+                lease = registry.lease(params.get("shared_memory_region"),
+                                       ref.get("datatype"), ref.get("shape"),
+                                       params.get("shared_memory_byte_size"),
+                                       params.get("shared_memory_offset", 0))
+            except ValueError as e:
+                raise type(e)(f"{where}: {e}") from None
+            leases.append(lease)
+            container[key] = placeholder(token, len(tensors))
+            tensors.append(lease.tensor)
+    except BaseException:
+        for lease in leases:
+            lease.release()
+        raise
+    if not leases:
+        return None
+    return Upload(token, tensors, leases=leases)
+
+
+class RegionRefsMiddleware:
+    """Pure ASGI middleware: the region socket's lifetime, and region references
+    in small JSON bodies (see the module doc). Everything else passes through."""
+
+    def __init__(self, app: Callable) -> None:
+        self.app = app
+        self.server: Any = None
+
+    async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
+        if scope.get("type") == "lifespan":
+            return await self.app(scope, self._lifespan(scope, receive), send)
+        registry = process.current().regions
+        path = route(scope)
+        if registry is None or path is None:
+            return await self.app(scope, receive, send)
+        h = headers(scope)
+        length = h.get("content-length")
+        if (content_type(h) != b"application/json" or length is None
+                or not length.isdigit() or int(length) >= max(1, min_bytes())):
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        try:
+            while more:
+                message = await receive_body_message(receive)
+                if message["type"] == "http.disconnect":
+                    return
+                chunks.append(message.get("body", b""))
+                more = message.get("more_body", False)
+        except Stalled as e:
+            return await send_error(send, 408, f"{e}; request timed out", "RequestTimeout")
+        raw = b"".join(chunks)
+        upload = None
+        if REF_KEY in raw:
+            try:
+                body = json.loads(raw)
+                upload = lease_refs(path, body, registry)
+            except ValueError as e:
+                if isinstance(e, json.JSONDecodeError):
+                    upload = None  # vLLM answers a body that is not JSON
+                else:
+                    count_reason("region_refused", "reference")
+                    return await send_error(send, 400, f"prompt_embeds region reference "
+                                            f"{e}", "BadRequestError")
+        if upload is None:
+            return await call_with_body(self.app, scope, receive, send, raw, None)
+        upload.hash_block_tokens = getattr(ServerContext.of_app(scope),
+                                           "hash_block_tokens", None)
+        count(region_requests=1, region_tensors=len(upload.leases))
+        try:
+            await call_with_body(self.app, scope, receive, send,
+                                 json.dumps(body).encode(), upload)
+        finally:
+            upload.release()
+
+    def _lifespan(self, scope: dict, receive: Receive) -> Receive:
+        """``receive`` of the lifespan protocol, starting the region socket at
+        ``lifespan.startup`` and closing it at ``lifespan.shutdown``."""
+
+        async def lifespan_receive() -> dict:
+            message = await receive()
+            if message.get("type") == "lifespan.startup":
+                self._start(scope)
+            elif message.get("type") == "lifespan.shutdown":
+                self._stop()
+            return message
+
+        return lifespan_receive
+
+    def _start(self, scope: dict) -> None:
+        """Start the registry and the socket server; never raises."""
+        path = regions_path()
+        if not path or self.server is not None:
+            return
+        try:
+            ctx = ServerContext.of_app(scope)
+            if ctx is None:
+                raise RuntimeError("the app has no vllm_config")
+            self.server = start_regions(path, ctx)
+        except Exception:
+            logger.exception("shm-embeds: registered regions not served")
+
+    def _stop(self) -> None:
+        server, self.server = self.server, None
+        if server is not None:
+            stop_regions(server)
+
+
+def start_regions(path: str, ctx: ServerContext) -> Any:
+    """Serve registrations on ``path`` for the model of ``ctx``; returns the
+    started ``region_server.RegionServer`` (the registry becomes
+    ``process.current().regions``). Raises OSError if the path is taken."""
+    from vllm._shm_embeds import region_server, regions
+
+    limits = regions.RegionLimits.from_config(ctx.hidden_size, ctx.max_model_len)
+    block_tokens, model_dtype = ctx.hash_block_tokens, ctx.dtype
+
+    def on_registered(tensor: Any) -> None:
+        # Hashed once for the prefix cache: the seals keep these bytes as they are.
+        if block_tokens and tensor.dtype == model_dtype:
+            digests.attach(tensor, digests.hash_tensor(tensor, block_tokens).result())
+
+    registry = regions.RegionRegistry(limits, on_registered)
+    server = region_server.RegionServer(path, registry, group=regions_group())
+    try:
+        server.start()
+    except BaseException:
+        registry.close()
+        raise
+    process.current().regions = registry
+    logger.info("shm-embeds: registered prompt_embeds regions served on %s (uids %s, at "
+                "most %d regions and %d bytes per uid, idle TTL %g s)", path,
+                sorted(limits.allowed_uids), limits.max_regions_per_uid,
+                limits.max_bytes_per_uid, limits.idle_ttl_s)
+    return server
+
+
+def stop_regions(server: Any) -> None:
+    """Close the socket server and the registry (regions in use by requests
+    keep their memory until those end); never raises."""
+    state = process.current()
+    registry, state.regions = state.regions, None
+    try:
+        server.close()
+        if registry is not None:
+            registry.close()
+    except Exception:
+        logger.exception("shm-embeds: closing the region socket failed")

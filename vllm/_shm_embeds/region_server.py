@@ -1,0 +1,338 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The Unix socket over which same-host producers register memfd regions.
+
+Protocol (pinned; producers in any language speak it): an ``AF_UNIX``,
+``SOCK_SEQPACKET`` socket; each message is one UTF-8 JSON object of at most
+64 KiB, answered by one message:
+
+* ``{"op": "register", "datatype": "FP32"|"FP16"|"BF16", "shape": [T, H]}``
+  with exactly one fd attached (``SCM_RIGHTS``), a memfd sealed with at least
+  ``F_SEAL_WRITE|F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL`` of exactly
+  ``T * H * itemsize`` bytes -> ``{"region": "<id>", "byte_size": N}``;
+* ``{"op": "unregister", "region": "<id>"}`` -> ``{"ok": true}``;
+* anything refused -> ``{"error": "<message>"}`` (no path, no internal name);
+  every fd received with it is closed and the connection stays usable.
+
+A connection may register many regions; when it closes (the producer exits
+or dies) they are all unregistered. The peer's uid (``SO_PEERCRED``) must be
+in the registry's ``allowed_uids``. The socket file is mode 0600, or 0660
+with the operator's group. One daemon thread serves every connection
+(``selectors``) and runs the registry's idle expiry about once a second.
+
+Knows sockets and the registry (``regions.py``), not vLLM and not HTTP.
+"""
+
+from __future__ import annotations
+
+import array
+import errno
+import grp
+import json
+import os
+import selectors
+import socket
+import stat
+import struct
+import threading
+import time
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm._shm_embeds.counters import count_reason
+from vllm._shm_embeds.regions import RegionError, RegionRegistry
+
+logger = init_logger(__name__)
+
+MAX_MESSAGE = 64 << 10  # bytes of one JSON message
+MAX_CONNECTIONS = 64
+EXPIRE_EVERY_S = 1.0
+_SCM_MAX_FD = 253  # Linux: most fds one message can carry
+_ANC_BYTES = socket.CMSG_SPACE(_SCM_MAX_FD * array.array("i").itemsize)
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def _received_fds(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
+    """Every fd in ``SCM_RIGHTS`` ancillary data (the caller closes them)."""
+    fds = array.array("i")
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return list(fds)
+
+
+def _group_id(group: str) -> int:
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        if group.isdigit():
+            return int(group)
+        raise ValueError(f"shm-embeds: regions socket group {group!r} does not exist") from None
+
+
+def _clear_path(path: str) -> None:
+    """Remove a stale socket at ``path``; raise if something else is there."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise FileExistsError(errno.EEXIST, "exists and is not a socket; not replacing it",
+                              path)
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except ConnectionRefusedError:  # stale: nobody listens
+        os.unlink(path)
+        logger.info("shm-embeds: removed the stale regions socket %s", path)
+        return
+    except OSError as e:  # EPROTOTYPE: someone listens with another socket type
+        raise OSError(errno.EADDRINUSE, f"a live socket is there ({e.strerror})", path) from e
+    finally:
+        probe.close()
+    raise OSError(errno.EADDRINUSE, "another server listens there", path)
+
+
+class _Conn:
+    """One producer connection."""
+
+    def __init__(self, sock: socket.socket, pid: int, uid: int, allowed: bool) -> None:
+        self.sock = sock
+        self.pid = pid
+        self.uid = uid
+        self.allowed = allowed
+        self.regions: set[str] = set()  # ids this connection registered
+
+
+class RegionServer:
+    """Serves the region protocol on ``path`` from one daemon thread.
+
+    Args:
+        path: the socket file to create.
+        registry: where regions go.
+        group: name (or number) of a group: the socket file gets that group
+            and mode 0660; None: mode 0600.
+        max_connections: further connections are answered with an error and closed.
+    """
+
+    def __init__(self, path: str, registry: RegionRegistry, group: str | None = None,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
+        self.path = path
+        self.registry = registry
+        self.group = group
+        self.max_connections = max_connections
+        self._listener: socket.socket | None = None
+        self._inode: int | None = None
+        self._wake: tuple[int, int] | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._conns: set[_Conn] = set()
+
+    def start(self) -> None:
+        """Create the socket file, listen, start the thread.
+
+        Raises:
+            FileExistsError: ``path`` exists and is not a socket.
+            OSError: another server listens on ``path``, or binding failed.
+            ValueError: no such group.
+        """
+        if self._listener is not None:
+            raise RuntimeError("RegionServer already started")
+        gid = _group_id(self.group) if self.group else None
+        mode = 0o660 if gid is not None else 0o600
+        _clear_path(self.path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            os.fchmod(sock.fileno(), 0o600)  # bind() creates the file with this mode
+            sock.bind(self.path)
+            try:
+                if gid is not None:
+                    os.chown(self.path, -1, gid)
+                os.chmod(self.path, mode)
+                self._inode = os.stat(self.path).st_ino
+                sock.listen(16)
+                sock.setblocking(False)
+            except BaseException:
+                os.unlink(self.path)
+                raise
+        except BaseException:
+            sock.close()
+            raise
+        self._listener = sock
+        self._wake = os.pipe()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="shm-embeds-regions",
+                                        daemon=True)
+        self._thread.start()
+        logger.info("shm-embeds: regions socket %s (mode %o%s)", self.path, mode,
+                    f", group {self.group}" if gid is not None else "")
+
+    def close(self) -> None:
+        """Stop the thread, close every connection (their regions are
+        unregistered) and remove the socket file. Idempotent."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._stop = True
+            os.write(self._wake[1], b"x")
+            thread.join(10)
+            if thread.is_alive():
+                logger.warning("shm-embeds: the regions thread did not stop in 10 s")
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+            try:
+                if os.lstat(self.path).st_ino == self._inode:  # still ours
+                    os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        if self._wake is not None and (thread is None or not thread.is_alive()):
+            for fd in self._wake:
+                os.close(fd)
+            self._wake = None
+
+    # ------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._listener, selectors.EVENT_READ, None)
+        sel.register(self._wake[0], selectors.EVENT_READ, "wake")
+        next_expire = time.monotonic() + EXPIRE_EVERY_S
+        accepting = True
+        try:
+            while not self._stop:
+                for key, _ in sel.select(max(0.0, next_expire - time.monotonic())):
+                    if key.data is None:
+                        accepting = self._accept(sel)
+                    elif isinstance(key.data, _Conn):
+                        self._serve(sel, key.data)
+                if time.monotonic() >= next_expire:
+                    if not accepting:  # paused after an accept error (EMFILE)
+                        sel.register(self._listener, selectors.EVENT_READ, None)
+                        accepting = True
+                    try:
+                        self.registry.expire()
+                    except Exception:
+                        logger.exception("shm-embeds: region expiry failed")
+                    next_expire = time.monotonic() + EXPIRE_EVERY_S
+        except Exception:
+            logger.exception("shm-embeds: the regions socket thread failed; regions are off")
+        finally:
+            for conn in list(self._conns):
+                self._drop(sel, conn, "close")
+            sel.close()
+
+    def _accept(self, sel: selectors.BaseSelector) -> bool:
+        """Accept one connection; False if accepting is paused (an error)."""
+        try:
+            sock, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError as e:  # EMFILE/ENFILE: the listener stays readable; pause
+            logger.warning("shm-embeds: accepting a regions connection failed: %s", e)
+            sel.unregister(self._listener)
+            return False
+        try:
+            pid, uid, _ = _CRED.unpack(
+                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+            sock.setblocking(False)
+            if len(self._conns) >= self.max_connections:
+                count_reason("region_refused", "connections")
+                self._send(sock, {"error": "too many connections"})
+                sock.close()
+                return True
+            conn = _Conn(sock, pid, uid, uid in self.registry.limits.allowed_uids)
+            sel.register(sock, selectors.EVENT_READ, conn)
+        except OSError as e:
+            logger.warning("shm-embeds: a regions connection failed: %s", e)
+            sock.close()
+            return True
+        self._conns.add(conn)
+        if not conn.allowed:
+            logger.warning("shm-embeds: regions connection from uid %d (pid %d), which is "
+                           "not allowed (VLLM_SHM_EMBEDS_REGIONS_UIDS)", uid, pid)
+        return True
+
+    @staticmethod
+    def _send(sock: socket.socket, reply: dict[str, Any]) -> bool:
+        try:
+            sock.send(json.dumps(reply).encode(), socket.MSG_NOSIGNAL)
+            return True
+        except OSError:  # EAGAIN (the peer does not read its replies), EPIPE
+            return False
+
+    def _drop(self, sel: selectors.BaseSelector, conn: _Conn, reason: str) -> None:
+        self._conns.discard(conn)
+        try:
+            sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+        if conn.regions:
+            self.registry.unregister_ids(conn.regions, reason)
+
+    def _serve(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
+        try:
+            data, ancdata, flags, _ = conn.sock.recvmsg(MAX_MESSAGE, _ANC_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(sel, conn, "disconnect")
+            return
+        fds = _received_fds(ancdata)
+        if not data and not fds and not flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            self._drop(sel, conn, "disconnect")  # EOF
+            return
+        reply = self._handle(conn, data, fds, flags)
+        if not self._send(conn.sock, reply):
+            self._drop(sel, conn, "disconnect")
+
+    def _handle(self, conn: _Conn, data: bytes, fds: list[int], flags: int) -> dict[str, Any]:
+        """The reply to one message. Closes every fd in ``fds`` but one
+        handed to the registry (which then owns it)."""
+        try:
+            if not conn.allowed:
+                raise RegionError("this user may not register regions", "uid")
+            if flags & socket.MSG_TRUNC:
+                raise RegionError(f"message longer than {MAX_MESSAGE} bytes", "too_long")
+            if flags & socket.MSG_CTRUNC:
+                raise RegionError("too many file descriptors attached", "fds")
+            try:
+                msg = json.loads(data.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError):
+                msg = None
+            if not isinstance(msg, dict):
+                raise RegionError("malformed message: expected one UTF-8 JSON object",
+                                  "malformed")
+            op = msg.get("op")
+            if op == "register":
+                if len(fds) != 1:
+                    raise RegionError("register takes exactly one file descriptor "
+                                      f"(SCM_RIGHTS), got {len(fds)}", "fds")
+                try:
+                    region = self.registry.register(fds.pop(), conn.uid,
+                                                    msg.get("datatype"), msg.get("shape"))
+                except RegionError as e:
+                    return {"error": str(e)}  # counted by the registry
+                conn.regions.add(region.id)
+                return {"region": region.id, "byte_size": region.nbytes}
+            if op == "unregister":
+                if fds:
+                    raise RegionError("unregister takes no file descriptor", "fds")
+                region_id = msg.get("region")
+                try:
+                    self.registry.unregister(region_id, uid=conn.uid)
+                except RegionError as e:
+                    return {"error": str(e)}
+                conn.regions.discard(region_id)
+                return {"ok": True}
+            raise RegionError('unknown op: expected "register" or "unregister"', "op")
+        except RegionError as e:
+            count_reason("region_refused", e.reason)
+            return {"error": str(e)}
+        except Exception:
+            logger.exception("shm-embeds: a regions message failed")
+            return {"error": "internal error"}
+        finally:
+            for fd in fds:
+                os.close(fd)
