@@ -132,8 +132,9 @@ def dp_server(tmp_path_factory):
     from helpers import Server
 
     tmp = tmp_path_factory.mktemp("dp-server")
-    with Server(tmp, "--data-parallel-size", "2", serve_cli=True,
-                own_stats_dir=True) as server:
+    with Server(tmp, "--data-parallel-size", "2", serve_cli=True, own_stats_dir=True,
+                env_extra={"VLLM_SHM_EMBEDS_REGIONS": str(tmp / "regions.sock")}) as server:
+        server["regions"] = str(tmp / "regions.sock")
         yield server
 
 

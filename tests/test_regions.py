@@ -12,6 +12,7 @@ import errno
 import fcntl
 import grp
 import json
+import multiprocessing as mp
 import os
 import re
 import socket
@@ -587,3 +588,70 @@ def test_max_connections(env):
     a.close()
     _wait(lambda: len(env.server._conns) == 1)
     env.check_good_registration(env.connect())
+
+
+def test_lookup_only_for_sibling_api_servers(env):
+    """The internal ``lookup`` op hands a region's fd to a sibling API server
+    (same uid and parent) only: a producer asking for it is refused."""
+    env.start()
+    sock = env.connect()
+    t = torch.randn(4, H)
+    rid = env.register(sock, t)["region"]
+    env.refused(env.request(sock, {"op": "lookup", "region": rid}), "unknown op")
+    # two siblings (children of this process): one serves, the other mirrors
+    ctx = mp.get_context("fork")
+    env.server.close()
+    env.server = None
+    ready, done = ctx.Event(), ctx.Event()
+    out = ctx.Queue()
+
+    def serve():
+        reg = RegionRegistry(_limits())
+        srv = rs.RegionServer(env.path, reg)
+        srv.start()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.connect(env.path)
+        s.sendmsg([json.dumps({"op": "register", "datatype": "FP32",
+                               "shape": [4, H]}).encode()],
+                  [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                    array.array("i", [memfd(tensor_bytes(t))]).tobytes())])
+        out.put(json.loads(s.recv(1 << 16))["region"])
+        ready.set()
+        done.wait(60)
+        s.close()
+        srv.close()
+        reg.close()
+
+    def mirror(region_id):
+        from vllm._shm_embeds.region_mirror import RegionMirror
+
+        m = RegionMirror(env.path, _limits())
+        try:
+            lease = m.lease(region_id, "FP32", [4, H], t.nbytes, 0)
+            holder = m.find(lease.tensor)
+            same = torch.equal(lease.tensor, t)
+            lease.release()
+            try:
+                m.lease("x" * 22, "FP32", [4, H], t.nbytes, 0)
+                unknown = None
+            except ValueError as e:
+                unknown = str(e)
+            out.put((same, holder is not None and holder[0] == os.getpid(), unknown))
+        finally:
+            m.close()
+
+    server = ctx.Process(target=serve)
+    server.start()
+    try:
+        assert ready.wait(30)
+        region_id = out.get(timeout=10)
+        client = ctx.Process(target=mirror, args=(region_id,))
+        client.start()
+        client.join(60)
+        assert client.exitcode == 0
+        same, holder_is_mirror, unknown = out.get(timeout=10)
+        assert same and holder_is_mirror and unknown == "unknown shared_memory_region"
+    finally:
+        done.set()
+        server.join(30)
+    assert server.exitcode == 0

@@ -184,3 +184,39 @@ def test_producer_killed_while_its_region_is_in_use(server, tmp_path):
         proc.wait()
     assert _wait_released() == {}
     assert requests.get(url + "/health", timeout=30).status_code == 200
+
+
+def test_regions_with_two_api_servers_and_dp2(dp_server):
+    """``vllm serve --data-parallel-size 2`` starts two API servers and two
+    EngineCores: one API server serves the regions socket, the other looks
+    each region up there (``region_mirror.py``); requests on either copy
+    nothing, and hop 1 reaches both EngineCores."""
+    url, server = dp_server["url"], dp_server
+    from helpers import embed_weights
+
+    w = embed_weights(server.model)
+    embeds = w[_ids(200, 24)].contiguous()
+    want = sec.complete(url, "tiny", embeds, **KW)["choices"][0]["text"]
+    with sec.RegionClient(server["regions"]) as producer:
+        region = producer.register(embeds)
+        before = server.read_stats()
+        for i in range(40):
+            r = requests.post(url + "/v1/completions", timeout=300,
+                              headers={"X-data-parallel-rank": str(i % 2)}, json={
+                                  "model": "tiny", "prompt": "", **KW,
+                                  "prompt_embeds": region.to_json()})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+            after = server.read_stats()
+            lookups = sum(p["counters"].get("region_lookups", 0) for p in after) - sum(
+                p["counters"].get("region_lookups", 0) for p in before)
+            if i >= 3 and lookups:
+                break
+        assert lookups >= 1, "no request reached the API server that mirrors regions"
+    adopted = {p["pid"]: p["counters"].get("hop1_region_adopted", 0) for p in after}
+    was = {p["pid"]: p["counters"].get("hop1_region_adopted", 0) for p in before}
+    engines = [p for p in after if "engine" in p["roles"]]
+    assert len(engines) == 2 and all(adopted[p["pid"]] > was.get(p["pid"], 0)
+                                     for p in engines), adopted
+    assert sum(p["counters"].get("copied_bytes", 0) for p in after) == sum(
+        p["counters"].get("copied_bytes", 0) for p in before)
+    assert _wait_released() == {}

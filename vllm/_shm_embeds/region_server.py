@@ -13,6 +13,15 @@ Protocol (pinned; producers in any language speak it): an ``AF_UNIX``,
 * anything refused -> ``{"error": "<message>"}`` (no path, no internal name);
   every fd received with it is closed and the connection stays usable.
 
+Internal, between the API servers of one ``vllm serve`` (``--api-server-count``
+> 1; they are siblings, children of the same process): one of them serves the
+socket, the others look regions up in it (``region_mirror.py``):
+``{"op": "lookup", "region": "<id>"}`` -> ``{"datatype": ..., "shape": [T, H],
+"byte_size": N, ...}`` with the region's fd attached, or an error. Only a peer
+with this process's uid and parent may look up. Which API server serves the
+socket is decided by an abstract-namespace socket named after the path
+(atomic, and gone with its process), so two starting at once never both bind.
+
 A connection may register many regions; when it closes (the producer exits
 or dies) they are all unregistered. The peer's uid (``SO_PEERCRED``) must be
 in the registry's ``allowed_uids``. The socket file is mode 0600, or 0660
@@ -27,6 +36,7 @@ from __future__ import annotations
 import array
 import errno
 import grp
+import hashlib
 import json
 import os
 import selectors
@@ -35,6 +45,7 @@ import stat
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from vllm.logger import init_logger
@@ -50,6 +61,7 @@ EXPIRE_EVERY_S = 1.0
 _SCM_MAX_FD = 253  # Linux: most fds one message can carry
 _ANC_BYTES = socket.CMSG_SPACE(_SCM_MAX_FD * array.array("i").itemsize)
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_LEASE = "\0lease"  # reply key of a lookup's lease (never sent)
 
 
 def _received_fds(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
@@ -59,6 +71,31 @@ def _received_fds(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
     return list(fds)
+
+
+def _ppid(pid: int) -> int | None:
+    """The parent pid of ``pid`` (``/proc/<pid>/stat`` field 4), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _owner_lock(path: str) -> socket.socket:
+    """Bind the abstract-namespace name that makes this process the one serving
+    ``path`` on this host. Raises OSError(EADDRINUSE): another live process does."""
+    key = hashlib.sha256(os.path.realpath(path).encode()).hexdigest()[:32]
+    lock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        lock.bind(f"\0vllm-shm-embeds-regions.{key}")
+    except OSError as e:
+        lock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise OSError(errno.EADDRINUSE, "another process serves this regions socket",
+                          path) from None
+        raise
+    return lock
 
 
 def _group_id(group: str) -> int:
@@ -103,6 +140,9 @@ class _Conn:
         self.uid = uid
         self.allowed = allowed
         self.regions: set[str] = set()  # ids this connection registered
+        # a sibling API server (same uid and parent): may look regions up
+        self.sibling = (uid == os.getuid() and pid != os.getpid()
+                        and _ppid(pid) == os.getppid())
 
 
 class RegionServer:
@@ -114,11 +154,16 @@ class RegionServer:
         group: name (or number) of a group: the socket file gets that group
             and mode 0660; None: mode 0600.
         max_connections: further connections are answered with an error and closed.
+        describe: extra fields of a ``lookup`` answer for a region's tensor
+            (the integration sends its prefix-cache digests along).
     """
 
     def __init__(self, path: str, registry: RegionRegistry, group: str | None = None,
-                 max_connections: int = MAX_CONNECTIONS) -> None:
+                 max_connections: int = MAX_CONNECTIONS,
+                 describe: Callable[[Any], dict] | None = None) -> None:
         self.path = path
+        self.describe = describe
+        self._lock_sock: socket.socket | None = None
         self.registry = registry
         self.group = group
         self.max_connections = max_connections
@@ -134,13 +179,30 @@ class RegionServer:
 
         Raises:
             FileExistsError: ``path`` exists and is not a socket.
-            OSError: another server listens on ``path``, or binding failed.
+            OSError: another server listens on ``path`` (EADDRINUSE: e.g. a sibling
+                API server), or binding failed.
             ValueError: no such group.
         """
         if self._listener is not None:
             raise RuntimeError("RegionServer already started")
         gid = _group_id(self.group) if self.group else None
         mode = 0o660 if gid is not None else 0o600
+        lock = _owner_lock(self.path)
+        try:
+            self._bind(gid, mode)
+        except BaseException:
+            lock.close()
+            raise
+        self._lock_sock = lock
+        self._wake = os.pipe()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="shm-embeds-regions",
+                                        daemon=True)
+        self._thread.start()
+        logger.info("shm-embeds: regions socket %s (mode %o%s)", self.path, mode,
+                    f", group {self.group}" if gid is not None else "")
+
+    def _bind(self, gid: int | None, mode: int) -> None:
         _clear_path(self.path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -160,13 +222,6 @@ class RegionServer:
             sock.close()
             raise
         self._listener = sock
-        self._wake = os.pipe()
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="shm-embeds-regions",
-                                        daemon=True)
-        self._thread.start()
-        logger.info("shm-embeds: regions socket %s (mode %o%s)", self.path, mode,
-                    f", group {self.group}" if gid is not None else "")
 
     def close(self) -> None:
         """Stop the thread, close every connection (their regions are
@@ -186,6 +241,9 @@ class RegionServer:
                     os.unlink(self.path)
             except FileNotFoundError:
                 pass
+        if self._lock_sock is not None:
+            self._lock_sock.close()
+            self._lock_sock = None
         if self._wake is not None and (thread is None or not thread.is_alive()):
             for fd in self._wake:
                 os.close(fd)
@@ -254,9 +312,11 @@ class RegionServer:
         return True
 
     @staticmethod
-    def _send(sock: socket.socket, reply: dict[str, Any]) -> bool:
+    def _send(sock: socket.socket, reply: dict[str, Any], fds: list[int] = ()) -> bool:
         try:
-            sock.send(json.dumps(reply).encode(), socket.MSG_NOSIGNAL)
+            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+            sock.sendmsg([json.dumps(reply).encode()], anc if fds else [],
+                         socket.MSG_NOSIGNAL)
             return True
         except OSError:  # EAGAIN (the peer does not read its replies), EPIPE
             return False
@@ -284,7 +344,13 @@ class RegionServer:
             self._drop(sel, conn, "disconnect")  # EOF
             return
         reply = self._handle(conn, data, fds, flags)
-        if not self._send(conn.sock, reply):
+        lease = reply.pop(_LEASE, None)
+        try:
+            sent = self._send(conn.sock, reply, [lease.region.fd] if lease else [])
+        finally:
+            if lease is not None:  # the peer has its own reference to the memfd now
+                lease.release()
+        if not sent:
             self._drop(sel, conn, "disconnect")
 
     def _handle(self, conn: _Conn, data: bytes, fds: list[int], flags: int) -> dict[str, Any]:
@@ -326,6 +392,21 @@ class RegionServer:
                     return {"error": str(e)}
                 conn.regions.discard(region_id)
                 return {"ok": True}
+            if op == "lookup" and conn.sibling:
+                if fds:
+                    raise RegionError("lookup takes no file descriptor", "fds")
+                try:
+                    lease = self.registry.lookup(msg.get("region"))
+                except RegionError as e:
+                    return {"error": str(e)}
+                region = lease.region
+                reply = {"datatype": region.datatype, "shape": list(region.shape),
+                         "byte_size": region.nbytes, _LEASE: lease}
+                try:
+                    reply.update(self.describe(region.tensor) if self.describe else {})
+                except Exception:
+                    logger.exception("shm-embeds: describing a region failed")
+                return reply
             raise RegionError('unknown op: expected "register" or "unregister"', "op")
         except RegionError as e:
             count_reason("region_refused", e.reason)

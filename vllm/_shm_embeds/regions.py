@@ -184,9 +184,11 @@ class RegionRegistry:
     digests there); if it raises, the registration is refused, the fd closed."""
 
     def __init__(self, limits: RegionLimits,
-                 on_registered: Callable[[torch.Tensor], None] | None = None) -> None:
+                 on_registered: Callable[[torch.Tensor], None] | None = None,
+                 counted: bool = True) -> None:
         self.limits = limits
         self.on_registered = on_registered
+        self.counted = counted  # False: a sibling's regions seen here (region_mirror.py)
         self._lock = threading.Lock()
         self._regions: dict[str, Region] = {}  # registered
         self._live: dict[int, Region] = {}  # data_ptr -> registered or leased
@@ -283,7 +285,8 @@ class RegionRegistry:
             if isinstance(e, RegionError):
                 count_reason("region_refused", e.reason)
             raise
-        count(regions_registered=1, region_bytes=nbytes)
+        if self.counted:
+            count(regions_registered=1, region_bytes=nbytes)
         return region
 
     # ------------------------------------------------------------ unregister
@@ -386,6 +389,18 @@ class RegionRegistry:
             count_reason("region_lease_refused", e.reason)
             raise
         count(region_leases=1)
+        return Lease(self, region)
+
+    def lookup(self, region_id: Any) -> Lease:
+        """A sibling API server's lookup (``region_server``'s ``lookup`` op): a
+        lease on the registered region ``region_id``, held while its fd is
+        sent. Raises RegionError (unknown)."""
+        with self._lock:
+            region = self._regions.get(region_id) if isinstance(region_id, str) else None
+            if region is None:
+                raise RegionError(_UNKNOWN, "unknown")
+            region.leases += 1
+            region.last_used = time.monotonic()
         return Lease(self, region)
 
     def _release(self, lease: Lease) -> None:

@@ -195,15 +195,39 @@ class RegionRefsMiddleware:
 
     def _stop(self) -> None:
         server, self.server = self.server, None
-        if server is not None:
+        if server is not None or process.current().regions is not None:
             stop_regions(server)
+
+
+def _describe(tensor: Any) -> dict:
+    """A sibling's lookup answer carries the region's digests (hex), if any."""
+    d = digests.attached(tensor)
+    if d is None:
+        return {}
+    return {"block_sha256": {"block": d.block_tokens, "rows": d.rows,
+                             "digests": d.digests.hex()}}
+
+
+def _on_mirrored(tensor: Any, answer: dict) -> None:
+    """Attach the digests a sibling sent (computed there at registration)."""
+    field = answer.get("block_sha256")
+    try:
+        d = digests.BlockDigests(int(field["block"]), int(field["rows"]),
+                                 bytes.fromhex(field["digests"]))
+    except (TypeError, KeyError, ValueError):
+        return  # none sent: the EngineCore hashes this one
+    digests.attach(tensor, d)
 
 
 def start_regions(path: str, ctx: ServerContext) -> Any:
     """Serve registrations on ``path`` for the model of ``ctx``; returns the
-    started ``region_server.RegionServer`` (the registry becomes
-    ``process.current().regions``). Raises OSError if the path is taken."""
-    from vllm._shm_embeds import region_server, regions
+    started ``region_server.RegionServer``, or None when a sibling API server
+    serves ``path`` (requests here then look regions up there:
+    ``region_mirror.RegionMirror``). The registry (or the mirror) becomes
+    ``process.current().regions``. Raises OSError if the path cannot be used."""
+    import errno
+
+    from vllm._shm_embeds import region_mirror, region_server, regions
 
     limits = regions.RegionLimits.from_config(ctx.hidden_size, ctx.max_model_len)
     block_tokens, model_dtype = ctx.hash_block_tokens, ctx.dtype
@@ -214,9 +238,18 @@ def start_regions(path: str, ctx: ServerContext) -> Any:
             digests.attach(tensor, digests.hash_tensor(tensor, block_tokens).result())
 
     registry = regions.RegionRegistry(limits, on_registered)
-    server = region_server.RegionServer(path, registry, group=regions_group())
+    server = region_server.RegionServer(path, registry, group=regions_group(),
+                                        describe=_describe)
     try:
         server.start()
+    except OSError as e:
+        registry.close()
+        if e.errno != errno.EADDRINUSE:
+            raise
+        process.current().regions = region_mirror.RegionMirror(path, limits, _on_mirrored)
+        logger.info("shm-embeds: registered prompt_embeds regions are served on %s by "
+                    "another API server; requests here look them up there", path)
+        return None
     except BaseException:
         registry.close()
         raise
@@ -228,13 +261,14 @@ def start_regions(path: str, ctx: ServerContext) -> Any:
     return server
 
 
-def stop_regions(server: Any) -> None:
+def stop_regions(server: Any | None) -> None:
     """Close the socket server and the registry (regions in use by requests
     keep their memory until those end); never raises."""
     state = process.current()
     registry, state.regions = state.regions, None
     try:
-        server.close()
+        if server is not None:
+            server.close()
         if registry is not None:
             registry.close()
     except Exception:
