@@ -23,6 +23,7 @@ import requests
 import torch
 
 import shm_embeds_client as sec
+from helpers import METRICS_PREFIX
 from test_binary import KW, _delta, _ids, _prefix_cache_hits, _totals
 
 pytestmark = [pytest.mark.integration, pytest.mark.online]
@@ -80,6 +81,7 @@ def test_region_request_copies_nothing_and_hits_the_prefix_cache(server):
     url, w = server["url"], server["weights"]
     embeds = w[_ids(320, 21)].contiguous()
     binary = sec.complete(url, "tiny", embeds, **KW)["choices"][0]["text"]
+    _, m0 = server.scrape()
     with sec.RegionClient(server["regions"]) as producer:
         region = producer.register(embeds)
         assert region.byte_size == embeds.nbytes
@@ -100,6 +102,14 @@ def test_region_request_copies_nothing_and_hits_the_prefix_cache(server):
         listed = requests.post(url + "/v1/completions", timeout=300, json={
             "model": "tiny", "prompt": "", "prompt_embeds": [region.to_json()], **KW})
         assert listed.status_code == 200 and listed.json()["choices"][0]["text"] == binary
+    _, m1 = server.scrape()  # /metrics shows the region path
+
+    def moved(name, **labels):
+        key = (METRICS_PREFIX + name, frozenset(labels.items()))
+        return m1.get(key, 0) - m0.get(key, 0)
+
+    assert moved("regions_registered_total") == 1 and moved("region_leases_total") == 4
+    assert moved("reused_tensors_total", hop="1") == 4 and moved("copied_bytes_total") == 0
     # unregistered by closing the connection: every mapping and fd goes
     assert _wait_released() == {}
 

@@ -57,8 +57,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                          "by receivers (hop 1: EngineCore; hop 2: each TP worker)",
                          ("hop",)),
     "reused_tensors": ("counter", "prompt_embeds tensors sent by shared memory without "
-                       "a copy (hop 1: binary and JSON bodies written into shared memory; hop 2: "
-                       "segments adopted at hop 1)",
+                       "a copy (hop 1: binary and JSON bodies written into shared memory, "
+                       "and registered regions; hop 2: segments adopted at hop 1)",
                        ("hop",)),
     "fallbacks": ("counter", "prompt_embeds tensors that took the stock path, by hop "
                   "and reason", ("hop", "reason")),
@@ -78,6 +78,20 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                      "vLLM's loader, then one copy)", ("how",)),
     "json_fallbacks": ("counter", "Large JSON bodies left to vLLM's own decode, by reason "
                        "(no_embeds: none where vLLM reads prompt_embeds)", ("reason",)),
+    "regions_registered": ("counter", "Regions registered on the regions socket "
+                           "(VLLM_SHM_EMBEDS_REGIONS)", ()),
+    "region_bytes": ("counter", "Bytes of the regions registered", ()),
+    "region_leases": ("counter", "Uses of registered regions by requests", ()),
+    "region_lookups": ("counter", "Regions an API server looked up at the sibling API "
+                       "server that serves the regions socket", ()),
+    "regions_freed": ("counter", "Regions whose memory this server let go of (unregistered "
+                      "and no request using them)", ()),
+    "region_unregistered": ("counter", "Regions unregistered, by reason (op, disconnect, "
+                            "idle, close)", ("reason",)),
+    "region_refused": ("counter", "Registrations and region references refused, by reason",
+                       ("reason",)),
+    "region_lease_refused": ("counter", "Region references in requests that did not match "
+                             "a registered region, by reason", ("reason",)),
     "dir_held_bytes": ("gauge", "Bytes of this server's segments in the segment "
                        "directory now (allocated, at scrape time)", ()),
     "dir_free_bytes": ("gauge", "Free bytes of the segment directory's file system "
@@ -154,11 +168,15 @@ def set_model_name(name: Any) -> None:
 _HOP_EVENTS = {f"hop{h}_{p}_{w}": (h, p, w) for h in "12" for p in ("shm", "stock")
                for w in ("tensors", "bytes")}
 _RECEIVER = {"1": "engine", "2": "worker"}  # role of a hop's receiving process
-_REUSED = {"hop1_handover_tensors": "1", "hop2_reused_tensors": "2"}
+_REUSED = {"hop1_handover_tensors": "1", "hop1_region_tensors": "1",
+           "hop2_reused_tensors": "2"}
 _REASONS = {"fallback": "fallbacks", "binary_rejected": "binary_rejected",
-            "binary_fallback": "binary_fallbacks", "json_fallback": "json_fallbacks"}
+            "binary_fallback": "binary_fallbacks", "json_fallback": "json_fallbacks",
+            "region_refused": "region_refused", "region_lease_refused": "region_lease_refused",
+            "region_unregistered": "region_unregistered"}
 _PLAIN = ("copied_bytes", "segments_created", "segments_unlinked", "segments_swept",
-          "binary_bodies", "binary_bytes")
+          "binary_bodies", "binary_bytes", "regions_registered", "region_bytes",
+          "region_leases", "region_lookups", "regions_freed")
 
 
 def aggregate(values: dict[tuple[counters.Key, str], float], pids: set[int],

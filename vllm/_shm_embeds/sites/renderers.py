@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from vllm._shm_embeds import digests
+from vllm._shm_embeds import digests, process
 from vllm._shm_embeds.http.common import current_upload, resolve_placeholder
 from vllm._shm_embeds.sites.site import Site
 from vllm._shm_embeds.transfer import is_streamed, streamed_tensor_like
@@ -60,14 +60,20 @@ def wrap_load_chat_embeds_async(orig: Callable) -> Callable:
     return _load_prompt_embeds_async
 
 
+def _ours(tensor: torch.Tensor) -> bool:
+    """A binary or JSON-path body's segment, or a registered region's tensor."""
+    regions = process.current().regions
+    return is_streamed(tensor) or (regions is not None and regions.is_region_tensor(tensor))
+
+
 def wrap_build_mixed_prompt_embeds(orig: Callable) -> Callable:
     """``_build_mixed_prompt_embeds(token_ids, prompt_embeds_tensors, positions)``.
 
     vllm/renderers/hf.py (0.32/0.33) assembles a chat prompt's embeds into a
     fresh ``torch.zeros`` tensor, which hop 1 then copies again. When a part
-    came from a binary body: a prompt that is exactly one such part is
-    returned as is (no copy; same values and an all-False ``is_token_ids``
-    mask); otherwise the full tensor is assembled in a new streamed segment
+    came from a binary body (or is a registered region): a prompt that is
+    exactly one such part is returned as is (no copy; same values and an
+    all-False ``is_token_ids`` mask); otherwise the full tensor is assembled in a new streamed segment
     (one counted copy) so that hop 1 hands it over instead of copying it,
     and released with the request's upload. Either is hashed per
     prefix-cache block on the pool here (``digests.hash_tensor``) unless it
@@ -78,7 +84,7 @@ def wrap_build_mixed_prompt_embeds(orig: Callable) -> Callable:
     def _build_mixed_prompt_embeds(token_ids, prompt_embeds_tensors, positions,
                                    *args, **kwargs):
         tensors = list(prompt_embeds_tensors)
-        if args or kwargs or not tensors or not any(is_streamed(t) for t in tensors):
+        if args or kwargs or not tensors or not any(_ours(t) for t in tensors):
             return orig(token_ids, prompt_embeds_tensors, positions, *args, **kwargs)
         total = len(token_ids)
         upload = current_upload()
