@@ -73,8 +73,9 @@ def wrap_build_mixed_prompt_embeds(orig: Callable) -> Callable:
     fresh ``torch.zeros`` tensor, which hop 1 then copies again. When a part
     came from a binary body (or is a registered region): a prompt that is
     exactly one such part is returned as is (no copy; same values and an
-    all-False ``is_token_ids`` mask); otherwise the full tensor is assembled in a new streamed segment
-    (one counted copy) so that hop 1 hands it over instead of copying it,
+    all-False ``is_token_ids`` mask); otherwise the full tensor is assembled
+    in a new streamed segment (one counted copy) so that hop 1 hands it over
+    instead of copying it,
     and released with the request's upload. Either is hashed per
     prefix-cache block on the pool here (``digests.hash_tensor``) unless it
     carries digests already, so the EngineCore hashes none of it. Any other
