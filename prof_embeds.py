@@ -253,6 +253,16 @@ def embeds_payload(weights, ids, mode):
     return tensor, tensor.numel() * tensor.element_size() / 1e6
 
 
+def region_of(regions, weights, ids):
+    """A registered region holding ``weights[ids]``, gathered straight into a
+    fresh memfd (``RegionClient.empty``), sealed and registered."""
+    import torch
+
+    out = regions.empty((len(ids), weights.shape[1]), weights.dtype)
+    torch.index_select(weights, 0, torch.tensor(ids), out=out)
+    return regions.seal(out)
+
+
 def completion_body(model, prompt=None, embeds=None, max_tokens=1):
     """Pre-encoded JSON (or a :class:`BinaryBody` when ``embeds`` is a tensor) for a
     greedy ``/v1/completions`` request."""
@@ -333,11 +343,14 @@ def profile_length(client, weights, length, args, n_special, watcher=None, rss=N
         if not args.exclude_encode:
             time.sleep(1.2)  # past the workers' spin window (measured: ~1 s)
         t0 = time.perf_counter()
-        payload, _ = embeds_payload(weights, ids, args.input)
         region = None
         if args.input == "region":
-            region = args.region_client.register(payload)
+            # A producer fills the region in place (no copy of its own), then
+            # seals and registers it: the server checks and hashes it.
+            region = region_of(args.region_client, weights, ids)
             payload = region.to_json()
+        else:
+            payload, _ = embeds_payload(weights, ids, args.input)
         embeds_body = completion_body(client.model, embeds=payload)
         encode_ms = 0.0 if args.exclude_encode else (time.perf_counter() - t0) * 1e3
         del payload
@@ -356,7 +369,9 @@ def profile_length(client, weights, length, args, n_special, watcher=None, rss=N
                 rss.start()
             ms = timed(client, body) + (encode_ms if kind == "embeds" else 0.0)
             if watcher and kind == "embeds":
-                peaks.append(watcher.reset())
+                # A region's bytes are the producer's memfd, not in --shm-dir:
+                # they are shared memory this request uses all the same.
+                peaks.append(watcher.reset() + (region.byte_size if region else 0))
             if rss and kind == "embeds":
                 rss_peaks.append(rss.stop())
             if i >= args.warmup:
@@ -384,10 +399,8 @@ def check_outputs(client, weights, length, args, n_special):
     """Greedy-generate from text and from embeds of the same ids; return a result dict."""
     rng = random.Random(f"{args.seed}-{length}-check")
     text, ids = make_prompt(client, length, rng, n_special)
-    b64, _ = embeds_payload(weights, ids, args.input)
-    region = args.region_client.register(b64) if args.input == "region" else None
-    if region is not None:
-        b64 = region.to_json()
+    region = region_of(args.region_client, weights, ids) if args.input == "region" else None
+    b64 = region.to_json() if region is not None else embeds_payload(weights, ids, args.input)[0]
     n = args.check_tokens
     a = client.post("/v1/completions", completion_body(
         client.model, text if text is not None else ids, max_tokens=n))["choices"][0]

@@ -119,8 +119,9 @@ run_mode() {  # run_mode MODEL MODE(stock|arena|shm) LENGTHS
   # The tiny model's embeds are small (512 B/token), below the plugin's 1 MiB
   # default threshold: take every tensor through shm, and record counters.
   local stats="$OUT/stats_$name"; rm -rf "$stats"; mkdir -p "$stats"
+  local regions="$OUT/regions_$name.sock"; rm -f "$regions"
   VLLM_SHM_EMBEDS=$flag VLLM_SHM_EMBEDS_MIN_BYTES=${VLLM_SHM_EMBEDS_MIN_BYTES:-0} \
-  VLLM_SHM_EMBEDS_STATS_DIR=$stats \
+  VLLM_SHM_EMBEDS_STATS_DIR=$stats VLLM_SHM_EMBEDS_REGIONS=$regions \
   VLLM_CPU_OMP_THREADS_BIND="0|1" VLLM_CPU_KVCACHE_SPACE=1 \
     setsid "$PY" -m vllm.entrypoints.openai.api_server \
       --model "$ROOT/.models/$model" --enable-prompt-embeds -tp 2 --dtype float32 \
@@ -141,14 +142,15 @@ run_mode() {  # run_mode MODEL MODE(stock|arena|shm) LENGTHS
   grep -iE "shm.?embeds" "$srv_log" | head -5 | cut -c1-200
   t0=$SECONDS
   local watch=; [ "$mode" = shm ] && watch="--shm-dir ${VLLM_SHM_EMBEDS_DIR:-/dev/shm}"
-  # The shm server is profiled with both inputs; each run gets prompts of its
-  # own (--seed), so the second never hits the first one's prefix cache.
-  local inputs=json seed=0; [ "$mode" = shm ] && inputs="json binary"
+  # The shm server is profiled with every input (base64 JSON, binary body, a
+  # registered region); each run gets prompts of its own (--seed), so a later
+  # run never hits an earlier one's prefix cache.
+  local inputs=json seed=0; [ "$mode" = shm ] && inputs="json binary region"
   for input in $inputs; do
     local run=$name; [ "$mode" = shm ] && run="${name}_$input"
     "$PY" prof_embeds.py --url "$url" --lengths "$lengths" --repeats "$REPEATS" \
       --warmup "$WARMUP" --check-outputs --json "$OUT/prof_$run.json" $watch \
-      --input "$input" --seed "$seed" --api-pid "$SERVER_PID" \
+      --input "$input" --seed "$seed" --api-pid "$SERVER_PID" --regions "$regions" \
       --label "$model $mode, $input body (VLLM_SHM_EMBEDS=$flag $extra)" 2>&1 \
       | tee "$OUT/prof_$run.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || fail "[$run] prof_embeds.py failed"
@@ -177,18 +179,23 @@ fallbacks = {k: v for r in runs for k, v in r["counters"].items()
 workers = [r for r in runs if "worker" in r["roles"]]
 copied = sum(r["counters"].get("copied_bytes", 0) for r in runs)
 sent = total("client", "hop1_shm_bytes")
+regions = total("client", "hop1_region_bytes")  # sent by descriptor: never copied
 print(f"shm-embeds counters: hop 1 {total('client', 'hop1_shm_tensors')} tensors "
       f"({sent / 2**20:.1f} MiB; {total('client', 'binary_bodies')} binary bodies, "
       f"{total('client', 'json_tensors')} JSON ({total('client', 'json_direct_tensors')} "
       f"decoded straight into shm), "
-      f"{total('client', 'hop1_handover_tensors')} handed over without a copy), hop 2 "
+      f"{total('client', 'hop1_handover_tensors')} handed over without a copy, "
+      f"{total('client', 'hop1_region_tensors')} registered regions by descriptor), hop 2 "
       f"{total('engine', 'hop2_shm_tensors')} tensors to {len(workers)} TP workers, "
       f"bytes copied in all processes {copied / 2**20:.1f} MiB "
-      f"({copied / sent if sent else 0:.2f} per byte sent), fallbacks {fallbacks or 'none'}")
+      f"({copied / (sent - regions) if sent > regions else 0:.2f} per byte sent other than "
+      f"regions), fallbacks {fallbacks or 'none'}")
 ok = (total("client", "hop1_shm_tensors") > 0 and total("engine", "hop2_reused_tensors") > 0
       and total("client", "hop1_handover_tensors") > 0
       and len(workers) == 2 and all(w["counters"].get("hop2_shm_tensors") for w in workers)
-      and copied == sent and not fallbacks
+      and total("client", "hop1_region_tensors") > 0
+      and total("engine", "hash_engine_blocks") == 0
+      and copied == sent - regions and not fallbacks
       and 0 < total("client", "json_tensors") == total("client", "json_direct_tensors"))
 sys.exit(0 if ok else 1)
 PYEOF
@@ -220,11 +227,11 @@ done
 
 # --- 5. summary and /dev/shm check ------------------------------------------
 for m in "${MODELS[@]}"; do
-  files=(); for run in stock arena shm_json shm_binary; do
+  files=(); for run in stock arena shm_json shm_binary shm_region; do
     [ -f "$OUT/prof_${m}_$run.json" ] && files+=("$OUT/prof_${m}_$run.json")
   done
   if [ "${#files[@]}" -ge 2 ]; then
-    echo; echo "== $m: stock vs shm-embeds (JSON and binary bodies); each embeds time includes the client's own encoding =="
+    echo; echo "== $m: stock vs shm-embeds (JSON and binary bodies, registered regions); each embeds time includes the client's own encoding (for a region: filling, sealing and registering it) =="
     "$PY" prof_embeds.py --compare "${files[@]}" | tee "$OUT/compare_$m.md" || fail "compare $m"
     [ "$m" = tiny ] && log "tiny model: its embeds are under 1 MB, so the timings above are" \
       "noise; this run checks outputs, the shm path (counters) and /dev/shm. The gain" \

@@ -126,7 +126,7 @@ def share_region(tensor: torch.Tensor, holder: tuple[int, int, int]) -> SharedTe
     header = SharedTensorHandle(name, "uint8", (0,))
     for fd in seg.write_segment(shm_dir(), header, memoryview(b""), None):
         os.close(fd)
-    count(segments_created=1, hop1_region_tensors=1)
+    count(segments_created=1, hop1_region_tensors=1, hop1_region_bytes=tensor.nbytes)
     return SharedTensorHandle(name, dtype_name(tensor.dtype), tuple(tensor.shape),
                               region=tuple(holder))
 

@@ -17,8 +17,8 @@ body, with Triton's parameter names::
 middleware) starts the registry and the socket server at the app's
 ``lifespan`` start-up (the served model is known then:
 ``app.state.vllm_config``) and closes them at shutdown. On the two
-completion routes it reads JSON bodies smaller than
-``VLLM_SHM_EMBEDS_MIN_BYTES`` (larger ones are the JSON path's), and when a
+completion routes it reads JSON bodies of at most 1 MiB
+(:data:`MAX_BODY_BYTES`; a body naming regions is small), and when a
 body names a region it *leases* each region for the request
 (``RegionRegistry.lease``: the reference must match the registration) and
 puts a placeholder there that resolves, in this request's context only, to
@@ -41,7 +41,7 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm._shm_embeds import digests, process
-from vllm._shm_embeds.config import min_bytes, regions_group, regions_path
+from vllm._shm_embeds.config import regions_group, regions_path
 from vllm._shm_embeds.counters import count, count_reason
 from vllm._shm_embeds.http.common import (
     Receive,
@@ -63,6 +63,7 @@ from vllm._shm_embeds.http.common import (
 logger = init_logger(__name__)
 
 REF_KEY = b'"shared_memory_region"'
+MAX_BODY_BYTES = 1 << 20  # larger bodies are not searched for region references
 
 
 def _region_ref(value: Any) -> dict | None:
@@ -130,7 +131,7 @@ class RegionRefsMiddleware:
         h = headers(scope)
         length = h.get("content-length")
         if (content_type(h) != b"application/json" or length is None
-                or not length.isdigit() or int(length) >= max(1, min_bytes())):
+                or not length.isdigit() or int(length) > MAX_BODY_BYTES):
             return await self.app(scope, receive, send)
         chunks, more = [], True
         try:
