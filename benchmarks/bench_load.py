@@ -14,8 +14,13 @@ directory's peak use (sampled every 50 ms), and what was left in it.
 
     .venv/bin/python benchmarks/bench_load.py            # about 5 minutes
     .venv/bin/python benchmarks/bench_load.py --quick    # fewer, smaller requests
+    .venv/bin/python benchmarks/bench_load.py --mixed 64 # 64 at once, 1-128 MiB, text among them
 
-Writes ``benchmarks/results/load.json``.
+``--mixed N`` replaces the flood by N requests sent at once: every fourth a
+text prompt, the others alternately binary and JSON bodies of 1 MiB to
+128 MiB (log-spaced sizes in a shuffled order, fixed seed), no stalled upload.
+
+Writes ``benchmarks/results/load.json`` (``load_mixed.json`` with ``--mixed``).
 """
 
 from __future__ import annotations
@@ -94,7 +99,7 @@ def run_mode(shm_on: bool, args, weights: torch.Tensor, tmp: pathlib.Path) -> di
     try:
         server = Server(tmp, "-tp", "2", shm_on=shm_on, seg_dir=str(mnt), check_clean=False,
                         model=os.path.join(ROOT, ".models", "wide"),
-                        max_model_len=args.tokens + 64,
+                        max_model_len=max(args.sizes) + 64,
                         env_extra={"VLLM_SHM_EMBEDS_MIN_BYTES": str(1 << 20)}).start()
         api = psutil.Process(server.proc.pid)
         rss0 = api.memory_info().rss
@@ -112,10 +117,10 @@ def run_mode(shm_on: bool, args, weights: torch.Tensor, tmp: pathlib.Path) -> di
                 time.sleep(0.05)
 
         gen = torch.Generator().manual_seed(16)
-        tensors = [weights[torch.randint(3, weights.shape[0], (args.tokens,), generator=gen)]
-                   .contiguous() for _ in range(args.binary + args.json)]
+        tensors = [weights[torch.randint(3, weights.shape[0], (n,), generator=gen)]
+                   .contiguous() for n in args.sizes]
         bodies = {i: _json_body(t) for i, t in enumerate(tensors)}  # encoded before the clock
-        jobs = [("binary" if i < args.binary else "json", i) for i in range(len(tensors))]
+        jobs = [(k, i) for i, k in enumerate(args.kinds)]
         jobs += [("text", i) for i in range(args.text)] + [("stalled", i)
                                                             for i in range(args.stalled)]
 
@@ -183,20 +188,41 @@ def main() -> None:
     ap.add_argument("--stall-s", type=float, default=45.0)
     ap.add_argument("--tmpfs-mib", type=int, default=256)
     ap.add_argument("--quick", action="store_true", help="4+4 requests of 256 tokens")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "load.json"))
+    ap.add_argument("--mixed", type=int, metavar="N",
+                    help="N requests at once instead: 1-128 MiB embeds, every fourth text")
+    ap.add_argument("--out", help="default benchmarks/results/load.json (load_mixed.json)")
     args = ap.parse_args()
     if args.quick:
         args.tokens, args.binary, args.json, args.stalled, args.stall_s = 256, 4, 4, 2, 35.0
     from helpers import embed_weights
 
     weights = embed_weights(os.path.join(ROOT, ".models", "wide"))
+    row = weights.shape[1] * weights.element_size()
+    if args.mixed:
+        import random
+
+        embeds = [i for i in range(args.mixed) if i % 4 != 3]
+        lo, hi = (1 << 20) // row, (128 << 20) // row  # tokens of 1 MiB and 128 MiB
+        sizes = [round(lo * (hi / lo) ** (j / max(1, len(embeds) - 1)))
+                 for j in range(len(embeds))]
+        random.Random(16).shuffle(sizes)
+        args.sizes = sizes
+        args.kinds = ["binary" if j % 2 == 0 else "json" for j in range(len(embeds))]
+        args.text, args.stalled = args.mixed - len(embeds), 0
+        args.binary, args.json = args.kinds.count("binary"), args.kinds.count("json")
+    else:
+        args.sizes = [args.tokens] * (args.binary + args.json)
+        args.kinds = ["binary"] * args.binary + ["json"] * args.json
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench-load-"))
     runs = [run_mode(on, args, weights, tmp / str(int(on))) for on in (False, True)]
+    args.out = args.out or os.path.join(ROOT, "benchmarks", "results",
+                                        "load_mixed.json" if args.mixed else "load.json")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "runs": runs}, f, indent=1)
-    mb = args.tokens * weights.shape[1] * 4 / 2**20
-    print(f"\n{args.binary} binary + {args.json} JSON requests of {mb:.0f} MiB, {args.text} "
+    mbs = sorted(n * row / 2**20 for n in args.sizes)
+    size = f"{mbs[0]:.0f}" if mbs[0] == mbs[-1] else f"{mbs[0]:.0f}-{mbs[-1]:.0f}"
+    print(f"\n{args.binary} binary + {args.json} JSON requests of {size} MiB, {args.text} "
           f"text, {args.stalled} stalled uploads; segment dir: {args.tmpfs_mib} MiB tmpfs")
     print("| mode | kind | outcomes | TTFT p50 s | TTFT p99 s |")
     print("|---|---|---|---:|---:|")
