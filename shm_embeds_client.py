@@ -518,7 +518,10 @@ class RegionClient:
         self._check_open()
         fd = os.memfd_create(MEMFD_NAME, os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
         try:
-            os.ftruncate(fd, nbytes)
+            # Allocated now, not at first touch: the server refuses a memfd with
+            # holes (it would pay for the pages), and a full tmpfs fails here,
+            # not as a SIGBUS while the producer fills the tensor.
+            os.posix_fallocate(fd, 0, nbytes)
             import mmap
 
             addr = _mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd)

@@ -566,6 +566,7 @@ def test_binary_pieces_and_hop1_copies_hashed_as_vllm_does(shm_env):
     assert [d.digest(i, i + 16) for i in range(0, 64, 16)] == want
     assert d.rows == 70 and len(d.digests) == 5 * 32  # 4 full blocks and the tail
     assert digests.hash_tensor(tensor, 16).result() == d
+    assert digests.hash_tensor_here(tensor, 16) == d  # a region's, on its own thread
     before = counters.stats()
     for _ in range(20):  # groups finishing together join exactly once
         assert digests.hash_tensor(tensor, 16).result() == d

@@ -220,6 +220,21 @@ def test_region_gone_before_adoption_is_a_clear_error(shm_env):
     with pytest.raises(handle.ShmEmbedsError, match="region is gone"):
         transfer.adopt_tensor(h)
     os.close(other)
+    # the number reused by a FIFO's read end (no writer): refused, never blocks
+    fifo = os.path.join(shm_env, "fifo")
+    os.mkfifo(fifo)
+    rd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    h = transfer.share_region(src, (os.getpid(), rd, os.fstat(rd).st_ino))
+    with pytest.raises(handle.ShmEmbedsError, match="region is gone"):
+        transfer.adopt_tensor(h)
+    os.close(rd)
+    os.unlink(fifo)
+    # a TP reader without the owner's fds never opens file 1 by name (planted)
+    planted = h.renamed(process.current().new_name())
+    open(os.path.join(shm_env, handle.part_name(planted.name, 1)), "wb").close()
+    with pytest.raises(handle.ShmEmbedsError, match="only through its owner"):
+        transfer.open_tensor(planted, 0)
+    os.unlink(os.path.join(shm_env, handle.part_name(planted.name, 1)))
     process.collect()
     assert os.listdir(shm_env) == [] and _memfd_refs() == 0
     with pytest.raises(handle.ShmEmbedsError, match="malformed"):

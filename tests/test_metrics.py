@@ -72,8 +72,10 @@ def expected_from_files(stats: list[dict]) -> dict[tuple[str, frozenset], float]
             add("bytes", 0, hop=hop, path=path)
         add("received_tensors", 0, hop=hop)
         add("reused_tensors", 0, hop=hop)
-    for name in ("copied_bytes", "segments_created", "segments_unlinked",
-                 "segments_swept", "binary_bodies", "binary_bytes"):
+    plain = ("copied_bytes", "segments_created", "segments_unlinked", "segments_swept",
+             "binary_bodies", "binary_bytes", "regions_registered", "region_bytes",
+             "region_leases", "region_lookups", "region_lookup_trimmed", "regions_freed")
+    for name in plain:
         add(name, 0)
     for s in stats:
         c, roles = s["counters"], s["roles"]
@@ -88,9 +90,9 @@ def expected_from_files(stats: list[dict]) -> dict[tuple[str, frozenset], float]
         if "worker" in roles:
             add("received_tensors", c.get("hop2_shm_tensors", 0), hop="2")
         add("reused_tensors", c.get("hop1_handover_tensors", 0), hop="1")
+        add("reused_tensors", c.get("hop1_region_tensors", 0), hop="1")
         add("reused_tensors", c.get("hop2_reused_tensors", 0), hop="2")
-        for name in ("copied_bytes", "segments_created", "segments_unlinked",
-                     "segments_swept", "binary_bodies", "binary_bytes"):
+        for name in plain:
             add(name, c.get(name, 0))
         for k, v in c.items():
             if k.startswith("fallback."):
@@ -102,6 +104,9 @@ def expected_from_files(stats: list[dict]) -> dict[tuple[str, frozenset], float]
                 add("binary_fallbacks", v, reason=k.split(".")[1])
             elif k.startswith("json_fallback."):
                 add("json_fallbacks", v, reason=k.split(".")[1])
+            elif k.split(".")[0] in ("region_refused", "region_lease_refused",
+                                     "region_unregistered"):
+                add(k.split(".")[0], v, reason=k.split(".")[1])
         add("json_tensors", c.get("json_direct_tensors", 0), how="direct")
         add("json_tensors", c.get("json_tensors", 0) - c.get("json_direct_tensors", 0),
             how="loader")

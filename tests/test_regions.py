@@ -18,6 +18,7 @@ import re
 import socket
 import stat
 import tempfile
+import threading
 import time
 
 import pytest
@@ -74,10 +75,11 @@ class Env:
         self.errors = []
         self.registry = self.server = None
 
-    def start(self, on_registered=None, max_connections=64, group=None, **limits):
+    def start(self, on_registered=None, max_connections=64, group=None, describe=None,
+              **limits):
         self.registry = RegionRegistry(_limits(**limits), on_registered)
         self.server = rs.RegionServer(self.path, self.registry, group=group,
-                                      max_connections=max_connections)
+                                      max_connections=max_connections, describe=describe)
         self.server.start()
         return self
 
@@ -88,8 +90,8 @@ class Env:
         self.socks.append(s)
         return s
 
-    def request(self, sock, msg, fds=()):
-        """Send ``msg`` (dict or raw bytes) with ``fds`` (closed here); the reply."""
+    def send(self, sock, msg, fds=()):
+        """Send ``msg`` (dict or raw bytes) with ``fds`` (closed here)."""
         data = msg if isinstance(msg, bytes) else json.dumps(msg).encode()
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] \
             if fds else []
@@ -98,10 +100,17 @@ class Env:
         finally:
             for fd in fds:
                 os.close(fd)
+
+    def reply(self, sock):
         reply = json.loads(sock.recv(1 << 16))
         if "error" in reply:
             self.errors.append(reply["error"])
         return reply
+
+    def request(self, sock, msg, fds=()):
+        """Send ``msg`` (dict or raw bytes) with ``fds`` (closed here); the reply."""
+        self.send(sock, msg, fds)
+        return self.reply(sock)
 
     def register(self, sock, tensor, datatype=None, shape=None, seals=ALL_SEALS):
         datatype = datatype or {torch.float32: "FP32", torch.float16: "FP16",
@@ -156,7 +165,9 @@ def env(tmp_path, monkeypatch):
         assert not os.path.exists(e.path)
     if e.registry is not None:
         e.registry.close()
-    after = _fds()
+    end = time.monotonic() + 2  # fds that are not memfds close on the closer thread
+    while len(after := _fds()) != len(before) and time.monotonic() < end:
+        time.sleep(0.01)
     leaked = {fd: link for fd, link in after.items() if fd not in before}
     assert len(after) == len(before), f"fds leaked: {leaked}"
     for msg in e.errors:  # client-safe: no path, no internal name
@@ -322,6 +333,16 @@ def _pipe(tmp_path):
     return r
 
 
+def _sparse(written: int):
+    def make(tmp_path):  # a sealed memfd of [MAX_T, H] FP32 with only ``written`` bytes
+        fd = os.memfd_create(MEMFD_NAME, os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, FULL_FP32)
+        os.pwrite(fd, b"x" * written, 0)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, ALL_SEALS)
+        return fd
+    return make
+
+
 REG = {"op": "register", "datatype": "FP32", "shape": [2, H]}
 GOOD = bytes(2 * H * 4)
 
@@ -337,6 +358,9 @@ REFUSALS = {
     "pipe": (REG, _pipe, ["not a memfd"]),
     "too_small": (REG, lambda p: memfd(GOOD[:-4]), ["holds 508 bytes", "need 512"]),
     "too_big": (REG, lambda p: memfd(GOOD + bytes(4)), ["holds 516 bytes"]),
+    "never_written": ({**REG, "shape": [MAX_T, H]}, _sparse(0),
+                      ["must be written in full before it is sealed (it has holes)"]),
+    "partly_written": ({**REG, "shape": [MAX_T, H]}, _sparse(4096), ["has holes"]),
     "hidden_size": ({**REG, "shape": [2, H + 1]}, lambda p: memfd(bytes(2 * 65 * 4)),
                     ["hidden size 64, got 65"]),
     "zero_tokens": ({**REG, "shape": [0, H]}, lambda p: memfd(b"", 0), ["T must be 1..128"]),
@@ -401,11 +425,13 @@ def test_protocol_refusals(env):
 
 def test_peer_uid_not_allowed(env):
     env.start(allowed_uids=frozenset({os.getuid() + 4242}))
-    sock = env.connect()
     t = torch.randn(2, H)
-    for _ in range(2):  # the connection stays open, every message refused
-        env.refused(env.register(sock, t), "may not register")
-    env.refused(env.request(sock, {"op": "unregister", "region": "x"}), "may not register")
+    for msg in ("register", {"op": "unregister", "region": "x"}, b"hello"):
+        sock = env.connect()
+        sock.settimeout(2)
+        reply = env.register(sock, t) if msg == "register" else env.request(sock, msg)
+        env.refused(reply, "may not register")
+        assert sock.recv(10) == b""  # one answer, then closed: it holds no slot
     fd = memfd(tensor_bytes(t))
     with pytest.raises(RegionError, match="may not register"):
         env.registry.register(fd, os.getuid(), "FP32", [2, H])
@@ -413,6 +439,7 @@ def test_peer_uid_not_allowed(env):
         os.fstat(fd)  # closed by the registry
     assert env.registry.stats()["regions"] == 0
     assert counters.stats()["region_refused.uid"] == 4
+    assert not env.server._conns
 
 
 def test_per_uid_limits(env):
@@ -655,3 +682,279 @@ def test_lookup_only_for_sibling_api_servers(env):
         done.set()
         server.join(30)
     assert server.exitcode == 0
+
+
+# ---------------------------------------------------------------- review fixes
+
+
+def test_model_datatype_only(env):
+    env.start(datatype="BF16")
+    sock = env.connect()
+    env.refused(env.register(sock, torch.randn(2, H)), "datatype must be the model's, BF16",
+                "got FP32")
+    env.refused(env.register(sock, torch.randn(2, H, dtype=torch.float16)), "BF16")
+    assert counters.stats()["region_refused.datatype"] == 2
+    env.check_good_registration(sock)  # BF16
+    assert RegionLimits.from_config(H, MAX_T).datatype is None
+    assert RegionLimits.from_config(H, MAX_T, "FP16").datatype == "FP16"
+    with pytest.raises(ValueError):
+        RegionLimits.from_config(H, MAX_T, "INT8")
+
+
+def _blocking_hook():
+    """An on_registered that waits for ``release``; ``calls`` counts its entries."""
+    calls, release = [], threading.Event()
+
+    def hook(tensor):
+        calls.append(tensor.shape)
+        assert release.wait(30)
+    return hook, calls, release
+
+
+def test_registration_runs_off_the_socket_thread(env):
+    hook, calls, release = _blocking_hook()
+    env.start(on_registered=hook)
+    a, b = env.connect(), env.connect()
+    t = torch.randn(2, H)
+    try:
+        # a: a registration, and at once a second message, answered after it
+        env.send(a, {"op": "register", "datatype": "FP32", "shape": [2, H]},
+                 [memfd(tensor_bytes(t))])
+        env.send(a, {"op": "unregister", "region": "x"})
+        _wait(lambda: calls)
+        b.settimeout(2)  # b is answered while a's registration runs
+        env.refused(env.request(b, b"not json"), "malformed")
+        assert env.request(b, {"op": "unregister", "region": "x"})["error"].startswith(
+            "unknown")
+        assert threading.current_thread().name == "MainThread"
+    finally:
+        release.set()
+    reply = env.reply(a)
+    assert set(reply) == {"region", "byte_size"}
+    env.refused(env.reply(a), "unknown")
+    assert env.request(a, {"op": "unregister", "region": reply["region"]}) == {"ok": True}
+
+
+def test_registration_of_a_connection_closed_meanwhile_is_unregistered(env):
+    hook, calls, release = _blocking_hook()
+    env.start(on_registered=hook)
+    a = env.connect()
+    env.send(a, REG, [memfd(GOOD)])
+    _wait(lambda: calls)
+    a.close()
+    release.set()
+    _wait(lambda: counters.stats().get("region_unregistered.disconnect") == 1)
+    assert env.registry.stats()["regions"] == 0 and not env.server._conns
+    env.check_good_registration(env.connect())
+
+
+def test_server_close_waits_for_registrations(env):
+    hook, calls, release = _blocking_hook()
+    env.start(on_registered=hook)
+    socks = [env.connect() for _ in range(rs.REGISTER_WORKERS + 1)]
+    for s in socks:
+        env.send(s, REG, [memfd(GOOD)])
+    # every worker busy, one registration queued
+    _wait(lambda: len(calls) == rs.REGISTER_WORKERS
+          and env.server._pool._work_queue.qsize() == 1)
+    closing = threading.Thread(target=env.server.close)
+    closing.start()
+    _wait(lambda: env.server._stop)
+    time.sleep(0.2)
+    assert closing.is_alive()  # waits for the registrations running
+    release.set()
+    closing.join(10)
+    assert not closing.is_alive()
+    replies = [env.reply(s) for s in socks]
+    assert sum("region" in r for r in replies) == rs.REGISTER_WORKERS
+    assert [r for r in replies if "error" in r] == [{"error": "the server is shutting down"}]
+    for s in socks:
+        assert s.recv(10) == b""
+    assert len(calls) == rs.REGISTER_WORKERS  # the queued one never hashed
+    assert env.registry.stats() == {"regions": 0, "bytes": 0, "draining": 0, "per_uid": {}}
+    c = counters.stats()
+    assert c["region_unregistered.close"] == rs.REGISTER_WORKERS
+    assert c["region_refused.closed"] == 1
+    assert env.server._wake is None
+
+
+@pytest.mark.parametrize("make_fd", [_regular_file, _dev_shm_file, _pipe])
+@pytest.mark.parametrize("op", ["register", "unregister"])
+def test_no_io_on_fds_that_are_not_memfds(env, monkeypatch, make_fd, op):
+    """No ``fstat`` of a received fd before it is known to be a memfd, and no
+    ``close`` of one that is not, but on the closer thread (FUSE: GETATTR and
+    FLUSH may never be answered)."""
+    env.start()
+    sock = env.connect()
+    fd = make_fd(env.tmp_path)
+    target = os.readlink(f"/proc/self/fd/{fd}")
+    seen = []
+    real_fstat, real_close = os.fstat, os.close
+
+    def record(call, fd):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except (OSError, TypeError):
+            link = None
+        if link == target and threading.current_thread().name != "MainThread":
+            seen.append((call, threading.current_thread().name))
+
+    def fstat(fd, *args, **kw):
+        record("fstat", fd)
+        return real_fstat(fd, *args, **kw)
+
+    def close(fd):
+        record("close", fd)
+        return real_close(fd)
+
+    monkeypatch.setattr(os, "fstat", fstat)
+    monkeypatch.setattr(os, "close", close)
+    msg = REG if op == "register" else {"op": "unregister", "region": "x"}
+    words = "not a memfd" if op == "register" else "takes no file descriptor"
+    env.refused(env.request(sock, msg, [fd]), words)
+    _wait(lambda: seen, timeout=2)
+    assert seen == [("close", "shm-embeds-fd-closer")]
+    monkeypatch.undo()
+    env.check_good_registration(sock)
+
+
+def test_connection_slots(env, monkeypatch):
+    env.start(max_connections=2, allowed_uids=frozenset({os.getuid() + 4242}))
+    for _ in range(3):  # a uid not allowed: one answer, then closed: no slot held
+        s = env.connect()
+        s.settimeout(2)
+        env.refused(env.request(s, b"hello"), "may not register")
+        assert s.recv(10) == b""
+    env.registry.limits = _limits()  # this uid allowed from now on
+    # sibling API servers take no slot
+    monkeypatch.setattr(rs, "is_sibling", lambda pid, uid: True)
+    for s in [env.connect() for _ in range(3)]:
+        env.refused(env.request(s, b"x"), "malformed")
+    monkeypatch.setattr(rs, "is_sibling", lambda pid, uid: False)
+    a, b = env.connect(), env.connect()
+    env.check_good_registration(a)
+    env.check_good_registration(b)
+    c = env.connect()
+    assert json.loads(c.recv(1 << 16)) == {"error": "too many connections"}
+    assert c.recv(10) == b""
+    assert counters.stats()["region_refused.connections"] == 1
+
+
+class _HookLock:
+    """A lock that runs ``hook`` once, right after its first release."""
+
+    def __init__(self, lock, hook):
+        self.lock, self.hook = lock, hook
+
+    def __enter__(self):
+        self.lock.acquire()
+
+    def __exit__(self, *exc):
+        self.lock.release()
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+
+
+def test_idle_expiry_never_drops_a_region_leased_meanwhile(env):
+    env.start(idle_ttl_s=30.0)
+    sock = env.connect()
+    t = torch.randn(2, H)
+    rid = env.register(sock, t)["region"]
+    leases = []
+
+    def lease_now():  # a request between expiry's lock acquisitions, if it had two
+        try:
+            leases.append(env.registry.lease(rid, "FP32", [2, H], t.nbytes, 0))
+        except RegionError:
+            pass
+
+    lock = env.registry._lock
+    env.registry._lock = _HookLock(lock, lease_now)
+    try:
+        expired = env.registry.expire(time.monotonic() + 31)
+    finally:
+        env.registry._lock = lock
+    if leases:  # leased before the expiry decided: then it is not expired
+        assert expired == 0 and leases[0].region.registered
+        leases[0].release()
+    else:
+        assert expired == 1 and env.registry.stats()["regions"] == 0
+
+
+def test_lookup_reply_drops_extras_over_128_kib(env, monkeypatch):
+    extra = {}
+    env.start(describe=lambda tensor: extra)
+    monkeypatch.setattr(rs, "is_sibling", lambda pid, uid: True)
+    sock = env.connect()
+    t = torch.randn(2, H)
+    rid = env.register(sock, t)["region"]
+    for fields, sent in (({"digests": "ab"}, {"digests": "ab"}),
+                         ({"digests": "x" * 300_000}, {})):
+        extra.clear()
+        extra.update(fields)
+        sock.send(json.dumps({"op": "lookup", "region": rid}).encode())
+        data, anc, _, _ = sock.recvmsg(1 << 20, socket.CMSG_SPACE(4 * 4))
+        fds = rs.received_fds(anc)
+        try:
+            assert len(fds) == 1 and _is_memfd(fds[0])
+        finally:
+            for fd in fds:
+                os.close(fd)
+        assert json.loads(data) == {"datatype": "FP32", "shape": [2, H],
+                                    "byte_size": t.nbytes, **sent}
+    assert counters.stats()["region_lookup_trimmed"] == 1
+    lease = env.registry.lease(rid, "FP32", [2, H], t.nbytes, 0)
+    assert lease.region.leases == 1  # the lookups' leases were released
+    lease.release()
+
+
+def test_peer_is_sibling(tmp_path):
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with a, b:
+        assert not rs.peer_is_sibling(a)  # this process itself
+    ctx = mp.get_context("fork")
+
+    def connect(path):  # stays connected until the listener closes
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.connect(path)
+        s.settimeout(30)
+        s.recv(10)
+
+    # a child of this process is not its sibling
+    path = str(tmp_path / "a.sock")
+    lst = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with lst:
+        lst.bind(path)
+        lst.listen(1)
+        child = ctx.Process(target=connect, args=(path,))
+        child.start()
+        conn, _ = lst.accept()
+        with conn:
+            assert rs.peer_cred(conn) == (child.pid, os.getuid())
+            assert not rs.peer_is_sibling(conn)
+        child.join(30)
+        assert child.exitcode == 0
+
+    # two children of this process are siblings
+    path = str(tmp_path / "b.sock")
+    out, listening = ctx.Queue(), ctx.Event()
+
+    def listen():
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.bind(path)
+        s.listen(1)
+        listening.set()
+        peer, _ = s.accept()
+        out.put((rs.peer_cred(peer)[0], rs.peer_is_sibling(peer)))
+        peer.close()
+
+    server = ctx.Process(target=listen)
+    server.start()
+    assert listening.wait(30)
+    client = ctx.Process(target=connect, args=(path,))
+    client.start()
+    assert out.get(timeout=30) == (client.pid, True)
+    for p in (server, client):
+        p.join(30)
+        assert p.exitcode == 0

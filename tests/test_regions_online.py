@@ -21,10 +21,10 @@ import time
 import pytest
 import requests
 import torch
+from helpers import METRICS_PREFIX, encode_embeds
+from test_binary import KW, _delta, _ids, _prefix_cache_hits, _totals
 
 import shm_embeds_client as sec
-from helpers import METRICS_PREFIX
-from test_binary import KW, _delta, _ids, _prefix_cache_hits, _totals
 
 pytestmark = [pytest.mark.integration, pytest.mark.online]
 
@@ -139,6 +139,15 @@ def test_region_references_that_do_not_match_get_400(server):
             msg = r.json()["error"]["message"]
             assert "/" not in msg.replace("prompt_embeds", "") and "memfd" not in msg, msg
             assert ref["parameters"]["shared_memory_region"] != msg
+        # beside a base64 tensor: refused clearly (the JSON path would hide it)
+        r = post([good, encode_embeds(embeds)])
+        assert r.status_code == 400 and "cannot also carry" in r.text, r.text
+        # a chat part without data, in a body that mentions regions: vLLM's 400, not a 500
+        r = requests.post(url + "/v1/chat/completions", timeout=60, json={
+            "model": "tiny", **KW, "messages": [{"role": "user", "content": [
+                {"type": "prompt_embeds"},
+                {"type": "text", "text": "shared_memory_region"}]}]})
+        assert r.status_code == 400, r.text
         producer.unregister(region)
         assert post(good).status_code == 400  # unregistered
     assert post(good).status_code == 400

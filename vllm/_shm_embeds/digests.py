@@ -326,6 +326,18 @@ def hash_tensor(tensor: torch.Tensor, block_tokens: int) -> concurrent.futures.F
     return hasher.result()
 
 
+def hash_tensor_here(tensor: torch.Tensor, block_tokens: int) -> BlockDigests:
+    """:func:`hash_tensor` on the calling thread alone (not the shared pool), for
+    work that must not delay requests: a registered region is hashed once, on
+    its registration worker, while requests' hashing keeps the pool. Counted
+    ``hash_api_*``."""
+    data = memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+    block_bytes = tensor.shape[1] * tensor.element_size() * block_tokens
+    digests = b"".join(_hash_pieces([data], block_bytes))
+    count(hash_api_tensors=1, hash_api_blocks=len(digests) // DIGEST_BYTES)
+    return BlockDigests(block_tokens, tensor.shape[0], digests)
+
+
 def write_and_digest(src: torch.Tensor, segment: StreamedSegment,
                      block_tokens: int | None) -> BlockDigests | None:
     """Write ``src`` into ``segment`` and hash the same bytes per block meanwhile.

@@ -246,6 +246,9 @@ class SharedTensorHandle:
         parsed = SegmentName.parse(handle.name)
         if parsed is None or parsed.part != 0:
             raise ShmEmbedsError(f"not a shm-embeds segment name: {handle.name!r}")
+        if region and (region[0] != parsed.pid or parsed.pidns != pid_namespace()):
+            # a region is opened through the fd of the process that named the segment
+            raise ShmEmbedsError(f"malformed shm-embeds handle region {region!r}")
         bounds = [0, *split, nbytes]
         if len(split) >= MAX_WRITERS or any(
             b % PAGE_BYTES or b <= a for a, b in zip(bounds, bounds[1:-1])

@@ -107,7 +107,7 @@ class OwnedSegments:
         self._segs: dict[str, _Owned] = {}
         self._by_ptr: dict[int, str] = {}  # data address -> segment name
         self._lock = threading.Lock()
-        # Files a request body is being written into (``segment.StreamedFile``).
+        # Files a request body is being written into (``streamed_file.StreamedFile``).
         self._streams: set = set()
         # Segments out of the books whose tensor still maps them here (handed
         # over at hop 1; adopted ones whose name is gone): name -> entry, for
@@ -347,7 +347,7 @@ class OwnedSegments:
     # -- whole process
 
     def stream_started(self, f: Any) -> None:
-        """``f`` (a ``segment.StreamedFile``) is being filled from a request body."""
+        """``f`` (a ``streamed_file.StreamedFile``) is being filled from a request body."""
         with self._lock:
             self._streams.add(f)
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from vllm._shm_embeds.counters import count
+from vllm._shm_embeds.region_server import peer_is_sibling
 from vllm._shm_embeds.regions import Lease, RegionError, RegionLimits, RegionRegistry
 
 _UNKNOWN = "unknown shared_memory_region"
@@ -49,6 +50,8 @@ class RegionMirror:
         on_mirrored: ``(tensor, answer)`` for each region mapped here (the
             integration attaches the digests in the answer).
     """
+
+    remote = True  # lookups are socket round trips: callers keep them off the event loop
 
     def __init__(self, path: str, limits: RegionLimits,
                  on_mirrored: Callable[[torch.Tensor, dict], None] | None = None) -> None:
@@ -70,6 +73,10 @@ class RegionMirror:
                     sock.settimeout(_TIMEOUT_S)
                     try:
                         sock.connect(self.path)
+                        if not peer_is_sibling(sock):
+                            # Not this vllm serve's API server: it would learn every
+                            # region id named here and could answer with any memory.
+                            raise ConnectionRefusedError("not a sibling API server")
                     except OSError:
                         sock.close()
                         raise
@@ -81,9 +88,17 @@ class RegionMirror:
                 for level, kind, raw in anc:
                     if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                         fds.frombytes(raw[: len(raw) - len(raw) % fds.itemsize])
-                if not data:
-                    raise ConnectionError("the serving API server closed the connection")
-                return json.loads(data), list(fds)
+                try:
+                    if not data:
+                        raise ConnectionError("the serving API server closed the connection")
+                    answer = json.loads(data)
+                    if not isinstance(answer, dict):
+                        raise ValueError("not a JSON object")
+                except BaseException:
+                    for fd in fds:
+                        os.close(fd)
+                    raise
+                return answer, list(fds)
             except (OSError, ValueError):
                 if self._sock is not None:
                     self._sock.close()
@@ -115,7 +130,10 @@ class RegionMirror:
                 self.on_mirrored(region.tensor, answer)
             lease = self._local.lease(region.id, datatype, shape, byte_size, offset)
         finally:
-            self._local.unregister(region.id)  # freed when the lease ends
+            try:
+                self._local.unregister(region.id)  # freed when the lease ends
+            except RegionError:
+                pass  # closed meanwhile (shutdown): already unregistered
         count(region_lookups=1)
         return lease
 

@@ -24,9 +24,12 @@ socket is decided by an abstract-namespace socket named after the path
 
 A connection may register many regions; when it closes (the producer exits
 or dies) they are all unregistered. The peer's uid (``SO_PEERCRED``) must be
-in the registry's ``allowed_uids``. The socket file is mode 0600, or 0660
-with the operator's group. One daemon thread serves every connection
-(``selectors``) and runs the registry's idle expiry about once a second.
+in the registry's ``allowed_uids``: another gets one error answer and is
+closed. The socket file is mode 0600, or 0660 with the operator's group.
+One daemon thread serves every connection (``selectors``) and runs the
+registry's idle expiry about once a second; registrations (hashing the
+tensor: seconds for GiBs) run on two workers, and a connection is not read
+while its registration runs, so answers stay in order.
 
 Knows sockets and the registry (``regions.py``), not vLLM and not HTTP.
 """
@@ -34,115 +37,52 @@ Knows sockets and the registry (``regions.py``), not vLLM and not HTTP.
 from __future__ import annotations
 
 import array
-import errno
-import grp
-import hashlib
+import collections
 import json
 import os
 import selectors
 import socket
-import stat
-import struct
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm._shm_embeds.counters import count_reason
+from vllm._shm_embeds.counters import count, count_reason
+from vllm._shm_embeds.region_socket import (  # peer_is_sibling: public here too
+    clear_path,
+    discard_fd,
+    group_id,
+    is_sibling,
+    owner_lock,
+    peer_cred,
+    peer_is_sibling,  # noqa: F401
+    received_fds,
+)
 from vllm._shm_embeds.regions import RegionError, RegionRegistry
 
 logger = init_logger(__name__)
 
 MAX_MESSAGE = 64 << 10  # bytes of one JSON message
-MAX_CONNECTIONS = 64
+MAX_LOOKUP_REPLY = 128 << 10  # SEQPACKET: a message over SO_SNDBUF fails (EMSGSIZE)
+MAX_CONNECTIONS = 64  # producers' (siblings' do not count)
+REGISTER_WORKERS = 2
 EXPIRE_EVERY_S = 1.0
 _SCM_MAX_FD = 253  # Linux: most fds one message can carry
 _ANC_BYTES = socket.CMSG_SPACE(_SCM_MAX_FD * array.array("i").itemsize)
-_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _LEASE = "\0lease"  # reply key of a lookup's lease (never sent)
 
 
-def _received_fds(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
-    """Every fd in ``SCM_RIGHTS`` ancillary data (the caller closes them)."""
-    fds = array.array("i")
-    for level, kind, data in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-    return list(fds)
-
-
-def _ppid(pid: int) -> int | None:
-    """The parent pid of ``pid`` (``/proc/<pid>/stat`` field 4), or None."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _owner_lock(path: str) -> socket.socket:
-    """Bind the abstract-namespace name that makes this process the one serving
-    ``path`` on this host. Raises OSError(EADDRINUSE): another live process does."""
-    key = hashlib.sha256(os.path.realpath(path).encode()).hexdigest()[:32]
-    lock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    try:
-        lock.bind(f"\0vllm-shm-embeds-regions.{key}")
-    except OSError as e:
-        lock.close()
-        if e.errno == errno.EADDRINUSE:
-            raise OSError(errno.EADDRINUSE, "another process serves this regions socket",
-                          path) from None
-        raise
-    return lock
-
-
-def _group_id(group: str) -> int:
-    try:
-        return grp.getgrnam(group).gr_gid
-    except KeyError:
-        if group.isdigit():
-            return int(group)
-        raise ValueError(f"shm-embeds: regions socket group {group!r} does not exist") from None
-
-
-def _clear_path(path: str) -> None:
-    """Remove a stale socket at ``path``; raise if something else is there."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise FileExistsError(errno.EEXIST, "exists and is not a socket; not replacing it",
-                              path)
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    try:
-        probe.settimeout(1.0)
-        probe.connect(path)
-    except ConnectionRefusedError:  # stale: nobody listens
-        os.unlink(path)
-        logger.info("shm-embeds: removed the stale regions socket %s", path)
-        return
-    except OSError as e:  # EPROTOTYPE: someone listens with another socket type
-        raise OSError(errno.EADDRINUSE, f"a live socket is there ({e.strerror})", path) from e
-    finally:
-        probe.close()
-    raise OSError(errno.EADDRINUSE, "another server listens there", path)
-
-
 class _Conn:
-    """One producer connection."""
+    """One connection; out of the selector while its registration runs."""
 
     def __init__(self, sock: socket.socket, pid: int, uid: int, allowed: bool) -> None:
-        self.sock = sock
-        self.pid = pid
-        self.uid = uid
-        self.allowed = allowed
+        self.sock, self.pid, self.uid, self.allowed = sock, pid, uid, allowed
         self.regions: set[str] = set()  # ids this connection registered
-        # a sibling API server (same uid and parent): may look regions up
-        self.sibling = (uid == os.getuid() and pid != os.getpid()
-                        and _ppid(pid) == os.getppid())
+        # a sibling API server (same uid and parent): may look regions up, takes no slot
+        self.sibling = is_sibling(pid, uid)
 
 
 class RegionServer:
@@ -153,9 +93,11 @@ class RegionServer:
         registry: where regions go.
         group: name (or number) of a group: the socket file gets that group
             and mode 0660; None: mode 0600.
-        max_connections: further connections are answered with an error and closed.
+        max_connections: producer connections at once (siblings' do not
+            count); further ones are answered with an error and closed.
         describe: extra fields of a ``lookup`` answer for a region's tensor
-            (the integration sends its prefix-cache digests along).
+            (the integration sends its prefix-cache digests along); left out
+            if the answer would be over ``MAX_LOOKUP_REPLY`` bytes.
     """
 
     def __init__(self, path: str, registry: RegionRegistry, group: str | None = None,
@@ -169,8 +111,11 @@ class RegionServer:
         self.max_connections = max_connections
         self._listener: socket.socket | None = None
         self._inode: int | None = None
-        self._wake: tuple[int, int] | None = None
+        self._wake: tuple[int, int] | None = None  # closed by the thread, at its end
+        self._wake_lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._pool: ThreadPoolExecutor | None = None  # registrations
+        self._done: collections.deque[tuple[_Conn, bool]] = collections.deque()
         self._stop = False
         self._conns: set[_Conn] = set()
 
@@ -185,16 +130,17 @@ class RegionServer:
         """
         if self._listener is not None:
             raise RuntimeError("RegionServer already started")
-        gid = _group_id(self.group) if self.group else None
+        gid = group_id(self.group) if self.group else None
         mode = 0o660 if gid is not None else 0o600
-        lock = _owner_lock(self.path)
+        lock = owner_lock(self.path)
         try:
             self._bind(gid, mode)
         except BaseException:
             lock.close()
             raise
         self._lock_sock = lock
-        self._wake = os.pipe()
+        self._wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._pool = ThreadPoolExecutor(REGISTER_WORKERS, "shm-embeds-register")
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="shm-embeds-regions",
                                         daemon=True)
@@ -203,7 +149,7 @@ class RegionServer:
                     f", group {self.group}" if gid is not None else "")
 
     def _bind(self, gid: int | None, mode: int) -> None:
-        _clear_path(self.path)
+        clear_path(self.path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             os.fchmod(sock.fileno(), 0o600)  # bind() creates the file with this mode
@@ -224,15 +170,17 @@ class RegionServer:
         self._listener = sock
 
     def close(self) -> None:
-        """Stop the thread, close every connection (their regions are
+        """Stop the thread (after the registrations running; those not started
+        are refused), close every connection (their regions are
         unregistered) and remove the socket file. Idempotent."""
         thread, self._thread = self._thread, None
         if thread is not None:
             self._stop = True
-            os.write(self._wake[1], b"x")
+            self._poke()
             thread.join(10)
-            if thread.is_alive():
-                logger.warning("shm-embeds: the regions thread did not stop in 10 s")
+            if thread.is_alive():  # it cleans up when the registration ends
+                logger.warning("shm-embeds: the regions thread did not stop in 10 s "
+                               "(a registration is still running)")
         if self._listener is not None:
             self._listener.close()
             self._listener = None
@@ -244,10 +192,15 @@ class RegionServer:
         if self._lock_sock is not None:
             self._lock_sock.close()
             self._lock_sock = None
-        if self._wake is not None and (thread is None or not thread.is_alive()):
-            for fd in self._wake:
-                os.close(fd)
-            self._wake = None
+
+    def _poke(self) -> None:
+        """Wake the thread (from any thread)."""
+        with self._wake_lock:
+            if self._wake is not None:
+                try:
+                    os.write(self._wake[1], b"x")
+                except BlockingIOError:  # full: it wakes anyway
+                    pass
 
     # ------------------------------------------------------------ the thread
 
@@ -264,6 +217,14 @@ class RegionServer:
                         accepting = self._accept(sel)
                     elif isinstance(key.data, _Conn):
                         self._serve(sel, key.data)
+                    else:
+                        self._drain_wake()
+                while self._done:  # registrations answered: read those connections again
+                    conn, sent = self._done.popleft()
+                    if not sent:
+                        self._drop(sel, conn, "disconnect")
+                    elif conn in self._conns:
+                        sel.register(conn.sock, selectors.EVENT_READ, conn)
                 if time.monotonic() >= next_expire:
                     if not accepting:  # paused after an accept error (EMFILE)
                         sel.register(self._listener, selectors.EVENT_READ, None)
@@ -276,9 +237,23 @@ class RegionServer:
         except Exception:
             logger.exception("shm-embeds: the regions socket thread failed; regions are off")
         finally:
+            self._stop = True  # registrations not started yet are refused
+            self._pool.shutdown(wait=True)
             for conn in list(self._conns):
                 self._drop(sel, conn, "close")
+            self._done.clear()
             sel.close()
+            with self._wake_lock:
+                for fd in self._wake:
+                    os.close(fd)
+                self._wake = None
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake[0], 4096):
+                pass
+        except BlockingIOError:
+            pass
 
     def _accept(self, sel: selectors.BaseSelector) -> bool:
         """Accept one connection; False if accepting is paused (an error)."""
@@ -291,15 +266,15 @@ class RegionServer:
             sel.unregister(self._listener)
             return False
         try:
-            pid, uid, _ = _CRED.unpack(
-                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+            pid, uid = peer_cred(sock)
             sock.setblocking(False)
-            if len(self._conns) >= self.max_connections:
+            conn = _Conn(sock, pid, uid, uid in self.registry.limits.allowed_uids)
+            if not conn.sibling and sum(
+                    not c.sibling for c in self._conns) >= self.max_connections:
                 count_reason("region_refused", "connections")
                 self._send(sock, {"error": "too many connections"})
                 sock.close()
                 return True
-            conn = _Conn(sock, pid, uid, uid in self.registry.limits.allowed_uids)
             sel.register(sock, selectors.EVENT_READ, conn)
         except OSError as e:
             logger.warning("shm-embeds: a regions connection failed: %s", e)
@@ -339,23 +314,50 @@ class RegionServer:
         except OSError:
             self._drop(sel, conn, "disconnect")
             return
-        fds = _received_fds(ancdata)
+        fds = received_fds(ancdata)
         if not data and not fds and not flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
             self._drop(sel, conn, "disconnect")  # EOF
             return
-        reply = self._handle(conn, data, fds, flags)
+        reply = self._handle(sel, conn, data, fds, flags)
+        if reply is None:  # a registration: its worker answers
+            return
         lease = reply.pop(_LEASE, None)
         try:
             sent = self._send(conn.sock, reply, [lease.region.fd] if lease else [])
         finally:
             if lease is not None:  # the peer has its own reference to the memfd now
                 lease.release()
-        if not sent:
+        if not sent or not conn.allowed:  # a uid not allowed: one answer, no slot held
             self._drop(sel, conn, "disconnect")
 
-    def _handle(self, conn: _Conn, data: bytes, fds: list[int], flags: int) -> dict[str, Any]:
-        """The reply to one message. Closes every fd in ``fds`` but one
-        handed to the registry (which then owns it)."""
+    def _register(self, conn: _Conn, fd: int, msg: dict[str, Any]) -> None:
+        """On a worker: register ``fd`` (owned), answer, hand ``conn`` back."""
+        sent = False
+        try:
+            try:
+                if self._stop:
+                    discard_fd(fd)
+                    count_reason("region_refused", "closed")
+                    raise RegionError("the server is shutting down", "closed")
+                region = self.registry.register(fd, conn.uid, msg.get("datatype"),
+                                                msg.get("shape"))
+                conn.regions.add(region.id)  # unregistered with the connection
+                reply = {"region": region.id, "byte_size": region.nbytes}
+            except RegionError as e:
+                reply = {"error": str(e)}  # counted by the registry
+            except Exception:
+                logger.exception("shm-embeds: a registration failed")
+                reply = {"error": "internal error"}
+            sent = self._send(conn.sock, reply)
+        finally:
+            self._done.append((conn, sent))
+            self._poke()
+
+    def _handle(self, sel: selectors.BaseSelector, conn: _Conn, data: bytes, fds: list[int],
+                flags: int) -> dict[str, Any] | None:
+        """The reply to one message, or None: a registration handed to a
+        worker (``conn`` is out of ``sel`` until it answered). Discards
+        every fd in ``fds`` but one handed on."""
         try:
             if not conn.allowed:
                 raise RegionError("this user may not register regions", "uid")
@@ -375,13 +377,15 @@ class RegionServer:
                 if len(fds) != 1:
                     raise RegionError("register takes exactly one file descriptor "
                                       f"(SCM_RIGHTS), got {len(fds)}", "fds")
+                fd = fds.pop()
+                sel.unregister(conn.sock)  # its next message: once this one is answered
                 try:
-                    region = self.registry.register(fds.pop(), conn.uid,
-                                                    msg.get("datatype"), msg.get("shape"))
-                except RegionError as e:
-                    return {"error": str(e)}  # counted by the registry
-                conn.regions.add(region.id)
-                return {"region": region.id, "byte_size": region.nbytes}
+                    self._pool.submit(self._register, conn, fd, msg)
+                except BaseException:
+                    sel.register(conn.sock, selectors.EVENT_READ, conn)
+                    discard_fd(fd)
+                    raise
+                return None
             if op == "unregister":
                 if fds:
                     raise RegionError("unregister takes no file descriptor", "fds")
@@ -401,12 +405,16 @@ class RegionServer:
                     return {"error": str(e)}
                 region = lease.region
                 reply = {"datatype": region.datatype, "shape": list(region.shape),
-                         "byte_size": region.nbytes, _LEASE: lease}
+                         "byte_size": region.nbytes}
                 try:
-                    reply.update(self.describe(region.tensor) if self.describe else {})
+                    extra = {**reply, **(self.describe(region.tensor) if self.describe else {})}
+                    if len(json.dumps(extra)) <= MAX_LOOKUP_REPLY:
+                        reply = extra
+                    else:  # the sibling does without (e.g. computes the digests)
+                        count(region_lookup_trimmed=1)
                 except Exception:
                     logger.exception("shm-embeds: describing a region failed")
-                return reply
+                return {**reply, _LEASE: lease}
             raise RegionError('unknown op: expected "register" or "unregister"', "op")
         except RegionError as e:
             count_reason("region_refused", e.reason)
@@ -416,4 +424,4 @@ class RegionServer:
             return {"error": "internal error"}
         finally:
             for fd in fds:
-                os.close(fd)
+                discard_fd(fd)

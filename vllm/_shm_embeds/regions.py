@@ -36,6 +36,7 @@ from vllm.logger import init_logger
 from vllm._shm_embeds import config
 from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.counters import count, count_reason
+from vllm._shm_embeds.region_socket import discard_fd, is_memfd
 
 logger = init_logger(__name__)
 
@@ -66,6 +67,7 @@ class RegionLimits:
             hold; a region unregistered while leased counts until its last
             release (its memory is held until then).
         idle_ttl_s: seconds without a lease after which a region is unregistered.
+        datatype: the model's (a :data:`DTYPES` key), the only one accepted; None: any.
     """
 
     hidden_size: int
@@ -74,12 +76,18 @@ class RegionLimits:
     max_regions_per_uid: int
     max_bytes_per_uid: int
     idle_ttl_s: float
+    datatype: str | None = None
 
     @classmethod
-    def from_config(cls, hidden_size: int, max_tokens: int) -> RegionLimits:
-        """Limits from the ``VLLM_SHM_EMBEDS_REGIONS_*`` variables."""
+    def from_config(cls, hidden_size: int, max_tokens: int,
+                    datatype: str | None = None) -> RegionLimits:
+        """Limits from the ``VLLM_SHM_EMBEDS_REGIONS_*`` variables; ``datatype``
+        the model's (``"FP32"``/``"FP16"``/``"BF16"``) or None (any)."""
+        if datatype is not None and datatype not in DTYPES:
+            raise ValueError(f"datatype must be one of {', '.join(DTYPES)} or None")
         return cls(hidden_size, max_tokens, config.regions_allowed_uids(),
-                   config.regions_max(), config.regions_max_bytes(), config.regions_ttl_s())
+                   config.regions_max(), config.regions_max_bytes(), config.regions_ttl_s(),
+                   datatype)
 
 
 @dataclasses.dataclass(eq=False, repr=False)
@@ -134,19 +142,19 @@ class Lease:
 
 
 def _check_fd(fd: int, nbytes: int) -> int:
-    """The inode of ``fd`` if it is a sealed memfd of ``nbytes`` bytes; else RegionError."""
+    """The inode of ``fd`` if it is a sealed memfd of ``nbytes`` bytes,
+    written in full; else RegionError. Nothing a file system could block
+    (``fstat`` is GETATTR on FUSE) before it is known to be a memfd."""
     try:
+        if not is_memfd(fd):
+            raise OSError
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)  # without MFD_ALLOW_SEALING: F_SEAL_SEAL
         st = os.fstat(fd)
-        link = os.readlink(f"/proc/self/fd/{fd}")
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError
     except OSError as e:
-        raise RegionError("the file descriptor cannot be inspected", "not_memfd") from e
-    if not stat.S_ISREG(st.st_mode) or not link.startswith("/memfd:"):
         raise RegionError("the file descriptor is not a memfd (os.memfd_create with "
-                          "MFD_ALLOW_SEALING)", "not_memfd")
-    try:  # a memfd made without MFD_ALLOW_SEALING reports F_SEAL_SEAL
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    except OSError:  # e.g. a hugetlb memfd on an old kernel
-        seals = 0
+                          "MFD_ALLOW_SEALING)", "not_memfd") from e
     if seals & REQUIRED_SEALS != REQUIRED_SEALS:
         raise RegionError("the memfd must be sealed with F_SEAL_WRITE, F_SEAL_SHRINK, "
                           f"F_SEAL_GROW and F_SEAL_SEAL (it has seals {seals:#x}, needs "
@@ -154,6 +162,9 @@ def _check_fd(fd: int, nbytes: int) -> int:
     if st.st_size != nbytes:
         raise RegionError(f"the memfd holds {st.st_size} bytes; datatype and shape need "
                           f"{nbytes}", "size")
+    if st.st_blocks * 512 < st.st_size:  # hashing it would allocate the holes here
+        raise RegionError("the memfd must be written in full before it is sealed (it has "
+                          "holes)", "sparse")
     return st.st_ino
 
 
@@ -202,6 +213,9 @@ class RegionRegistry:
             raise RegionError("this user may not register regions", "uid")
         if not isinstance(datatype, str) or datatype not in DTYPES:
             raise RegionError(f"datatype must be one of {', '.join(DTYPES)}", "datatype")
+        if self.limits.datatype is not None and datatype != self.limits.datatype:
+            raise RegionError(f"datatype must be the model's, {self.limits.datatype} (got "
+                              f"{datatype})", "datatype")
         if (not isinstance(shape, (list, tuple)) or len(shape) != 2
                 or not all(type(s) is int for s in shape)):
             raise RegionError("shape must be [T, H], two integers", "shape")
@@ -239,9 +253,9 @@ class RegionRegistry:
 
         Args:
             fd: a memfd sealed with at least F_SEAL_WRITE|SHRINK|GROW|SEAL, of
-                exactly ``T * H * itemsize`` bytes; closed on any failure.
+                exactly ``T * H * itemsize`` bytes; discarded on any failure.
             uid: the producer's uid (SO_PEERCRED).
-            datatype: ``"FP32"``, ``"FP16"`` or ``"BF16"``.
+            datatype: ``"FP32"``, ``"FP16"`` or ``"BF16"`` (the model's, if set).
             shape: ``[T, H]``, H the model's hidden size, 1 <= T <= max tokens.
         Raises:
             RegionError: refused (counted as ``region_refused`` by reason).
@@ -281,7 +295,7 @@ class RegionRegistry:
             if reserved:
                 with self._lock:
                     self._unreserve(uid, reserved)
-            os.close(fd)
+            discard_fd(fd)
             if isinstance(e, RegionError):
                 count_reason("region_refused", e.reason)
             raise
@@ -309,9 +323,12 @@ class RegionRegistry:
         os.close(region.fd)
         count(regions_freed=1)
 
-    def _unregister(self, regions: Iterable[Region], reason: str) -> int:
+    def _unregister(self, regions: Iterable[Region], reason: str,
+                    pick: Callable[[Region], bool] | None = None) -> int:
+        """Unregister those of ``regions`` registered and ``pick``-ed (under
+        the lock that drops them); returns how many."""
         with self._lock:
-            regions = [r for r in regions if r.registered]
+            regions = [r for r in regions if r.registered and (pick is None or pick(r))]
             free = [r for r in regions if self._drop(r)]
         for r in free:
             self._free(r)
@@ -339,10 +356,9 @@ class RegionRegistry:
         """Unregister regions without a lease whose ``last_used`` is more than
         ``idle_ttl_s`` seconds before ``now`` (``time.monotonic()``); returns how many."""
         now = time.monotonic() if now is None else now
-        with self._lock:
-            idle = [r for r in self._regions.values()
-                    if not r.leases and now - r.last_used > self.limits.idle_ttl_s]
-        return self._unregister(idle, "idle")
+        ttl = self.limits.idle_ttl_s
+        return self._unregister(self._regions.values(), "idle",  # iterated under the lock
+                                lambda r: not r.leases and now - r.last_used > ttl)
 
     def close(self) -> None:
         """Unregister every region and refuse new ones; each region's fd is
@@ -392,9 +408,8 @@ class RegionRegistry:
         return Lease(self, region)
 
     def lookup(self, region_id: Any) -> Lease:
-        """A sibling API server's lookup (``region_server``'s ``lookup`` op): a
-        lease on the registered region ``region_id``, held while its fd is
-        sent. Raises RegionError (unknown)."""
+        """A lease on the registered region ``region_id``, held while its fd is
+        sent to a sibling API server (``lookup`` op). Raises RegionError."""
         with self._lock:
             region = self._regions.get(region_id) if isinstance(region_id, str) else None
             if region is None:
@@ -416,12 +431,9 @@ class RegionRegistry:
             self._free(region)
 
     def find(self, tensor: torch.Tensor) -> tuple[int, int, int] | None:
-        """``(pid, fd, inode)`` if ``tensor`` is exactly a live region's tensor here.
-
-        Exactly: the same ``data_ptr``, dtype, shape and strides, and the
-        region is registered or leased. A reader then opens
-        ``/proc/<pid>/fd/<fd>`` and checks the inode.
-        """
+        """``(pid, fd, inode)`` if ``tensor`` is exactly (``data_ptr``, dtype,
+        shape, strides) a registered or leased region's tensor here. A reader
+        then opens ``/proc/<pid>/fd/<fd>`` and checks the inode."""
         if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
             return None
         with self._lock:

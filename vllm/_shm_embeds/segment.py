@@ -14,6 +14,7 @@ import ctypes
 import errno
 import mmap
 import os
+import stat
 import warnings
 from typing import Any
 
@@ -54,7 +55,7 @@ def fallback_reason(e: OSError) -> str:
 # --------------------------------------------------------------------------
 # writing
 
-_HEADER = MAGIC.ljust(HEADER_BYTES, b"\0")
+HEADER = MAGIC.ljust(HEADER_BYTES, b"\0")  # a new segment's first page
 _MAX_IO = 0x7FFFF000  # Linux moves at most this many bytes per write call
 
 
@@ -110,7 +111,7 @@ def write_segment(
         for part, _, _ in parts:
             path = os.path.join(directory, part)
             fds.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
-        pwrite_all(fds[0], memoryview(_HEADER), 0)
+        pwrite_all(fds[0], memoryview(HEADER), 0)
         jobs = [
             (fd, data[start : start + length], HEADER_BYTES if i == 0 else 0)
             for i, (fd, (_, start, length)) in enumerate(zip(fds, parts))
@@ -212,16 +213,24 @@ def open_region(pid: int, fd: int, inode: int, nbytes: int) -> int:
     """Open a region's memfd through ``/proc/<pid>/fd/<fd>`` read-only (hop 1:
     the API server's descriptor); the inode and the size must match.
 
+    The number may have been reused meanwhile (the request was aborted and
+    the API server closed its fd): ``O_NONBLOCK`` so that a FIFO never blocks
+    the open, and nothing but a memfd (by its ``/proc`` link, before any
+    I/O on it) with that inode and size is taken.
+
     Raises:
         ShmEmbedsError: gone (the producer unregistered it and the request
             ended), another file under that number, or the wrong size.
     """
+    path = f"/proc/{pid}/fd/{fd}"
     try:
-        fd2 = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        if not os.readlink(path).startswith("/memfd:"):
+            raise ShmEmbedsError("registered region is gone (descriptor reused)")
+        fd2 = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
     except OSError as e:
         raise ShmEmbedsError("registered region is gone") from e
     st = os.fstat(fd2)
-    if st.st_ino != inode or st.st_size != nbytes:
+    if not stat.S_ISREG(st.st_mode) or st.st_ino != inode or st.st_size != nbytes:
         os.close(fd2)
         raise ShmEmbedsError("registered region is gone (descriptor reused)")
     return fd2
@@ -256,6 +265,9 @@ def open_files(
     fds = _open_by_owner_fd(handle, writable_first=True) if reader else None
     if fds is not None:
         return fds
+    if handle.region:  # its file 1 has no name: never open one that someone planted
+        raise ShmEmbedsError("a registered region can be opened only through its "
+                             "owner's descriptor, which is gone")
     fds = []
     try:
         for i, (part, _, _) in enumerate(handle.parts()):
@@ -426,97 +438,3 @@ def free_bytes(directory: str) -> int:
     except OSError:
         return -1
     return st.f_bavail * st.f_frsize
-
-
-# --------------------------------------------------------------------------
-# streamed files: a segment written from a byte stream (request bodies)
-
-
-class StreamedFile:
-    """A one-file segment created empty at its final size and filled in order.
-
-    ``ftruncate`` first (no memory is used until bytes arrive), then
-    :meth:`write` appends with ``pwrite`` (one kernel copy from the caller's
-    buffer into the tmpfs pages; ENOSPC is an ``OSError``, never a SIGBUS).
-    :meth:`finish` maps it; :meth:`abort` closes and unlinks it.
-
-    Args:
-        directory: the segment directory.
-        handle: name, dtype and shape of the segment (one file, no split).
-    Raises:
-        OSError: the file could not be created or sized (nothing is left).
-    """
-
-    def __init__(self, directory: str, handle: SharedTensorHandle) -> None:
-        self.handle = handle
-        self.nbytes = handle.nbytes
-        self.filled = 0
-        self._path = os.path.join(directory, handle.name)
-        self._fd: int | None = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            pwrite_all(self._fd, memoryview(_HEADER), 0)
-            os.ftruncate(self._fd, HEADER_BYTES + self.nbytes)
-        except BaseException:
-            self.abort()
-            raise
-
-    @property
-    def open(self) -> bool:
-        return self._fd is not None
-
-    def write(self, data: bytes | memoryview) -> None:
-        """Append ``data`` (at most the bytes still missing).
-
-        Raises:
-            ShmEmbedsError: already finished or aborted.
-            ValueError: more bytes than the segment holds.
-            OSError: e.g. ENOSPC (the caller aborts).
-        """
-        if self._fd is None:
-            raise ShmEmbedsError("segment already finished or aborted")
-        if self.filled + len(data) > self.nbytes:
-            raise ValueError("more bytes than the segment holds")
-        pwrite_all(self._fd, memoryview(data), HEADER_BYTES + self.filled)
-        self.filled += len(data)
-
-    def assume_filled(self) -> None:
-        """Take the file as filled (the caller writes it through the mapping)."""
-        self.filled = self.nbytes
-
-    def finish(self, writable: bool) -> mmap.mmap:
-        """Map the filled file and close it; the file stays linked.
-
-        Raises:
-            ShmEmbedsError: already closed, or not every byte was written.
-            OSError: the mapping failed.
-            On an error the file stays as it was: the caller aborts.
-        """
-        if self._fd is None or self.filled != self.nbytes:
-            raise ShmEmbedsError(f"segment holds {self.filled} of {self.nbytes} bytes")
-        mm = map_files([self._fd], [HEADER_BYTES + self.nbytes],
-                       mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
-        os.close(self._fd)
-        self._fd = None
-        return mm
-
-    def read_back(self, out: memoryview) -> None:
-        """Copy the bytes written so far into ``out`` (at least :attr:`filled` bytes).
-
-        Raises:
-            ShmEmbedsError: already finished or aborted; OSError: the read failed.
-        """
-        if self._fd is None:
-            raise ShmEmbedsError("segment already finished or aborted")
-        done = 0
-        while done < self.filled:
-            n = os.preadv(self._fd, [out[done:self.filled]], HEADER_BYTES + done)
-            if n <= 0:
-                raise OSError(errno.EIO, "short read of a streamed segment")
-            done += n
-
-    def abort(self) -> bool:
-        """Close and unlink (idempotent); True if this call unlinked the file."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        return unlink_quietly(self._path)

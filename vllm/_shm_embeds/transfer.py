@@ -34,6 +34,7 @@ from vllm._shm_embeds.handle import (
     part_name,
     split_for,
 )
+from vllm._shm_embeds.streamed_file import StreamedFile
 
 
 def eligible(tensor: Any) -> str | None:
@@ -246,7 +247,7 @@ def dense_nbytes(tensor: Any) -> int:
 class StreamedSegment:
     """A one-file segment that a request body is written into, chunk by chunk.
 
-    The file I/O is ``segment.StreamedFile``'s; this adds ownership: the
+    The file I/O is ``streamed_file.StreamedFile``'s; this adds ownership: the
     segment gets a name of this process, :meth:`finish` maps it and returns
     the tensor, and the segment stays owned here until :func:`take_handover`
     passes it to a peer (hop 1, by handle, no copy). It is unlinked when the
@@ -265,7 +266,7 @@ class StreamedSegment:
         state = process.current()
         handle = SharedTensorHandle(state.new_name(), dtype_name(dtype), tuple(shape))
         check_budget(handle.nbytes)
-        self._file = seg.StreamedFile(shm_dir(), handle)
+        self._file = StreamedFile(shm_dir(), handle)
         self.handle = handle
         self.nbytes = handle.nbytes
         state.owned.stream_started(self._file)
@@ -277,11 +278,11 @@ class StreamedSegment:
         return self._file.filled
 
     def write(self, data: bytes | memoryview) -> None:
-        """Append ``data`` (see ``segment.StreamedFile.write`` for the errors)."""
+        """Append ``data`` (see ``streamed_file.StreamedFile.write`` for the errors)."""
         self._file.write(data)
 
     def read_back(self, out: memoryview) -> None:
-        """Copy the bytes written so far into ``out`` (``segment.StreamedFile.read_back``)."""
+        """Copy the bytes written so far into ``out`` (``streamed_file.StreamedFile.read_back``)."""
         self._file.read_back(out)
 
     def finish(self, writable: bool = True) -> torch.Tensor:
@@ -329,7 +330,8 @@ def streamed_tensor_like(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Te
 
 def is_streamed(tensor: Any) -> bool:
     """True if ``tensor`` covers exactly a streamed segment not yet handed over."""
-    return isinstance(tensor, torch.Tensor) and process.current().owned.handover_entry(tensor) is not None
+    return (isinstance(tensor, torch.Tensor)
+            and process.current().owned.handover_entry(tensor) is not None)
 
 
 def take_handover(tensor: Any) -> SharedTensorHandle | None:

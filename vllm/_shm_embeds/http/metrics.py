@@ -84,6 +84,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "region_leases": ("counter", "Uses of registered regions by requests", ()),
     "region_lookups": ("counter", "Regions an API server looked up at the sibling API "
                        "server that serves the regions socket", ()),
+    "region_lookup_trimmed": ("counter", "Lookup answers sent without the region's digests "
+                              "(too large for one message; the EngineCore hashes those)", ()),
     "regions_freed": ("counter", "Regions whose memory this server let go of (unregistered "
                       "and no request using them)", ()),
     "region_unregistered": ("counter", "Regions unregistered, by reason (op, disconnect, "
@@ -176,7 +178,7 @@ _REASONS = {"fallback": "fallbacks", "binary_rejected": "binary_rejected",
             "region_unregistered": "region_unregistered"}
 _PLAIN = ("copied_bytes", "segments_created", "segments_unlinked", "segments_swept",
           "binary_bodies", "binary_bytes", "regions_registered", "region_bytes",
-          "region_leases", "region_lookups", "regions_freed")
+          "region_leases", "region_lookups", "region_lookup_trimmed", "regions_freed")
 
 
 def aggregate(values: dict[tuple[counters.Key, str], float], pids: set[int],

@@ -34,6 +34,7 @@ Knows HTTP and the registry; no vLLM class.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from typing import Any
@@ -59,6 +60,7 @@ from vllm._shm_embeds.http.common import (
     route,
     send_error,
 )
+from vllm._shm_embeds.regions import RegionError
 
 logger = init_logger(__name__)
 
@@ -88,19 +90,25 @@ def lease_refs(path: str, body: Any, registry: Any) -> Upload | None:
             (client-safe message; the leases taken so far are released).
     """
     token, tensors, leases = new_token(), [], []
+    slots = [(where, container, key) for where, container, key in embeds_slots(path, body)
+             if isinstance(container, list) or key in container]
+    refs = [s for s in slots if _region_ref(s[1][s[2]]) is not None]
+    if refs and len(refs) != len(slots):
+        # A base64 tensor beside them would go through the JSON path, whose
+        # placeholders would then hide ours: refuse clearly instead.
+        raise RegionError("a request that names registered regions cannot also carry "
+                          "other prompt_embeds", "mixed")
     try:
-        for where, container, key in list(embeds_slots(path, body)):
-            params = _region_ref(container[key])
-            if params is None:
-                continue
+        for where, container, key in refs:
             ref = container[key]
+            params = _region_ref(ref)
             try:
                 lease = registry.lease(params.get("shared_memory_region"),
                                        ref.get("datatype"), ref.get("shape"),
                                        params.get("shared_memory_byte_size"),
                                        params.get("shared_memory_offset", 0))
-            except ValueError as e:
-                raise type(e)(f"{where}: {e}") from None
+            except RegionError as e:
+                raise RegionError(f"{where}: {e}", e.reason) from None
             leases.append(lease)
             container[key] = placeholder(token, len(tensors))
             tensors.append(lease.tensor)
@@ -111,6 +119,25 @@ def lease_refs(path: str, body: Any, registry: Any) -> Upload | None:
     if not leases:
         return None
     return Upload(token, tensors, leases=leases)
+
+
+async def _lease(path: str, body: Any, registry: Any) -> Upload | None:
+    """:func:`lease_refs`; off the event loop when the registry is a sibling's
+    (``region_mirror``: a socket round trip per region). Leases taken by a
+    lookup whose request was cancelled meanwhile are released."""
+    if not getattr(registry, "remote", False):
+        return lease_refs(path, body, registry)  # in-process: a dict lookup
+    fut = asyncio.get_running_loop().run_in_executor(None, lease_refs, path, body, registry)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        fut.add_done_callback(_release_late)
+        raise
+
+
+def _release_late(fut: asyncio.Future) -> None:
+    if not fut.cancelled() and fut.exception() is None and fut.result() is not None:
+        fut.result().release()
 
 
 class RegionRefsMiddleware:
@@ -144,24 +171,25 @@ class RegionRefsMiddleware:
         except Stalled as e:
             return await send_error(send, 408, f"{e}; request timed out", "RequestTimeout")
         raw = b"".join(chunks)
-        upload = None
+        body = upload = None
         if REF_KEY in raw:
             try:
                 body = json.loads(raw)
-                upload = lease_refs(path, body, registry)
-            except ValueError as e:
-                if isinstance(e, json.JSONDecodeError):
-                    upload = None  # vLLM answers a body that is not JSON
-                else:
-                    count_reason("region_refused", "reference")
-                    return await send_error(send, 400, f"prompt_embeds region reference "
-                                            f"{e}", "BadRequestError")
+            except ValueError:
+                body = None  # vLLM answers a body that is not JSON
+        if body is not None:
+            try:
+                upload = await _lease(path, body, registry)
+            except RegionError as e:
+                count_reason("region_refused", "reference")
+                return await send_error(send, 400, f"prompt_embeds region reference {e}",
+                                        "BadRequestError")
         if upload is None:
             return await call_with_body(self.app, scope, receive, send, raw, None)
-        upload.hash_block_tokens = getattr(ServerContext.of_app(scope),
-                                           "hash_block_tokens", None)
-        count(region_requests=1, region_tensors=len(upload.leases))
         try:
+            upload.hash_block_tokens = getattr(ServerContext.of_app(scope),
+                                               "hash_block_tokens", None)
+            count(region_requests=1, region_tensors=len(upload.leases))
             await call_with_body(self.app, scope, receive, send,
                                  json.dumps(body).encode(), upload)
         finally:
@@ -220,6 +248,29 @@ def _on_mirrored(tensor: Any, answer: dict) -> None:
     digests.attach(tensor, d)
 
 
+def _served_by_sibling(path: str, wait_s: float = 30.0) -> bool:
+    """True once a sibling API server (same uid and parent) listens on ``path``;
+    False if another process does (it must never learn the region ids named
+    here). The sibling may still be starting: wait up to ``wait_s`` seconds."""
+    import socket
+    import time
+
+    from vllm._shm_embeds.region_server import peer_is_sibling
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.connect(path)
+            return peer_is_sibling(sock)
+        except OSError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        finally:
+            sock.close()
+
+
 def start_regions(path: str, ctx: ServerContext) -> Any:
     """Serve registrations on ``path`` for the model of ``ctx``; returns the
     started ``region_server.RegionServer``, or None when a sibling API server
@@ -230,13 +281,15 @@ def start_regions(path: str, ctx: ServerContext) -> Any:
 
     from vllm._shm_embeds import region_mirror, region_server, regions
 
-    limits = regions.RegionLimits.from_config(ctx.hidden_size, ctx.max_model_len)
+    datatype = next((k for k, v in regions.DTYPES.items() if v == ctx.dtype), None)
+    limits = regions.RegionLimits.from_config(ctx.hidden_size, ctx.max_model_len, datatype)
     block_tokens, model_dtype = ctx.hash_block_tokens, ctx.dtype
 
     def on_registered(tensor: Any) -> None:
-        # Hashed once for the prefix cache: the seals keep these bytes as they are.
+        # Hashed once for the prefix cache: the seals keep these bytes as they
+        # are. On the registration's own thread, not the pool requests wait on.
         if block_tokens and tensor.dtype == model_dtype:
-            digests.attach(tensor, digests.hash_tensor(tensor, block_tokens).result())
+            digests.attach(tensor, digests.hash_tensor_here(tensor, block_tokens))
 
     registry = regions.RegionRegistry(limits, on_registered)
     server = region_server.RegionServer(path, registry, group=regions_group(),
@@ -247,6 +300,9 @@ def start_regions(path: str, ctx: ServerContext) -> Any:
         registry.close()
         if e.errno != errno.EADDRINUSE:
             raise
+        if not _served_by_sibling(path):
+            raise OSError(errno.EADDRINUSE, "another process, not an API server of this "
+                          "vllm serve, holds the regions socket", path) from None
         process.current().regions = region_mirror.RegionMirror(path, limits, _on_mirrored)
         logger.info("shm-embeds: registered prompt_embeds regions are served on %s by "
                     "another API server; requests here look them up there", path)
