@@ -15,7 +15,7 @@ import torch
 from vllm._shm_embeds import counters
 from vllm._shm_embeds import digests
 from vllm._shm_embeds import handle
-from vllm._shm_embeds import hop1
+from vllm._shm_embeds import hop1, hop2
 from vllm._shm_embeds import process, segment
 from vllm._shm_embeds import transfer
 from vllm._shm_embeds.http import binary
@@ -383,6 +383,30 @@ def test_over_budget_takes_the_stock_way(shm_env, monkeypatch):
         transfer.share_tensor(torch.randn(4, 4))
     assert segment.fallback_reason(e.value) == "budget"
     assert os.listdir(shm_env) == []
+
+
+def test_budget_counts_segments_whose_names_are_gone(shm_env, monkeypatch, tmp_path):
+    """On a segment file system of its own, the budget also counts segments that
+    left the directory listing (every TP rank mapped them) but still hold their
+    pages until the request ends (issue 16: the flood's tmpfs held more than
+    the budget while the listing showed less)."""
+    from conftest import _tmpfs
+
+    with _tmpfs(tmp_path / "seg", "4m") as mnt:
+        monkeypatch.setenv("VLLM_SHM_EMBEDS_DIR", mnt)
+        monkeypatch.setenv("VLLM_SHM_EMBEDS_MAX_BYTES", str(1 << 20))
+        held = transfer.adopt_tensor(transfer.share_tensor(torch.randn(512, 256)))  # 512 KiB
+        h = hop2.externalize(held, readers=1)
+        reader = transfer.open_tensor(h, 0)  # a TP rank's mapping
+        assert process.collect() == 1 and os.listdir(mnt) == []  # name gone, pages held
+        with pytest.raises(OSError) as e:  # 512 KiB more would pass the 1 MiB budget
+            transfer.share_tensor(torch.randn(640, 256))
+        assert segment.fallback_reason(e.value) == "budget"
+        del reader
+        assert transfer.release_adopted(held)  # the request ends: its pages come back
+        transfer.discard_shared(transfer.share_tensor(torch.randn(640, 256)))
+        del held, h
+        process.collect()
 
 
 def test_stalled_body_gets_408_and_frees_its_segment(shm_env, monkeypatch):

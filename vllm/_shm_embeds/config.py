@@ -259,15 +259,29 @@ def budget_bytes() -> int:
         try:
             st = os.statvfs(s.dir)
             size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-            shared = os.stat(s.dir).st_dev == os.stat("/dev/shm").st_dev
         except OSError:
             size = free = 0
-            shared = False
+        shared = shares_dev_shm()
         budget = size // 2
         if shared:
             budget = min(budget, free - RING_RESERVE_BYTES)
         _budget[s.dir] = max(0, budget)
     return _budget[s.dir]
+
+
+_shares: dict[str, bool] = {}  # segment directory -> on /dev/shm's file system
+
+
+def shares_dev_shm() -> bool:
+    """True if the segment directory is on the file system of ``/dev/shm`` (or
+    that cannot be told): others' files share it; asked once per directory."""
+    d = settings().dir
+    if d not in _shares:
+        try:
+            _shares[d] = os.stat(d).st_dev == os.stat("/dev/shm").st_dev
+        except OSError:
+            _shares[d] = True
+    return _shares[d]
 
 
 def body_timeout_s() -> float:

@@ -431,6 +431,15 @@ def held_bytes(directory: str, owners: set[int] | None = None,
     return held
 
 
+def used_bytes(directory: str) -> int:
+    """Bytes in use on ``directory``'s file system (``statvfs``; 0 if unknown)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return 0
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
 def free_bytes(directory: str) -> int:
     """Free bytes of ``directory``'s file system (-1 if unknown)."""
     try:

@@ -24,7 +24,13 @@ import torch
 
 from vllm._shm_embeds import process
 from vllm._shm_embeds import segment as seg
-from vllm._shm_embeds.config import budget_bytes, min_bytes, shm_dir, writers
+from vllm._shm_embeds.config import (
+    budget_bytes,
+    min_bytes,
+    shares_dev_shm,
+    shm_dir,
+    writers,
+)
 from vllm._shm_embeds.counters import count
 from vllm._shm_embeds.handle import (
     MAX_READERS,
@@ -64,10 +70,19 @@ def check_budget(nbytes: int) -> None:
 
     Counted: what our files hold now (every process of the server; a body
     still arriving by what it has written) plus what this process's bodies
-    still arriving will write.
+    still arriving will write. A segment whose name is gone (every TP rank
+    mapped it) still holds its pages until the request ends: on a file
+    system of its own (``VLLM_SHM_EMBEDS_DIR`` not on ``/dev/shm``'s) all
+    that is in use is counted as ours, so those count too; on ``/dev/shm``,
+    shared with vLLM's rings and anything else, only named files can be told
+    apart (ENOSPC still takes the stock path).
     """
     budget = budget_bytes()
-    held = seg.held_bytes(shm_dir()) + process.current().owned.pending_stream_bytes()
+    directory = shm_dir()
+    held = seg.held_bytes(directory)
+    if not shares_dev_shm():
+        held = max(held, seg.used_bytes(directory))
+    held += process.current().owned.pending_stream_bytes()
     if held + nbytes > budget:
         raise seg.BudgetExceeded(nbytes, held, budget)
 
