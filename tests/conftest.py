@@ -148,7 +148,9 @@ def small_shm_server(tmp_path_factory):
         # A budget above the tmpfs: what fills it is ENOSPC (the budget has
         # unit tests of its own).
         with Server(tmp, "-tp", "2", "--max-num-seqs", "4", seg_dir=mnt,
-                    env_extra={"VLLM_SHM_EMBEDS_MAX_BYTES": str(1 << 30)}) as server:
+                    env_extra={"VLLM_SHM_EMBEDS_MAX_BYTES": str(1 << 30),
+                               # the flood test's stalled uploads: 408 soon
+                               "VLLM_SHM_EMBEDS_BODY_TIMEOUT_S": "4"}) as server:
             yield server
 
 

@@ -23,6 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import requests
 import torch
 
 from helpers import (
@@ -428,6 +429,85 @@ def test_two_api_servers_and_dp2_add_up(dp_server):
 
 @pytest.mark.integration
 @pytest.mark.online
+def _stalled_upload(url: str, t: torch.Tensor) -> str:
+    """Declare a whole binary body, send a third of it, then nothing: the
+    status the server answers with ("cut" if it closed without one)."""
+    import socket
+
+    import shm_embeds_client as sec
+
+    headers, pieces, length = sec.frame({"model": "tiny", "max_tokens": 1,
+                                         "prompt_embeds": t})
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{head}"
+                  "Connection: close\r\n\r\n".encode())
+        s.sendall(b"".join(bytes(p) for p in pieces)[: length // 3])
+        reply = s.recv(64).decode(errors="replace")
+    return reply.split(" ")[1] if reply.startswith("HTTP/") else "cut"
+
+
+def test_flood_on_a_tmpfs_smaller_than_what_is_in_flight(small_shm_server):
+    """Issue 16's flood, scaled to this server's 256 KiB tmpfs: 6 binary and 6
+    base64 JSON bodies of 100 KiB (about 4.7x the tmpfs in flight), 2 text
+    prompts and 2 uploads that stall, all at once. Every embeds and text
+    request gets 200 and the tokens of the same token ids, the stalled ones
+    408, nothing is a 5xx or hangs; afterwards nothing is left, the server is
+    healthy, and what did not fit took the stock way (counted)."""
+    import shm_embeds_client as sec
+
+    server = small_shm_server
+    w = embed_weights(tiny_model())
+    ids = [torch.randint(3, w.shape[0], (200,), generator=torch.Generator().manual_seed(60 + i))
+           for i in range(12)]
+    tensors = [w[i].contiguous() for i in ids]
+    # token ids, not text: byte-level text of a token depends on the prompt's tail
+    kw = {"max_tokens": 2, "temperature": 0.0, "return_token_ids": True}
+    before = server.totals()
+
+    def one(job):
+        kind, i = job
+        try:
+            if kind == "binary":
+                return kind, i, 200, sec.complete(server.url, "tiny", tensors[i], **kw,
+                                                  timeout=120)["choices"][0]["token_ids"]
+            if kind == "stalled":
+                return kind, i, _stalled_upload(server.url, tensors[i]), None
+            body = {"model": "tiny", "prompt": f"text {i} " * 20, **kw} if kind == "text" \
+                else {"model": "tiny", "prompt": "", "prompt_embeds": encode_embeds(tensors[i]),
+                      **kw}
+            r = requests.post(server.url + "/v1/completions", json=body, timeout=120)
+            return kind, i, r.status_code, r.json()["choices"][0]["token_ids"] if r.ok else r.text
+        except Exception as e:  # a hang (timeout) or a refusal fails the test below
+            return kind, i, repr(e)[:80], None
+
+    jobs = [("binary", i) for i in range(6)] + [("json", i) for i in range(6, 12)] + \
+        [("text", 0), ("text", 1), ("stalled", 0), ("stalled", 1)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(one, jobs))
+    statuses = {(k, i): c for k, i, c, _ in results}
+    assert all(c == 200 for (k, _), c in statuses.items() if k != "stalled"), statuses
+    assert all(str(c) == "408" for (k, _), c in statuses.items() if k == "stalled"), statuses
+    for kind, i, _, text in results:
+        if kind in ("binary", "json"):
+            want = requests.post(server.url + "/v1/completions", timeout=120, json={
+                "model": "tiny", "prompt": ids[i].tolist(), **kw}).json()["choices"][0]["token_ids"]
+            assert text == want, (kind, i)
+    d = delta(before, server.totals())
+    assert not any(k.startswith("binary_rejected") and not k.endswith("timeout")
+                   for k in d), d
+    # more than the tmpfs was in flight: some bodies found no room and took the
+    # stock way (counted), the others shared memory
+    assert sum(v for k, v in d.items() if k.endswith(".no_space")) > 0, d
+    assert d.get("hop1_handover_tensors", 0) > 0, d
+    deadline = time.monotonic() + 5
+    while ours_in(server.seg_dir) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ours_in(server.seg_dir) == []
+    assert requests.get(server.url + "/health", timeout=30).status_code == 200
+
+
 def test_back_to_back_binary_bodies_on_a_dev_shm_that_holds_one(small_shm_server):
     """The 3 MiB case of issue 16, scaled to this server's 256 KiB tmpfs: a
     binary body that only fits once, sent again as soon as the last answer
