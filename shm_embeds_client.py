@@ -180,7 +180,7 @@ def _url(url: str, route: str) -> str:
 def _request(route: str, model: str, tensor: Any, kwargs: dict) -> dict:
     body = {"model": model, **kwargs}
     if route == "completions":
-        body.setdefault("prompt", "")
+        # No "prompt": vLLM would answer an empty text prompt as one more choice.
         body["prompt_embeds"] = tensor
     elif "messages" not in body:
         body["messages"] = [{"role": "user",

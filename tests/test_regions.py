@@ -408,6 +408,7 @@ def test_protocol_refusals(env):
     env.refused(env.request(sock, b"not json"), "malformed")
     env.refused(env.request(sock, b"[1, 2]"), "malformed")
     env.refused(env.request(sock, b'{"op": "\xff"}'), "malformed")
+    env.refused(env.request(sock, b"[" * 30000 + b"]" * 30000), "malformed")  # too deep
     env.refused(env.request(sock, {"op": "map"}), "unknown op")
     env.refused(env.request(sock, {"datatype": "FP32"}), "unknown op")
     env.refused(env.request(sock, good), "exactly one file descriptor", "got 0")
@@ -418,7 +419,7 @@ def test_protocol_refusals(env):
                             [memfd(tensor_bytes(t))]), "takes no file descriptor")
     assert env.registry.stats()["regions"] == 1
     c = counters.stats()
-    assert c["region_refused.too_long"] == 1 and c["region_refused.malformed"] == 4
+    assert c["region_refused.too_long"] == 1 and c["region_refused.malformed"] == 5
     assert c["region_refused.op"] == 2 and c["region_refused.fds"] == 4
     env.check_good_registration(sock)
 

@@ -87,7 +87,9 @@ def test_region_request_copies_nothing_and_hits_the_prefix_cache(server):
         assert region.byte_size == embeds.nbytes
         for i in range(2):
             before, hits = _totals(server), _prefix_cache_hits(url)
-            text = sec.complete(url, "tiny", region, **KW)["choices"][0]["text"]
+            out = sec.complete(url, "tiny", region, **KW)
+            assert len(out["choices"]) == 1  # the client adds no "" text prompt
+            text = out["choices"][0]["text"]
             d = _settled(server, before)
             assert text == binary
             assert d.get("hop1_region_tensors") == 1 and d.get("hop1_region_adopted") == 1, d

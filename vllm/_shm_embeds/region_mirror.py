@@ -99,7 +99,7 @@ class RegionMirror:
                         os.close(fd)
                     raise
                 return answer, list(fds)
-            except (OSError, ValueError):
+            except (OSError, ValueError, RecursionError):
                 if self._sock is not None:
                     self._sock.close()
                     self._sock = None

@@ -367,7 +367,7 @@ class RegionServer:
                 raise RegionError("too many file descriptors attached", "fds")
             try:
                 msg = json.loads(data.decode("utf-8"))
-            except (UnicodeDecodeError, ValueError):
+            except (UnicodeDecodeError, ValueError, RecursionError):  # e.g. [[[[...]]]]
                 msg = None
             if not isinstance(msg, dict):
                 raise RegionError("malformed message: expected one UTF-8 JSON object",

@@ -175,8 +175,8 @@ class RegionRefsMiddleware:
         if REF_KEY in raw:
             try:
                 body = json.loads(raw)
-            except ValueError:
-                body = None  # vLLM answers a body that is not JSON
+            except (ValueError, RecursionError):
+                body = None  # vLLM answers a body that is not JSON (or nests too deep)
         if body is not None:
             try:
                 upload = await _lease(path, body, registry)
@@ -311,10 +311,10 @@ def start_regions(path: str, ctx: ServerContext) -> Any:
         registry.close()
         raise
     process.current().regions = registry
-    logger.info("shm-embeds: registered prompt_embeds regions served on %s (uids %s, at "
-                "most %d regions and %d bytes per uid, idle TTL %g s)", path,
-                sorted(limits.allowed_uids), limits.max_regions_per_uid,
-                limits.max_bytes_per_uid, limits.idle_ttl_s)
+    logger.info("shm-embeds: registered prompt_embeds regions served on %s (datatype %s, "
+                "shape [T, %d]; uids %s, at most %d regions and %d bytes per uid, idle TTL "
+                "%g s)", path, datatype, ctx.hidden_size, sorted(limits.allowed_uids),
+                limits.max_regions_per_uid, limits.max_bytes_per_uid, limits.idle_ttl_s)
     return server
 
 
