@@ -383,7 +383,7 @@ def test_complete_with_a_region_posts_a_plain_json_body(server, rc, captured):
     assert r.headers["content-type"] == "application/json"
     assert "inference-header-content-length" not in r.headers
     assert int(r.headers["content-length"]) == len(r.content)
-    assert json.loads(r.content) == {"model": "m", "max_tokens": 4, "prompt": "",
+    assert json.loads(r.content) == {"model": "m", "max_tokens": 4,
                                      "prompt_embeds": region.to_json()}
     # A list of them: one reference per item.
     other = rc.register(torch.ones(3, 8))
