@@ -168,6 +168,31 @@ def tp4_server(tmp_path_factory):
 ENGINES = ("offline_tiny", "main_server", "dp_server", "small_shm_server", "tp4_server")
 
 
+def _vllm_shm_files() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(("vllm_dist_", "psm_"))}
+
+
+def pytest_sessionstart(session):
+    session.config._vllm_shm_before = _vllm_shm_files()
+
+
+def pytest_sessionfinish(session):
+    """The run leaves /dev/shm as it found it: vLLM's own files (``vllm_dist_*``,
+    ``psm_*``) that appeared during the run and that no live process maps are
+    removed (vLLM leaves them when an engine is stopped with SIGTERM or killed;
+    ``helpers.Server`` removes most of them itself). Only in the controller,
+    once every xdist worker is done."""
+    if hasattr(session.config, "workerinput"):
+        return
+    from helpers import remove_vllm_leftovers
+
+    new = _vllm_shm_files() - getattr(session.config, "_vllm_shm_before", set())
+    gone = remove_vllm_leftovers(new)
+    if gone:
+        print(f"\nremoved {len(gone)} of vLLM's own /dev/shm files left by this run's "
+              f"engines: {', '.join(gone[:4])}{' ...' if len(gone) > 4 else ''}")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "ends_engine: stops its shared engine; runs last "
                             "among that engine's tests")
