@@ -31,10 +31,15 @@ from typing import Any
 import torch
 
 from vllm._shm_embeds.counters import count
-from vllm._shm_embeds.region_server import peer_is_sibling
-from vllm._shm_embeds.regions import Lease, RegionError, RegionLimits, RegionRegistry
+from vllm._shm_embeds.region_socket import peer_is_sibling, received_fds
+from vllm._shm_embeds.regions import (
+    UNKNOWN_REGION,
+    Lease,
+    RegionError,
+    RegionLimits,
+    RegionRegistry,
+)
 
-_UNKNOWN = "unknown shared_memory_region"
 _MAX_REPLY = 1 << 20  # bytes of a lookup answer (digests included)
 _TIMEOUT_S = 10.0
 
@@ -82,12 +87,9 @@ class RegionMirror:
                         raise
                     self._sock = sock
                 self._sock.send(json.dumps({"op": "lookup", "region": region_id}).encode())
-                fds = array.array("i")
                 data, anc, _, _ = self._sock.recvmsg(
-                    _MAX_REPLY, socket.CMSG_SPACE(4 * fds.itemsize))
-                for level, kind, raw in anc:
-                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                        fds.frombytes(raw[: len(raw) - len(raw) % fds.itemsize])
+                    _MAX_REPLY, socket.CMSG_SPACE(4 * array.array("i").itemsize))
+                fds = received_fds(anc)
                 try:
                     if not data:
                         raise ConnectionError("the serving API server closed the connection")
@@ -98,7 +100,7 @@ class RegionMirror:
                     for fd in fds:
                         os.close(fd)
                     raise
-                return answer, list(fds)
+                return answer, fds
             except (OSError, ValueError, RecursionError):
                 if self._sock is not None:
                     self._sock.close()
@@ -113,7 +115,7 @@ class RegionMirror:
         """As ``RegionRegistry.lease``, by a lookup at the serving API server.
         Raises RegionError (unknown, mismatch, offset, not reachable)."""
         if not isinstance(region_id, str) or not 0 < len(region_id) <= 256:
-            raise RegionError(_UNKNOWN, "unknown")
+            raise RegionError(UNKNOWN_REGION, "unknown")
         with self._lock:
             answer, fds = self._ask(region_id)
         for fd in fds[1:]:
@@ -121,7 +123,7 @@ class RegionMirror:
         if "error" in answer or len(fds) != 1:
             if fds:
                 os.close(fds[0])
-            raise RegionError(_UNKNOWN, "unknown")
+            raise RegionError(UNKNOWN_REGION, "unknown")
         # Checked as a registration: a sealed memfd of exactly that size.
         region = self._local.register(fds[0], os.getuid(), answer.get("datatype"),
                                       answer.get("shape"))

@@ -42,7 +42,7 @@ logger = init_logger(__name__)
 
 DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
 REQUIRED_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-_UNKNOWN = "unknown shared_memory_region"
+UNKNOWN_REGION = "unknown shared_memory_region"  # never the id: it is a capability
 
 
 class RegionError(ValueError):
@@ -343,7 +343,7 @@ class RegionRegistry:
             region = self._regions.get(region_id) if isinstance(region_id, str) else None
         if region is None or (uid is not None and region.uid != uid) or not self._unregister(
                 [region], "op"):
-            raise RegionError(_UNKNOWN, "unknown")
+            raise RegionError(UNKNOWN_REGION, "unknown")
 
     def unregister_ids(self, region_ids: Iterable[str], reason: str = "disconnect") -> int:
         """Unregister those of ``region_ids`` still registered (a closed
@@ -382,7 +382,7 @@ class RegionRegistry:
             region = self._regions.get(region_id) if isinstance(region_id, str) else None
         try:
             if region is None:
-                raise RegionError(_UNKNOWN, "unknown")
+                raise RegionError(UNKNOWN_REGION, "unknown")
             if datatype != region.datatype:
                 raise RegionError(f"datatype does not match the region's ({region.datatype})",
                                   "mismatch")
@@ -398,7 +398,7 @@ class RegionRegistry:
                                   "supported)", "offset")
             with self._lock:
                 if not region.registered:  # unregistered meanwhile
-                    raise RegionError(_UNKNOWN, "unknown")
+                    raise RegionError(UNKNOWN_REGION, "unknown")
                 region.leases += 1
                 region.last_used = time.monotonic()
         except RegionError as e:
@@ -413,7 +413,7 @@ class RegionRegistry:
         with self._lock:
             region = self._regions.get(region_id) if isinstance(region_id, str) else None
             if region is None:
-                raise RegionError(_UNKNOWN, "unknown")
+                raise RegionError(UNKNOWN_REGION, "unknown")
             region.leases += 1
             region.last_used = time.monotonic()
         return Lease(self, region)
