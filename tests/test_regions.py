@@ -276,7 +276,10 @@ def test_connection_close_unregisters_and_leases_outlive_it(env):
     unleased.release()
     fd, fd2 = lease.region.fd, unleased.region.fd
     sock.close()
-    _wait(lambda: env.registry.stats()["regions"] == 0)
+    # the server thread frees after dropping (outside the registry lock):
+    # wait for the free, not only for the drop
+    _wait(lambda: env.registry.stats()["regions"] == 0
+          and counters.stats().get("regions_freed") == 1)
     for r in (rid, rid2):
         with pytest.raises(RegionError, match="unknown"):
             env.registry.lease(r, "FP16", [7, H], t.nbytes, 0)
