@@ -385,25 +385,35 @@ def test_over_budget_takes_the_stock_way(shm_env, monkeypatch):
     assert os.listdir(shm_env) == []
 
 
-def test_budget_counts_segments_whose_names_are_gone(shm_env, monkeypatch, tmp_path):
-    """On a segment file system of its own, the budget also counts segments that
-    left the directory listing (every TP rank mapped them) but still hold their
-    pages until the request ends (issue 16: the flood's tmpfs held more than
-    the budget while the listing showed less)."""
+@pytest.mark.parametrize("fs", ["dev_shm", "own_tmpfs"])
+def test_budget_counts_what_requests_hold(shm_env, monkeypatch, tmp_path, fs):
+    """Issue 16: the budget counts every segment a request holds, also after
+    every TP rank mapped it. Its name stays until vLLM frees the request (so
+    on ``/dev/shm``, shared with everything else, the names are the count);
+    on a file system of its own everything in use counts, which also covers
+    the TP workers' mappings in the step after the request was freed."""
+    import contextlib
+
     from conftest import _tmpfs
 
-    with _tmpfs(tmp_path / "seg", "4m") as mnt:
-        monkeypatch.setenv("VLLM_SHM_EMBEDS_DIR", mnt)
+    with (_tmpfs(tmp_path / "seg", "4m") if fs == "own_tmpfs"
+          else contextlib.nullcontext(shm_env)) as directory:
+        monkeypatch.setenv("VLLM_SHM_EMBEDS_DIR", directory)
         monkeypatch.setenv("VLLM_SHM_EMBEDS_MAX_BYTES", str(1 << 20))
         held = transfer.adopt_tensor(transfer.share_tensor(torch.randn(512, 256)))  # 512 KiB
         h = hop2.externalize(held, readers=1)
         reader = transfer.open_tensor(h, 0)  # a TP rank's mapping
-        assert process.collect() == 1 and os.listdir(mnt) == []  # name gone, pages held
+        assert process.collect() == 0 and len(os.listdir(directory)) == 1  # still named
         with pytest.raises(OSError) as e:  # 512 KiB more would pass the 1 MiB budget
             transfer.share_tensor(torch.randn(640, 256))
         assert segment.fallback_reason(e.value) == "budget"
-        del reader
-        assert transfer.release_adopted(held)  # the request ends: its pages come back
+        assert transfer.release_adopted(held)  # vLLM freed the request: the name goes
+        assert os.listdir(directory) == []
+        if fs == "own_tmpfs":  # the TP rank has not dropped it yet: still counted
+            with pytest.raises(OSError) as e:
+                transfer.share_tensor(torch.randn(640, 256))
+            assert segment.fallback_reason(e.value) == "budget"
+        del reader  # the TP rank's next step: its pages come back
         transfer.discard_shared(transfer.share_tensor(torch.randn(640, 256)))
         del held, h
         process.collect()

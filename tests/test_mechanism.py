@@ -78,8 +78,17 @@ def test_round_trip_across_spawned_readers(shm_env):
         for src, (dtype, shape, values) in zip(srcs, r):
             assert dtype == src.dtype and shape == tuple(src.shape)
             assert values == src.float().tolist()
-    # Both readers set their flags: the names go at the next collect().
-    assert process.collect() == len(srcs)
+    # Both readers set their flags, but the sources (the EngineCore's
+    # requests) are alive: the names stay, so the budget counts the pages the
+    # readers hold; they go when the requests are freed.
+    assert process.collect() == 0 and len(os.listdir(shm_env)) == len(srcs)
+    for src in srcs:
+        assert not transfer.release_adopted(src)  # a copy: no data pages here
+    # (empty tensors share an address: the books find one of them by it; the
+    # others' names go with their source tensors)
+    del src
+    srcs.clear()
+    process.collect()
     assert os.listdir(shm_env) == []
 
 
@@ -98,9 +107,11 @@ def test_reused_without_copy_and_released_on_free(shm_env):
     # The first broadcast's reader is done, the second's is not: the name stays.
     assert process.collect() == 0 and os.listdir(shm_env) == [h1.name]
     assert torch.equal(transfer.open_tensor(h2, 0), src)
-    assert process.collect() == 1
+    assert process.collect() == 0  # both readers are done; src is still in use
+    del src  # the request (the tensor the copy was made from) is gone
+    assert process.collect() == 1 and os.listdir(shm_env) == []
     # The mapping stays valid after the name is gone.
-    assert torch.equal(t, src)
+    assert torch.equal(t, torch.arange(4096, dtype=torch.float32).view(64, 64))
 
 
 def test_adopt_renames_to_owner_and_hop2_reuses_it(shm_env):
@@ -116,7 +127,14 @@ def test_adopt_renames_to_owner_and_hop2_reuses_it(shm_env):
     assert h.name == names[0]
     assert _delta(before, "copied_bytes") == 0  # one copy in total (at hop 1)
     transfer.open_tensor(h, 0)
-    assert process.collect() == 1
+    assert process.collect() == 0  # the request still uses it: the name stays
+    # a second broadcast (vLLM 0.33's V2 model runner re-sends on resume)
+    # reuses it by name, no copy
+    again = hop2.externalize(adopted, readers=1)
+    assert again.name == h.name and _delta(before, "copied_bytes") == 0
+    transfer.open_tensor(again, 0)
+    del adopted
+    assert process.collect() == 1 and os.listdir(shm_env) == []
 
 
 def test_adopted_but_never_broadcast_is_unlinked_when_freed(shm_env):
@@ -139,10 +157,13 @@ def test_freed_request_lets_go_of_the_engine_pages(shm_env):
     adopted = transfer.adopt_tensor(transfer.share_tensor(src))
     h = hop2.externalize(adopted, readers=1)
     reader = transfer.open_tensor(h, 0)  # a TP worker's mapping
-    assert process.collect() == 1 and os.listdir(shm_env) == []  # name gone, pages mapped
+    # every reader mapped it, but the request runs: the name stays (the
+    # budget counts the segment by its name)
+    assert process.collect() == 0 and len(os.listdir(shm_env)) == 1
     del reader
     assert len(_maps_of(shm_env)) == 1  # the EngineCore's
     assert transfer.release_adopted(adopted)
+    assert os.listdir(shm_env) == []
     assert _maps_of(shm_env) == [] and adopted.shape == src.shape and not adopted.any()
     assert not transfer.release_adopted(adopted)  # once
     # Freed before it was ever broadcast (aborted): unlinked and let go at once.
@@ -199,9 +220,10 @@ def test_region_crosses_both_hops_without_a_copy(shm_env):
     assert torch.equal(reader, src)
     assert _delta(before, "copied_bytes") == 0 and _delta(before, "hop2_reused_tensors") == 1
     assert _delta(before, "hop1_region_adopted") == 1
-    assert process.collect() == 1 and os.listdir(shm_env) == []
+    assert process.collect() == 0 and len(os.listdir(shm_env)) == 1  # the header file
     del reader
     assert transfer.release_adopted(adopted)
+    assert os.listdir(shm_env) == []
     assert _memfd_refs() == 0 and not adopted.any()
 
 
@@ -301,7 +323,10 @@ def test_externalize_internalize_restore(shm_env):
     assert reqs[0].prompt_embeds is a and reqs[2].prompt_embeds is b
     assert hop2.internalize_prompt_embeds(wire, reader_index=0) == 2
     assert torch.equal(wire[0].prompt_embeds, a) and torch.equal(wire[2].prompt_embeds, b)
-    assert process.collect() == 2
+    assert process.collect() == 0  # the requests still use a and b
+    for t in (a, b):
+        transfer.release_adopted(t)  # vLLM freed the requests
+    assert os.listdir(shm_env) == []
 
 
 def test_oob_consumer_provider_round_trip(shm_env):
@@ -425,7 +450,9 @@ def test_readers_cannot_change_what_others_read(shm_env, monkeypatch, files):
                       "t[-1].add_(1.0)\n", h)
     assert child.returncode < 0  # killed by SIGSEGV/SIGBUS, not silently written
     assert torch.equal(transfer.open_tensor(h, 1), src)
-    assert process.collect() == 1
+    assert process.collect() == 0
+    transfer.release_adopted(src)
+    assert os.listdir(shm_env) == []
 
 
 def test_vanished_segment_is_copied_again(shm_env):
@@ -436,7 +463,9 @@ def test_vanished_segment_is_copied_again(shm_env):
     h = hop2.externalize(adopted, readers=1)
     assert h.name != name
     assert torch.equal(transfer.open_tensor(h, 0), adopted)
-    assert process.collect() == 1
+    assert process.collect() == 0
+    transfer.release_adopted(adopted)
+    assert os.listdir(shm_env) == []
     assert counters.stats().get("fallback.hop2.vanished", 0) >= 1
 
 
@@ -472,9 +501,9 @@ def test_striped_segment_hop1_hop2_round_trip(striped):
     assert _delta(before, "copied_bytes") == 0 and h.split == sent.split
     for r in _read_in_spawned_readers([h], 2):
         assert r[0][2] == src.tolist()
-    assert process.collect() == 1
+    assert process.collect() == 0 and len(os.listdir(striped)) == 3
+    assert transfer.release_adopted(adopted)
     assert os.listdir(striped) == []
-    assert torch.equal(adopted, src)  # the mapping outlives the names
 
 
 def test_striped_segment_private_tensor_and_free(striped):
@@ -483,7 +512,10 @@ def test_striped_segment_private_tensor_and_free(striped):
     assert len(os.listdir(striped)) == 3
     t = transfer.open_tensor(h, 0)
     assert torch.equal(t, src)
-    assert process.collect() == 1 and os.listdir(striped) == []
+    assert process.collect() == 0 and len(os.listdir(striped)) == 3
+    transfer.release_adopted(src)
+    assert os.listdir(striped) == []
+    assert torch.equal(t, src)  # the reader's mapping outlives the names
     adopted = transfer.adopt_tensor(transfer.share_tensor(src))
     assert len(os.listdir(striped)) == 3
     del adopted  # freed before any broadcast: every file goes

@@ -73,7 +73,35 @@ def test_embeds_equal_text_and_use_shm(server):
     assert engine.get("hop2_reused_tensors") == len(TEXTS)
     assert len(workers) == 2
     assert all(w.get("hop2_shm_tensors") == len(TEXTS) for w in workers)
-    assert ours_in(server["seg_dir"]) == []  # names go once both ranks mapped them
+    # a name goes when vLLM frees its request, before the answer is sent
+    assert ours_in(server["seg_dir"]) == []
+
+
+def test_segment_counts_while_its_request_runs(server):
+    """Issue 16: on ``/dev/shm`` the budget counts our segments by name, so a
+    request's segment keeps its name for as long as the TP workers map it
+    (the whole decode), and ``/metrics`` shows it held; it goes when vLLM
+    frees the request."""
+    from helpers import METRICS_PREFIX, parse_metrics
+
+    def held() -> float:
+        r = requests.get(server["url"] + "/metrics", timeout=60)
+        return parse_metrics(r.text)[(METRICS_PREFIX + "dir_held_bytes", frozenset())]
+
+    embeds = embed_weights(server["model"])[torch.arange(3, 303)].contiguous()
+    with requests.post(server["url"] + "/v1/completions", stream=True, timeout=300, json={
+            "model": "tiny", "max_tokens": 1500, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "prompt_embeds": encode_embeds(embeds)}) as r:
+        assert r.status_code == 200, r.text
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith(b"data: "))  # prefill done
+        during = ours_in(server["seg_dir"])
+        during_bytes = held()
+        chunks = sum(line.startswith(b"data: {") for line in lines)
+    assert chunks > 100  # it was still decoding when we looked
+    assert during, "the segment's name went while its request ran"
+    assert during_bytes >= embeds.nbytes
+    assert ours_in(server["seg_dir"]) == [] and held() == 0
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])

@@ -42,8 +42,9 @@ def externalize(tensor: torch.Tensor, readers: int) -> SharedTensorHandle:
     hop 1, or sent before and still linked) is sent without a copy; any other
     tensor is copied once into a new segment. This broadcast gets reader
     flags of its own, and the name is unlinked once all its readers (and
-    those of any other pending broadcast of it) have mapped it
-    (:func:`collect`).
+    those of any other pending broadcast of it) have mapped it and the
+    request is done with ``tensor`` (``owned.OwnedSegments.collect``,
+    ``transfer.release_adopted``).
 
     Raises:
         OSError: a new segment could not be created; the caller keeps the

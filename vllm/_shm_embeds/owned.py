@@ -1,11 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """The books of the segments one process owns, and when their names may go.
 
-A name is unlinked when every reader of every broadcast of it has set its
-flag (after at least one broadcast), or when the owner's tensor storage is
-freed and no broadcast is pending. Bookkeeping happens under a lock in
-ordinary code; finalizers only record (:func:`on_release`), and the work is
-done at the next safe point (:meth:`OwnedSegments.collect`).
+A name stays for as long as the segment's pages are in use by a request:
+until every reader of every broadcast of it has set its flag (after at
+least one broadcast) *and* the request is done with it here (its tensor
+storage, or the tensor a hop-2 copy was made from, is freed, or vLLM freed
+the request: :meth:`OwnedSegments.release_adopted`). The TP workers map the
+pages until their request ends too, so the names in the segment directory
+are what the server holds there (the budget, ``transfer.check_budget``,
+counts them). Bookkeeping happens under a lock in ordinary code; finalizers
+only record (:func:`on_release`), and the work is done at the next safe
+point (:meth:`OwnedSegments.collect`).
 
 Knows segments and handles, not vLLM and not HTTP.
 """
@@ -69,6 +74,8 @@ class _Owned:
         released: the owner's tensor is gone; no new broadcast will come.
         handover: a streamed segment (binary body) that hop 1 may hand over
             to a peer by handle; never broadcast from here.
+        freed: vLLM freed the request while a broadcast was pending: the
+            name goes once the broadcasts are done.
     """
 
     handle: SharedTensorHandle
@@ -80,12 +87,22 @@ class _Owned:
     next_flag: int = 0
     released: bool = False
     handover: bool = False
+    freed: bool = False
 
     def maps(self, tensor: torch.Tensor) -> bool:
         """True if ``tensor`` is exactly this segment's mapping here (same
         address, dtype and shape)."""
         return (self.data_ptr == tensor.data_ptr() and tensor.dtype == self.handle.torch_dtype
                 and tuple(tensor.shape) == self.handle.shape)
+
+    def in_use(self) -> bool:
+        """True while the request still uses the segment here: its tensor
+        (adopted) or the tensor it copies (hop 2) is alive and vLLM has not
+        freed the request."""
+        if self.freed:
+            return False
+        return self.data_ptr is not None or (self.source is not None
+                                             and self.source() is not None)
 
     def close_fds(self) -> None:
         for fd in self.fds or ():
@@ -96,10 +113,11 @@ class _Owned:
 class OwnedSegments:
     """Segments this process owns, and when to unlink their names.
 
-    A name is unlinked when every reader of every broadcast of it has set its
-    flag (after at least one broadcast), or when the owner's tensor storage
-    is freed and no broadcast is pending. All bookkeeping happens under
-    ``_lock`` in ordinary code; finalizers only queue (:func:`on_release`).
+    A name is unlinked once no broadcast of it is pending (every reader set
+    its flag) and the request no longer uses it here (:meth:`_Owned.in_use`):
+    so a name is linked for as long as a request holds the pages, and the
+    budget can count them by name. All bookkeeping happens under ``_lock``
+    in ordinary code; finalizers only queue (:func:`on_release`).
     """
 
     def __init__(self, state: ProcessState) -> None:
@@ -159,6 +177,8 @@ class OwnedSegments:
                     del self._by_ptr[key[2]]
                 if entry is not None:
                     entry.source = None
+                    if entry.data_ptr is None and not entry.broadcasts:
+                        gone.append(self._pop(name))  # a hop-2 copy nobody needs
                 continue
             if entry is None:
                 continue
@@ -186,7 +206,8 @@ class OwnedSegments:
             count(segments_unlinked=n)
 
     def collect(self) -> int:
-        """Unlink names no reader needs any more; returns how many segments went."""
+        """Unlink the names that no reader and no request needs any more;
+        returns how many segments went."""
         if not self._segs and not self._state.released:
             return 0
         with self._lock:
@@ -198,10 +219,11 @@ class OwnedSegments:
                     (base, readers) for base, readers in entry.broadcasts
                     if b"\x00" in seg.read_flags(entry.mm, base, readers)
                 ]
-                if not entry.broadcasts:
-                    gone.append(self._pop(name))
-                    if entry.data_ptr is not None:  # still mapped here as a tensor
-                        self._views[name] = entry
+                if entry.broadcasts or entry.in_use():
+                    continue  # the TP workers map it until the request ends
+                gone.append(self._pop(name))
+                if entry.data_ptr is not None:  # still mapped here as a tensor
+                    self._views[name] = entry
         self._unlink(gone)
         return len(gone)
 
@@ -288,19 +310,29 @@ class OwnedSegments:
         return next((e for e in self._views.values() if e.maps(tensor)), None)
 
     def release_adopted(self, tensor: torch.Tensor) -> bool:
-        """The EngineCore is done with ``tensor``, a segment it adopted (its
-        request was freed): drop this process's pages of it (the TP workers
-        have mappings of their own). A name still linked is unlinked unless a
-        broadcast of it is pending (its readers' flags live in the mapping:
-        then the pages go with the tensor). True if the pages were dropped."""
+        """The EngineCore is done with ``tensor`` (vLLM freed its request):
+        unlink the name of the segment it adopted at hop 1, or of the hop-2
+        copy made from it, and drop this process's pages of an adopted one
+        (the TP workers have mappings of their own, dropped at their next
+        step). While a broadcast of it is pending (its readers' flags live in
+        the mapping) the name goes once the readers are done, and the pages
+        with the tensor. True if pages were dropped here."""
         with self._lock:
             name = self._by_ptr.get(tensor.data_ptr())
             entry = self._segs.get(name) if name is not None else None
             unlink = False
             if entry is not None:
-                if entry.handover or entry.broadcasts or not entry.maps(tensor):
+                copy = (entry.data_ptr is None and entry.source is not None
+                        and entry.source() is tensor)
+                if entry.handover or not (copy or entry.maps(tensor)):
+                    return False
+                if entry.broadcasts:
+                    entry.freed = True
                     return False
                 self._pop(entry.handle.name)
+                if copy:  # only the header is mapped here
+                    self._unlink([entry])
+                    return False
                 unlink = True
             else:
                 entry = self._view_entry(tensor)

