@@ -8,7 +8,7 @@ once: ``--binary`` binary bodies and ``--json`` base64 JSON bodies of
 path), ``--text`` text prompts, and ``--stalled`` uploaders that declare a
 full binary body, send 1 MiB and then nothing for ``--stall-s`` seconds. For
 each mode it prints outcomes by kind (HTTP status, or ``cut``/``timeout``),
-the time to the first token (``max_tokens=1``, so the whole response) p50/p99
+the time to the whole response (to the first token with ``--max-tokens 1``) p50/p99
 by kind, the API server's peak RSS over its start RSS, the segment
 directory's peak use (sampled every 50 ms), and what was left in it.
 
@@ -19,6 +19,13 @@ directory's peak use (sampled every 50 ms), and what was left in it.
 ``--mixed N`` replaces the flood by N requests sent at once: every fourth a
 text prompt, the others alternately binary and JSON bodies of 1 MiB to
 128 MiB (log-spaced sizes in a shuffled order, fixed seed), no stalled upload.
+
+``--dev-shm`` puts the segment directory on ``/dev/shm`` itself (shared with
+vLLM's rings and the rest of the host, as in a default container) with a
+budget of ``--budget-mib`` (128); the peak then sampled is what the server's
+segments really hold there: the named files plus the files that its
+processes still map after their names went, each inode once.
+``--max-tokens`` (1) makes requests decode longer.
 
 Writes ``benchmarks/results/load.json`` (``load_mixed.json`` with ``--mixed``).
 """
@@ -31,6 +38,7 @@ import io
 import json
 import os
 import pathlib
+import shutil
 import socket
 import subprocess
 import sys
@@ -54,10 +62,13 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
 
+MAX_TOKENS = [1]  # --max-tokens
+
+
 def _json_body(t: torch.Tensor) -> bytes:
     buf = io.BytesIO()
     torch.save(t, buf)
-    return json.dumps({"model": "tiny", "prompt": "", "max_tokens": 1, "temperature": 0.0,
+    return json.dumps({"model": "tiny", "max_tokens": MAX_TOKENS[0], "temperature": 0.0,
                        "prompt_embeds": base64.b64encode(buf.getvalue()).decode()}).encode()
 
 
@@ -87,29 +98,64 @@ def _stall(url: str, t: torch.Tensor, stall_s: float) -> str:
         s.close()
 
 
+def held_in(directory: str, procs: list) -> int:
+    """Bytes that files in ``directory`` hold, each inode once: the named ones
+    (allocated blocks) and those that ``procs`` (psutil processes) map, also
+    after their names went (the mapping's length)."""
+    sizes: dict[int, int] = {}
+    for name in os.listdir(directory):
+        try:
+            st = os.stat(os.path.join(directory, name))
+        except OSError:
+            continue
+        sizes[st.st_ino] = st.st_blocks * 512
+    for p in procs:
+        try:
+            with open(f"/proc/{p.pid}/maps") as f:
+                for line in f:
+                    if directory not in line:
+                        continue
+                    span, _, _, _, inode = line.split(None, 5)[:5]
+                    lo, hi = (int(x, 16) for x in span.split("-"))
+                    ino = int(inode)
+                    sizes[ino] = max(sizes.get(ino, 0), hi - lo)
+        except OSError:
+            continue
+    return sum(sizes.values())
+
+
 def run_mode(shm_on: bool, args, weights: torch.Tensor, tmp: pathlib.Path) -> dict:
     from helpers import Server, ours_in
 
     import shm_embeds_client as sec
 
-    mnt = tmp / "shm"
-    mnt.mkdir(parents=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={args.tmpfs_mib}m", "tmpfs",
-                    str(mnt)], check=True)
+    env = {"VLLM_SHM_EMBEDS_MIN_BYTES": str(1 << 20)}
+    if args.dev_shm:
+        mnt = pathlib.Path(tempfile.mkdtemp(prefix="bench-load-", dir="/dev/shm"))
+        env["VLLM_SHM_EMBEDS_MAX_BYTES"] = str(args.budget_mib << 20)
+    else:
+        mnt = tmp / "shm"
+        mnt.mkdir(parents=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={args.tmpfs_mib}m", "tmpfs",
+                        str(mnt)], check=True)
     try:
         server = Server(tmp, "-tp", "2", shm_on=shm_on, seg_dir=str(mnt), check_clean=False,
                         model=os.path.join(ROOT, ".models", "wide"),
-                        max_model_len=max(args.sizes) + 64,
-                        env_extra={"VLLM_SHM_EMBEDS_MIN_BYTES": str(1 << 20)}).start()
+                        max_model_len=max(args.sizes) + args.max_tokens + 64,
+                        env_extra=env).start()
         api = psutil.Process(server.proc.pid)
+        tree = [api, *api.children(recursive=True)]
         rss0 = api.memory_info().rss
         peak = {"rss": rss0, "fs": 0}
         stop = threading.Event()
 
         def sample():
             while not stop.is_set():
-                st = os.statvfs(str(mnt))
-                peak["fs"] = max(peak["fs"], (st.f_blocks - st.f_bfree) * st.f_frsize)
+                if args.dev_shm:
+                    peak["fs"] = max(peak["fs"], held_in(str(mnt), tree))
+                else:
+                    st = os.statvfs(str(mnt))
+                    peak["fs"] = max(peak["fs"], (st.f_blocks - st.f_bfree) * st.f_frsize)
                 try:
                     peak["rss"] = max(peak["rss"], api.memory_info().rss)
                 except psutil.Error:
@@ -131,7 +177,7 @@ def run_mode(shm_on: bool, args, weights: torch.Tensor, tmp: pathlib.Path) -> di
                 if kind == "stalled":
                     return kind, _stall(server.url, tensors[0], args.stall_s), None
                 if kind == "binary" and shm_on:
-                    sec.complete(server.url, "tiny", tensors[i], max_tokens=1,
+                    sec.complete(server.url, "tiny", tensors[i], max_tokens=args.max_tokens,
                                  temperature=0.0, timeout=600)
                     code = "200"
                 elif kind in ("binary", "json"):
@@ -142,7 +188,8 @@ def run_mode(shm_on: bool, args, weights: torch.Tensor, tmp: pathlib.Path) -> di
                 else:
                     r = requests.post(server.url + "/v1/completions", timeout=600,
                                       json={"model": "tiny", "prompt": f"text {i} " * 50,
-                                            "max_tokens": 1, "temperature": 0.0})
+                                            "max_tokens": args.max_tokens,
+                                            "temperature": 0.0})
                     code = str(r.status_code)
             except requests.Timeout:
                 code = "timeout"
@@ -161,7 +208,10 @@ def run_mode(shm_on: bool, args, weights: torch.Tensor, tmp: pathlib.Path) -> di
         left = ours_in(str(mnt))
         server.close()
     finally:
-        subprocess.run(["umount", str(mnt)])
+        if args.dev_shm:
+            shutil.rmtree(mnt, ignore_errors=True)
+        else:
+            subprocess.run(["umount", str(mnt)])
     out = {"mode": "shm-embeds" if shm_on else "stock", "healthy_after": healthy,
            "left": left, "api_rss_peak_mb": (peak["rss"] - rss0) / 2**20,
            "fs_peak_mb": peak["fs"] / 2**20, "kinds": {}}
@@ -190,8 +240,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="4+4 requests of 256 tokens")
     ap.add_argument("--mixed", type=int, metavar="N",
                     help="N requests at once instead: 1-128 MiB embeds, every fourth text")
+    ap.add_argument("--dev-shm", action="store_true",
+                    help="segment directory on /dev/shm itself, with --budget-mib")
+    ap.add_argument("--budget-mib", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=1)
     ap.add_argument("--out", help="default benchmarks/results/load.json (load_mixed.json)")
     args = ap.parse_args()
+    MAX_TOKENS[0] = args.max_tokens
     if args.quick:
         args.tokens, args.binary, args.json, args.stalled, args.stall_s = 256, 4, 4, 2, 35.0
     from helpers import embed_weights
@@ -216,14 +271,18 @@ def main() -> None:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench-load-"))
     runs = [run_mode(on, args, weights, tmp / str(int(on))) for on in (False, True)]
     args.out = args.out or os.path.join(ROOT, "benchmarks", "results",
-                                        "load_mixed.json" if args.mixed else "load.json")
+                                        ("load_mixed" if args.mixed else "load")
+                                        + ("_dev_shm" if args.dev_shm else "") + ".json")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "runs": runs}, f, indent=1)
     mbs = sorted(n * row / 2**20 for n in args.sizes)
     size = f"{mbs[0]:.0f}" if mbs[0] == mbs[-1] else f"{mbs[0]:.0f}-{mbs[-1]:.0f}"
+    where = (f"/dev/shm, budget {args.budget_mib} MiB" if args.dev_shm
+             else f"{args.tmpfs_mib} MiB tmpfs")
     print(f"\n{args.binary} binary + {args.json} JSON requests of {size} MiB, {args.text} "
-          f"text, {args.stalled} stalled uploads; segment dir: {args.tmpfs_mib} MiB tmpfs")
+          f"text, {args.stalled} stalled uploads, max_tokens {args.max_tokens}; "
+          f"segment dir: {where}")
     print("| mode | kind | outcomes | TTFT p50 s | TTFT p99 s |")
     print("|---|---|---|---:|---:|")
     for r in runs:
@@ -231,7 +290,8 @@ def main() -> None:
             p50 = "-" if k["ttft_p50_s"] is None else f"{k['ttft_p50_s']:.1f}"
             p99 = "-" if k["ttft_p99_s"] is None else f"{k['ttft_p99_s']:.1f}"
             print(f"| {r['mode']} | {kind} | {k['outcomes']} | {p50} | {p99} |")
-    print("\n| mode | API server peak RSS growth MB | segment fs peak MB | left | healthy |")
+    fs = "segments held peak MB" if args.dev_shm else "segment fs peak MB"
+    print(f"\n| mode | API server peak RSS growth MB | {fs} | left | healthy |")
     print("|---|---:|---:|---|---|")
     for r in runs:
         print(f"| {r['mode']} | {r['api_rss_peak_mb']:.0f} | {r['fs_peak_mb']:.0f} | "

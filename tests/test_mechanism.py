@@ -84,8 +84,10 @@ def test_round_trip_across_spawned_readers(shm_env):
     assert process.collect() == 0 and len(os.listdir(shm_env)) == len(srcs)
     for src in srcs:
         assert not transfer.release_adopted(src)  # a copy: no data pages here
-    # (empty tensors share an address: the books find one of them by it; the
-    # others' names go with their source tensors)
+    # the copies' names went; empty tensors share an address, so the books
+    # find one of them by it: the others' names go with their source tensors
+    empty = sum(s.numel() == 0 for s in srcs)
+    assert 0 < len(os.listdir(shm_env)) < empty
     del src
     srcs.clear()
     process.collect()
@@ -174,6 +176,44 @@ def test_freed_request_lets_go_of_the_engine_pages(shm_env):
     # Not ours: nothing happens.
     assert not transfer.release_adopted(src) and torch.equal(src, src.clone())
     assert counters.stats()["engine_pages_released"] == 2
+
+
+def test_request_freed_while_its_broadcast_is_pending(shm_env):
+    """vLLM frees a request (abort) before every TP rank mapped the step: the
+    name and the EngineCore's pages go at the safe point after the readers
+    are done; flags already set count at once."""
+    src = torch.randn(256, 32)
+    adopted = transfer.adopt_tensor(transfer.share_tensor(src))
+    h = hop2.externalize(adopted, readers=2)
+    reader = transfer.open_tensor(h, 0)  # rank 0 mapped, rank 1 not yet
+    assert not transfer.release_adopted(adopted)  # pending: later
+    assert process.collect() == 0 and len(os.listdir(shm_env)) == 1
+    del reader
+    transfer.open_tensor(h, 1)  # rank 1 maps, drops
+    before = counters.stats()
+    assert process.collect() == 1
+    assert os.listdir(shm_env) == [] and _maps_of(shm_env) == []
+    assert _delta(before, "engine_pages_released") == 1 and not adopted.any()
+    # every flag set but no safe point yet: released at once
+    adopted = transfer.adopt_tensor(transfer.share_tensor(src))
+    transfer.open_tensor(hop2.externalize(adopted, readers=1), 0)
+    assert transfer.release_adopted(adopted)
+    assert os.listdir(shm_env) == [] and _maps_of(shm_env) == []
+
+
+def test_without_free_request_names_go_once_mapped(shm_env, monkeypatch):
+    """If vLLM's ``Scheduler._free_request`` site cannot be patched nothing
+    says when a request ends: a name goes once every reader mapped it."""
+    from vllm._shm_embeds import owned
+
+    monkeypatch.setattr(owned, "_release_known", False)
+    adopted = transfer.adopt_tensor(transfer.share_tensor(torch.randn(64, 32)))
+    reader = transfer.open_tensor(hop2.externalize(adopted, readers=1), 0)
+    assert process.collect() == 1 and os.listdir(shm_env) == []
+    assert torch.equal(reader, adopted)
+    src = torch.randn(64, 32)
+    transfer.open_tensor(hop2.externalize(src, readers=1), 0)
+    assert process.collect() == 1 and os.listdir(shm_env) == []
 
 
 def _sealed_memfd(t: torch.Tensor) -> int:

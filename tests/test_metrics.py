@@ -238,7 +238,7 @@ def test_sizing_warning_says_how_large():
 
 def settled(stats_dir: str) -> list[dict]:
     """The stats files once every segment created was unlinked and nothing changes
-    (the EngineCore unlinks a name after the step that mapped it)."""
+    (the EngineCore unlinks a name when vLLM frees its request)."""
     deadline = time.monotonic() + 60
     last = None
     while True:

@@ -35,6 +35,19 @@ from vllm._shm_embeds.handle import MAX_READERS, SegmentName, SharedTensorHandle
 
 logger = init_logger(__name__)
 
+# Whether something tells the books when a request is freed
+# (:meth:`OwnedSegments.release_adopted`, from vLLM's ``Scheduler._free_request``
+# in ``sites/scheduler.py``). Without it a name goes once every reader mapped
+# it, as it is unknown when the request ends.
+_release_known = True
+
+
+def set_release_known(known: bool) -> None:
+    """Say whether :meth:`OwnedSegments.release_adopted` will be called when a
+    request is freed (False: names go once every reader mapped them)."""
+    global _release_known
+    _release_known = known
+
 
 class ProcessState(Protocol):
     """What the books need of their process (``process.Process``)."""
@@ -67,7 +80,8 @@ class _Owned:
         data_ptr: address of the data in this process's mapping of it
             (adopted segments), else None.
         source: the tensor that was copied into it (hop 2 copies), else None.
-        fds: the files, held open while broadcasts are pending.
+        fds: the files, held open while broadcasts are pending (a
+            region's for as long as the name: its memfd has no name).
         broadcasts: ``(flag_base, readers)`` of broadcasts whose readers have
             not all set their flags.
         next_flag: first unused flag byte.
@@ -99,10 +113,15 @@ class _Owned:
         """True while the request still uses the segment here: its tensor
         (adopted) or the tensor it copies (hop 2) is alive and vLLM has not
         freed the request."""
-        if self.freed:
+        if self.freed or not _release_known:
             return False
         return self.data_ptr is not None or (self.source is not None
                                              and self.source() is not None)
+
+    def settle(self) -> None:
+        """Drop the broadcasts whose readers have all set their flags."""
+        self.broadcasts = [(base, readers) for base, readers in self.broadcasts
+                           if b"\x00" in seg.read_flags(self.mm, base, readers)]
 
     def close_fds(self) -> None:
         for fd in self.fds or ():
@@ -210,21 +229,33 @@ class OwnedSegments:
         returns how many segments went."""
         if not self._segs and not self._state.released:
             return 0
+        idle_fds: list[int] = []
+        drop: list[_Owned] = []
         with self._lock:
             gone = self._drain()
             for name, entry in list(self._segs.items()):
                 if not entry.broadcasts:
                     continue
-                entry.broadcasts = [
-                    (base, readers) for base, readers in entry.broadcasts
-                    if b"\x00" in seg.read_flags(entry.mm, base, readers)
-                ]
-                if entry.broadcasts or entry.in_use():
-                    continue  # the TP workers map it until the request ends
+                entry.settle()
+                if entry.broadcasts:
+                    continue
+                if entry.in_use():  # the TP workers map it until the request ends
+                    if entry.fds and not entry.handle.region:  # reopened by name if re-sent
+                        idle_fds += entry.fds
+                        entry.fds = None
+                    continue
                 gone.append(self._pop(name))
                 if entry.data_ptr is not None:  # still mapped here as a tensor
-                    self._views[name] = entry
+                    if entry.freed:  # vLLM freed the request meanwhile
+                        drop.append(entry)
+                    else:
+                        self._views[name] = entry
+        for fd in idle_fds:
+            os.close(fd)
         self._unlink(gone)
+        for entry in drop:
+            if self._let_go(entry, False):
+                count(engine_pages_released=1)
         return len(gone)
 
     # -- hop 2
@@ -238,7 +269,7 @@ class OwnedSegments:
             if entry is not None:
                 h = entry.handle
                 same = (
-                    not entry.handover
+                    not entry.handover and not entry.freed
                     and tensor.dtype == h.torch_dtype and tuple(tensor.shape) == h.shape
                     and (entry.data_ptr == tensor.data_ptr()
                          or (entry.source is not None and entry.source() is tensor))
@@ -315,30 +346,31 @@ class OwnedSegments:
         copy made from it, and drop this process's pages of an adopted one
         (the TP workers have mappings of their own, dropped at their next
         step). While a broadcast of it is pending (its readers' flags live in
-        the mapping) the name goes once the readers are done, and the pages
-        with the tensor. True if pages were dropped here."""
+        the mapping) both happen at the safe point after the readers are
+        done (:meth:`collect`). True if pages were dropped here now."""
         with self._lock:
             name = self._by_ptr.get(tensor.data_ptr())
             entry = self._segs.get(name) if name is not None else None
-            unlink = False
+            unlink = copy = False
             if entry is not None:
                 copy = (entry.data_ptr is None and entry.source is not None
                         and entry.source() is tensor)
                 if entry.handover or not (copy or entry.maps(tensor)):
                     return False
+                entry.settle()
                 if entry.broadcasts:
                     entry.freed = True
                     return False
                 self._pop(entry.handle.name)
-                if copy:  # only the header is mapped here
-                    self._unlink([entry])
-                    return False
                 unlink = True
             else:
                 entry = self._view_entry(tensor)
                 if entry is None:
                     return False
                 self._views.pop(entry.handle.name, None)
+        if copy:  # only its header is mapped here
+            self._unlink([entry])
+            return False
         return self._let_go(entry, unlink)
 
     def release(self, tensor: torch.Tensor) -> bool:

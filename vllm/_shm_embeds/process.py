@@ -132,7 +132,8 @@ def _after_fork_in_child() -> None:
 
 
 def collect() -> int:
-    """Safe point: apply finalizer records and unlink the names no reader needs.
+    """Safe point: apply finalizer records and unlink the names that no reader
+    and no running request needs (``owned.OwnedSegments.collect``).
 
     Cheap when nothing is pending; called once per broadcast and by the
     reaper thread. Returns the number of segments unlinked.

@@ -382,13 +382,16 @@ def release_streamed(tensor: Any) -> bool:
 
 
 def release_adopted(tensor: Any) -> bool:
-    """EngineCore: its request is freed; let go of this process's pages of
-    ``tensor`` if it is a segment adopted at hop 1 (``OwnedSegments.release_adopted``).
+    """EngineCore: vLLM freed the request whose ``prompt_embeds`` is ``tensor``.
 
-    Whatever still holds the tensor object afterwards (vLLM keeps the last
-    request it received until the next message) reads zeros and holds no
-    page of the file. True if the pages were dropped (counted
-    ``engine_pages_released``).
+    Unlinks the name of its segment (adopted at hop 1, or the hop-2 copy made
+    from it; a name lasts as long as its request so that the budget counts
+    it) and lets go of this process's pages of an adopted one
+    (``OwnedSegments.release_adopted``): whatever still holds the tensor
+    object afterwards (vLLM keeps the last request it received until the
+    next message) reads zeros and holds no page of the file. With a
+    broadcast still pending both happen at the next safe point. True if
+    pages were dropped now (counted ``engine_pages_released``).
     """
     if not isinstance(tensor, torch.Tensor):
         return False

@@ -96,6 +96,8 @@ import sys
 
 from vllm.logger import init_logger
 
+from vllm._shm_embeds.owned import set_release_known
+
 from vllm._shm_embeds.sites import (
     core_client,
     engine_core,
@@ -174,6 +176,8 @@ def apply(before_patch: dict | None = None) -> dict[str, list[str]]:
         STATUS[group] = problems
         if problems:
             logger.warning(message, os.getpid(), "; ".join(problems))
+    # Without free_request, a segment's name goes once every TP rank mapped it.
+    set_release_known(not STATUS.get("release"))
     return STATUS
 
 

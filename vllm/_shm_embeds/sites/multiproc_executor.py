@@ -78,7 +78,7 @@ def wrap_executor_rpc(orig: Callable) -> Callable:
             hop2.restore_prompt_embeds(swapped)
         if swapped:
             # Once the reply arrives every TP rank has dequeued (and mapped)
-            # the step, so the names can usually go right away.
+            # the step: the broadcasts are settled (names of freed requests go).
             if isinstance(result, Future):
                 result.add_done_callback(lambda _: process.collect())
             else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+from vllm._shm_embeds.process import start_engine_reaper
 from vllm._shm_embeds.sites.site import Site
 from vllm._shm_embeds.transfer import release_adopted
 
@@ -32,6 +33,7 @@ def wrap_free_request(orig: Callable) -> Callable:
         embeds = getattr(request, "prompt_embeds", None)
         if embeds is not None:
             release_adopted(embeds)
+            start_engine_reaper()  # (started by hop 1 too) a name freed mid-broadcast
         return result
 
     return _free_request
