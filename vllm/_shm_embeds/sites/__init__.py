@@ -97,7 +97,6 @@ import sys
 from vllm.logger import init_logger
 
 from vllm._shm_embeds.owned import set_release_known
-
 from vllm._shm_embeds.sites import (
     core_client,
     engine_core,
