@@ -352,6 +352,34 @@ def test_full_dev_shm_falls_back(shm_env, monkeypatch):
     assert _delta(before, "fallback.hop1.no_space") == 1
 
 
+def test_region_header_on_a_full_dev_shm_goes_inline(shm_env, monkeypatch):
+    """A registered region still needs a 4 KiB header file (hop 2's reader
+    flags); with ``/dev/shm`` full it goes the stock way, inline, counted,
+    and leaves nothing."""
+    import types
+
+    src = torch.randn(64, 32)
+    fd = _sealed_memfd(src)
+    try:
+        monkeypatch.setattr(process.current(), "regions", types.SimpleNamespace(
+            find=lambda t: (os.getpid(), fd, os.fstat(fd).st_ino) if t is src else None))
+
+        def no_space(fd, buf, offset):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(os, "pwrite", no_space)
+        before = counters.stats()
+        consumer = hop1.HandleOOBConsumer()
+        consumer.arm(src)
+        assert consumer(src) is None  # inline: the stock way
+        assert _delta(before, "fallback.hop1.no_space") == 1
+        assert _delta(before, "hop1_stock_bytes") == src.nbytes
+        assert _delta(before, "hop1_region_tensors") == 0
+        assert consumer.take_created() == [] and os.listdir(shm_env) == []
+    finally:
+        os.close(fd)
+
+
 def test_externalize_internalize_restore(shm_env):
     a, b = torch.randn(5, 8), torch.randn(3, 8)
     reqs = [_Req(a), _Req(None), _Req(b)]

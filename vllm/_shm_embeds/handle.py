@@ -107,22 +107,29 @@ def pid_namespace() -> int:
         return 0
 
 
+def proc_stat(pid: int) -> list[bytes] | None:
+    """Fields 3 onwards of ``/proc/<pid>/stat`` (``proc(5)``: [0] the state,
+    [1] the parent pid, [19] the start time in clock ticks since boot); None
+    if ``pid`` is gone, unreadable or a zombie (killed, not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        # Field 2 (comm) may contain spaces and parentheses: split after the last ')'.
+        fields = stat.rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+        return None
+    return fields
+
+
 def proc_start_time(pid: int) -> int | None:
     """Start time of ``pid`` in clock ticks since boot; None if gone or unreadable.
 
     A zombie (killed, not yet reaped by its parent) counts as gone.
     """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # Field 2 (comm) may contain spaces; fields after the last ')' are fixed:
-    # [0] is the state (field 3), [19] the start time (field 22).
-    fields = stat.rsplit(b")", 1)[1].split()
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[19])
+    fields = proc_stat(pid)
+    return int(fields[19]) if fields is not None else None
 
 
 def owner_is_dead(name: SegmentName) -> bool:

@@ -32,6 +32,8 @@ import threading
 
 from vllm.logger import init_logger
 
+from vllm._shm_embeds.handle import proc_stat
+
 logger = init_logger(__name__)
 
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -144,11 +146,8 @@ def peer_cred(sock: socket.socket) -> tuple[int, int]:
 
 def _ppid(pid: int) -> int | None:
     """The parent pid of ``pid`` (``/proc/<pid>/stat`` field 4), or None."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
+    fields = proc_stat(pid)
+    return int(fields[1]) if fields is not None else None
 
 
 def is_sibling(pid: int, uid: int) -> bool:
