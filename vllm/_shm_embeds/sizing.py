@@ -61,8 +61,9 @@ def check_dir_size(vllm_config: Any, directory: str | None = None) -> str | None
         f"{sc.max_num_seqs} running requests (--max-num-seqs) x {mc.max_model_len} "
         f"tokens (--max-model-len) x hidden size {mc.get_hidden_size()} x {dtype_bytes} "
         f"bytes ({dtype_name(mc.dtype)}) of prompt_embeds could need "
-        f"{_human(need)} ({need} bytes), and queued requests hold theirs too. prompt_embeds that do "
-        f"not fit take the slower stock path. Make it at least {_human(need)} "
+        f"{_human(need)} ({need} bytes), and queued requests hold theirs too. "
+        f"prompt_embeds that do not fit take the slower stock path. Make it at least "
+        f"{_human(need)} "
         f"(Docker: --shm-size={docker}), or lower --max-num-seqs / --max-model-len."
     )
 

@@ -68,6 +68,19 @@ from vllm.logger import init_logger
 from vllm._shm_embeds import digests
 from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.counters import count, count_reason
+from vllm._shm_embeds.http.binary_header import (  # noqa: F401 (re-exported)
+    CONTENT_TYPE,
+    DATATYPES,
+    HEADER_NAME,
+    MAX_JSON_BYTES,
+    BinaryBodyError,
+    ParsedHeader,
+    TensorSpec,
+    _bad,
+    frame_header_length,
+    parse_header,
+    parse_spec,
+)
 from vllm._shm_embeds.http.common import (
     COMPLETIONS,
     Receive,
@@ -83,20 +96,6 @@ from vllm._shm_embeds.http.common import (
 from vllm._shm_embeds.transfer import StreamedSegment, release_streamed, streamed_tensor_like
 
 logger = init_logger(__name__)
-
-from vllm._shm_embeds.http.binary_header import (  # noqa: F401 (re-exported)
-    CONTENT_TYPE,
-    DATATYPES,
-    HEADER_NAME,
-    MAX_JSON_BYTES,
-    BinaryBodyError,
-    ParsedHeader,
-    TensorSpec,
-    _bad,
-    frame_header_length,
-    parse_header,
-    parse_spec,
-)
 
 
 # --------------------------------------------------------------------------
