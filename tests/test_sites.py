@@ -126,6 +126,22 @@ def test_hop2_wrapper_local_vs_remote_readers(shm_env, n_remote):
         assert os.listdir(shm_env) == []
 
 
+@pytest.mark.parametrize("release_ok", [True, False])
+def test_names_last_as_long_as_requests_only_with_free_request(monkeypatch, release_ok):
+    """Without the ``free_request`` site nothing says when a request ends: the
+    books then let a name go once every TP rank mapped it."""
+    from vllm._shm_embeds import owned
+
+    monkeypatch.setattr(owned, "_release_known", not release_ok)
+    monkeypatch.setattr(sites, "STATUS", {})
+    # nothing resolves, nothing is patched; only the release group has problems
+    monkeypatch.setattr(sites, "check", lambda group: (
+        ["Scheduler._free_request: missing"] if group == "release" and not release_ok
+        else [], []))
+    sites.apply()
+    assert owned._release_known is release_ok
+
+
 _UNTOUCHED_PROBE = """
 import vllm.plugins as p
 p.load_general_plugins()

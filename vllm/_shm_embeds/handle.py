@@ -110,15 +110,19 @@ def pid_namespace() -> int:
 def proc_stat(pid: int) -> list[bytes] | None:
     """Fields 3 onwards of ``/proc/<pid>/stat`` (``proc(5)``: [0] the state,
     [1] the parent pid, [19] the start time in clock ticks since boot); None
-    if ``pid`` is gone, unreadable or a zombie (killed, not yet reaped)."""
+    if ``pid`` is gone, unreadable or a zombie (killed, not yet reaped).
+    Raises ValueError: the file does not read as ``proc(5)`` says."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-        # Field 2 (comm) may contain spaces and parentheses: split after the last ')'.
-        fields = stat.rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
+    except OSError:
         return None
-    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+    # Field 2 (comm) may contain spaces and parentheses: split after the last ')'.
+    head, paren, tail = stat.rpartition(b")")
+    fields = tail.split()
+    if not paren or len(fields) < 20:
+        raise ValueError(f"unexpected /proc/{pid}/stat")
+    if fields[0] in (b"Z", b"X"):
         return None
     return fields
 
@@ -126,7 +130,8 @@ def proc_stat(pid: int) -> list[bytes] | None:
 def proc_start_time(pid: int) -> int | None:
     """Start time of ``pid`` in clock ticks since boot; None if gone or unreadable.
 
-    A zombie (killed, not yet reaped by its parent) counts as gone.
+    A zombie (killed, not yet reaped by its parent) counts as gone. Raises
+    ValueError: ``/proc/<pid>/stat`` does not parse.
     """
     fields = proc_stat(pid)
     return int(fields[19]) if fields is not None else None
@@ -151,7 +156,10 @@ def owner_is_dead(name: SegmentName) -> bool:
             pass
     except OSError:
         return False  # /proc unreadable here: cannot tell, keep it
-    start = proc_start_time(name.pid)
+    try:
+        start = proc_start_time(name.pid)
+    except ValueError:
+        return False  # cannot tell: keep it
     if start is None:
         return True  # zombie, or exited between the two reads
     return name.start != 0 and start != name.start

@@ -61,7 +61,9 @@ def externalize(tensor: torch.Tensor, readers: int) -> SharedTensorHandle:
         return handle
     new, fds = create_segment(tensor)
     try:
-        mm = mmap.mmap(fds[0], HEADER_BYTES, flags=mmap.MAP_SHARED)
+        # (no dup of the fd, unlike mmap.mmap(fd): the fds close once the
+        # broadcasts settle, while the request keeps the name)
+        mm = seg.map_files(fds[:1], [HEADER_BYTES], mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         for fd in fds:
             os.close(fd)

@@ -290,26 +290,26 @@ class OwnedSegments:
                 return None
             if entry.next_flag + readers > MAX_READERS:
                 return None
+            vanished = False
             if entry.fds is None:
                 try:
                     entry.fds = seg.open_files(shm_dir(), entry.handle, reader=False)
                 except ShmEmbedsError:
+                    vanished = True
                     self._pop(entry.handle.name)
-                    gone = [entry]
-                else:
-                    gone = None
-                if gone:
-                    logger.warning(
-                        "shm-embeds: a prompt_embeds segment was removed by another "
-                        "process before hop 2; copying it again"
-                    )
-                    count_reason("fallback", "vanished", hop="2")
-                    self._unlink(gone)
-                    return None
-            base = entry.next_flag
-            entry.next_flag += readers
-            entry.broadcasts.append((base, readers))
-            files = tuple((fd, os.fstat(fd).st_ino) for fd in entry.fds)
+                    if entry.data_ptr is not None:  # still mapped here: let go when freed
+                        self._views[entry.handle.name] = entry
+            if not vanished:
+                base = entry.next_flag
+                entry.next_flag += readers
+                entry.broadcasts.append((base, readers))
+                files = tuple((fd, os.fstat(fd).st_ino) for fd in entry.fds)
+        if vanished:
+            logger.warning("shm-embeds: a prompt_embeds segment was removed by another "
+                           "process before hop 2; copying it again")
+            count_reason("fallback", "vanished", hop="2")
+            self._unlink([entry])
+            return None
         return dataclasses.replace(
             entry.handle, flag_base=base, owner_pid=os.getpid(), owner_files=files
         )
@@ -348,30 +348,32 @@ class OwnedSegments:
         step). While a broadcast of it is pending (its readers' flags live in
         the mapping) both happen at the safe point after the readers are
         done (:meth:`collect`). True if pages were dropped here now."""
+        adopted: list[_Owned] = []
+        copies: list[_Owned] = []
         with self._lock:
-            name = self._by_ptr.get(tensor.data_ptr())
-            entry = self._segs.get(name) if name is not None else None
-            unlink = copy = False
-            if entry is not None:
+            # Every segment of it: the adopted one, and copies (made when its
+            # flags ran out or its name vanished, which left it unlinked in
+            # ``_views``); a scan of the running requests' segments.
+            for name, entry in list(self._segs.items()):
                 copy = (entry.data_ptr is None and entry.source is not None
                         and entry.source() is tensor)
                 if entry.handover or not (copy or entry.maps(tensor)):
-                    return False
+                    continue
                 entry.settle()
                 if entry.broadcasts:
                     entry.freed = True
-                    return False
-                self._pop(entry.handle.name)
-                unlink = True
-            else:
-                entry = self._view_entry(tensor)
-                if entry is None:
-                    return False
-                self._views.pop(entry.handle.name, None)
-        if copy:  # only its header is mapped here
-            self._unlink([entry])
-            return False
-        return self._let_go(entry, unlink)
+                    continue
+                (copies if copy else adopted).append(self._pop(name))
+            view = self._view_entry(tensor)
+            if view is not None:
+                self._views.pop(view.handle.name, None)
+        self._unlink(copies)  # only their headers are mapped here
+        dropped = False
+        for entry in adopted:
+            dropped |= self._let_go(entry, True)
+        if view is not None:
+            dropped |= self._let_go(view, False)
+        return dropped
 
     def release(self, tensor: torch.Tensor) -> bool:
         """This process is done with ``tensor``, a streamed segment (its request ended).

@@ -67,7 +67,10 @@ class Process:
     def new_name(self) -> str:
         """A fresh segment name owned by this process."""
         if self.tag is None:
-            start = proc_start_time(self.pid)
+            try:
+                start = proc_start_time(self.pid)
+            except ValueError:  # 0: "unknown", a sweep then judges by the pid alone
+                start = None
             self.tag = SegmentName(pid_namespace(), self.pid, start or 0, 0)
         return str(dataclasses.replace(self.tag, seq=next(self.seq)))
 

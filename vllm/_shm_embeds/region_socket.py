@@ -145,9 +145,13 @@ def peer_cred(sock: socket.socket) -> tuple[int, int]:
 
 
 def _ppid(pid: int) -> int | None:
-    """The parent pid of ``pid`` (``/proc/<pid>/stat`` field 4), or None."""
-    fields = proc_stat(pid)
-    return int(fields[1]) if fields is not None else None
+    """The parent pid of ``pid`` (``/proc/<pid>/stat`` field 4), or None (gone,
+    a zombie, or unreadable)."""
+    try:
+        fields = proc_stat(pid)
+        return int(fields[1]) if fields is not None else None
+    except ValueError:
+        return None
 
 
 def is_sibling(pid: int, uid: int) -> bool:

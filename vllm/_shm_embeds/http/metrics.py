@@ -151,7 +151,11 @@ def sweep_stale_stats_dirs(directory: str | None = None) -> int:
         return 0
     for name in names:
         m = _DIR_RE.match(name)
-        if m and proc_start_time(int(m.group(1))) is None:
+        try:
+            gone = m is not None and proc_start_time(int(m.group(1))) is None
+        except ValueError:  # cannot tell: keep it
+            gone = False
+        if gone:
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
             removed += 1
     return removed

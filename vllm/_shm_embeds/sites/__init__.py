@@ -129,7 +129,9 @@ GROUPS: dict[str, tuple[bool, bool, str]] = {
     "json": (True, False, "shm-embeds: JSON body path and API-server prefix-cache "
              "digests off in pid %d: %s"),
     "release": (False, False, "shm-embeds: the EngineCore keeps a finished request's "
-                "embeds until vLLM drops it, in pid %d: %s"),
+                "embeds until vLLM drops it, and a segment's name goes once every TP rank "
+                "mapped it (the budget then counts only requests not yet scheduled), in "
+                "pid %d: %s"),
 }
 
 APP_MODULE = "vllm.entrypoints.launchers.app"  # imported in an API server only
