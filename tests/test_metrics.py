@@ -15,6 +15,7 @@ same totals, equal to the counters and to the requests sent (the directory
 is removed at exit: test_faults.py's SIGTERM test).
 """
 
+import json
 import os
 import re
 import subprocess
@@ -448,13 +449,43 @@ def _stalled_upload(url: str, t: torch.Tensor) -> str:
     return reply.split(" ")[1] if reply.startswith("HTTP/") else "cut"
 
 
+def _slow_binary(url: str, t: torch.Tensor, kw: dict, pause_s: float = 2.0) -> tuple:
+    """A binary body sent as two thirds, a pause of ``pause_s`` (below the
+    server's body timeout), then the rest: ``(status, token_ids or text)``.
+    While it pauses its segment holds what it has written."""
+    import http.client
+
+    import shm_embeds_client as sec
+
+    headers, pieces, length = sec.frame({"model": "tiny", "prompt_embeds": t, **kw})
+    data = b"".join(bytes(p) for p in pieces)
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    try:
+        conn.putrequest("POST", "/v1/completions")
+        for k, v in headers.items():
+            conn.putheader(k, v)
+        conn.endheaders()
+        conn.send(data[: 2 * length // 3])
+        time.sleep(pause_s)
+        conn.send(data[2 * length // 3:])
+        r = conn.getresponse()
+        body = r.read()
+        return r.status, (json.loads(body)["choices"][0]["token_ids"] if r.status == 200
+                          else body[:200])
+    finally:
+        conn.close()
+
+
 def test_flood_on_a_tmpfs_smaller_than_what_is_in_flight(small_shm_server):
     """Issue 16's flood, scaled to this server's 256 KiB tmpfs: 6 binary and 6
     base64 JSON bodies of 100 KiB (about 4.7x the tmpfs in flight), 2 text
     prompts and 2 uploads that stall, all at once. Every embeds and text
     request gets 200 and the tokens of the same token ids, the stalled ones
     408, nothing is a 5xx or hangs; afterwards nothing is left, the server is
-    healthy, and what did not fit took the stock way (counted)."""
+    healthy, and what did not fit took the stock way (counted). Three of the
+    binary bodies pause for 2 s after two thirds: with the stalled ones they
+    hold more than the tmpfs at once, whatever the timing of the others."""
     import shm_embeds_client as sec
 
     server = small_shm_server
@@ -469,6 +500,8 @@ def test_flood_on_a_tmpfs_smaller_than_what_is_in_flight(small_shm_server):
     def one(job):
         kind, i = job
         try:
+            if kind == "binary" and i < 3:
+                return (kind, i, *_slow_binary(server.url, tensors[i], kw))
             if kind == "binary":
                 return kind, i, 200, sec.complete(server.url, "tiny", tensors[i], **kw,
                                                   timeout=120)["choices"][0]["token_ids"]
