@@ -62,13 +62,10 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
 
-MAX_TOKENS = [1]  # --max-tokens
-
-
-def _json_body(t: torch.Tensor) -> bytes:
+def _json_body(t: torch.Tensor, max_tokens: int) -> bytes:
     buf = io.BytesIO()
     torch.save(t, buf)
-    return json.dumps({"model": "tiny", "max_tokens": MAX_TOKENS[0], "temperature": 0.0,
+    return json.dumps({"model": "tiny", "max_tokens": max_tokens, "temperature": 0.0,
                        "prompt_embeds": base64.b64encode(buf.getvalue()).decode()}).encode()
 
 
@@ -165,7 +162,8 @@ def run_mode(shm_on: bool, args, weights: torch.Tensor, tmp: pathlib.Path) -> di
         gen = torch.Generator().manual_seed(16)
         tensors = [weights[torch.randint(3, weights.shape[0], (n,), generator=gen)]
                    .contiguous() for n in args.sizes]
-        bodies = {i: _json_body(t) for i, t in enumerate(tensors)}  # encoded before the clock
+        # encoded before the clock
+        bodies = {i: _json_body(t, args.max_tokens) for i, t in enumerate(tensors)}
         jobs = [(k, i) for i, k in enumerate(args.kinds)]
         jobs += [("text", i) for i in range(args.text)] + [("stalled", i)
                                                             for i in range(args.stalled)]
@@ -246,7 +244,6 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=1)
     ap.add_argument("--out", help="default benchmarks/results/load.json (load_mixed.json)")
     args = ap.parse_args()
-    MAX_TOKENS[0] = args.max_tokens
     if args.quick:
         args.tokens, args.binary, args.json, args.stalled, args.stall_s = 256, 4, 4, 2, 35.0
     from helpers import embed_weights
