@@ -39,6 +39,24 @@ import pytest
 os.environ.setdefault("SHM_EMBEDS_TEST_HOOKS", "1")
 os.environ.setdefault("SHM_EMBEDS_TEST_BUSY_LOOP_S", "0.05")
 
+# Fuzz targets (hypothesis): "ci" bounds each target to a few seconds so the
+# suite stays within its time; SHM_EMBEDS_FUZZ=long is the long run reported
+# in docs/security.md (SHM_EMBEDS_FUZZ_EXAMPLES examples per target).
+try:
+    from hypothesis import HealthCheck
+    from hypothesis import settings as _hsettings
+
+    _hsettings.register_profile(
+        "ci", max_examples=150, deadline=None, derandomize=False, print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    _hsettings.register_profile(
+        "long", max_examples=int(os.environ.get("SHM_EMBEDS_FUZZ_EXAMPLES", "20000")),
+        deadline=None, print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    _hsettings.load_profile(os.environ.get("SHM_EMBEDS_FUZZ", "ci"))
+except ImportError:  # pragma: no cover - the test extra installs it
+    pass
+
 
 @pytest.fixture
 def shm_env(monkeypatch):
