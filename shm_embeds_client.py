@@ -51,6 +51,7 @@ import ctypes
 import json
 import os
 import socket
+import struct
 import sys
 import threading
 import weakref
@@ -64,6 +65,7 @@ __all__ = ["Region", "RegionClient", "RegionRefused", "achat", "acomplete", "cha
            "complete", "connect_regions", "frame"]
 
 _DATATYPES = {torch.float32: "FP32", torch.float16: "FP16", torch.bfloat16: "BF16"}
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _CHUNK = 1 << 20
 
 
@@ -433,14 +435,19 @@ class RegionClient:
         timeout: seconds to wait for the server to connect or answer (the
             server hashes a tensor for the prefix cache before it answers a
             registration); None waits forever.
+        server_uid: the uid the server must run as (checked with
+            ``SO_PEERCRED`` before any memfd is sent: whoever serves the socket
+            gets the tensors); default this process's uid.
     Raises:
         FileNotFoundError: no socket at ``path`` (the server runs without
             ``VLLM_SHM_EMBEDS_REGIONS``, or another path).
         ConnectionRefusedError: nobody listens there (the server stopped).
-        PermissionError: the socket's mode does not let this user in.
+        PermissionError: the socket's mode does not let this user in, or
+            the process serving it is not of ``server_uid``.
     """
 
-    def __init__(self, path: str, *, timeout: float | None = 300.0) -> None:
+    def __init__(self, path: str, *, timeout: float | None = 300.0,
+                 server_uid: int | None = None) -> None:
         if sys.byteorder != "little":
             raise RuntimeError("registered regions hold little-endian bytes; this host is not")
         self.path = path
@@ -452,6 +459,12 @@ class RegionClient:
         try:
             sock.settimeout(timeout)
             sock.connect(path)
+            expected = os.getuid() if server_uid is None else server_uid
+            _, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                     _CRED.size))
+            if uid != expected:
+                raise PermissionError(f"the region socket {path} is served by uid {uid}, not "
+                                      f"uid {expected} (server_uid): no memfd sent")
         except BaseException:
             sock.close()
             raise
@@ -710,7 +723,8 @@ class RegionClient:
         return answer
 
 
-def connect_regions(path: str | None = None, *, timeout: float | None = 300.0) -> RegionClient:
+def connect_regions(path: str | None = None, *, timeout: float | None = 300.0,
+                    server_uid: int | None = None) -> RegionClient:
     """A :class:`RegionClient` connected to ``path`` (default: the
     ``VLLM_SHM_EMBEDS_REGIONS`` environment variable, as the server reads it).
 
@@ -721,4 +735,4 @@ def connect_regions(path: str | None = None, *, timeout: float | None = 300.0) -
     path = path or os.environ.get("VLLM_SHM_EMBEDS_REGIONS")
     if not path:
         raise ValueError("no region socket path (and VLLM_SHM_EMBEDS_REGIONS is unset)")
-    return RegionClient(path, timeout=timeout)
+    return RegionClient(path, timeout=timeout, server_uid=server_uid)

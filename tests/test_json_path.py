@@ -151,20 +151,23 @@ def test_prepare_leaves_other_long_strings_and_non_json_alone(shm_env):
 
 @pytest.mark.parametrize("late", [False, True])
 def test_read_body_fills_a_prefaulted_buffer(monkeypatch, late):
-    """Chunks go into the buffer a thread made meanwhile, before or after it is ready."""
+    """Chunks go into the buffer while a thread faults in its next pages, before
+    or after they arrive; the bytes are never changed by it."""
     import asyncio
     import threading
 
+    from vllm._shm_embeds.http import json_read
+
     body = bytes(range(256)) * 1000
     gate = threading.Event()
-    real = json_body.body_buffer
+    real = json_read.populate
 
-    def slow_buffer(n):
+    def slow_populate(*a):
         if late:
-            gate.wait(10)  # every chunk arrives before the buffer
-        return real(n)
+            gate.wait(10)  # every chunk arrives before the pages are faulted in
+        return real(*a)
 
-    monkeypatch.setattr(json_body, "body_buffer", slow_buffer)
+    monkeypatch.setattr(json_read, "populate", slow_populate)
 
     async def run(pieces, length, disconnect=False):
         msgs = [{"type": "http.request", "body": p, "more_body": i < len(pieces) - 1}

@@ -75,7 +75,7 @@ def expected_from_files(stats: list[dict]) -> dict[tuple[str, frozenset], float]
         add("received_tensors", 0, hop=hop)
         add("reused_tensors", 0, hop=hop)
     plain = ("copied_bytes", "segments_created", "segments_unlinked", "segments_swept",
-             "binary_bodies", "binary_bytes", "regions_registered", "region_bytes",
+             "adopt_names_taken", "binary_bodies", "binary_bytes", "regions_registered", "region_bytes",
              "region_leases", "region_lookups", "region_lookup_trimmed", "regions_freed")
     for name in plain:
         add(name, 0)
@@ -107,7 +107,7 @@ def expected_from_files(stats: list[dict]) -> dict[tuple[str, frozenset], float]
             elif k.startswith("json_fallback."):
                 add("json_fallbacks", v, reason=k.split(".")[1])
             elif k.split(".")[0] in ("region_refused", "region_lease_refused",
-                                     "region_unregistered"):
+                                     "region_unregistered", "json_direct_declined"):
                 add(k.split(".")[0], v, reason=k.split(".")[1])
         add("json_tensors", c.get("json_direct_tensors", 0), how="direct")
         add("json_tensors", c.get("json_tensors", 0) - c.get("json_direct_tensors", 0),

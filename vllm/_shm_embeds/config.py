@@ -28,8 +28,18 @@ Variables (see ``docs/configuration.md``):
   system of ``/dev/shm``, never more than what was free at start less a
   64 MiB reserve for vLLM's own broadcast rings).
   A tensor that would go over takes the stock path (``budget``).
+* ``VLLM_SHM_EMBEDS_MAX_SEGMENTS``: segments one process may own and map at
+  once (default 4096); beyond, the stock path (``segments``).
 * ``VLLM_SHM_EMBEDS_BODY_TIMEOUT_S``: a request body that sends no bytes for
   this many seconds gets 408 and its segment is freed (default 30).
+* ``VLLM_SHM_EMBEDS_BODY_MIN_RATE``: bytes/s a body must average: one of
+  ``n`` bytes gets 408 after ``BODY_TIMEOUT_S + n / BODY_MIN_RATE`` seconds
+  in all (default 1 MiB/s).
+* ``VLLM_SHM_EMBEDS_INFLIGHT_BYTES``: declared bytes of JSON bodies the
+  API server's body paths take at once; more go to the stock path unchanged
+  (default: the segment budget, at least 1 GiB).
+* ``VLLM_SHM_EMBEDS_BINARY_MAX_TENSORS``: tensors one binary body may carry
+  (default 256; more: 400).
 * ``VLLM_SHM_EMBEDS_REGIONS``: path of the Unix socket on which same-host
   producers register sealed memfds (``region_server.py``); unset: off.
 * ``VLLM_SHM_EMBEDS_REGIONS_GROUP``: a group name: the socket gets that
@@ -41,6 +51,12 @@ Variables (see ``docs/configuration.md``):
   (default 16 GiB).
 * ``VLLM_SHM_EMBEDS_REGIONS_TTL_S``: a region no request used for this many
   seconds is unregistered (default 600).
+* ``VLLM_SHM_EMBEDS_REGIONS_IDLE_S``: a producer connection that holds no
+  region and sent nothing for this many seconds is closed (default 60).
+* ``VLLM_SHM_EMBEDS_REGIONS_REFS_MAX``: region references one request may
+  make (default 64); more get 400.
+* ``VLLM_SHM_EMBEDS_REGIONS_LEASES_MAX``: region references of requests in
+  flight one API server may hold (default 1024); more get 429.
 """
 
 from __future__ import annotations
@@ -64,13 +80,20 @@ VARIABLES = (
     "VLLM_SHM_EMBEDS_BINARY_MAX_BYTES",
     "VLLM_SHM_EMBEDS_JSON",
     "VLLM_SHM_EMBEDS_MAX_BYTES",
+    "VLLM_SHM_EMBEDS_MAX_SEGMENTS",
     "VLLM_SHM_EMBEDS_BODY_TIMEOUT_S",
+    "VLLM_SHM_EMBEDS_BODY_MIN_RATE",
+    "VLLM_SHM_EMBEDS_INFLIGHT_BYTES",
+    "VLLM_SHM_EMBEDS_BINARY_MAX_TENSORS",
     "VLLM_SHM_EMBEDS_REGIONS",
     "VLLM_SHM_EMBEDS_REGIONS_GROUP",
     "VLLM_SHM_EMBEDS_REGIONS_UIDS",
     "VLLM_SHM_EMBEDS_REGIONS_MAX",
     "VLLM_SHM_EMBEDS_REGIONS_MAX_BYTES",
     "VLLM_SHM_EMBEDS_REGIONS_TTL_S",
+    "VLLM_SHM_EMBEDS_REGIONS_IDLE_S",
+    "VLLM_SHM_EMBEDS_REGIONS_REFS_MAX",
+    "VLLM_SHM_EMBEDS_REGIONS_LEASES_MAX",
 )
 
 _FLAG = pydantic.TypeAdapter(bool)
@@ -84,9 +107,16 @@ _UIDS = pydantic.TypeAdapter(Annotated[
         lambda v: [p.strip() for p in v.split(",") if p.strip()] if isinstance(v, str) else v),
 ])
 DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_BODY_MIN_RATE = 1 << 20  # bytes/s
+MIN_INFLIGHT_BYTES = 1 << 30  # the default in-flight cap is never below this
+DEFAULT_BINARY_MAX_TENSORS = 256
 DEFAULT_REGIONS_MAX = 64
+DEFAULT_MAX_SEGMENTS = 4096  # x (1 + files) mappings, well under vm.max_map_count
 DEFAULT_REGIONS_MAX_BYTES = 16 << 30
 DEFAULT_REGIONS_TTL_S = 600.0
+DEFAULT_REGIONS_IDLE_S = 60.0
+DEFAULT_REGIONS_REFS_MAX = 64
+DEFAULT_REGIONS_LEASES_MAX = 1024
 RING_RESERVE_BYTES = 64 << 20  # left free for vLLM's own broadcast rings
 
 
@@ -106,12 +136,24 @@ class Settings:
         max_bytes: bytes; an explicit budget for this server's segments, or
             None for the default (:func:`budget_bytes`).
         body_timeout_s: seconds a request body may send nothing.
+        body_min_rate: bytes/s a request body must average (overall deadline).
+        inflight_bytes: bytes; cap on the declared size of the JSON bodies
+            the body paths take at once, or None for the default
+            (:func:`inflight_bytes`).
+        binary_max_tensors: tensors one binary body may carry.
+        max_segments: segments one process may own (and map) at once; beyond,
+            the stock path (the EngineCore adopts by copying into its memory).
         regions: path of the regions socket, or None (regions off).
         regions_group: group of the regions socket (mode 0660), or None (0600).
         regions_uids: uids that may register regions besides this process's.
         regions_max: regions one uid may hold.
         regions_max_bytes: bytes one uid's regions may hold.
         regions_ttl_s: seconds a region may go unused before it is unregistered.
+        regions_idle_s: seconds a producer connection holding no region may
+            send nothing before it is closed.
+        regions_refs_max: region references one request may make.
+        regions_leases_max: region references of requests in flight one API
+            server may hold.
         problems: one message per bad value that a default replaced, and
             ``fatal`` messages that keep the feature off.
         fatal: messages that keep the feature off (no usable segment dir).
@@ -126,12 +168,19 @@ class Settings:
     json: bool = True
     max_bytes: int | None = None
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    body_min_rate: int = DEFAULT_BODY_MIN_RATE
+    inflight_bytes: int | None = None
+    binary_max_tensors: int = DEFAULT_BINARY_MAX_TENSORS
+    max_segments: int = DEFAULT_MAX_SEGMENTS
     regions: str | None = None
     regions_group: str | None = None
     regions_uids: tuple[int, ...] = ()
     regions_max: int = DEFAULT_REGIONS_MAX
     regions_max_bytes: int = DEFAULT_REGIONS_MAX_BYTES
     regions_ttl_s: float = DEFAULT_REGIONS_TTL_S
+    regions_idle_s: float = DEFAULT_REGIONS_IDLE_S
+    regions_refs_max: int = DEFAULT_REGIONS_REFS_MAX
+    regions_leases_max: int = DEFAULT_REGIONS_LEASES_MAX
     problems: tuple[str, ...] = ()
     fatal: tuple[str, ...] = ()
 
@@ -173,6 +222,13 @@ def _parse(raw: dict[str, str | None]) -> Settings:
         max_bytes=get("VLLM_SHM_EMBEDS_MAX_BYTES", _BYTES, None, "a byte count"),
         body_timeout_s=get("VLLM_SHM_EMBEDS_BODY_TIMEOUT_S", _SECONDS,
                            DEFAULT_BODY_TIMEOUT_S, "a number of seconds"),
+        body_min_rate=get("VLLM_SHM_EMBEDS_BODY_MIN_RATE", _POSITIVE,
+                          DEFAULT_BODY_MIN_RATE, "a positive byte rate"),
+        inflight_bytes=get("VLLM_SHM_EMBEDS_INFLIGHT_BYTES", _BYTES, None, "a byte count"),
+        binary_max_tensors=get("VLLM_SHM_EMBEDS_BINARY_MAX_TENSORS", _POSITIVE,
+                               DEFAULT_BINARY_MAX_TENSORS, "a positive count"),
+        max_segments=get("VLLM_SHM_EMBEDS_MAX_SEGMENTS", _POSITIVE, DEFAULT_MAX_SEGMENTS,
+                         "a positive count"),
         regions=(raw["VLLM_SHM_EMBEDS_REGIONS"] or "").strip() or None,
         regions_group=(raw["VLLM_SHM_EMBEDS_REGIONS_GROUP"] or "").strip() or None,
         regions_uids=get("VLLM_SHM_EMBEDS_REGIONS_UIDS", _UIDS, (),
@@ -183,6 +239,12 @@ def _parse(raw: dict[str, str | None]) -> Settings:
                               DEFAULT_REGIONS_MAX_BYTES, "a positive byte count"),
         regions_ttl_s=get("VLLM_SHM_EMBEDS_REGIONS_TTL_S", _SECONDS, DEFAULT_REGIONS_TTL_S,
                           "a number of seconds"),
+        regions_idle_s=get("VLLM_SHM_EMBEDS_REGIONS_IDLE_S", _SECONDS, DEFAULT_REGIONS_IDLE_S,
+                           "a number of seconds"),
+        regions_refs_max=get("VLLM_SHM_EMBEDS_REGIONS_REFS_MAX", _POSITIVE,
+                             DEFAULT_REGIONS_REFS_MAX, "a positive count"),
+        regions_leases_max=get("VLLM_SHM_EMBEDS_REGIONS_LEASES_MAX", _POSITIVE,
+                               DEFAULT_REGIONS_LEASES_MAX, "a positive count"),
     )
     fatal = ()
     if not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
@@ -289,6 +351,28 @@ def body_timeout_s() -> float:
     return settings().body_timeout_s
 
 
+def body_deadline_s(nbytes: int) -> float:
+    """Seconds a body of ``nbytes`` may take in all before it gets 408:
+    ``VLLM_SHM_EMBEDS_BODY_TIMEOUT_S + nbytes / VLLM_SHM_EMBEDS_BODY_MIN_RATE``."""
+    s = settings()
+    return s.body_timeout_s + max(0, nbytes) / s.body_min_rate
+
+
+def inflight_bytes() -> int:
+    """Cap (bytes) on the declared size of the JSON bodies the API server's body
+    paths take at once: the variable, else :func:`budget_bytes` (at least
+    :data:`MIN_INFLIGHT_BYTES`)."""
+    s = settings()
+    if s.inflight_bytes is not None:
+        return s.inflight_bytes
+    return max(MIN_INFLIGHT_BYTES, budget_bytes())
+
+
+def binary_max_tensors() -> int:
+    """Tensors one binary body may carry."""
+    return settings().binary_max_tensors
+
+
 def regions_path() -> str | None:
     """Path of the regions socket, or None: regions are off."""
     return settings().regions
@@ -320,6 +404,26 @@ def regions_ttl_s() -> float:
     return settings().regions_ttl_s
 
 
+def regions_idle_s() -> float:
+    """Seconds a producer connection holding no region may send nothing."""
+    return settings().regions_idle_s
+
+
+def regions_refs_max() -> int:
+    """Region references one request may make."""
+    return settings().regions_refs_max
+
+
+def regions_leases_max() -> int:
+    """Region references of requests in flight one API server may hold."""
+    return settings().regions_leases_max
+
+
+def max_segments() -> int:
+    """Segments one process may own and map at once (``VLLM_SHM_EMBEDS_MAX_SEGMENTS``)."""
+    return settings().max_segments
+
+
 # What vLLM's ``vllm/envs.py`` ``environment_variables`` table gets (name ->
 # getter), so that ``Platform.validate_environ`` knows our variables.
 ENV_VARS: dict[str, Callable[[], Any]] = {
@@ -331,11 +435,18 @@ ENV_VARS: dict[str, Callable[[], Any]] = {
     "VLLM_SHM_EMBEDS_BINARY_MAX_BYTES": lambda: settings().binary_max_bytes,
     "VLLM_SHM_EMBEDS_JSON": lambda: settings().json,
     "VLLM_SHM_EMBEDS_MAX_BYTES": budget_bytes,
+    "VLLM_SHM_EMBEDS_MAX_SEGMENTS": max_segments,
     "VLLM_SHM_EMBEDS_BODY_TIMEOUT_S": body_timeout_s,
+    "VLLM_SHM_EMBEDS_BODY_MIN_RATE": lambda: settings().body_min_rate,
+    "VLLM_SHM_EMBEDS_INFLIGHT_BYTES": inflight_bytes,
+    "VLLM_SHM_EMBEDS_BINARY_MAX_TENSORS": binary_max_tensors,
     "VLLM_SHM_EMBEDS_REGIONS": regions_path,
     "VLLM_SHM_EMBEDS_REGIONS_GROUP": regions_group,
     "VLLM_SHM_EMBEDS_REGIONS_UIDS": lambda: settings().regions_uids,
     "VLLM_SHM_EMBEDS_REGIONS_MAX": regions_max,
     "VLLM_SHM_EMBEDS_REGIONS_MAX_BYTES": regions_max_bytes,
     "VLLM_SHM_EMBEDS_REGIONS_TTL_S": regions_ttl_s,
+    "VLLM_SHM_EMBEDS_REGIONS_IDLE_S": regions_idle_s,
+    "VLLM_SHM_EMBEDS_REGIONS_REFS_MAX": regions_refs_max,
+    "VLLM_SHM_EMBEDS_REGIONS_LEASES_MAX": regions_leases_max,
 }

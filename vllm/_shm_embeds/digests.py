@@ -402,13 +402,13 @@ def adopt_meta(tensor: torch.Tensor, meta: dict[str, Any]) -> None:
     Malformed digests (wrong types or count for the tensor's shape) are
     dropped and counted (``hash_rejected_meta``); vLLM then hashes as usual.
     """
-    field = meta.get(META_FIELD)
+    field = meta.get(META_FIELD) if isinstance(meta, dict) else None
     if field is None:
         return
-    try:
-        d = BlockDigests(int(field["block"]), int(field["rows"]), bytes(field["digests"]))
-    except (KeyError, TypeError, ValueError):
-        d = None
+    d = None
+    if isinstance(field, dict) and isinstance(field.get("digests"), (bytes, bytearray)) \
+            and all(type(field.get(k)) is int for k in ("block", "rows")):
+        d = BlockDigests(field["block"], field["rows"], bytes(field["digests"]))
     if d is None or not d.valid_for(tensor):
         count(hash_rejected_meta=1)
         return

@@ -31,6 +31,7 @@ import dataclasses
 import mmap
 import os
 import re
+import reprlib
 from typing import Any
 
 import torch
@@ -53,8 +54,14 @@ class ShmEmbedsError(RuntimeError):
 # --------------------------------------------------------------------------
 # names
 
+# Canonical numbers only, so that a name parses to one that prints back the
+# same: ASCII digits (``\d`` would take any Unicode digit, which ``int``
+# reads as well), no leading zero, 20 digits at most (``int`` refuses over
+# 4300; no field of ours is longer), no part 0.
+_NUM = r"(0|[1-9][0-9]{0,19})"
 _NAME_RE = re.compile(
-    rf"^{re.escape(SEGMENT_PREFIX)}\.(\d+)\.(\d+)\.(\d+)\.(\d+)(?:p(\d+))?$"
+    rf"{re.escape(SEGMENT_PREFIX)}\.{_NUM}\.{_NUM}\.{_NUM}\.{_NUM}(?:p([1-9][0-9]{{0,19}}))?",
+    re.ASCII,
 )
 
 
@@ -83,7 +90,7 @@ class SegmentName:
     @classmethod
     def parse(cls, name: str) -> SegmentName | None:
         """The parts of ``name``, or None if it is not a segment file name of ours."""
-        m = _NAME_RE.match(name)
+        m = _NAME_RE.fullmatch(name) if isinstance(name, str) else None
         if m is None:
             return None
         pidns, pid, start, seq, part = m.groups()
@@ -145,6 +152,8 @@ def owner_is_dead(name: SegmentName) -> bool:
     name's start time is unknown (0), a pid that exists counts as alive: a
     sweep must never remove a live owner's segment.
     """
+    if not 0 < name.pid < 1 << 22:  # PID_MAX_LIMIT: no such process can exist
+        return False  # not a name of ours: keep it
     try:
         os.kill(name.pid, 0)
     except ProcessLookupError:
@@ -245,30 +254,40 @@ class SharedTensorHandle:
         return meta
 
     @classmethod
-    def from_meta(cls, meta: dict[str, Any]) -> SharedTensorHandle:
-        """Inverse of :meth:`to_meta`; raises ``ShmEmbedsError`` on malformed input."""
+    def from_meta(cls, meta: Any) -> SharedTensorHandle:
+        """Inverse of :meth:`to_meta`; raises ``ShmEmbedsError`` (and nothing
+        else) on malformed input: not a dict, a field of the wrong type, a
+        negative dimension, a name that is not a segment name of ours, a
+        split that is not increasing page multiples inside the data, or a
+        region that does not name a descriptor of the name's owner."""
         try:
             name, dtype, shape = meta["name"], meta["dtype"], meta["shape"]
-            split = tuple(int(b) for b in meta.get("split", ()))
-            region = tuple(int(x) for x in meta.get("region", ()))
-            handle = cls(str(name), str(dtype), tuple(int(s) for s in shape), split,
-                         region=region)
+            split, region = meta.get("split", ()), meta.get("region", ())
+            if not (isinstance(name, str) and isinstance(dtype, str)
+                    and all(isinstance(x, (list, tuple)) for x in (shape, split, region))):
+                raise TypeError("field types")
+            ints = [int(x) for x in (*shape, *split, *region)
+                    if isinstance(x, int) and not isinstance(x, bool)]
+            if len(ints) != len(shape) + len(split) + len(region) or min(ints, default=0) < 0:
+                raise ValueError("not non-negative integers")
+            handle = cls(name, dtype, tuple(shape), tuple(split), region=tuple(region))
             nbytes = handle.nbytes
             if region and (len(region) != 3 or min(region) <= 0 or split):
                 raise ValueError("region")
         except (KeyError, TypeError, ValueError, AttributeError, ShmEmbedsError) as e:
-            raise ShmEmbedsError(f"malformed shm-embeds handle {meta!r}") from e
+            raise ShmEmbedsError(f"malformed shm-embeds handle {reprlib.repr(meta)}") from e
         parsed = SegmentName.parse(handle.name)
         if parsed is None or parsed.part != 0:
-            raise ShmEmbedsError(f"not a shm-embeds segment name: {handle.name!r}")
+            raise ShmEmbedsError(f"not a shm-embeds segment name: {reprlib.repr(handle.name)}")
         if region and (region[0] != parsed.pid or parsed.pidns != pid_namespace()):
             # a region is opened through the fd of the process that named the segment
-            raise ShmEmbedsError(f"malformed shm-embeds handle region {region!r}")
+            raise ShmEmbedsError(f"malformed shm-embeds handle region {reprlib.repr(region)}")
+        split = handle.split
         bounds = [0, *split, nbytes]
         if len(split) >= MAX_WRITERS or any(
             b % PAGE_BYTES or b <= a for a, b in zip(bounds, bounds[1:-1])
         ) or (split and split[-1] >= nbytes):
-            raise ShmEmbedsError(f"malformed shm-embeds handle split {split!r}")
+            raise ShmEmbedsError(f"malformed shm-embeds handle split {reprlib.repr(split)}")
         return handle
 
 

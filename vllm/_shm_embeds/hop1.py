@@ -91,6 +91,10 @@ class HandleOOBConsumer:
                         handle, found = self._copy(tensor)
                 except OSError as e:
                     reason = process.placement_failed("hop 1", tensor.nbytes, e)
+                except Exception:  # ours, unexpected: the stock path, never the caller
+                    logger.warning("shm-embeds: hop 1 sends a tensor the stock way after "
+                                   "an unexpected error", exc_info=True)
+                    reason = "error"
                 else:
                     self._created.append(handle)
                     count(hop1_shm_tensors=1, hop1_shm_bytes=tensor.nbytes)
@@ -143,29 +147,43 @@ class HandleOOBProvider:
         self._failed: dict[int, weakref.ref] = {}
 
     def __call__(self, dtype: str, shape: tuple[int, ...], meta: dict) -> torch.Tensor:
-        if META_KEY not in meta:
-            if self.inner is None:
-                raise ShmEmbedsError("out-of-band tensor without a provider")
-            return self.inner(dtype, shape, meta)
+        """The tensor for one out-of-band tensor's metadata. Runs on vLLM's
+        input-socket thread: never raises for metadata of ours (any error
+        gives a failed tensor, counted ``fallback`` ``adopt_failed`` on hop 1,
+        and the request is rejected); other metadata is ``inner``'s."""
+        if not isinstance(meta, dict) or META_KEY not in meta:
+            if self.inner is not None:
+                return self.inner(dtype, shape, meta)
+            return self._fail("out-of-band tensor without a provider")
         try:
             handle = SharedTensorHandle.from_meta(meta[META_KEY])
             if handle.dtype != dtype or handle.shape != tuple(shape):
                 raise ShmEmbedsError(
-                    f"handle {handle} does not match tensor {dtype}{tuple(shape)}"
+                    f"handle {handle} does not match tensor {dtype!r}{shape!r}"
                 )
             tensor = adopt_tensor(handle)
-        except ShmEmbedsError as e:
-            logger.warning("shm-embeds: rejecting a request's prompt_embeds: %s", e)
-            count_reason("fallback", "adopt_failed", hop="1")
-            tensor = torch.empty(0)
-            self._failed[id(tensor)] = weakref.ref(tensor)
-            # dict.pop takes no lock: safe in a finalizer.
-            weakref.finalize(tensor, self._failed.pop, id(tensor), None)
-            return tensor
+        except Exception as e:  # ShmEmbedsError, or anything else of ours
+            return self._fail(e)
         count(
             hop1_shm_tensors=1, hop1_shm_bytes=handle.nbytes, hop1_adopted_tensors=1
         )
-        digests.adopt_meta(tensor, meta[META_KEY])  # prefix-cache digests
+        try:
+            digests.adopt_meta(tensor, meta[META_KEY])  # prefix-cache digests
+        except Exception:  # vLLM hashes it itself then
+            logger.debug("shm-embeds: hop 1 digests dropped", exc_info=True)
+            count(hash_rejected_meta=1)
+        return tensor
+
+    def _fail(self, e: Exception | str) -> torch.Tensor:
+        """A failed tensor (:meth:`is_failed`) for a handle that could not be
+        adopted; logged and counted. Never raises."""
+        logger.warning("shm-embeds: rejecting a request's prompt_embeds: %s", e,
+                       exc_info=not isinstance(e, (str, ShmEmbedsError)))
+        count_reason("fallback", "adopt_failed", hop="1")
+        tensor = torch.empty(0)
+        self._failed[id(tensor)] = weakref.ref(tensor)
+        # dict.pop takes no lock: safe in a finalizer.
+        weakref.finalize(tensor, self._failed.pop, id(tensor), None)
         return tensor
 
     def is_failed(self, tensor: Any) -> str | None:

@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from vllm.logger import init_logger
 
 from vllm._shm_embeds import process
 from vllm._shm_embeds import segment as seg
@@ -33,6 +34,8 @@ from vllm._shm_embeds.config import shm_dir
 from vllm._shm_embeds.counters import count, count_reason
 from vllm._shm_embeds.handle import HEADER_BYTES, MAX_READERS, SharedTensorHandle, ShmEmbedsError
 from vllm._shm_embeds.transfer import create_segment, dense_nbytes, eligible, open_tensor
+
+logger = init_logger(__name__)
 
 
 def externalize(tensor: torch.Tensor, readers: int) -> SharedTensorHandle:
@@ -103,6 +106,10 @@ def externalize_prompt_embeds(
                 handle = externalize(tensor, readers)
             except OSError as e:
                 reason = process.placement_failed("hop 2", tensor.nbytes, e)
+            except Exception:  # ours, unexpected: the stock path for this tensor
+                logger.warning("shm-embeds: hop 2 sends a tensor the stock way after an "
+                               "unexpected error", exc_info=True)
+                reason = "error"
         if reason is not None:
             count(hop2_stock_tensors=1, hop2_stock_bytes=dense_nbytes(tensor))
             count_reason("fallback", reason, hop="2")

@@ -423,9 +423,17 @@ class OwnedSegments:
             self._streams.discard(f)
 
     def pending_stream_bytes(self) -> int:
-        """Bytes this process's bodies still arriving will write (budget)."""
+        """Bytes this process's bodies still arriving were granted by the budget
+        and have not written yet (``transfer.StreamedSegment``: a bounded
+        look-ahead each, not their whole size)."""
         with self._lock:
-            return sum(f.nbytes - f.filled for f in self._streams)
+            return sum(max(0, f.reserved - f.filled) for f in self._streams)
+
+    def live(self) -> int:
+        """Segments this process owns or still maps (the per-process cap):
+        in the books, out of them but mapped here, and bodies arriving."""
+        with self._lock:
+            return len(self._segs) + len(self._views) + len(self._streams)
 
     def pending(self, handover_only: bool = False) -> int:
         with self._lock:
@@ -444,8 +452,14 @@ class OwnedSegments:
             entry.close_fds()
             n += seg.unlink_segment(shm_dir(), entry.handle.name, len(entry.handle.parts()))
         for name, parsed in seg.list_segments(shm_dir()):
-            if self._state.owns_name(parsed) and seg.unlink_quietly(os.path.join(shm_dir(), name)):
-                n += parsed.part == 0
+            if not self._state.owns_name(parsed):
+                continue
+            path = os.path.join(shm_dir(), name)
+            try:  # only a regular file of ours: never what someone planted
+                if seg.our_file(os.lstat(path)) and seg.unlink_quietly(path):
+                    n += parsed.part == 0
+            except OSError:
+                continue
         if n:
             count(segments_unlinked=n)
         return n

@@ -69,7 +69,11 @@ def _register() -> None:
         logger.warning("shm-embeds: off in pid %d; vLLM left untouched", pid)
         return
     sites.apply(before_patch={"metrics": _ensure_stats_dir})
-    process.sweep_stale_segments()
+    try:  # the patches are in: a failure here must not be logged as "not enabled"
+        process.sweep_stale_segments()
+    except Exception:
+        logger.warning("shm-embeds: start-up sweep of dead processes' segments failed",
+                       exc_info=True)
     on = [h for h in ("hop1", "hop2") if not STATUS[h]]
     if on:
         logger.info(

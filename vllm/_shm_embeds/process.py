@@ -2,7 +2,7 @@
 """Per-process state of shm-embeds: one object that a forked child replaces.
 
 :class:`Process` holds what this process owns (``owned.OwnedSegments``),
-its segment-name sequence, the writer pool, the reaper thread and the
+its segment-name tag, the writer pool, the reaper thread and the
 warning state. A forked child (e.g. a TP worker under the fork start
 method) gets a new one: it owns and unlinks nothing of its parent's. At
 exit the owner unlinks what is left (:func:`shutdown`); every process sweeps
@@ -18,8 +18,8 @@ import atexit
 import collections
 import concurrent.futures
 import dataclasses
-import itertools
 import os
+import secrets
 import threading
 import time
 from typing import Any
@@ -28,7 +28,7 @@ from vllm.logger import init_logger
 
 from vllm._shm_embeds import counters
 from vllm._shm_embeds import segment as seg
-from vllm._shm_embeds.config import MAX_WRITERS, enabled, shm_dir, stats_dir
+from vllm._shm_embeds.config import MAX_WRITERS, enabled, max_segments, shm_dir, stats_dir
 from vllm._shm_embeds.handle import SegmentName, pid_namespace, proc_start_time
 from vllm._shm_embeds.owned import OwnedSegments
 
@@ -54,7 +54,6 @@ class Process:
         self.pid = os.getpid()
         self.released: collections.deque = collections.deque()
         self.owned = OwnedSegments(self)
-        self.seq = itertools.count()
         self.tag: SegmentName | None = None
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.pool_lock = threading.Lock()
@@ -64,21 +63,34 @@ class Process:
         self.shutdown_done = False
         self.regions: Any = None
 
-    def new_name(self) -> str:
-        """A fresh segment name owned by this process."""
+    def new_name(self, capped: bool = True) -> str:
+        """A fresh segment name owned by this process.
+
+        Its sequence number is random (64 bits), so that no other user of the
+        directory can plant a file at a name this process is about to use.
+        ``capped``: raise ``segment.TooManySegments`` (an OSError) if this
+        process owns ``VLLM_SHM_EMBEDS_MAX_SEGMENTS`` segments already.
+        """
+        if capped:
+            self.check_segments()
         if self.tag is None:
             try:
                 start = proc_start_time(self.pid)
             except ValueError:  # 0: "unknown", a sweep then judges by the pid alone
                 start = None
             self.tag = SegmentName(pid_namespace(), self.pid, start or 0, 0)
-        return str(dataclasses.replace(self.tag, seq=next(self.seq)))
+        return str(dataclasses.replace(self.tag, seq=secrets.randbits(64)))
+
+    def check_segments(self) -> None:
+        """Raise ``segment.TooManySegments`` if this process owns (and maps)
+        ``VLLM_SHM_EMBEDS_MAX_SEGMENTS`` segments already."""
+        limit = max_segments()
+        if self.owned.live() >= limit:
+            raise seg.TooManySegments(limit)
 
     def owns_name(self, name: SegmentName) -> bool:
         """True if ``name`` was made by :meth:`new_name` in this process."""
         return self.tag is not None and name.base() == dataclasses.replace(
-            self.tag, seq=name.seq
-        ) is not None and name.base() == dataclasses.replace(
             self.tag, seq=name.seq
         )
 

@@ -6,12 +6,16 @@ Protocol (pinned; producers in any language speak it): an ``AF_UNIX``,
 64 KiB, answered by one message:
 
 * ``{"op": "register", "datatype": "FP32"|"FP16"|"BF16", "shape": [T, H]}``
-  with exactly one fd attached (``SCM_RIGHTS``), a memfd sealed with at least
+  with exactly one fd attached (``SCM_RIGHTS``; the server makes room for
+  one: the kernel drops any further ones unopened), a memfd sealed with at least
   ``F_SEAL_WRITE|F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL`` of exactly
   ``T * H * itemsize`` bytes -> ``{"region": "<id>", "byte_size": N}``;
 * ``{"op": "unregister", "region": "<id>"}`` -> ``{"ok": true}``;
 * anything refused -> ``{"error": "<message>"}`` (no path, no internal name);
-  every fd received with it is closed and the connection stays usable.
+  every fd received with it is closed and the connection stays usable,
+  unless the fd attached is not a memfd: the connection is then closed after
+  the answer (as it is for a message sent while the server takes no fds,
+  its closer thread being behind: ``region_socket.closer_busy``).
 
 Internal, between the API servers of one ``vllm serve`` (``--api-server-count``
 > 1; they are siblings, children of the same process): one of them serves the
@@ -24,8 +28,11 @@ socket is decided by an abstract-namespace socket named after the path
 
 A connection may register many regions; when it closes (the producer exits
 or dies) they are all unregistered. The peer's uid (``SO_PEERCRED``) must be
-in the registry's ``allowed_uids``: another gets one error answer and is
-closed. The socket file is mode 0600, or 0660 with the operator's group.
+in the registry's ``allowed_uids``: another gets one error answer at accept
+and is closed before anything it sent is read. A producer connection that
+holds no registered region and sent nothing for ``idle_timeout_s``
+(``VLLM_SHM_EMBEDS_REGIONS_IDLE_S``) is closed. The socket file is mode
+0600, or 0660 with the operator's group.
 One daemon thread serves every connection (``selectors``) and runs the
 registry's idle expiry about once a second; registrations (hashing the
 tensor: seconds for GiBs) run on two workers, and a connection is not read
@@ -50,18 +57,22 @@ from typing import Any
 
 from vllm.logger import init_logger
 
+from vllm._shm_embeds import config
 from vllm._shm_embeds.counters import count, count_reason
 from vllm._shm_embeds.region_socket import (  # peer_is_sibling: public here too
     clear_path,
+    closer_busy,
     discard_fd,
     group_id,
+    is_memfd,
     is_sibling,
     owner_lock,
     peer_cred,
     peer_is_sibling,  # noqa: F401
     received_fds,
+    set_mode,
 )
-from vllm._shm_embeds.regions import RegionError, RegionRegistry
+from vllm._shm_embeds.regions import NOT_MEMFD, RegionError, RegionRegistry
 
 logger = init_logger(__name__)
 
@@ -70,8 +81,8 @@ MAX_LOOKUP_REPLY = 128 << 10  # SEQPACKET: a message over SO_SNDBUF fails (EMSGS
 MAX_CONNECTIONS = 64  # producers' (siblings' do not count)
 REGISTER_WORKERS = 2
 EXPIRE_EVERY_S = 1.0
-_SCM_MAX_FD = 253  # Linux: most fds one message can carry
-_ANC_BYTES = socket.CMSG_SPACE(_SCM_MAX_FD * array.array("i").itemsize)
+# Room for one fd: the kernel installs no more (MSG_CTRUNC) and drops the rest unopened.
+_ANC_BYTES = socket.CMSG_LEN(array.array("i").itemsize)  # not CMSG_SPACE: padded to 2
 _LEASE = "\0lease"  # reply key of a lookup's lease (never sent)
 
 
@@ -81,6 +92,8 @@ class _Conn:
     def __init__(self, sock: socket.socket, pid: int, uid: int, allowed: bool) -> None:
         self.sock, self.pid, self.uid, self.allowed = sock, pid, uid, allowed
         self.regions: set[str] = set()  # ids this connection registered
+        self.last_active = time.monotonic()  # its last message or answer
+        self.busy = False  # a registration of it runs
         # a sibling API server (same uid and parent): may look regions up, takes no slot
         self.sibling = is_sibling(pid, uid)
 
@@ -98,12 +111,18 @@ class RegionServer:
         describe: extra fields of a ``lookup`` answer for a region's tensor
             (the integration sends its prefix-cache digests along); left out
             if the answer would be over ``MAX_LOOKUP_REPLY`` bytes.
+        idle_timeout_s: seconds a producer connection holding no registered
+            region may send nothing before it is closed; None:
+            ``VLLM_SHM_EMBEDS_REGIONS_IDLE_S``.
     """
 
     def __init__(self, path: str, registry: RegionRegistry, group: str | None = None,
                  max_connections: int = MAX_CONNECTIONS,
-                 describe: Callable[[Any], dict] | None = None) -> None:
+                 describe: Callable[[Any], dict] | None = None,
+                 idle_timeout_s: float | None = None) -> None:
         self.path = path
+        self.idle_timeout_s = (config.regions_idle_s() if idle_timeout_s is None
+                               else idle_timeout_s)
         self.describe = describe
         self._lock_sock: socket.socket | None = None
         self.registry = registry
@@ -124,8 +143,10 @@ class RegionServer:
 
         Raises:
             FileExistsError: ``path`` exists and is not a socket.
-            OSError: another server listens on ``path`` (EADDRINUSE: e.g. a sibling
-                API server), or binding failed.
+            region_socket.LockHeld: a process of this uid serves ``path``
+                (EADDRINUSE; ``sibling``: another API server of this ``vllm serve``).
+            OSError: another server listens on ``path`` (EADDRINUSE), or
+                binding failed.
             ValueError: no such group.
         """
         if self._listener is not None:
@@ -155,10 +176,7 @@ class RegionServer:
             os.fchmod(sock.fileno(), 0o600)  # bind() creates the file with this mode
             sock.bind(self.path)
             try:
-                if gid is not None:
-                    os.chown(self.path, -1, gid)
-                os.chmod(self.path, mode)
-                self._inode = os.stat(self.path).st_ino
+                self._inode = set_mode(self.path, mode, gid)  # never through a link
                 sock.listen(16)
                 sock.setblocking(False)
             except BaseException:
@@ -224,6 +242,7 @@ class RegionServer:
                     if not sent:
                         self._drop(sel, conn, "disconnect")
                     elif conn in self._conns:
+                        conn.busy = False
                         sel.register(conn.sock, selectors.EVENT_READ, conn)
                 if time.monotonic() >= next_expire:
                     if not accepting:  # paused after an accept error (EMFILE)
@@ -231,6 +250,7 @@ class RegionServer:
                         accepting = True
                     try:
                         self.registry.expire()
+                        self._close_idle(sel)
                     except Exception:
                         logger.exception("shm-embeds: region expiry failed")
                     next_expire = time.monotonic() + EXPIRE_EVERY_S
@@ -247,6 +267,18 @@ class RegionServer:
                 for fd in self._wake:
                     os.close(fd)
                 self._wake = None
+
+    def _close_idle(self, sel: selectors.BaseSelector) -> None:
+        """Close producer connections that hold no registered region and sent
+        nothing for ``idle_timeout_s`` (their slots are for producers)."""
+        now = time.monotonic()
+        for conn in list(self._conns):
+            if conn.sibling or conn.busy or now - conn.last_active <= self.idle_timeout_s:
+                continue
+            conn.regions = self.registry.registered(conn.regions)  # expired ones go
+            if not conn.regions:
+                count_reason("region_refused", "idle_connection")
+                self._drop(sel, conn, "disconnect")
 
     def _drain_wake(self) -> None:
         try:
@@ -269,6 +301,14 @@ class RegionServer:
             pid, uid = peer_cred(sock)
             sock.setblocking(False)
             conn = _Conn(sock, pid, uid, uid in self.registry.limits.allowed_uids)
+            if not conn.allowed and not conn.sibling:  # nothing it sent is read
+                logger.warning("shm-embeds: regions connection from uid %d (pid %d), which "
+                               "is not allowed (VLLM_SHM_EMBEDS_REGIONS_UIDS), closed", uid,
+                               pid)
+                count_reason("region_refused", "uid")
+                self._send(sock, {"error": "this user may not register regions"})
+                sock.close()
+                return True
             if not conn.sibling and sum(
                     not c.sibling for c in self._conns) >= self.max_connections:
                 count_reason("region_refused", "connections")
@@ -281,9 +321,6 @@ class RegionServer:
             sock.close()
             return True
         self._conns.add(conn)
-        if not conn.allowed:
-            logger.warning("shm-embeds: regions connection from uid %d (pid %d), which is "
-                           "not allowed (VLLM_SHM_EMBEDS_REGIONS_UIDS)", uid, pid)
         return True
 
     @staticmethod
@@ -307,8 +344,11 @@ class RegionServer:
             self.registry.unregister_ids(conn.regions, reason)
 
     def _serve(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
+        # While the closer thread is behind (a FUSE close may never return),
+        # no fd is installed here: the kernel drops them unopened.
+        busy = closer_busy()
         try:
-            data, ancdata, flags, _ = conn.sock.recvmsg(MAX_MESSAGE, _ANC_BYTES)
+            data, ancdata, flags, _ = conn.sock.recvmsg(MAX_MESSAGE, 0 if busy else _ANC_BYTES)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -318,7 +358,22 @@ class RegionServer:
         if not data and not fds and not flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
             self._drop(sel, conn, "disconnect")  # EOF
             return
-        reply = self._handle(sel, conn, data, fds, flags)
+        conn.last_active = time.monotonic()
+        # A peer that sends anything but a memfd (or any fd while none is taken) is
+        # answered and closed: each such fd costs the closer thread a close.
+        hostile = True
+        if busy and flags & socket.MSG_CTRUNC:
+            count_reason("region_refused", "closer_busy")
+            reply = {"error": "the server takes no file descriptors now; retry later"}
+        elif not all(map(is_memfd, fds)):
+            count_reason("region_refused", "not_memfd")
+            reply = {"error": NOT_MEMFD}
+        else:
+            hostile = False
+            reply = self._handle(sel, conn, data, fds, flags)
+        if hostile:
+            for fd in fds:
+                discard_fd(fd)
         if reply is None:  # a registration: its worker answers
             return
         lease = reply.pop(_LEASE, None)
@@ -327,7 +382,7 @@ class RegionServer:
         finally:
             if lease is not None:  # the peer has its own reference to the memfd now
                 lease.release()
-        if not sent or not conn.allowed:  # a uid not allowed: one answer, no slot held
+        if not sent or hostile:
             self._drop(sel, conn, "disconnect")
 
     def _register(self, conn: _Conn, fd: int, msg: dict[str, Any]) -> None:
@@ -350,6 +405,7 @@ class RegionServer:
                 reply = {"error": "internal error"}
             sent = self._send(conn.sock, reply)
         finally:
+            conn.last_active = time.monotonic()
             self._done.append((conn, sent))
             self._poke()
 
@@ -380,8 +436,10 @@ class RegionServer:
                 fd = fds.pop()
                 sel.unregister(conn.sock)  # its next message: once this one is answered
                 try:
+                    conn.busy = True
                     self._pool.submit(self._register, conn, fd, msg)
                 except BaseException:
+                    conn.busy = False
                     sel.register(conn.sock, selectors.EVENT_READ, conn)
                     discard_fd(fd)
                     raise

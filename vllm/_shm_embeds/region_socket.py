@@ -1,9 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """The regions socket's plumbing: its file, its peers, the descriptors they send.
 
-* :func:`owner_lock`, :func:`clear_path`, :func:`group_id`: one process per
-  host serves a path (an abstract-namespace name decides); a stale socket
-  file is replaced, anything else never.
+* :func:`owner_lock`, :func:`clear_path`, :func:`group_id`,
+  :func:`set_mode`: one process per host serves a path (an abstract-namespace
+  name decides; one held by another uid, or by a socket that does not listen,
+  is a squatter's and skipped); a stale socket file is replaced, anything
+  else never; mode and group are set on the socket file itself (``O_PATH``),
+  never through a link someone put at the path.
 * :func:`peer_is_sibling`: the peer is another API server of this ``vllm
   serve`` (same uid, another process, the same parent).
 * :func:`received_fds` and :func:`discard_fd`: a descriptor a peer sent may
@@ -11,7 +14,9 @@
   (FLUSH) wait for its file system's server, maybe forever. So nothing but
   ``readlink`` of ``/proc/self/fd`` and ``F_GET_SEALS`` (no I/O) touches one
   before it is known to be a memfd, and one that is not is closed on a
-  daemon thread of its own, never on a thread that serves anyone.
+  daemon thread of its own, never on a thread that serves anyone. That
+  thread's backlog is bounded (:func:`closer_busy`): while it is full, the
+  server receives no descriptors at all (the kernel drops them unopened).
 
 Knows sockets and descriptors, not regions.
 """
@@ -39,22 +44,71 @@ logger = init_logger(__name__)
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _closer: tuple[int, queue.SimpleQueue] | None = None  # (pid, fds to close)
 _closer_lock = threading.Lock()
+CLOSER_BACKLOG = 64  # fds waiting for the closer thread, above which none is received
+LOCK_NAMES = 8  # abstract lock names tried past squatters before going without one
+_LOCK_PROBE_S = 0.2
+
+
+class LockHeld(OSError):
+    """EADDRINUSE: another process of this uid holds the start-up lock of a
+    path; ``sibling``: it is a sibling (:func:`is_sibling`) of this process."""
+
+    def __init__(self, path: str, sibling: bool) -> None:
+        super().__init__(errno.EADDRINUSE, "another process serves this regions socket", path)
+        self.sibling = sibling
+
+
+def _lock_holder(name: str) -> tuple[int, int] | None:
+    """``(pid, uid)`` of the process listening on the abstract ``name``, or
+    None: nobody listens (bound only: a squatter), or not within 0.2 s."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        probe.settimeout(_LOCK_PROBE_S)
+        probe.connect(name)  # SO_PEERCRED: the listener's, even before an accept
+        return peer_cred(probe)
+    except OSError:
+        return None
+    finally:
+        probe.close()
 
 
 def owner_lock(path: str) -> socket.socket:
-    """Bind the abstract-namespace name that makes this process the one serving
-    ``path`` on this host. Raises OSError(EADDRINUSE): another live process does."""
+    """Bind (and listen on) the abstract-namespace name that makes this
+    process the one serving ``path`` on this host; returns that socket.
+
+    Any local user can bind an abstract name, so a name held by another uid
+    or by a socket that does not listen is a squatter's: the next of
+    :data:`LOCK_NAMES` names is tried (siblings walk the same ones). Past
+    them all, an unbound socket is returned: the path is then served without
+    a lock (``clear_path`` and ``bind`` still refuse a live socket). Never
+    waits more than 0.2 s per name.
+
+    Raises:
+        LockHeld: a process of this uid holds it (``sibling``: one of this
+            process's siblings).
+        OSError: the lock socket could not be made.
+    """
     key = hashlib.sha256(os.path.realpath(path).encode()).hexdigest()[:32]
-    lock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    try:
-        lock.bind(f"\0vllm-shm-embeds-regions.{key}")
-    except OSError as e:
-        lock.close()
-        if e.errno == errno.EADDRINUSE:
-            raise OSError(errno.EADDRINUSE, "another process serves this regions socket",
-                          path) from None
-        raise
-    return lock
+    for i in range(LOCK_NAMES):
+        name = f"\0vllm-shm-embeds-regions.{os.getuid()}.{key}.{i}"
+        lock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            lock.bind(name)
+            lock.listen(64)  # never accepted: only for SO_PEERCRED of probes
+            return lock
+        except OSError as e:
+            lock.close()
+            if e.errno != errno.EADDRINUSE:
+                raise
+        holder = _lock_holder(name)
+        if holder is not None and holder[1] == os.getuid():
+            raise LockHeld(path, is_sibling(*holder))
+        logger.warning("shm-embeds: the start-up lock of the regions socket is held by "
+                       "another user's process (uid %s); trying another",
+                       holder[1] if holder else "unknown")
+    logger.warning("shm-embeds: every start-up lock name of the regions socket is squatted; "
+                   "serving it without one")
+    return socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 
 
 def group_id(group: str) -> int:
@@ -103,25 +157,60 @@ def is_memfd(fd: int) -> bool:
         return False
 
 
-def _close_forever(fds: queue.SimpleQueue) -> None:
+def set_mode(path: str, mode: int, gid: int | None) -> int:
+    """Give the socket file at ``path`` (just bound by this process) ``mode``
+    and group ``gid`` (None: unchanged); returns its inode. Opened with
+    ``O_PATH|O_NOFOLLOW`` and changed through ``/proc/self/fd``, so a link put
+    at ``path`` (a writable socket directory) is never followed.
+
+    Raises:
+        OSError: not a socket of this uid there now (ELOOP for a link), or
+            the change failed.
+    """
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+            raise OSError(errno.EEXIST, "not this server's socket", path)
+        if gid is not None:
+            os.chown(f"/proc/self/fd/{fd}", -1, gid)
+        os.chmod(f"/proc/self/fd/{fd}", mode)
+        return st.st_ino
+    finally:
+        os.close(fd)
+
+
+def _close_forever(fds: queue.Queue) -> None:
     while True:
         fd = fds.get()
         try:
             os.close(fd)
         except OSError:
             pass
+        finally:
+            fds.task_done()
+
+
+def closer_busy() -> bool:
+    """The closer thread's backlog is full (it may be stuck on a FUSE
+    ``close``): receive no descriptors until it is not."""
+    closer = _closer
+    return closer is not None and closer[0] == os.getpid() and \
+        closer[1].qsize() >= CLOSER_BACKLOG
 
 
 def discard_fd(fd: int) -> None:
     """Close ``fd``, received from a peer (the caller owns it): here if it is a
-    memfd, else on the daemon closer thread (a FUSE ``close`` may never return)."""
+    memfd, else on the daemon closer thread (a FUSE ``close`` may never return).
+    Callers receive no fd while :func:`closer_busy`, so the backlog stays
+    within :data:`CLOSER_BACKLOG` plus the fds in their hands."""
     if is_memfd(fd):
         os.close(fd)
         return
     global _closer
     with _closer_lock:
         if _closer is None or _closer[0] != os.getpid():  # none yet, or a forked child
-            _closer = (os.getpid(), queue.SimpleQueue())
+            _closer = (os.getpid(), queue.Queue())
             threading.Thread(target=_close_forever, args=(_closer[1],), daemon=True,
                              name="shm-embeds-fd-closer").start()
         _closer[1].put(fd)

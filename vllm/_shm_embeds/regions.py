@@ -43,6 +43,7 @@ logger = init_logger(__name__)
 DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
 REQUIRED_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 UNKNOWN_REGION = "unknown shared_memory_region"  # never the id: it is a capability
+NOT_MEMFD = "the file descriptor is not a memfd (os.memfd_create with MFD_ALLOW_SEALING)"
 
 
 class RegionError(ValueError):
@@ -68,6 +69,10 @@ class RegionLimits:
             release (its memory is held until then).
         idle_ttl_s: seconds without a lease after which a region is unregistered.
         datatype: the model's (a :data:`DTYPES` key), the only one accepted; None: any.
+        max_leases: leases (region references of requests in flight) this
+            process may hold at once; each costs the EngineCore two fds and
+            two mappings while its request runs. Over it: RegionError
+            ``leases`` (HTTP 429).
     """
 
     hidden_size: int
@@ -77,6 +82,7 @@ class RegionLimits:
     max_bytes_per_uid: int
     idle_ttl_s: float
     datatype: str | None = None
+    max_leases: int = config.DEFAULT_REGIONS_LEASES_MAX
 
     @classmethod
     def from_config(cls, hidden_size: int, max_tokens: int,
@@ -87,7 +93,7 @@ class RegionLimits:
             raise ValueError(f"datatype must be one of {', '.join(DTYPES)} or None")
         return cls(hidden_size, max_tokens, config.regions_allowed_uids(),
                    config.regions_max(), config.regions_max_bytes(), config.regions_ttl_s(),
-                   datatype)
+                   datatype, config.regions_leases_max())
 
 
 @dataclasses.dataclass(eq=False, repr=False)
@@ -153,8 +159,7 @@ def _check_fd(fd: int, nbytes: int) -> int:
         if not stat.S_ISREG(st.st_mode):
             raise OSError
     except OSError as e:
-        raise RegionError("the file descriptor is not a memfd (os.memfd_create with "
-                          "MFD_ALLOW_SEALING)", "not_memfd") from e
+        raise RegionError(NOT_MEMFD, "not_memfd") from e
     if seals & REQUIRED_SEALS != REQUIRED_SEALS:
         raise RegionError("the memfd must be sealed with F_SEAL_WRITE, F_SEAL_SHRINK, "
                           f"F_SEAL_GROW and F_SEAL_SEAL (it has seals {seals:#x}, needs "
@@ -204,6 +209,7 @@ class RegionRegistry:
         self._regions: dict[str, Region] = {}  # registered
         self._live: dict[int, Region] = {}  # data_ptr -> registered or leased
         self._held: dict[int, list[int]] = {}  # uid -> [regions, bytes], pending included
+        self._leases = 0  # leases not released (requests' and lookups')
         self._closed = False
 
     # ------------------------------------------------------------ register
@@ -399,6 +405,10 @@ class RegionRegistry:
             with self._lock:
                 if not region.registered:  # unregistered meanwhile
                     raise RegionError(UNKNOWN_REGION, "unknown")
+                if self._leases >= self.limits.max_leases:
+                    raise RegionError(f"this server uses {self._leases} regions for requests "
+                                      "in flight, the most allowed; retry later", "leases")
+                self._leases += 1
                 region.leases += 1
                 region.last_used = time.monotonic()
         except RegionError as e:
@@ -414,6 +424,7 @@ class RegionRegistry:
             region = self._regions.get(region_id) if isinstance(region_id, str) else None
             if region is None:
                 raise RegionError(UNKNOWN_REGION, "unknown")
+            self._leases += 1  # released once its fd is sent: not capped
             region.leases += 1
             region.last_used = time.monotonic()
         return Lease(self, region)
@@ -424,6 +435,7 @@ class RegionRegistry:
             if lease._released:
                 return
             lease._released = True
+            self._leases -= 1
             region.leases -= 1
             region.last_used = time.monotonic()
             free = not region.registered and self._drop(region)
@@ -444,17 +456,24 @@ class RegionRegistry:
                 return None
             return os.getpid(), region.fd, region.inode
 
+    def registered(self, region_ids: Iterable[str]) -> set[str]:
+        """Those of ``region_ids`` still registered."""
+        with self._lock:
+            return {i for i in region_ids if i in self._regions}
+
     def is_region_tensor(self, tensor: Any) -> bool:  # find(tensor) is not None
         return self.find(tensor) is not None
 
     def stats(self) -> dict[str, Any]:
-        """``{"regions": n, "bytes": b, "draining": d, "per_uid": {uid:
-        {"regions": n, "bytes": b}}}``: registered regions and their bytes;
+        """``{"regions": n, "bytes": b, "draining": d, "leases": l, "per_uid":
+        {uid: {"regions": n, "bytes": b}}}``: registered regions and their bytes;
+        ``leases``: leases not released;
         ``draining``: unregistered ones still leased (their bytes still count
         in ``per_uid``, which also counts registrations in progress)."""
         with self._lock:
             return {"regions": len(self._regions),
                     "bytes": sum(r.nbytes for r in self._regions.values()),
                     "draining": sum(not r.registered for r in self._live.values()),
+                    "leases": self._leases,
                     "per_uid": {uid: {"regions": n, "bytes": b}
                                 for uid, (n, b) in self._held.items()}}

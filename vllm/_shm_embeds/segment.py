@@ -43,12 +43,22 @@ class BudgetExceeded(OSError):
                          f"({held} bytes now) over their budget of {budget} bytes")
 
 
+class TooManySegments(OSError):
+    """This process owns ``VLLM_SHM_EMBEDS_MAX_SEGMENTS`` segments already."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(errno.EMFILE, f"this process holds {limit} shm-embeds segments "
+                         "already (VLLM_SHM_EMBEDS_MAX_SEGMENTS)")
+
+
 def fallback_reason(e: OSError) -> str:
     """The counter reason for a segment that could not be made: ``budget``
-    (:class:`BudgetExceeded`), ``no_space`` (ENOSPC: the directory is full or
-    too small) or ``os_error``."""
+    (:class:`BudgetExceeded`), ``segments`` (:class:`TooManySegments`),
+    ``no_space`` (ENOSPC: the directory is full or too small) or ``os_error``."""
     if isinstance(e, BudgetExceeded):
         return "budget"
+    if isinstance(e, TooManySegments):
+        return "segments"
     return "no_space" if e.errno == errno.ENOSPC else "os_error"
 
 
@@ -381,17 +391,68 @@ def unlink_segment(directory: str, name: str, nparts: int) -> bool:
     return first
 
 
+# --------------------------------------------------------------------------
+# adopting a peer's file under a name of ours
+
+_RENAME_NOREPLACE = 1  # <linux/fs.h>
+_AT_FDCWD = -100
+_renameat2: Any = None  # the libc function, False where it is missing
+
+
+def rename_noreplace(src: str, dst: str) -> None:
+    """Rename ``src`` to ``dst`` unless ``dst`` exists (then ``FileExistsError``).
+
+    ``renameat2(RENAME_NOREPLACE)`` (glibc 2.28+, Linux 3.15+, tmpfs): a
+    name planted at ``dst`` (a directory, another user's file, a symlink)
+    is never replaced or followed. Where that call is missing or the file
+    system refuses the flag, ``link`` + ``unlink`` does the same (``link``
+    never replaces either; both names exist for a moment). Raises OSError.
+    """
+    global _renameat2
+    if _renameat2 is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).renameat2
+            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                           ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _renameat2 = fn
+        except (AttributeError, OSError):
+            _renameat2 = False
+    if _renameat2:
+        if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst),
+                      _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+            raise OSError(err, os.strerror(err), src, None, dst)
+    os.link(src, dst, follow_symlinks=False)
+    unlink_quietly(src)
+
+
+# --------------------------------------------------------------------------
+# what is ours in the directory
+
+
+def our_file(st: os.stat_result) -> bool:
+    """True if ``st`` (from ``os.lstat``) is a regular file of this process's
+    user: the only kind of file a segment of ours can be. Directories,
+    symlinks, FIFOs and other users' files at names like ours are someone
+    else's and are neither counted nor removed."""
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+
+
 def list_segments(directory: str) -> list[tuple[str, SegmentName]]:
-    """Every file of ours in ``directory`` with its parsed name (parts included)."""
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return []
+    """Every name like ours in ``directory`` with its parsed name (parts
+    included); whose file it is is not checked (:func:`our_file`)."""
     out = []
-    for n in names:
-        parsed = SegmentName.parse(n)
-        if parsed is not None:
-            out.append((n, parsed))
+    try:
+        with os.scandir(directory) as it:
+            for entry in it:
+                parsed = SegmentName.parse(entry.name)
+                if parsed is not None:
+                    out.append((entry.name, parsed))
+    except OSError:
+        pass
     return out
 
 
@@ -399,19 +460,27 @@ def sweep(directory: str, pidns: int) -> int:
     """Unlink the files of segments in ``directory`` whose owner is certainly dead.
 
     Only names in PID namespace ``pidns`` are judged (another container's
-    pids mean nothing here); see :func:`owner_is_dead`. Returns the number of
-    segments (file 0s) removed.
+    pids mean nothing here); see :func:`owner_is_dead`. Only regular files
+    of this user (``lstat``, :func:`our_file`) are removed: anything else
+    at such a name (a directory, a symlink, another user's file) is left
+    alone. Never raises. Returns the number of segments (file 0s) removed.
     """
     removed = 0
     verdict: dict[tuple[int, int], bool] = {}
     for n, parsed in list_segments(directory):
         if parsed.pidns != pidns:
             continue
-        key = (parsed.pid, parsed.start)
-        if key not in verdict:
-            verdict[key] = owner_is_dead(parsed)
-        if verdict[key] and unlink_quietly(os.path.join(directory, n)):
-            removed += parsed.part == 0
+        path = os.path.join(directory, n)
+        try:
+            if not our_file(os.lstat(path)):
+                continue
+            key = (parsed.pid, parsed.start)
+            if key not in verdict:
+                verdict[key] = owner_is_dead(parsed)
+            if verdict[key] and unlink_quietly(path):
+                removed += parsed.part == 0
+        except (OSError, ValueError, OverflowError):
+            continue  # gone meanwhile, or cannot tell: keep it
     return removed
 
 
@@ -419,15 +488,19 @@ def held_bytes(directory: str, owners: set[int] | None = None,
                pidns: int | None = None) -> int:
     """Bytes our segment files in ``directory`` hold now (allocated blocks: a
     body still arriving counts by what it has written); with ``owners``, only
-    the files of those pids in PID namespace ``pidns``."""
+    the files of those pids in PID namespace ``pidns``. Only regular files
+    of this user count (``lstat``: a symlink or another user's file at a
+    name like ours is not ours)."""
     held = 0
     for name, parsed in list_segments(directory):
         if owners is not None and (parsed.pid not in owners or parsed.pidns != pidns):
             continue
         try:
-            held += os.stat(os.path.join(directory, name)).st_blocks * 512
+            st = os.lstat(os.path.join(directory, name))
         except OSError:  # unlinked meanwhile
-            pass
+            continue
+        if our_file(st):
+            held += st.st_blocks * 512
     return held
 
 

@@ -34,6 +34,9 @@ class StreamedFile:
         self.handle = handle
         self.nbytes = handle.nbytes
         self.filled = 0
+        # Bytes the segment budget granted this file so far (its owner,
+        # ``transfer.StreamedSegment``, renews it as the file fills).
+        self.reserved = 0
         self._path = os.path.join(directory, handle.name)
         self._fd: int | None = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:

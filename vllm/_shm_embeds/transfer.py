@@ -17,6 +17,7 @@ Knows segments and ownership, not vLLM and not HTTP.
 
 from __future__ import annotations
 
+import errno
 import os
 from typing import Any
 
@@ -31,8 +32,10 @@ from vllm._shm_embeds.config import (
     shm_dir,
     writers,
 )
-from vllm._shm_embeds.counters import count
+from vllm._shm_embeds.counters import count, count_reason
 from vllm._shm_embeds.handle import (
+    HEADER_BYTES,
+    MAGIC,
     MAX_READERS,
     SharedTensorHandle,
     ShmEmbedsError,
@@ -69,9 +72,11 @@ def check_budget(nbytes: int) -> None:
     would take our segments in the directory over ``config.budget_bytes()``.
 
     Counted: what our files hold now (every process of the server; a body
-    still arriving by what it has written) plus what this process's bodies
-    still arriving will write. A segment keeps its name until its request is
-    freed (``owned.OwnedSegments``), so the named files are what the server's
+    still arriving by what it has written) plus the look-ahead this
+    process's bodies still arriving were granted and have not written yet
+    (at most :data:`STREAM_GRANT_BYTES` each: :class:`StreamedSegment`). A
+    segment keeps its name until its request is freed
+    (``owned.OwnedSegments``), so the named files are what the server's
     requests hold; the TP workers drop their mappings at the step after
     that (vLLM runs one at once to clear finished requests). On a file
     system of its own (``VLLM_SHM_EMBEDS_DIR`` not on ``/dev/shm``'s) all
@@ -156,39 +161,62 @@ def discard_shared(handle: SharedTensorHandle) -> bool:
     return gone
 
 
+ADOPT_NAME_TRIES = 8  # names tried when something sits at the one drawn
+
+
 def adopt_tensor(handle: SharedTensorHandle) -> torch.Tensor:
     """Take ownership of a peer's segment and map it as a tensor (no copy).
 
-    The segment is atomically renamed to this process's name, so a crash of
+    The segment is renamed to a fresh name of this process
+    (``segment.rename_noreplace``: a file, directory or symlink someone
+    planted there is never replaced; another name is drawn), so a crash of
     either side leaves it attributable. The returned tensor is remembered, so
     :func:`externalize` sends it onwards (hop 2) without copying it again;
     the name is unlinked when vLLM frees the request (:func:`release_adopted`)
-    or the storage is freed, once no broadcast of it is pending.
+    or the storage is freed, once no broadcast of it is pending. When this
+    process owns ``VLLM_SHM_EMBEDS_MAX_SEGMENTS`` segments already, or the
+    mapping fails (e.g. ENOMEM at ``vm.max_map_count``), the bytes are read
+    into this process's memory instead (what stock holds; counted
+    ``fallback`` ``segments``/``map_failed`` on hop 1) and the files go.
 
     Returns:
         tensor of ``handle.dtype`` and ``handle.shape`` backed by the segment.
     Raises:
-        ShmEmbedsError: missing segment, wrong size or header.
+        ShmEmbedsError: missing segment, wrong size or header, not a regular
+            file of ours, or any OSError of the adoption (nothing is left
+            behind: the peer's files are removed).
     """
     state = process.current()
-    mine = handle.renamed(state.new_name())
     nparts = len(handle.parts())
     directory = shm_dir()
+    try:
+        state.check_segments()
+    except seg.TooManySegments:
+        count_reason("fallback", "segments", hop="1")
+        return _adopt_by_copy(handle)
     if handle.region:
-        return _adopt_region(handle, mine)
+        return _adopt_region(handle)
+    mine = handle.renamed(state.new_name(capped=False))
     for i in range(nparts):
         try:
-            os.rename(os.path.join(directory, part_name(handle.name, i)),
-                      os.path.join(directory, part_name(mine.name, i)))
-        except FileNotFoundError as e:
-            seg.unlink_segment(directory, mine.name, i)  # the parts already taken
-            seg.unlink_segment(directory, handle.name, nparts)
-            raise ShmEmbedsError(
-                f"shm-embeds segment {part_name(handle.name, i)!r} not found in "
-                f"{directory}: the sender is on another host, or something removed it"
-            ) from e
+            mine = _rename_part(directory, handle, mine, i)
+        except BaseException as e:
+            for j in range(i):  # the parts already taken (never what sits at a name)
+                seg.unlink_quietly(os.path.join(directory, part_name(mine.name, j)))
+            _unlink_peer(directory, handle.name, nparts)
+            if isinstance(e, FileNotFoundError):
+                raise ShmEmbedsError(
+                    f"shm-embeds segment {part_name(handle.name, i)!r} not found in "
+                    f"{directory}: the sender is on another host, or something removed it"
+                ) from e
+            if isinstance(e, OSError):
+                raise ShmEmbedsError(f"shm-embeds segment could not be adopted: {e}") from e
+            raise
     try:
         mm = seg.map_segment(directory, mine)
+    except OSError:  # e.g. ENOMEM at vm.max_map_count: read it instead
+        count_reason("fallback", "map_failed", hop="1")
+        return _adopt_by_copy(mine)
     except BaseException:
         seg.unlink_segment(directory, mine.name, nparts)
         raise
@@ -197,26 +225,112 @@ def adopt_tensor(handle: SharedTensorHandle) -> torch.Tensor:
     return tensor
 
 
-def _adopt_region(handle: SharedTensorHandle, mine: SharedTensorHandle) -> torch.Tensor:
-    """:func:`adopt_tensor` of a region: take over the header file by
-    ``rename``, open the producer's memfd through the API server's
-    descriptor, and map both (the memfd read-only). The files stay open
-    here, so that hop 2's readers open them through this process's fds."""
+def _rename_part(directory: str, handle: SharedTensorHandle, mine: SharedTensorHandle,
+                 i: int) -> SharedTensorHandle:
+    """Rename part ``i`` of the peer's segment to ``mine``'s; if something sits
+    at the name drawn for part 0 (planted), draw another one (bounded).
+    Returns the handle under the name used. Raises OSError (FileExistsError
+    after :data:`ADOPT_NAME_TRIES` names)."""
+    src = os.path.join(directory, part_name(handle.name, i))
+    st = os.lstat(src)  # the peer's file: a regular file of our user, never a link
+    if not seg.our_file(st):
+        raise OSError(errno.EPERM, "not a segment file of this user")
+    for _ in range(ADOPT_NAME_TRIES if i == 0 else 1):
+        try:
+            seg.rename_noreplace(src, os.path.join(directory, part_name(mine.name, i)))
+            return mine
+        except FileExistsError:
+            if i:
+                raise
+            count(adopt_names_taken=1)
+            mine = handle.renamed(process.current().new_name(capped=False))
+    raise FileExistsError(errno.EEXIST, "every segment name drawn was taken")
+
+
+def _unlink_peer(directory: str, name: str, nparts: int) -> None:
+    """Remove what is left of a peer's segment that cannot be adopted (only
+    regular files of ours); never raises."""
+    for i in range(nparts):
+        path = os.path.join(directory, part_name(name, i))
+        try:
+            if seg.our_file(os.lstat(path)):
+                seg.unlink_quietly(path)
+        except OSError:
+            pass
+
+
+def _adopt_by_copy(handle: SharedTensorHandle) -> torch.Tensor:
+    """Read a peer's segment (or region) into this process's memory (what
+    stock holds) and remove its files: for when it cannot be mapped here.
+    Counted as one copy. Raises ShmEmbedsError (the files go either way)."""
     directory = shm_dir()
+    parts = handle.parts()
     try:
-        os.rename(os.path.join(directory, handle.name), os.path.join(directory, mine.name))
+        out = torch.empty(handle.shape, dtype=handle.torch_dtype)
+        dst = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        for i, (part, start, length) in enumerate(parts):
+            if i and handle.region:
+                fd = seg.open_region(*handle.region, handle.nbytes)
+            else:
+                fd = os.open(os.path.join(directory, part),
+                             os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            try:
+                _read_part(fd, i, length, dst[start:start + length], handle.region)
+            finally:
+                os.close(fd)
+    except OSError as e:
+        raise ShmEmbedsError(f"shm-embeds segment could not be read: {e}") from e
+    finally:
+        _unlink_peer(directory, handle.name, 1 if handle.region else len(parts))
+    count(copied_bytes=handle.nbytes)
+    return out
+
+
+def _read_part(fd: int, i: int, length: int, dst: memoryview, region: tuple) -> None:
+    """Check file ``i`` of a segment (size, owner, header) and read its
+    ``length`` data bytes into ``dst``. Raises OSError, ShmEmbedsError."""
+    st = os.fstat(fd)
+    want = length + (HEADER_BYTES if i == 0 else 0)
+    if not (seg.our_file(st) or (i and region)) or st.st_size != want:
+        raise ShmEmbedsError("shm-embeds segment has the wrong size or owner")
+    if i == 0 and os.pread(fd, len(MAGIC), 0) != MAGIC:
+        raise ShmEmbedsError("shm-embeds segment has no header")
+    done, offset = 0, HEADER_BYTES if i == 0 else 0
+    while done < length:
+        n = os.preadv(fd, [dst[done:]], offset + done)
+        if n <= 0:
+            raise ShmEmbedsError("shm-embeds segment was truncated")
+        done += n
+
+
+def _adopt_region(handle: SharedTensorHandle) -> torch.Tensor:
+    """:func:`adopt_tensor` of a region: take over the header file by
+    renaming it to a fresh name of ours, open the producer's memfd through
+    the API server's descriptor, and map both (the memfd read-only). The
+    files stay open here, so that hop 2's readers open them through this
+    process's fds."""
+    directory = shm_dir()
+    mine = handle.renamed(process.current().new_name(capped=False))
+    try:
+        mine = _rename_part(directory, handle, mine, 0)
     except FileNotFoundError as e:
         raise ShmEmbedsError("shm-embeds region header not found: the sender is on "
                              "another host, or something removed it") from e
+    except OSError as e:
+        _unlink_peer(directory, handle.name, 1)
+        raise ShmEmbedsError(f"shm-embeds region header could not be adopted: {e}") from e
     fds: list[int] = []
     try:
-        fds.append(os.open(os.path.join(directory, mine.name), os.O_RDWR | os.O_CLOEXEC))
+        fds.append(os.open(os.path.join(directory, mine.name),
+                           os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW))
         fds.append(seg.open_region(*handle.region, handle.nbytes))
         mm = seg.map_segment(directory, mine, fds=fds)
-    except BaseException:
+    except BaseException as e:
         for fd in fds:
             os.close(fd)
         seg.unlink_segment(directory, mine.name, 1)
+        if isinstance(e, OSError):
+            raise ShmEmbedsError(f"shm-embeds region could not be mapped: {e}") from e
         raise
     tensor, anchor = seg.tensor_view(mm, mine)
     process.current().owned.add_mapped(mine, mm, tensor, anchor, fds=fds)
@@ -260,6 +374,9 @@ def dense_nbytes(tensor: Any) -> int:
 # handed over at hop 1 by handle
 
 
+STREAM_GRANT_BYTES = 64 << 20  # budget a body still arriving holds beyond what it wrote
+
+
 class StreamedSegment:
     """A one-file segment that a request body is written into, chunk by chunk.
 
@@ -270,6 +387,16 @@ class StreamedSegment:
     tensor's storage is freed before that (next safe point), by
     :func:`release_streamed`, or by :meth:`abort`. The caller must have
     validated ``shape`` and ``dtype`` against its own limits first.
+
+    Budget (:func:`check_budget`): the whole size must fit when the segment
+    is made, but it is charged by what it has written plus a grant of at
+    most :data:`STREAM_GRANT_BYTES` ahead, renewed as it fills: a slow
+    upload does not hold budget for bytes it has not sent. When a renewal
+    does not fit (other segments took the room meanwhile), :meth:`write`
+    raises ``segment.BudgetExceeded`` (an ``OSError``) and writes nothing;
+    the caller goes on the stock way (the binary path reads the bytes
+    back into private memory; the JSON path gives vLLM the body) and aborts
+    this segment: nothing is left.
 
     Args:
         dtype: element type of the bytes that will be written.
@@ -283,6 +410,7 @@ class StreamedSegment:
         handle = SharedTensorHandle(state.new_name(), dtype_name(dtype), tuple(shape))
         check_budget(handle.nbytes)
         self._file = StreamedFile(shm_dir(), handle)
+        self._file.reserved = min(handle.nbytes, STREAM_GRANT_BYTES)
         self.handle = handle
         self.nbytes = handle.nbytes
         state.owned.stream_started(self._file)
@@ -294,8 +422,19 @@ class StreamedSegment:
         return self._file.filled
 
     def write(self, data: bytes | memoryview) -> None:
-        """Append ``data`` (see ``streamed_file.StreamedFile.write`` for the errors)."""
-        self._file.write(data)
+        """Append ``data`` (see ``streamed_file.StreamedFile.write`` for the errors).
+
+        Raises:
+            segment.BudgetExceeded: the next grant does not fit the budget
+                (nothing written; see the class docstring).
+        """
+        f = self._file
+        end = f.filled + len(data)
+        if end > f.reserved and f.open:
+            grant = min(f.nbytes, max(end, f.reserved + STREAM_GRANT_BYTES)) - f.reserved
+            check_budget(grant)
+            f.reserved += grant
+        f.write(data)
 
     def read_back(self, out: memoryview) -> None:
         """Copy the bytes written so far into ``out`` (``streamed_file.StreamedFile.read_back``)."""

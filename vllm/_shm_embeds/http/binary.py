@@ -67,6 +67,7 @@ from vllm.logger import init_logger
 
 from vllm._shm_embeds import digests
 from vllm._shm_embeds import segment as seg
+from vllm._shm_embeds.config import body_deadline_s
 from vllm._shm_embeds.counters import count, count_reason
 from vllm._shm_embeds.http.binary_header import (  # noqa: F401 (re-exported)
     CONTENT_TYPE,
@@ -89,6 +90,7 @@ from vllm._shm_embeds.http.common import (
     Stalled,
     Upload,
     call_with_body,
+    deadline_for,
     receive_body_message,
     route,
     send_error,
@@ -107,7 +109,7 @@ class _Disconnected(Exception):
 
 def _reject(e: BinaryBodyError) -> None:
     count_reason("binary_rejected", e.reason)
-    logger.info("shm-embeds: binary body rejected (%s): %s", e.reason, e.message)
+    logger.info("shm-embeds: binary body rejected (%s): %r", e.reason, e.message)
 
 
 async def _send_error(send: Send, e: BinaryBodyError) -> None:
@@ -166,15 +168,20 @@ def _fall_back(segment: StreamedSegment | None, spec: TensorSpec, e: OSError) ->
 class _BodyReader:
     """Hands out the body in pieces from ``receive()``, never joining it."""
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, receive: Receive, nbytes: int) -> None:
         self._receive = receive
         self._buf = memoryview(b"")
         self.more = True
+        self.deadline = deadline_for(nbytes)  # for the whole body (``common.deadline_for``)
+
+    def extend(self, nbytes: int) -> None:
+        """The body holds ``nbytes`` more than the deadline was set for."""
+        self.deadline += body_deadline_s(nbytes) - body_deadline_s(0)
 
     async def _fill(self) -> bool:
         while not self._buf and self.more:
             try:
-                msg = await receive_body_message(self._receive)
+                msg = await receive_body_message(self._receive, self.deadline)
             except Stalled as e:
                 raise _bad("timeout", str(e), 408) from None
             if msg["type"] == "http.disconnect":
@@ -245,9 +252,17 @@ class BinaryBodyMiddleware:
             limits = ServerContext.of_app(scope)
             if limits is None:
                 raise _bad("not_ready", "the server is not ready", 503)
-            reader = _BodyReader(receive)
+            if not limits.enable_prompt_embeds:  # nothing read: refused as stock refuses it
+                raise _bad("disabled", "You must set `--enable-prompt-embeds` to input "
+                           "`prompt_embeds`.")
+            # A deadline for the whole body (timeout + size / minimum rate): by
+            # Content-Length, or once the header says how many bytes follow.
+            reader = _BodyReader(receive, json_len if content_length is None
+                                 else content_length)
             parsed = parse_header(await reader.read_exact(json_len), path, limits,
                                   content_length)
+            if content_length is None:
+                reader.extend(sum(s.nbytes for s in parsed.specs))
             for spec in parsed.specs:
                 segs.append(_open_sink(spec))
                 hashers.append(_hasher(spec, limits, segs[-1], path))

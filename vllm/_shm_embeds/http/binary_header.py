@@ -16,8 +16,10 @@ from typing import Any
 import torch
 from starlette.datastructures import Headers
 
+from vllm._shm_embeds.config import binary_max_tensors
 from vllm._shm_embeds.http.common import (
     ServerContext,
+    byte_count,
     content_type,
     embeds_slots,
     new_token,
@@ -132,8 +134,10 @@ def parse_header(
     Returns:
         the body with placeholders, and the specs of the tensors that follow.
     Raises:
-        BinaryBodyError: 400 (bad JSON, bad descriptor, sizes that do not add
-            up to ``Content-Length``), 413 (over :attr:`ServerContext.max_body_bytes`).
+        BinaryBodyError: 400 (bad JSON, nested too deep, bad descriptor, more
+            than ``VLLM_SHM_EMBEDS_BINARY_MAX_TENSORS`` tensors, sizes that do not
+            add up to ``Content-Length``), 413 (over
+            :attr:`ServerContext.max_body_bytes`).
     """
     if not limits.enable_prompt_embeds:
         raise _bad("disabled", "You must set `--enable-prompt-embeds` to input "
@@ -142,11 +146,17 @@ def parse_header(
         body = json.loads(json_bytes.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         raise _bad("json", f"the JSON header is not valid UTF-8 JSON: {str(e)[:120]}")
+    except RecursionError:
+        raise _bad("json", "the JSON header is nested too deep") from None
     if not isinstance(body, dict):
         raise _bad("json", "the JSON header must be an object")
     token = new_token()
     specs: list[TensorSpec] = []
-    for where, container, key in list(embeds_slots(route, body)):
+    slots = list(embeds_slots(route, body))
+    if len(slots) > binary_max_tensors():
+        raise _bad("too_many", f"the body carries {len(slots)} prompt_embeds tensors, more "
+                   f"than the server's limit of {binary_max_tensors()}")
+    for where, container, key in slots:
         specs.append(parse_spec(container.get(key) if isinstance(container, dict)
                                 else container[key], limits, where))
         container[key] = placeholder(token, len(specs) - 1)
@@ -175,20 +185,19 @@ def frame_header_length(headers: list[tuple[bytes, bytes]]) -> tuple[int, int | 
     ``application/octet-stream`` or no ``Inference-Header-Content-Length``):
     it then goes to stock handling.
     Raises:
-        BinaryBodyError: the header values are not byte counts, or the JSON
-            header is longer than the body or than :data:`MAX_JSON_BYTES`.
+        BinaryBodyError: the header values are not byte counts (ASCII digits,
+            ``common.byte_count``), or the JSON header is longer than the body
+            or than :data:`MAX_JSON_BYTES`.
     """
     h = Headers(raw=headers)
     ctype = content_type(h)
     hlen, clen = h.get(HEADER_NAME), h.get("content-length")
-    hlen = hlen.strip() if hlen is not None else None
-    clen = clen.strip() if clen is not None else None
     if ctype != CONTENT_TYPE or hlen is None:
         return None
-    if not hlen.isdigit() or (clen is not None and not clen.isdigit()):
+    n, length = byte_count(hlen), byte_count(clen)
+    if n is None or (clen is not None and length is None):
         raise _bad("header", "Inference-Header-Content-Length and Content-Length must "
                    "be byte counts")
-    n, length = int(hlen), (int(clen) if clen is not None else None)
     if length is not None and n > length:
         raise _bad("header_too_long", f"Inference-Header-Content-Length {n} is larger "
                    f"than the body ({length} bytes)")

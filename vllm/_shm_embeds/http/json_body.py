@@ -18,10 +18,12 @@ chunks on the event loop; the rest runs in a worker thread
 (:func:`prepare`):
 
 1. (on the loop, while the body arrives) copy each chunk into a buffer
-   whose pages a worker thread faulted in meanwhile (:func:`read_body`), no
+   whose next pages a worker thread faults in meanwhile, never more than a
+   bounded look-ahead past the bytes that arrived (:func:`read_body`), no
    join into fresh memory;
-2. find the long JSON strings with ``bytes.find`` (a base64 string has no
-   quote or backslash, so finding its end is one ``memchr``) and build a
+2. find the long JSON strings (:func:`find_long_strings`: a regular
+   expression skips everything else in C, and a base64 string has no quote
+   or backslash, so finding its end is one ``memchr``) and build a
    small *skeleton* body in which each is a placeholder; ``json.loads`` of
    the skeleton tells which of them stand exactly where vLLM reads
    ``prompt_embeds``; any other long string is put back as it was;
@@ -49,6 +51,15 @@ stock app, which answers exactly as it would have (same status, same
 message). Such fallbacks are counted (``json_fallback.<reason>``), so tests
 can tell the fast path from a silent fallback.
 
+Limits (hostile input costs no more than stock): a body is taken only
+when ``--enable-prompt-embeds`` is on, its ``Content-Length`` is at most
+:func:`max_json_body_bytes` (the base64 of the binary path's cap plus
+:data:`JSON_SLACK_BYTES`) and the declared bytes of the bodies taken at once
+stay within ``VLLM_SHM_EMBEDS_INFLIGHT_BYTES``; any other body goes to the
+stock app untouched (counted ``json_fallback.too_large`` / ``busy``). A body
+that sends nothing for ``VLLM_SHM_EMBEDS_BODY_TIMEOUT_S`` or arrives slower
+than ``VLLM_SHM_EMBEDS_BODY_MIN_RATE`` gets 408.
+
 Counters: ``json_bodies``, ``json_tensors``, ``json_bytes`` (tensor bytes),
 ``json_direct_tensors`` (decoded straight into the segment),
 ``json_fallback.<reason>``.
@@ -58,10 +69,11 @@ Counters: ``json_bodies``, ``json_tensors``, ``json_bytes`` (tensor bytes),
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
+import functools
 import json
 import mmap
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -73,21 +85,24 @@ from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.config import min_bytes
 from vllm._shm_embeds.counters import count, count_reason
 from vllm._shm_embeds.http.common import (
+    IN_FLIGHT,
     Receive,
     Send,
     ServerContext,
     Stalled,
     Upload,
+    byte_count,
     call_with_body,
     content_type,
+    deadline_for,
     embeds_slots,
     headers,
     new_token,
     placeholder,
-    receive_body_message,
     route,
     send_error,
 )
+from vllm._shm_embeds.http.json_read import body_buffer, read_body  # noqa: F401
 from vllm._shm_embeds.http.torch_save import direct_decode
 from vllm._shm_embeds.transfer import release_streamed
 
@@ -95,6 +110,7 @@ logger = init_logger(__name__)
 
 CONTENT_TYPE = b"application/json"
 MIN_STRING_BYTES = 1024  # shorter strings stay in the skeleton as they are
+JSON_SLACK_BYTES = 1 << 20  # bytes a body may hold besides its base64 payloads
 
 
 class Fallback(Exception):
@@ -122,36 +138,63 @@ class Prepared:
     reason: str | None = None
 
 
-def find_long_strings(raw: bytes, min_len: int = MIN_STRING_BYTES) -> list[tuple[int, int]]:
-    """``(start, end)`` of the contents of every JSON string of ``raw`` longer
-    than ``min_len`` bytes that holds no backslash escape.
+# One JSON string (escapes included), possessive: linear time, no backtracking.
+_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
+
+
+@functools.lru_cache(maxsize=4)
+def _skip(min_len: int) -> re.Pattern:
+    """Everything up to the next string that starts with ``min_len`` plain
+    bytes: text outside strings, strings shorter than that, and strings with
+    an escape within their first ``min_len`` bytes (matched in C)."""
+    short = rb'"[^"\\]{0,%d}+(?:"|\\.(?:[^"\\]++|\\.)*+")' % (min_len - 1)
+    return re.compile(rb'(?:[^"]++|' + short + rb')*+', re.DOTALL)
+
+
+def scan_strings(raw: bytes | mmap.mmap,
+                 min_len: int = MIN_STRING_BYTES) -> tuple[list[tuple[int, int]], int]:
+    """:func:`find_long_strings`, and how many steps of Python it took.
+
+    Steps are at most ``len(raw) // min_len + 2``: each but the last passes a
+    string of at least ``min_len`` bytes; the rest is matched in C in linear
+    time (:func:`_skip`, :data:`_STRING`, ``find``).
+    """
+    spans: list[tuple[int, int]] = []
+    skip = _skip(max(1, min_len)).match
+    find = raw.find
+    pos, size, steps = 0, len(raw), 0
+    while True:
+        steps += 1
+        pos = skip(raw, pos).end()
+        if pos >= size:
+            return spans, steps
+        end = find(b'"', pos + 1)  # raw[pos] opens a string of min_len plain bytes or more
+        if end < 0:
+            raise Fallback("unterminated")
+        if find(b"\\", pos + 1, end) < 0:
+            if end - pos - 1 >= min_len:
+                spans.append((pos + 1, end))
+            pos = end + 1
+            continue
+        m = _STRING.match(raw, pos)  # a long string with an escape: not ours
+        if m is None:
+            raise Fallback("unterminated")
+        pos = m.end()
+
+
+def find_long_strings(raw: bytes | mmap.mmap,
+                      min_len: int = MIN_STRING_BYTES) -> list[tuple[int, int]]:
+    """``(start, end)`` of the contents of every JSON string of ``raw`` at
+    least ``min_len`` bytes long that holds no backslash escape.
 
     Scans string by string from the start (outside strings a ``"`` always
-    opens one in valid JSON); on input that is not valid JSON the result is
-    meaningless, and ``json.loads`` of the skeleton rejects it.
+    opens one in valid JSON), in time linear in ``len(raw)`` whatever the
+    escapes (:func:`scan_strings`); on input that is not valid JSON the
+    result is meaningless, and ``json.loads`` of the skeleton rejects it.
     Raises:
         Fallback: ``unterminated`` string.
     """
-    spans = []
-    pos = 0
-    find = raw.find
-    while True:
-        start = find(b'"', pos)
-        if start < 0:
-            return spans
-        end = find(b'"', start + 1)
-        while end >= 0:
-            n = 0  # backslashes right before this quote: an odd count escapes it
-            while raw[end - 1 - n] == 0x5C:
-                n += 1
-            if n % 2 == 0:
-                break
-            end = find(b'"', end + 1)
-        if end < 0:
-            raise Fallback("unterminated")
-        if end - start - 1 >= min_len and find(b"\\", start, end) < 0:
-            spans.append((start + 1, end))
-        pos = end + 1
+    return scan_strings(raw, min_len)[0]
 
 
 def _skeleton(raw: bytes, spans: list[tuple[int, int]], names: list[str]) -> bytes:
@@ -205,7 +248,7 @@ def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext) -> Prepared:
     """Turn a JSON body into a skeleton plus segment-backed tensors (worker thread).
 
     Args:
-        raw: the whole body (``bytes``, or the buffer of :func:`body_buffer`).
+        raw: the whole body (``bytes``, or the buffer of ``json_read.read_body``).
         route: ``/v1/completions`` or ``/v1/chat/completions``.
         ctx: the served model.
     Returns:
@@ -267,103 +310,6 @@ def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext) -> Prepared:
     return Prepared(skeleton, Upload(token, tensors, ctx.hash_block_tokens))
 
 
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14, <asm-generic/mman-common.h>
-_libc: Any = None
-
-
-def body_buffer(nbytes: int) -> mmap.mmap:
-    """An anonymous private mapping of ``nbytes`` with every page already faulted in.
-
-    Run it in a worker thread while the body arrives: copying a chunk into
-    it is then a plain ``memcpy`` instead of a page fault per 4 KiB on the
-    event loop (joining 64 KiB chunks into fresh memory is mostly page
-    faults). The pages are faulted with ``madvise(MADV_POPULATE_WRITE)``
-    through ctypes, which releases the GIL (``mmap(MAP_POPULATE)`` from
-    Python holds it throughout); on kernels without it, by writing one
-    byte per page with torch (which also releases the GIL).
-    Raises OSError (ENOMEM).
-    """
-    global _libc
-    mm = mmap.mmap(-1, max(1, nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-        anchor = ctypes.c_char.from_buffer(mm)
-        addr = ctypes.addressof(anchor)
-        del anchor  # no export of mm may outlive this call
-        if _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(len(mm)),
-                         _MADV_POPULATE_WRITE) == 0:
-            return mm
-        pages = torch.frombuffer(mm, dtype=torch.uint8)[::mmap.PAGESIZE]
-        pages.fill_(0)
-        del pages
-    except BaseException:
-        mm.close()
-        raise
-    return mm
-
-
-async def read_body(receive: Receive, length: int) -> mmap.mmap | bytes | None:
-    """The whole body of ``Content-Length`` ``length``, copied chunk by chunk into
-    a :func:`body_buffer` that a worker thread prepares meanwhile.
-
-    Returns None if the client disconnected; ``bytes`` when no buffer could
-    be made or the body did not match ``length`` (the stock app then judges
-    it as it is); else the buffer (the caller closes it).
-    Raises:
-        Stalled: no body bytes for ``VLLM_SHM_EMBEDS_BODY_TIMEOUT_S`` seconds
-            (what was read is freed).
-    """
-    loop = asyncio.get_running_loop()
-    pending = loop.run_in_executor(None, body_buffer, length)
-    buf: mmap.mmap | None = None
-    early: list[bytes] = []  # chunks that arrived before the buffer was ready
-    filled, more, usable = 0, True, True
-    try:
-        while more:
-            msg = await receive_body_message(receive)
-            if msg["type"] == "http.disconnect":
-                return None
-            chunk = msg.get("body", b"")
-            more = bool(msg.get("more_body", False))
-            if usable and filled + len(chunk) > length:
-                usable = False  # longer than announced: keep it whole for stock
-            if usable and buf is None and pending.done():
-                buf, usable = _take(pending, early)
-            if buf is not None and usable:
-                buf[filled:filled + len(chunk)] = chunk
-            else:
-                early.append(chunk)
-            filled += len(chunk)
-        if usable and filled == length and buf is None:
-            await asyncio.wait([pending])
-            buf, usable = _take(pending, early)
-        if not usable or filled != length:
-            prefix = buf[:filled - sum(map(len, early))] if buf is not None else b""
-            return prefix + b"".join(early)
-        result, buf = buf, None
-        return result
-    finally:
-        if buf is not None:
-            buf.close()
-        elif not pending.done():
-            pending.add_done_callback(_close_buffer)
-
-
-def _take(pending: asyncio.Future, early: list[bytes]) -> tuple[mmap.mmap | None, bool]:
-    """The ready buffer with the early chunks copied in, and whether it is usable."""
-    try:
-        buf = pending.result()
-    except OSError:
-        return None, False  # e.g. ENOMEM: keep collecting chunks for stock
-    pos = 0
-    for piece in early:
-        buf[pos:pos + len(piece)] = piece
-        pos += len(piece)
-    early.clear()
-    return buf, True
-
-
 def _close(buf: mmap.mmap) -> None:
     """Unmap a body buffer now; if a view of it is still alive, when that goes."""
     try:
@@ -372,26 +318,32 @@ def _close(buf: mmap.mmap) -> None:
         logger.debug("shm-embeds: a body buffer is still referenced; freed later")
 
 
-def _close_buffer(fut: asyncio.Future) -> None:
-    if not fut.cancelled() and fut.exception() is None:
-        fut.result().close()
-
-
 def _json_body_length(scope: dict) -> int | None:
     """``Content-Length`` of an ``application/json`` body, else None."""
     h = headers(scope)
-    clen = (h.get("content-length") or "").strip()
-    if content_type(h) != CONTENT_TYPE or not clen.isdigit():
+    if content_type(h) != CONTENT_TYPE:
         return None
-    return int(clen)
+    return byte_count(h.get("content-length"))
+
+
+def max_json_body_bytes(ctx: ServerContext) -> int:
+    """Largest ``Content-Length`` the JSON path takes (bytes): the base64 of
+    :attr:`ServerContext.max_body_bytes` (``VLLM_SHM_EMBEDS_BINARY_MAX_BYTES``,
+    by default ``max_model_len x hidden_size x 4``) plus :data:`JSON_SLACK_BYTES`
+    for the rest of the JSON and ``torch.save``'s framing. A larger body (a
+    batch of many prompts, say) goes to the stock app unchanged."""
+    return 4 * -(-ctx.max_body_bytes // 3) + JSON_SLACK_BYTES
 
 
 class JsonBodyMiddleware:
     """Pure ASGI middleware: large JSON bodies on the completion routes (see module doc).
 
-    Everything else passes through untouched. It answers by itself only a
-    body that stalls (408, ``VLLM_SHM_EMBEDS_BODY_TIMEOUT_S``); any other body
-    it cannot take goes to the stock app unchanged.
+    Everything else passes through untouched: also every body when
+    ``--enable-prompt-embeds`` is off, one larger than
+    :func:`max_json_body_bytes`, and one that would take the declared bytes
+    in flight over ``VLLM_SHM_EMBEDS_INFLIGHT_BYTES``. It answers by itself
+    only a body that stalls or trickles (408); any other body it cannot take
+    goes to the stock app unchanged.
     """
 
     def __init__(self, app: Callable) -> None:
@@ -401,28 +353,39 @@ class JsonBodyMiddleware:
         path = route(scope)
         length = _json_body_length(scope) if path else None
         ctx = ServerContext.of_app(scope) if length is not None else None
-        if length is None or length < max(1, min_bytes()) or ctx is None:
+        if (length is None or length < max(1, min_bytes()) or ctx is None
+                or not ctx.enable_prompt_embeds):
+            return await self.app(scope, receive, send)
+        if length > max_json_body_bytes(ctx):
+            count_reason("json_fallback", "too_large")
+            return await self.app(scope, receive, send)
+        if not IN_FLIGHT.take(length):
+            count_reason("json_fallback", "busy")
             return await self.app(scope, receive, send)
         try:
-            raw = await read_body(receive, length)
-        except Stalled as e:  # a body that stalls holds memory: refuse it, as 408
-            count_reason("json_fallback", "timeout")
-            logger.info("shm-embeds: JSON body stalled: %s", e)
-            return await send_error(send, 408, f"{e}; request timed out", "RequestTimeout")
-        if raw is None:
-            count_reason("json_fallback", "disconnect")
-            return
-        if isinstance(raw, bytes):
-            count_reason("json_fallback", "body")
-            return await self._downstream(scope, receive, send, raw, None)
-        try:
-            prepared = await asyncio.get_running_loop().run_in_executor(
-                None, prepare, raw, path, ctx)
-        except Exception:  # a bug of ours must not cost the request: stock path
-            logger.exception("shm-embeds: JSON body path failed; vLLM decodes this body")
-            prepared = Prepared(raw[:], None, "error")
+            try:
+                raw = await read_body(receive, length, deadline_for(length))
+            except Stalled as e:  # a body that stalls holds memory: refuse it, as 408
+                count_reason("json_fallback", "timeout")
+                logger.info("shm-embeds: JSON body stalled: %s", e)
+                return await send_error(send, 408, f"{e}; request timed out",
+                                        "RequestTimeout")
+            if raw is None:
+                count_reason("json_fallback", "disconnect")
+                return
+            if isinstance(raw, bytes):
+                count_reason("json_fallback", "body")
+                return await self._downstream(scope, receive, send, raw, None)
+            try:
+                prepared = await asyncio.get_running_loop().run_in_executor(
+                    None, prepare, raw, path, ctx)
+            except Exception:  # a bug of ours must not cost the request: stock path
+                logger.exception("shm-embeds: JSON body path failed; vLLM decodes this body")
+                prepared = Prepared(raw[:], None, "error")
+            finally:
+                _close(raw)
         finally:
-            _close(raw)
+            IN_FLIGHT.give_back(length)
         if prepared.upload is None:
             count_reason("json_fallback", prepared.reason)
             return await self._downstream(scope, receive, send, prepared.body, None)

@@ -66,6 +66,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "segments_created": ("counter", "Shared-memory segments created", ()),
     "segments_unlinked": ("counter", "Shared-memory segments unlinked by their owner", ()),
     "segments_swept": ("counter", "Segments of dead processes removed", ()),
+    "adopt_names_taken": ("counter", "Segment names the EngineCore found taken by something "
+                          "it did not make when adopting (another name was drawn)", ()),
     "binary_bodies": ("counter", "Binary prompt_embeds request bodies accepted", ()),
     "binary_bytes": ("counter", "Tensor bytes of accepted binary request bodies", ()),
     "binary_rejected": ("counter", "Binary request bodies rejected, by reason",
@@ -78,6 +80,10 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                      "vLLM's loader, then one copy)", ("how",)),
     "json_fallbacks": ("counter", "Large JSON bodies left to vLLM's own decode, by reason "
                        "(no_embeds: none where vLLM reads prompt_embeds)", ("reason",)),
+    "json_direct_declined": ("counter", "prompt_embeds payloads of JSON bodies not decoded "
+                             "straight into shared memory but left to vLLM's loader, by "
+                             "reason (dtype: another dtype to cast; pickle, zip: not exactly "
+                             "torch.save's)", ("reason",)),
     "regions_registered": ("counter", "Regions registered on the regions socket "
                            "(VLLM_SHM_EMBEDS_REGIONS)", ()),
     "region_bytes": ("counter", "Bytes of the regions registered", ()),
@@ -178,9 +184,11 @@ _REUSED = {"hop1_handover_tensors": "1", "hop1_region_tensors": "1",
            "hop2_reused_tensors": "2"}
 _REASONS = {"fallback": "fallbacks", "binary_rejected": "binary_rejected",
             "binary_fallback": "binary_fallbacks", "json_fallback": "json_fallbacks",
+            "json_direct_declined": "json_direct_declined",
             "region_refused": "region_refused", "region_lease_refused": "region_lease_refused",
             "region_unregistered": "region_unregistered"}
 _PLAIN = ("copied_bytes", "segments_created", "segments_unlinked", "segments_swept",
+          "adopt_names_taken",
           "binary_bodies", "binary_bytes", "regions_registered", "region_bytes",
           "region_leases", "region_lookups", "region_lookup_trimmed", "regions_freed")
 

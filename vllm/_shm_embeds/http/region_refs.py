@@ -26,8 +26,12 @@ the region's read-only tensor (``common.resolve_placeholder``). Hop 1 then
 sends the API server's descriptor of the memfd instead of the bytes
 (``hop1.py``, ``transfer.share_region``); the digests computed at
 registration ride along. A reference that does not match gets 400, with a
-message that names no path and does not echo the id. Leases end when the
-response has been sent.
+message that names no path and does not echo the id; so does a request
+with more than ``VLLM_SHM_EMBEDS_REGIONS_REFS_MAX`` references (each costs
+the EngineCore two fds and two mappings). Over the server's
+``VLLM_SHM_EMBEDS_REGIONS_LEASES_MAX`` leases in flight a request gets 429.
+Leases end when the response has been sent. Without
+``--enable-prompt-embeds`` regions are off (no socket is served).
 
 Knows HTTP and the registry; no vLLM class.
 """
@@ -42,7 +46,7 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm._shm_embeds import digests, process
-from vllm._shm_embeds.config import regions_group, regions_path
+from vllm._shm_embeds.config import regions_group, regions_path, regions_refs_max
 from vllm._shm_embeds.counters import count, count_reason
 from vllm._shm_embeds.http.common import (
     Receive,
@@ -86,8 +90,10 @@ def lease_refs(path: str, body: Any, registry: Any) -> Upload | None:
     body names no region.
 
     Raises:
-        regions.RegionError: a reference that does not match a registration
-            (client-safe message; the leases taken so far are released).
+        regions.RegionError: a reference that does not match a registration,
+            more than ``VLLM_SHM_EMBEDS_REGIONS_REFS_MAX`` references (``refs``),
+            or the server's leases are all in use (``leases``) (client-safe
+            message; the leases taken so far are released).
     """
     token, tensors, leases = new_token(), [], []
     slots = [(where, container, key) for where, container, key in embeds_slots(path, body)
@@ -98,6 +104,9 @@ def lease_refs(path: str, body: Any, registry: Any) -> Upload | None:
         # placeholders would then hide ours: refuse clearly instead.
         raise RegionError("a request that names registered regions cannot also carry "
                           "other prompt_embeds", "mixed")
+    if len(refs) > (most := regions_refs_max()):
+        raise RegionError(f"names {len(refs)} registered regions; at most {most} per "
+                          "request", "refs")
     try:
         for where, container, key in refs:
             ref = container[key]
@@ -158,7 +167,8 @@ class RegionRefsMiddleware:
         h = headers(scope)
         length = h.get("content-length")
         if (content_type(h) != b"application/json" or length is None
-                or not length.isdigit() or int(length) > MAX_BODY_BYTES):
+                or not (length.isascii() and length.isdigit())  # "²".isdigit() too
+                or int(length) > MAX_BODY_BYTES):
             return await self.app(scope, receive, send)
         chunks, more = [], True
         try:
@@ -182,6 +192,9 @@ class RegionRefsMiddleware:
                 upload = await _lease(path, body, registry)
             except RegionError as e:
                 count_reason("region_refused", "reference")
+                if e.reason == "leases":  # the server's, not the request's fault
+                    return await send_error(send, 429, f"prompt_embeds region reference {e}",
+                                            "TooManyRequests")
                 return await send_error(send, 400, f"prompt_embeds region reference {e}",
                                         "BadRequestError")
         if upload is None:
@@ -218,6 +231,10 @@ class RegionRefsMiddleware:
             ctx = ServerContext.of_app(scope)
             if ctx is None:
                 raise RuntimeError("the app has no vllm_config")
+            if not ctx.enable_prompt_embeds:
+                logger.warning("shm-embeds: VLLM_SHM_EMBEDS_REGIONS is set but "
+                               "--enable-prompt-embeds is not: registered regions are off")
+                return
             self.server = start_regions(path, ctx)
         except Exception:
             logger.exception("shm-embeds: registered regions not served")
@@ -248,27 +265,23 @@ def _on_mirrored(tensor: Any, answer: dict) -> None:
     digests.attach(tensor, d)
 
 
-def _served_by_sibling(path: str, wait_s: float = 30.0) -> bool:
-    """True once a sibling API server (same uid and parent) listens on ``path``;
-    False if another process does (it must never learn the region ids named
-    here). The sibling may still be starting: wait up to ``wait_s`` seconds."""
+def _served_by_sibling(path: str) -> bool:
+    """True if a sibling API server (same uid and parent) listens on ``path``
+    now; False if nobody or another process does (it must never learn the
+    region ids named here). One non-blocking try: never waits."""
     import socket
-    import time
 
     from vllm._shm_embeds.region_server import peer_is_sibling
 
-    deadline = time.monotonic() + wait_s
-    while True:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            sock.connect(path)
-            return peer_is_sibling(sock)
-        except OSError:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.1)
-        finally:
-            sock.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.setblocking(False)
+        sock.connect(path)
+        return peer_is_sibling(sock)
+    except OSError:
+        return False
+    finally:
+        sock.close()
 
 
 def start_regions(path: str, ctx: ServerContext) -> Any:
@@ -276,10 +289,13 @@ def start_regions(path: str, ctx: ServerContext) -> Any:
     started ``region_server.RegionServer``, or None when a sibling API server
     serves ``path`` (requests here then look regions up there:
     ``region_mirror.RegionMirror``). The registry (or the mirror) becomes
-    ``process.current().regions``. Raises OSError if the path cannot be used."""
+    ``process.current().regions``. Never waits (it runs on the event loop): a
+    sibling holding the start-up lock may still be starting; the mirror's
+    lookups fail cleanly (400) until it serves. Raises OSError if the path
+    cannot be used."""
     import errno
 
-    from vllm._shm_embeds import region_mirror, region_server, regions
+    from vllm._shm_embeds import region_mirror, region_server, region_socket, regions
 
     datatype = next((k for k, v in regions.DTYPES.items() if v == ctx.dtype), None)
     limits = regions.RegionLimits.from_config(ctx.hidden_size, ctx.max_model_len, datatype)
@@ -300,7 +316,8 @@ def start_regions(path: str, ctx: ServerContext) -> Any:
         registry.close()
         if e.errno != errno.EADDRINUSE:
             raise
-        if not _served_by_sibling(path):
+        held_by_sibling = isinstance(e, region_socket.LockHeld) and e.sibling
+        if not held_by_sibling and not _served_by_sibling(path):
             raise OSError(errno.EADDRINUSE, "another process, not an API server of this "
                           "vllm serve, holds the regions socket", path) from None
         process.current().regions = region_mirror.RegionMirror(path, limits, _on_mirrored)

@@ -12,24 +12,27 @@ segment, hashing each chunk for the prefix cache meanwhile. Anything else
 returns None and vLLM's loader decides, so the outcome is always stock's.
 
 "Plain" is decided without trusting any one reader (details in
-:func:`plain_tensor_layout`): the zip is laid out as ``torch.save`` lays it
+:func:`layout_or_reason`): the zip is laid out as ``torch.save`` lays it
 out (so torch's reader, miniz, and Python's ``zipfile`` cannot see two
-archives), a dry run of the pickle with stand-ins asks for exactly one
-contiguous tensor over one storage of the model's dtype, and a meta-device
-``torch.load`` reads every other record. The template is learned from the
-installed torch's own ``torch.save``.
+archives), its pickle is byte for byte ``torch.save``'s for one contiguous
+tensor over one storage of the model's dtype (``pickle_scan.py``: read,
+never run, so no unpickler's memo or stand-in can be steered), and a
+meta-device ``torch.load`` reads every other record and builds that very
+tensor. The templates are learned from the installed torch's own
+``torch.save``. Every reader here is bounded: only the decoded head and
+tail are held, the metadata records and the central directory are capped
+(``MAX_RECORD_BYTES``, ``MAX_DIRECTORY_BYTES``), the pickle at
+``pickle_scan.MAX_PICKLE_BYTES``.
 
 Knows torch's file format and segments; nothing of HTTP.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import io
 import math
-import pickle
 import struct
 import sys
 import zipfile
@@ -40,12 +43,15 @@ import torch
 
 from vllm._shm_embeds import digests
 from vllm._shm_embeds.config import min_bytes
-from vllm._shm_embeds.counters import count
+from vllm._shm_embeds.counters import count, count_reason
+from vllm._shm_embeds.http import pickle_scan
 from vllm._shm_embeds.http.common import ServerContext
 
 HEAD_CHARS = 64 << 10  # base64 chars decoded first: the zip records before the data
 TAIL_CHARS = 128 << 10  # and last: the records after it, the central directory
 DECODE_CHUNK_BYTES = 4 << 20  # decoded bytes per step straight into the segment
+MAX_DIRECTORY_BYTES = 16 << 10  # torch.save: 7 records, ~700 bytes with a short archive name
+MAX_RECORD_BYTES = 4 << 10  # records other than the tensor's (data.pkl: ~160 bytes)
 
 
 class _NotHeld(Exception):
@@ -99,58 +105,6 @@ def _b64(piece: memoryview) -> bytes:
     return pybase64.b64decode(piece, validate=True)
 
 
-class _Rebuild:
-    """What the pickle asked ``torch._utils._rebuild_tensor_v2`` for (:func:`_dry_run`)."""
-
-    __slots__ = ("args", "kwargs")  # no __dict__: a BUILD on it fails
-
-    def __init__(self, args: tuple, kwargs: dict) -> None:
-        self.args, self.kwargs = args, kwargs
-
-
-def _rebuild_stand_in(*args: Any, **kwargs: Any) -> _Rebuild:
-    """Stands for ``_rebuild_tensor_v2`` (a function, as torch's is: no opcode
-    can make a :class:`_Rebuild` without calling it)."""
-    return _Rebuild(args, kwargs)
-
-
-class _StorageType:
-    """Stands for a ``torch.<Name>Storage`` class in :func:`_dry_run`."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-
-class _DryRun(pickle.Unpickler):
-    """Runs a ``torch.save`` pickle with stand-ins instead of torch's functions.
-
-    Only the three globals that ``torch.save`` writes for a plain tensor are
-    found (``_rebuild_tensor_v2``, a storage class, ``OrderedDict``); any
-    other raises. Nothing of torch runs and no tensor is built: the result
-    tells what the pickle asks torch to build (:func:`plain_tensor_layout`).
-    """
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _rebuild_stand_in
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        if module == "torch" and name.endswith("Storage") and name.isidentifier():
-            return _StorageType(name)
-        raise pickle.UnpicklingError("not a plain tensor")
-
-    def persistent_load(self, pid: Any) -> Any:
-        return ("persistent", pid)
-
-
-def _dry_run(data: bytes) -> _Rebuild | None:
-    try:
-        out = _DryRun(io.BytesIO(data)).load()
-    except Exception:  # pickle raises many kinds on bad input
-        return None
-    return out if type(out) is _Rebuild else None
-
-
 @dataclasses.dataclass(frozen=True)
 class _Reference:
     """What this torch's ``torch.save`` writes for a plain tensor of one dtype."""
@@ -161,17 +115,20 @@ class _Reference:
 
 
 @functools.lru_cache(maxsize=8)
-def _reference(dtype: torch.dtype) -> _Reference:
+def _reference(dtype: torch.dtype) -> _Reference | None:
     """Learned from ``torch.save`` itself (of a 2 x 3 zero tensor), so the
-    template follows the installed torch."""
+    template follows the installed torch; None when its pickle is not the
+    one :mod:`pickle_scan` reads (no direct decode for ``dtype`` then)."""
     buf = io.BytesIO()
     torch.save(torch.zeros(2, 3, dtype=dtype), buf)
     zf = zipfile.ZipFile(buf)
     infos = zf.infolist()
     prefix = infos[0].filename.split("/", 1)[0] + "/"
-    call = _dry_run(zf.read(prefix + "data.pkl"))
+    storage = pickle_scan.storage_name(dtype)
+    if storage is None:
+        return None
     return _Reference(frozenset(i.filename[len(prefix):] for i in infos),
-                      frozenset(i.flag_bits for i in infos), call.args[0][1][1].name)
+                      frozenset(i.flag_bits for i in infos), storage)
 
 
 # Zip records (APPNOTE 4.3): miniz (torch's zip reader) and Python's zipfile
@@ -194,7 +151,10 @@ def _plain_record(outline: _Outline, ref: _Reference) -> tuple[str, int, int, by
     those; only the record names torch.save writes, none twice even ignoring
     case (miniz looks names up that way), none a directory; every record
     stored, with torch.save's flags; the data record's local header as miniz
-    checks it before extracting. Raises whatever the readers raise.
+    checks it before extracting; the central directory at most
+    ``MAX_DIRECTORY_BYTES``, every record but the tensor's at most
+    ``MAX_RECORD_BYTES`` (so no reader allocates more for the metadata).
+    Raises whatever the readers raise.
     """
     size = outline.size
     end = size - _EOCD.size  # where the end record starts
@@ -217,8 +177,9 @@ def _plain_record(outline: _Outline, ref: _Reference) -> tuple[str, int, int, by
                 or zdisk or zcd_disk or zn_disk != zn_total or zn_total != n_total
                 or zcd_size != cd_size or zcd_offset != cd_offset):
             return None
-    if cd_offset + cd_size != end:
-        return None
+    if (cd_offset + cd_size != end or n_total > len(ref.records)
+            or cd_size > MAX_DIRECTORY_BYTES):
+        return None  # more records than torch.save writes: no reader sizes buffers by it
     outline.seek(0)
     zf = zipfile.ZipFile(outline)
     infos = zf.infolist()
@@ -229,7 +190,8 @@ def _plain_record(outline: _Outline, ref: _Reference) -> tuple[str, int, int, by
                    or n.endswith("/") for n in names)
             or any(i.compress_type != zipfile.ZIP_STORED or i.flag_bits not in ref.flags
                    or i.external_attr & 0x10 or i.file_size != i.compress_size
-                   for i in infos)):
+                   or (i.file_size > MAX_RECORD_BYTES and not n.endswith("/data/0"))
+                   for i, n in zip(infos, names))):
         return None
     name = prefix + "data/0"
     if name not in names:
@@ -248,69 +210,85 @@ def _plain_record(outline: _Outline, ref: _Reference) -> tuple[str, int, int, by
 def plain_tensor_layout(ctx: ServerContext, outline: _Outline
                          ) -> tuple[torch.dtype, int, int, int] | None:
     """``(dtype, rows, hidden, data_offset)`` when the zip in ``outline`` is one
-    plain tensor that vLLM's loader would take as it is, else None.
+    plain tensor that vLLM's loader would take as it is, else None
+    (:func:`layout_or_reason` says why)."""
+    out = layout_or_reason(ctx, outline)
+    return None if isinstance(out, str) else out
+
+
+def layout_or_reason(ctx: ServerContext, outline: _Outline
+                     ) -> tuple[torch.dtype, int, int, int] | str:
+    """``(dtype, rows, hidden, data_offset)`` when the zip in ``outline`` is one
+    plain tensor that vLLM's loader would take as it is, else why not.
 
     "As it is": the archive is laid out as ``torch.save`` lays it out
     (:func:`_plain_record`; torch's own reader must agree on the record's
-    offset and size, and on the pickle); the pickle asks for exactly
-    ``_rebuild_tensor_v2(storage, 0, size, contiguous stride, False,
-    OrderedDict())`` with nothing more (:func:`_dry_run`; no torch code
-    runs), over one storage of the model's dtype, on "cpu", of exactly the
-    tensor's elements, stored in ``data/0`` as exactly its bytes; the size is
-    ``(rows, hidden)`` or ``(1, rows, hidden)`` (vLLM squeezes it) with
-    ``rows >= 1`` and the model's ``hidden_size``; this host's byte order;
-    and ``torch.load`` to the meta device reads the rest without an error.
-    Anything else (casts, views, sparse, odd zips, odd pickles) is for vLLM's
-    own loader, which answers it as stock does.
+    offset and size, and on the pickle); the pickle is byte for byte what
+    ``torch.save`` writes for one tensor (:func:`pickle_scan.scan`: nothing
+    is unpickled, exactly one persistent load, no memo but the template's)
+    asking for ``_rebuild_tensor_v2(storage, 0, size, contiguous stride,
+    False, OrderedDict())`` over one storage of the model's dtype, on
+    "cpu", of exactly the tensor's elements, stored in ``data/0`` as
+    exactly its bytes; the size is ``(rows, hidden)`` or ``(1, rows,
+    hidden)`` (vLLM squeezes it) with ``rows >= 1`` and the model's
+    ``hidden_size``; this host's byte order; and ``torch.load`` to the meta
+    device reads the rest without an error and builds that very tensor
+    (shape, dtype, stride, storage offset, storage size). Anything else
+    (casts, views, sparse, odd zips, odd pickles) is for vLLM's own loader,
+    which answers it as stock does. Reasons: ``disabled``, ``zip``,
+    ``pickle``, ``dtype`` (torch.save's pickle of another float dtype),
+    ``tensor`` (another shape, a view), ``meta``. Never raises.
     """
     if not ctx.enable_prompt_embeds:
-        return None
+        return "disabled"
     dtype, hidden = ctx.dtype, ctx.hidden_size
     try:
         ref = _reference(dtype)
-        record = _plain_record(outline, ref)
+        record = _plain_record(outline, ref) if ref is not None else None
         if record is None:
-            return None
+            return "zip"
         name, offset, nbytes, pkl = record
         outline.seek(0)
         reader = torch._C.PyTorchFileReader(outline)
         if (reader.get_record_offset(name) != offset or reader.get_record_size(name) != nbytes
                 or reader.get_record("byteorder") != sys.byteorder.encode()
                 or reader.get_record("data.pkl") != pkl):
-            return None
+            return "zip"
     except Exception:  # torch's reader and zipfile raise many kinds here
-        return None
-    call = _dry_run(pkl)
-    if call is None or call.kwargs or len(call.args) != 6:
-        return None
-    pid, storage_offset, shape, stride, requires_grad, hooks = call.args
-    if (not isinstance(pid, tuple) or len(pid) != 2 or pid[0] != "persistent"
-            or not isinstance(pid[1], tuple) or len(pid[1]) != 5):
-        return None
-    kind, storage, key, location, numel = pid[1]
-    shape = shape if type(shape) is tuple and all(type(d) is int for d in shape) else ()
-    rows = shape[-2] if len(shape) == 2 or (len(shape) == 3 and shape[0] == 1) else 0
-    if (kind != "storage" or type(storage) is not _StorageType or storage.name != ref.storage
-            or key != "0" or location != "cpu" or type(numel) is not int
-            or type(storage_offset) is not int or storage_offset != 0
-            or rows < 1 or shape[-1] != hidden
-            or stride != tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-            or requires_grad is not False or type(hooks) is not collections.OrderedDict
-            or hooks or numel != rows * hidden or nbytes != numel * dtype.itemsize
+        return "zip"
+    call = pickle_scan.scan(pkl, dtype)
+    if call is None:
+        other = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+        return ("dtype" if any(pickle_scan.scan(pkl, d) for d in other if d != dtype)
+                else "pickle")  # a cast (vLLM's loader does it), or not torch.save's
+    shape, numel = call.shape, call.numel
+    rows = shape[-2] if len(shape) == 2 or shape[0] == 1 else 0
+    if (rows < 1 or shape[-1] != hidden or call.storage_offset != 0
+            or call.stride != tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+            or numel != rows * hidden or nbytes != numel * dtype.itemsize
             or offset + nbytes > outline.size):
-        return None
+        return "tensor"
     # Last, torch.load itself on a meta device: it reads every other record
     # as vLLM's loader will (its checks, its errors), but not the tensor bytes.
-    # Safe here: the pickle is the plain one above, in this host's byte order
-    # (torch 2.13 crashes on a meta load that has to byteswap).
+    # Safe here: the pickle is torch.save's own (bounded), in this host's
+    # byte order (torch 2.13 crashes on a meta load that has to byteswap).
     try:
         outline.seek(0)
         meta = torch.load(outline, weights_only=True, map_location="meta")
+        same = (type(meta) is torch.Tensor and meta.layout == torch.strided
+                and meta.dtype == dtype and tuple(meta.shape) == shape
+                and meta.stride() == call.stride and meta.storage_offset() == 0
+                and meta.untyped_storage().nbytes() == nbytes
+                and not meta.requires_grad and not meta.is_neg() and not meta.is_conj())
     except Exception:
-        return None
-    if type(meta) is not torch.Tensor or meta.shape != shape or meta.dtype != dtype:
-        return None
-    return dtype, rows, hidden, offset
+        return "meta"
+    return (dtype, rows, hidden, offset) if same else "meta"
+
+
+def _declined(reason: str) -> None:
+    """Count why a payload is left to vLLM's loader; None."""
+    count_reason("json_direct_declined", reason)
+    return None
 
 
 def direct_decode(ctx: ServerContext, piece: memoryview) -> torch.Tensor | None:
@@ -330,36 +308,39 @@ def direct_decode(ctx: ServerContext, piece: memoryview) -> torch.Tensor | None:
     Returns:
         the segment-backed tensor ``(rows, hidden)`` (read-only, digests
         attached), or None when the payload is not that plain case or fails
-        to decode: vLLM's loader then decides (its answer is stock's).
+        to decode: vLLM's loader then decides (its answer is stock's);
+        counted as ``json_direct_declined.<reason>`` (:func:`layout_or_reason`,
+        and ``base64``, ``small``).
     Raises:
         OSError: the segment could not be made or written (e.g. ENOSPC);
             nothing is left in shared memory.
     """
     n = len(piece)
     if n % 4:
-        return None  # not base64 (vLLM's loader says so)
+        return _declined("base64")  # not base64 (vLLM's loader says so)
     # Characters [0, head_chars) and [tail_chars, n) are decoded first; a
     # short payload is all head.
     head_chars = n if n <= HEAD_CHARS + TAIL_CHARS else HEAD_CHARS
     tail_chars = max(head_chars, n - TAIL_CHARS)
     try:
         if head_chars < n and piece[head_chars - 1] == 0x3D:
-            return None  # "=" before the end: not one base64 string
+            return _declined("base64")  # "=" before the end: not one base64 string
         head, tail = _b64(piece[:head_chars]), _b64(piece[tail_chars:])
     except ValueError:
-        return None
+        return _declined("base64")
     tail_start = tail_chars // 4 * 3
     outline = _Outline(tail_start + len(tail) if tail else len(head), head, tail_start, tail)
-    layout = plain_tensor_layout(ctx, outline)
-    if layout is None:
-        return None
+    layout = layout_or_reason(ctx, outline)
+    if isinstance(layout, str):
+        return _declined(layout)
     dtype, rows, hidden, offset = layout
     row_bytes = hidden * dtype.itemsize
     nbytes = rows * row_bytes
     first, last = offset // 3 * 4, min(n, -(-(offset + nbytes) // 3) * 4)
-    if nbytes < min_bytes() or (
-            head_chars < tail_chars and (first > head_chars or last < tail_chars)):
-        return None  # too small to matter; or characters between would go unchecked
+    if nbytes < min_bytes():
+        return _declined("small")  # too small to matter
+    if head_chars < tail_chars and (first > head_chars or last < tail_chars):
+        return _declined("zip")  # characters between would go unchecked
 
     def chunks():
         step = digests.chunk_bytes(row_bytes, ctx.hash_block_tokens, DECODE_CHUNK_BYTES)
@@ -381,7 +362,7 @@ def direct_decode(ctx: ServerContext, piece: memoryview) -> torch.Tensor | None:
     try:
         out = digests.fill_segment(dtype, (rows, hidden), write)
     except ValueError:
-        return None  # not valid base64 after all: vLLM's loader says so
+        return _declined("base64")  # not valid base64 after all: vLLM's loader says so
     count(json_direct_tensors=1)
     return out
 

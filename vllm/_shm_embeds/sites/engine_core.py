@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+from vllm.logger import init_logger
+
 from vllm._shm_embeds import process
 from vllm._shm_embeds.counters import set_role
 from vllm._shm_embeds.hop1 import HandleOOBProvider
@@ -16,15 +18,20 @@ from vllm._shm_embeds.sites.site import Site
 
 MODULE = "vllm.v1.engine.core"
 
+logger = init_logger(__name__)
+
 
 def wrap_engine_input(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def process_input_sockets(self, *args, **kwargs):
-        set_role("engine")
-        process.start_engine_reaper()
-        provider = HandleOOBProvider(self.tensor_ipc_receiver)
-        self._shm_embeds_provider = provider
-        self.tensor_ipc_receiver = provider
+        try:
+            set_role("engine")
+            process.start_engine_reaper()
+            provider = HandleOOBProvider(self.tensor_ipc_receiver)
+            self._shm_embeds_provider = provider
+            self.tensor_ipc_receiver = provider
+        except Exception:  # never into vLLM's input thread: stock then
+            logger.exception("shm-embeds: hop 1 receiver not installed; stock path")
         return orig(self, *args, **kwargs)
 
     return process_input_sockets

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from vllm.logger import init_logger
+
 from vllm._shm_embeds import digests
 from vllm._shm_embeds.counters import count
 from vllm._shm_embeds.sites.site import Site
 
 MODULE = "vllm.v1.core.kv_cache_utils"
+
+logger = init_logger(__name__)
 
 
 def wrap_gen_prompt_embeds_extra_hash_keys(orig: Callable) -> Callable:
@@ -28,13 +32,16 @@ def wrap_gen_prompt_embeds_extra_hash_keys(orig: Callable) -> Callable:
                                            *args, **kwargs):
         embeds = getattr(request, "prompt_embeds", None)
         cache = getattr(request, "_prompt_embeds_per_block_hashes", None)
-        if embeds is not None and isinstance(cache, dict) and \
-                (start_token_idx, end_token_idx) not in cache:
-            n = digests.fill_block_cache(cache, embeds, start_token_idx, end_token_idx)
-            if n is not None:
-                count(hash_reused_blocks=n)
-            elif start_token_idx < getattr(embeds, "shape", (0,))[0]:
-                count(hash_engine_blocks=1)  # vLLM hashes this block itself
+        try:
+            if embeds is not None and isinstance(cache, dict) and \
+                    (start_token_idx, end_token_idx) not in cache:
+                n = digests.fill_block_cache(cache, embeds, start_token_idx, end_token_idx)
+                if n is not None:
+                    count(hash_reused_blocks=n)
+                elif start_token_idx < getattr(embeds, "shape", (0,))[0]:
+                    count(hash_engine_blocks=1)  # vLLM hashes this block itself
+        except Exception:  # never into vLLM's scheduler: vLLM hashes the block
+            logger.debug("shm-embeds: digests not used for a block", exc_info=True)
         return orig(request, start_token_idx, end_token_idx, *args, **kwargs)
 
     return _gen_prompt_embeds_extra_hash_keys

@@ -66,12 +66,18 @@ def wrap_executor_rpc(orig: Callable) -> Callable:
         readers = _hop2_readers(self)
         if not readers:
             return orig(self, method, *args, **kwargs)
-        process.collect()
-        swapped = []
-        for arg in _rpc_args(args, kwargs):
-            new_reqs = getattr(arg, "scheduled_new_reqs", None)
-            if new_reqs:
-                swapped += hop2.externalize_prompt_embeds(new_reqs, readers)
+        swapped: list = []
+        try:
+            process.collect()
+            for arg in _rpc_args(args, kwargs):
+                new_reqs = getattr(arg, "scheduled_new_reqs", None)
+                if new_reqs:
+                    swapped += hop2.externalize_prompt_embeds(new_reqs, readers)
+        except Exception:  # never into vLLM's engine loop: this step goes stock
+            logger.warning("shm-embeds: hop 2 sends this step the stock way after an "
+                           "unexpected error", exc_info=True)
+            hop2.restore_prompt_embeds(swapped)
+            swapped = []
         try:
             result = orig(self, method, *args, **kwargs)
         finally:
@@ -80,12 +86,20 @@ def wrap_executor_rpc(orig: Callable) -> Callable:
             # Once the reply arrives every TP rank has dequeued (and mapped)
             # the step: the broadcasts are settled (names of freed requests go).
             if isinstance(result, Future):
-                result.add_done_callback(lambda _: process.collect())
+                result.add_done_callback(lambda _: _collect_quietly())
             else:
-                process.collect()
+                _collect_quietly()
         return result
 
     return collective_rpc
+
+
+def _collect_quietly() -> None:
+    """``process.collect`` that never raises (the reaper retries)."""
+    try:
+        process.collect()
+    except Exception:
+        logger.debug("shm-embeds: safe point failed", exc_info=True)
 
 
 def _all_ranks_ok(ok: bool) -> bool:

@@ -97,7 +97,7 @@ def wrap_build_mixed_prompt_embeds(orig: Callable) -> Callable:
             return tensors[0], [False] * total
         try:
             full = streamed_tensor_like(tensors[0].dtype, (total, tensors[0].shape[1]))
-        except OSError:
+        except Exception:  # OSError, ShmEmbedsError: vLLM's own assembly
             return orig(token_ids, prompt_embeds_tensors, positions)
         is_token_ids = torch.ones(total, dtype=torch.bool)
         for (start, length), t in zip(positions, tensors, strict=True):

@@ -9,11 +9,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+from vllm.logger import init_logger
+
 from vllm._shm_embeds.process import start_engine_reaper
 from vllm._shm_embeds.sites.site import Site
 from vllm._shm_embeds.transfer import release_adopted
 
 MODULE = "vllm.v1.core.sched.scheduler"
+
+logger = init_logger(__name__)
 
 
 def wrap_free_request(orig: Callable) -> Callable:
@@ -32,8 +36,12 @@ def wrap_free_request(orig: Callable) -> Callable:
         result = orig(self, request, *args, **kwargs)
         embeds = getattr(request, "prompt_embeds", None)
         if embeds is not None:
-            release_adopted(embeds)
-            start_engine_reaper()  # (started by hop 1 too) a name freed mid-broadcast
+            try:
+                release_adopted(embeds)
+                start_engine_reaper()  # (started by hop 1 too) a name freed mid-broadcast
+            except Exception:  # never into vLLM's scheduler: the reaper retries
+                logger.warning("shm-embeds: a freed request's segment was not released",
+                               exc_info=True)
         return result
 
     return _free_request

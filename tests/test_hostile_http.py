@@ -1,0 +1,296 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Issue 22, the HTTP body paths: hostile bodies cost no more than stock.
+
+Without a server: the JSON and binary middlewares driven as ASGI apps.
+Memory follows the bytes that arrived (not the declared ``Content-Length``),
+declared sizes and bytes in flight are capped (above: the stock path), a
+body that trickles gets 408 in bounded time, the segment budget charges an
+upload by what it wrote, tensors per binary body are capped, and the small
+parser cases (deep nesting, non-ASCII digits, escape-heavy JSON) are bounded.
+"""
+
+import asyncio
+import json
+import os
+import time
+import types
+
+import pytest
+import torch
+from helpers import encode_embeds
+from test_binary_framing import LIMITS, _framed, _run_middleware, _scope, desc, hdr
+
+from vllm._shm_embeds import counters, segment, transfer
+from vllm._shm_embeds.http import binary, common, json_body
+
+
+def _json_scope(length: int, hidden=64, max_len=2048, enable=True, ctype=b"application/json",
+                clen: bytes | None = None):
+    mc = types.SimpleNamespace(enable_prompt_embeds=enable, dtype=torch.float32,
+                               max_model_len=max_len, get_hidden_size=lambda: hidden)
+    config = types.SimpleNamespace(model_config=mc, cache_config=None)
+    return {"type": "http", "method": "POST", "path": "/v1/completions",
+            "app": types.SimpleNamespace(state=types.SimpleNamespace(vllm_config=config)),
+            "headers": [(b"content-type", ctype),
+                        (b"content-length", clen or str(length).encode())]}
+
+
+def _run_json(scope, chunks, stall=False, timeout=10.0):
+    """Drive JsonBodyMiddleware; returns (responses sent, what the app received, seconds)."""
+    got, sent = {}, []
+    msgs = [{"type": "http.request", "body": c, "more_body": True} for c in chunks]
+    if not stall:
+        msgs.append({"type": "http.request", "body": b"", "more_body": False})
+
+    async def receive():
+        if msgs:
+            return msgs.pop(0)
+        await asyncio.sleep(3600)
+
+    async def send(m):
+        sent.append(m)
+
+    async def app(scope, receive, send):
+        parts, more = [], True
+        while more:
+            m = await receive()
+            parts.append(m.get("body", b""))
+            more = m.get("more_body", False)
+        got["body"] = b"".join(parts)
+
+    t0 = time.monotonic()
+    asyncio.run(asyncio.wait_for(json_body.JsonBodyMiddleware(app)(scope, receive, send),
+                                 timeout))
+    return sent, got, time.monotonic() - t0
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_stalled_json_bodies_hold_only_what_arrived(shm_env, monkeypatch):
+    """Bodies that declare 512 MiB, send 64 KiB and stall: the server holds about
+    what arrived (a 64 KiB look-ahead each), not the declared size (a4123c0
+    faulted in all of it)."""
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_INFLIGHT_BYTES", str(4 << 30))
+    declared = 512 << 20
+    head = b'{"model": "m", "prompt_embeds": "' + b"A" * (64 << 10)
+    scope = _json_scope(declared, hidden=4096, max_len=65536)
+    assert declared <= json_body.max_json_body_bytes(common.ServerContext.of_app(scope))
+    grown = {}
+
+    async def one(receive):
+        await json_body.JsonBodyMiddleware(None)(scope, receive, _ignore)
+
+    async def main():
+        r0 = _rss()
+        tasks = []
+        for _ in range(3):
+            msgs = [{"type": "http.request", "body": head, "more_body": True}]
+
+            async def receive(msgs=msgs):
+                if msgs:
+                    return msgs.pop(0)
+                await asyncio.sleep(3600)
+            tasks.append(asyncio.create_task(one(receive)))
+        await asyncio.sleep(1.5)
+        grown["rss"] = _rss() - r0
+        assert common.IN_FLIGHT.bytes == 3 * declared
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(main())
+    assert grown["rss"] < 48 << 20, grown
+    assert common.IN_FLIGHT.bytes == 0
+
+
+async def _ignore(m):
+    pass
+
+
+def test_json_disabled_or_too_large_takes_the_stock_path(shm_env, monkeypatch):
+    """``--enable-prompt-embeds`` off: not taken at all; a Content-Length above
+    the model-derived cap: the stock app gets the body untouched (counted)."""
+    body = json.dumps({"model": "m", "prompt_embeds": encode_embeds(torch.randn(60, 64))})
+    body = body.encode()
+    chunks = [body[i:i + 4096] for i in range(0, len(body), 4096)]
+    _, got, _ = _run_json(_json_scope(len(body), enable=False), chunks)
+    assert got["body"] == body
+    assert not any(k.startswith("json_") for k in counters.stats())
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_BINARY_MAX_BYTES", "1024")
+    big = body[:-2] + b'", "pad": "' + b"x" * (1 << 20) + b'"}'
+    ctx = common.ServerContext.of_app(_json_scope(len(big)))
+    assert len(big) > json_body.max_json_body_bytes(ctx)
+    _, got, _ = _run_json(_json_scope(len(big)), [big])
+    assert got["body"] == big
+    assert counters.stats().get("json_fallback.too_large") == 1
+    assert "json_tensors" not in counters.stats()
+
+
+def test_json_bytes_in_flight_capped(shm_env, monkeypatch):
+    """Over ``VLLM_SHM_EMBEDS_INFLIGHT_BYTES`` a body goes the stock way; the
+    count goes back to zero after every kind of end."""
+    body = json.dumps({"model": "m", "prompt_embeds": encode_embeds(torch.randn(60, 64))})
+    body = body.encode()
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_INFLIGHT_BYTES", str(len(body) - 1))
+    _, got, _ = _run_json(_json_scope(len(body)), [body])
+    assert got["body"] == body and counters.stats()["json_fallback.busy"] == 1
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_INFLIGHT_BYTES", str(len(body)))
+    _, got, _ = _run_json(_json_scope(len(body)), [body])
+    assert counters.stats()["json_tensors"] == 1 and common.IN_FLIGHT.bytes == 0
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_BODY_TIMEOUT_S", "0.2")
+    sent, _, _ = _run_json(_json_scope(len(body)), [body[:100]], stall=True)
+    assert sent[0]["status"] == 408 and common.IN_FLIGHT.bytes == 0
+
+
+def _trickle(every: float, first: bytes):
+    """A receive() that sends ``first`` and then one byte every ``every`` seconds."""
+    state = {"n": 0}
+
+    async def receive():
+        state["n"] += 1
+        if state["n"] == 1:
+            return {"type": "http.request", "body": first, "more_body": True}
+        await asyncio.sleep(every)
+        return {"type": "http.request", "body": b"x", "more_body": True}
+    return receive
+
+
+@pytest.mark.parametrize("path", ["json", "binary"])
+def test_trickling_body_gets_408_in_bounded_time(shm_env, monkeypatch, path):
+    """One byte every 0.2 s never trips the 1 s per-receive timeout, but the
+    whole body must arrive within timeout + size / VLLM_SHM_EMBEDS_BODY_MIN_RATE
+    (here about 1.1 s): 408, nothing left (a4123c0 waited forever)."""
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_BODY_TIMEOUT_S", "1")
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_BODY_MIN_RATE", str(1 << 20))
+    sent = []
+
+    async def send(m):
+        sent.append(m)
+
+    if path == "json":
+        body = json.dumps({"model": "m", "prompt_embeds": encode_embeds(torch.randn(60, 64))})
+        scope = _json_scope(len(body))
+        app = json_body.JsonBodyMiddleware(None)
+        receive = _trickle(0.2, body.encode()[:100])
+    else:
+        headers, body = _framed([torch.randn(16, 8)])
+        scope = _scope(headers + [(b"content-length", str(len(body)).encode())])
+        app = binary.BinaryBodyMiddleware(None)
+        receive = _trickle(0.2, body[:len(body) // 2])
+    t0 = time.monotonic()
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 8))
+    assert sent[0]["status"] == 408 and time.monotonic() - t0 < 4
+    assert os.listdir(shm_env) == []
+
+
+def test_upload_charged_by_what_it_wrote(shm_env, monkeypatch):
+    """The budget charges a streamed upload by what it wrote plus a bounded
+    grant, not its declared size: a second upload starts while the first
+    trickles; when the first later meets the budget its write fails cleanly
+    (BudgetExceeded, nothing written) and abort leaves nothing."""
+    monkeypatch.setattr(transfer, "STREAM_GRANT_BYTES", 64 << 10)
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_MAX_BYTES", str(1 << 20))
+    a = transfer.StreamedSegment(torch.uint8, (768 << 10,))
+    a.write(b"\1" * 4096)
+    b = transfer.StreamedSegment(torch.uint8, (768 << 10,))  # a4123c0: over budget
+    for _ in range(12):
+        b.write(b"\2" * (64 << 10))
+    with pytest.raises(segment.BudgetExceeded):
+        for _ in range(12):
+            a.write(b"\1" * (64 << 10))
+    filled = a.filled
+    with pytest.raises(segment.BudgetExceeded):
+        a.write(b"\1" * (64 << 10))
+    assert a.filled == filled  # nothing written by the refused write
+    a.abort()
+    b.abort()
+    assert os.listdir(shm_env) == []
+
+
+def test_binary_upload_meeting_the_budget_finishes_privately(shm_env, monkeypatch):
+    """A binary tensor whose grant is refused midway goes on in private memory
+    (``binary_fallback.budget``); the request gets the right tensor."""
+    t = torch.randn(16, 8)
+    headers, body = _framed([t])
+    real = transfer.check_budget
+    calls = {"n": 0}
+
+    def budget(n):
+        calls["n"] += 1
+        if calls["n"] > 1:  # room at the start, none later
+            raise segment.BudgetExceeded(n, 0, 0)
+        real(n)
+    monkeypatch.setattr(transfer, "check_budget", budget)
+    monkeypatch.setattr(transfer, "STREAM_GRANT_BYTES", 128)
+    status, _, seen = _run_middleware(headers, [body[i:i + 100] for i in range(0, len(body), 100)])
+    assert status == 200 and torch.equal(seen["tensors"][0], t)
+    assert counters.stats()["binary_fallback.budget"] == 1
+    del seen
+    assert os.listdir(shm_env) == []
+
+
+def test_tensors_per_binary_body_capped(shm_env, monkeypatch):
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_BINARY_MAX_TENSORS", "2")
+    h = hdr({"prompt_embeds": [desc(1), desc(1), desc(1)]})
+    with pytest.raises(binary.BinaryBodyError) as e:
+        binary.parse_header(h, "/v1/completions", LIMITS, None)
+    assert (e.value.status, e.value.reason) == (400, "too_many")
+    headers, body = _framed([torch.randn(1, 8)] * 3)
+    status, msg, _ = _run_middleware(headers, [body])
+    assert status == 400 and b"limit of 2" in msg
+    assert os.listdir(shm_env) == []
+
+
+def test_deeply_nested_header_is_400(shm_env):
+    """A JSON header nested 100,000 deep: 400, not RecursionError (a 500)."""
+    h = b'{"prompt_embeds": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(binary.BinaryBodyError) as e:
+        binary.parse_header(h, "/v1/completions", LIMITS, None)
+    assert (e.value.status, e.value.reason) == (400, "json")
+    headers = [(b"content-type", b"application/octet-stream"),
+               (b"inference-header-content-length", str(len(h)).encode())]
+    status, _, _ = _run_middleware(headers, [h])
+    assert status == 400
+
+
+@pytest.mark.parametrize("value", [b"\xb2", b"1\xb2", b"\xd9\xa3", b"1" * 30, b"+5", b" 5 x"])
+def test_non_ascii_digits_are_not_byte_counts(shm_env, value):
+    """``Inference-Header-Content-Length: ²`` passes ``str.isdigit`` and
+    ``int()`` raises: 400 here; on the JSON path the stock app gets it."""
+    ok = [(b"content-type", b"application/octet-stream")]
+    with pytest.raises(binary.BinaryBodyError) as e:
+        binary.frame_header_length(ok + [(b"inference-header-content-length", value)])
+    assert e.value.status == 400
+    with pytest.raises(binary.BinaryBodyError):
+        binary.frame_header_length(ok + [(b"inference-header-content-length", b"5"),
+                                         (b"content-length", value)])
+    assert common.byte_count(" 12 ") == 12 and common.byte_count(value.decode("latin-1")) is None
+    body = b'{"model": "m"}'
+    _, got, _ = _run_json(_json_scope(0, clen=value), [body])
+    assert got["body"] == body
+
+
+def test_escapes_next_to_embeds_scan_in_bounded_time():
+    """A body carrying embeds and 8 MiB of escapes: the scan takes a bounded
+    multiple of ``json.loads`` (a4123c0 walked escapes in Python: ~30x)."""
+    emb = encode_embeds(torch.randn(256, 1024))
+    raw = json.dumps({"prompt_embeds": emb, "user": '\\"' * (2 << 20),
+                      "stop": ["a"] * (1 << 19)}).encode()
+    json.loads(raw)
+
+    def best(f):
+        out = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            f(raw)
+            out = min(out, time.perf_counter() - t0)
+        return out
+    spans = json_body.find_long_strings(raw)
+    assert [raw[a:b].decode() for a, b in spans] == [emb]
+    assert best(json_body.find_long_strings) < 10 * best(json.loads) + 0.02

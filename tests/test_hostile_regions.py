@@ -1,0 +1,308 @@
+# SPDX-License-Identifier: Apache-2.0
+# ruff: noqa: F811  (the env fixture, imported from test_regions)
+"""Issue 22, the region socket and region references, tried as an attacker would.
+
+Each test fails on main a4123c0: too many fds installed per message, a peer
+that sends a pipe kept, the closer backlog unbounded, a disallowed peer
+holding its connection, no idle timeout, chmod through a link, a squatted
+start-up lock that blocks start-up for 30 s, regions on without
+``--enable-prompt-embeds``, no cap on references per request or leases per
+process, a producer that hands its memfd to whoever serves the socket.
+No vLLM engine.
+"""
+
+import asyncio
+import json
+import os
+import queue
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import pytest
+import torch
+from test_regions import GOOD, MAX_T, REG, H, _limits, _wait, env, memfd  # noqa: F401
+
+import shm_embeds_client as sec
+from vllm._shm_embeds import counters, process
+from vllm._shm_embeds import region_server as rs
+from vllm._shm_embeds import region_socket as rsock
+from vllm._shm_embeds.http import region_refs
+from vllm._shm_embeds.http.common import COMPLETIONS, ServerContext
+from vllm._shm_embeds.regions import RegionError, RegionRegistry
+
+NOBODY = 65534
+
+
+def _pipe_fd():
+    r, w = os.pipe()
+    os.close(w)
+    return r
+
+
+def test_at_most_one_fd_installed_per_message(env, monkeypatch):
+    got = []
+    real = rs.received_fds
+    monkeypatch.setattr(rs, "received_fds", lambda anc: got.append(real(anc)) or got[-1])
+    env.start()
+    sock = env.connect()
+    env.refused(env.request(sock, REG, [memfd(GOOD) for _ in range(40)]), "too many")
+    assert [len(fds) for fds in got] == [1]  # the kernel dropped the other 39 unopened
+    env.check_good_registration(sock)
+
+
+@pytest.mark.parametrize("op", [REG, {"op": "unregister", "region": "x"}, {"op": "x"}])
+def test_peer_sending_a_non_memfd_is_closed(env, op):
+    env.start()
+    sock = env.connect()
+    sock.settimeout(3)
+    env.refused(env.request(sock, op, [_pipe_fd()]), "not a memfd")
+    assert sock.recv(10) == b""  # closed: each such fd costs the closer thread a close
+    assert counters.stats()["region_refused.not_memfd"] == 1
+    env.check_good_registration(env.connect())
+
+
+def test_closer_backlog_is_bounded(env, monkeypatch):
+    """A closer stuck on a FUSE close: once its backlog is full, no fd is
+    installed (the kernel drops them) and the peer that sent one is closed."""
+    stuck = queue.Queue()  # nobody takes from it: a closer blocked forever
+    held = [_pipe_fd() for _ in range(2)]
+    for fd in held:
+        stuck.put(fd)
+    monkeypatch.setattr(rsock, "CLOSER_BACKLOG", 2, raising=False)
+    monkeypatch.setattr(rsock, "_closer", (os.getpid(), stuck))
+    try:
+        env.start()
+        for _ in range(3):
+            sock = env.connect()
+            sock.settimeout(3)
+            reply = env.request(sock, REG, [_pipe_fd()])
+            assert "error" in reply and "region" not in reply
+            assert sock.recv(10) == b""
+        assert stuck.qsize() == 2  # nothing more queued: the backlog stays bounded
+        assert counters.stats()["region_refused.closer_busy"] == 3
+        sock = env.connect()  # messages without fds are still served
+        env.refused(env.request(sock, {"op": "unregister", "region": "x"}), "unknown")
+    finally:
+        while not stuck.empty():
+            os.close(stuck.get())
+
+
+def test_disallowed_peer_closed_at_accept(env):
+    env.start(allowed_uids=frozenset({os.getuid() + 4242}))
+    sock = env.connect()
+    sock.settimeout(3)  # it sends nothing: still answered and closed at once
+    env.refused(env.reply(sock), "may not register")
+    assert sock.recv(10) == b""
+    assert not env.server._conns
+    assert counters.stats()["region_refused.uid"] == 1
+
+
+def test_idle_connection_closed(env, monkeypatch):
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_REGIONS_IDLE_S", "0.3")
+    monkeypatch.setattr(rs, "EXPIRE_EVERY_S", 0.1)
+    env.start()
+    idle, producer = env.connect(), env.connect()
+    reply = env.register(producer, torch.randn(2, H))
+    idle.settimeout(5)
+    assert idle.recv(10) == b""  # held no region, sent nothing: closed
+    time.sleep(0.5)  # a connection that holds a region stays (its TTL governs it)
+    env.registry.lease(reply["region"], "FP32", [2, H], 2 * H * 4, 0).release()
+    assert producer in env.socks and len(env.server._conns) == 1
+    assert counters.stats()["region_refused.idle_connection"] == 1
+
+
+def test_chmod_and_chown_never_follow_a_link(env, monkeypatch, tmp_path):
+    """Between ``bind`` and the mode change, the path is swapped for a link to
+    a file of the server's user (a group-writable socket directory)."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"x")
+    os.chmod(victim, 0o644)
+    real_socket = socket.socket
+
+    class Swapping(real_socket):
+        def bind(self, address):
+            super().bind(address)
+            if address == env.path:
+                os.rename(env.path, env.path + ".moved")
+                os.symlink(victim, env.path)
+
+    monkeypatch.setattr(socket, "socket", Swapping)
+    try:
+        with pytest.raises(OSError):
+            env.start(group=str(os.getgid()))
+        env.server = None
+    finally:
+        monkeypatch.setattr(socket, "socket", real_socket)
+        for p in (env.path, env.path + ".moved"):
+            if os.path.lexists(p):
+                os.unlink(p)
+    assert os.stat(victim).st_mode & 0o777 == 0o644
+
+
+def _ctx(enable=True):
+    return ServerContext(H, MAX_T, torch.float32, enable, 1 << 20)
+
+
+def _squat_listening_as_nobody(name: str) -> subprocess.Popen:
+    code = textwrap.dedent(f"""
+        import os, socket, sys, time
+        os.setgid({NOBODY}); os.setuid({NOBODY})
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.bind({name!r}); s.listen(4)
+        print("ready", flush=True); time.sleep(60)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+@pytest.mark.parametrize("squatter", ["bound", "listening_other_uid"])
+def test_squatted_start_up_lock_neither_blocks_nor_stops_regions(env, monkeypatch, squatter):
+    if squatter == "listening_other_uid" and os.getuid() != 0:
+        pytest.skip("needs root to run a squatter as another uid")
+    import hashlib
+    key = hashlib.sha256(os.path.realpath(env.path).encode()).hexdigest()[:32]
+    names = [f"\0vllm-shm-embeds-regions.{key}",  # a4123c0's name
+             f"\0vllm-shm-embeds-regions.{os.getuid()}.{key}.0"]
+    squats, procs = [], []
+    for name in names:
+        if squatter == "bound":
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.bind(name)
+            squats.append(s)
+        else:
+            procs.append(_squat_listening_as_nobody(name))
+    monkeypatch.setattr(process.current(), "regions", None)
+    server = None
+    try:
+        start = time.monotonic()
+        server = region_refs.start_regions(env.path, _ctx())
+        assert time.monotonic() - start < 3
+        assert server is not None and process.current().regions is not None
+        assert "region" in env.register(env.connect(), torch.randn(2, H))
+    finally:
+        region_refs.stop_regions(server)
+        for s in squats:
+            s.close()
+        for p in procs:
+            p.kill()
+            p.wait()
+            p.stdout.close()
+
+
+def test_regions_off_without_enable_prompt_embeds(env, monkeypatch):
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_REGIONS", env.path)
+    monkeypatch.setattr(ServerContext, "of_app", classmethod(lambda cls, scope: _ctx(False)))
+    monkeypatch.setattr(process.current(), "regions", None)
+    mw = region_refs.RegionRefsMiddleware(None)
+    mw._start({"type": "lifespan"})
+    try:
+        assert mw.server is None and process.current().regions is None
+        assert not os.path.exists(env.path)
+    finally:
+        mw._stop()
+
+
+def _ref(rid, t=2):
+    return {"datatype": "FP32", "shape": [t, H],
+            "parameters": {"shared_memory_region": rid, "shared_memory_byte_size": t * H * 4}}
+
+
+def test_region_references_per_request_capped(env, monkeypatch):
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_REGIONS_REFS_MAX", "3")
+    env.start()
+    rid = env.register(env.connect(), torch.randn(2, H))["region"]
+    upload = region_refs.lease_refs(COMPLETIONS, {"prompt_embeds": [_ref(rid)] * 3},
+                                    env.registry)
+    upload.release()
+    with pytest.raises(RegionError, match="at most 3 per request") as e:
+        region_refs.lease_refs(COMPLETIONS, {"prompt_embeds": [_ref(rid)] * 4}, env.registry)
+    assert e.value.reason == "refs"
+    assert env.registry.stats()["leases"] == 0
+
+
+def test_live_leases_per_process_capped(tmp_path):
+    registry = RegionRegistry(_limits(max_leases=2))
+    try:
+        fd = memfd(GOOD)
+        region = registry.register(fd, os.getuid(), "FP32", [2, H])
+        leases = [registry.lease(region.id, "FP32", [2, H], len(GOOD), 0) for _ in range(2)]
+        with pytest.raises(RegionError, match="most allowed") as e:
+            registry.lease(region.id, "FP32", [2, H], len(GOOD), 0)
+        assert e.value.reason == "leases"
+        leases.pop().release()
+        leases.append(registry.lease(region.id, "FP32", [2, H], len(GOOD), 0))
+        for lease in leases:
+            lease.release()
+        assert registry.stats()["leases"] == 0
+    finally:
+        registry.close()
+
+
+def test_leases_cap_is_429_at_the_http_layer(env, monkeypatch):
+    env.start(max_leases=1)
+    rid = env.register(env.connect(), torch.randn(2, H))["region"]
+    held = env.registry.lease(rid, "FP32", [2, H], 2 * H * 4, 0)
+    monkeypatch.setattr(process.current(), "regions", env.registry)
+    body = json.dumps({"model": "m", "prompt_embeds": _ref(rid)}).encode()
+    scope = {"type": "http", "method": "POST", "path": COMPLETIONS, "root_path": "",
+             "headers": [(b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode())]}
+    sent, called = [], []
+
+    async def app(scope, receive, send):
+        called.append(1)
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    try:
+        asyncio.run(region_refs.RegionRefsMiddleware(app)(scope, receive, send))
+    finally:
+        held.release()
+    assert not called and sent[0]["status"] == 429
+    assert env.registry.stats()["leases"] == 0
+
+
+def test_producer_checks_the_servers_uid(tmp_path):
+    """A socket served by another uid gets no memfd from a producer."""
+    if os.getuid() != 0:
+        pytest.skip("needs root to serve as another uid")
+    d = tempfile.mkdtemp(prefix="shm-embeds-test-")  # nobody can reach it
+    os.chmod(d, 0o777)
+    path = os.path.join(d, "regions.sock")
+    code = textwrap.dedent(f"""
+        import os, socket
+        os.setgid({NOBODY}); os.setuid({NOBODY})
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.bind({path!r}); os.chmod({path!r}, 0o666); s.listen(1)
+        print("ready", flush=True)
+        c, _ = s.accept(); c.settimeout(3)
+        try:
+            _, anc, _, _ = c.recvmsg(1 << 16, socket.CMSG_SPACE(64))
+        except OSError:
+            anc = []
+        print("fds", sum(len(a[2]) // 4 for a in anc), flush=True)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        with pytest.raises(PermissionError, match="served by uid 65534"):
+            client = sec.RegionClient(path, timeout=5)
+            client.register(torch.randn(2, 4))  # a4123c0 gets here: the memfd is sent
+        assert p.stdout.readline().split() == ["fds", "0"]
+        client = sec.RegionClient(path, timeout=5, server_uid=NOBODY)  # as asked
+        client.close()
+    finally:
+        p.kill()
+        p.wait()
+        p.stdout.close()
+        shutil.rmtree(d)
