@@ -12,8 +12,6 @@ without hurting later requests or leaking a segment.
 import pytest
 import requests
 import torch
-from vllm._shm_embeds import segment
-
 from helpers import (
     BAD_PAYLOADS,
     by_role,
@@ -21,6 +19,8 @@ from helpers import (
     encode_embeds,
     ours_in,
 )
+
+from vllm._shm_embeds import segment
 
 pytestmark = [pytest.mark.integration, pytest.mark.online]
 
@@ -82,33 +82,55 @@ def test_segment_counts_while_its_request_runs(server):
     """Issue 16: on ``/dev/shm`` the budget counts our segments by name, so a
     request's segment keeps its name for as long as the TP workers map it
     (the whole decode), and ``/metrics`` shows it held; it goes when vLLM
-    frees the request."""
+    frees the request.
+
+    A sampler thread, independent of how fast this test reads the stream (a
+    loaded CI machine once let the whole decode finish before the reader saw
+    its first token), scrapes ``/metrics`` (vLLM's generated-token count and
+    our ``dir_held_bytes``), then what the budget counts, then the names; a
+    name still there after them was there at both. The name must be seen
+    after 100 tokens of the request were generated (on the old lifetime it
+    went at the first step)."""
+    import re
+    import threading
+
     from helpers import METRICS_PREFIX, parse_metrics
 
-    def held() -> float:
-        r = requests.get(server["url"] + "/metrics", timeout=60)
-        return parse_metrics(r.text)[(METRICS_PREFIX + "dir_held_bytes", frozenset())]
+    def scrape() -> tuple[float, float]:
+        text = requests.get(server["url"] + "/metrics", timeout=60).text
+        tokens = sum(float(v) for v in re.findall(
+            r"^vllm:generation_tokens_total(?:\{[^}]*\})? (\S+)$", text, re.M))
+        return tokens, parse_metrics(text)[(METRICS_PREFIX + "dir_held_bytes", frozenset())]
 
     embeds = embed_weights(server["model"])[torch.arange(3, 303)].contiguous()
-    with requests.post(server["url"] + "/v1/completions", stream=True, timeout=300, json={
-            "model": "tiny", "max_tokens": 1500, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "prompt_embeds": encode_embeds(embeds)}) as r:
-        assert r.status_code == 200, r.text
-        lines = r.iter_lines()
-        assert next(line for line in lines if line.startswith(b"data: "))  # prefill done
-        # what the budget counts (the named files' blocks), then the names:
-        # a name once gone never comes back, so both saw the request running
-        budget_sees = segment.held_bytes(server["seg_dir"])
-        during = ours_in(server["seg_dir"])
-        during_bytes = held()
-        still = ours_in(server["seg_dir"])  # named after the scrape: it ran all along
-        chunks = sum(line.startswith(b"data: {") for line in lines)
+    tokens0, _ = scrape()
+    seen: list[tuple[float, float, int]] = []  # (tokens of this request, /metrics, budget)
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            tokens, dir_held = scrape()
+            budget_sees = segment.held_bytes(server["seg_dir"])
+            if ours_in(server["seg_dir"]):
+                seen.append((tokens - tokens0, dir_held, budget_sees))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        with requests.post(server["url"] + "/v1/completions", stream=True, timeout=300, json={
+                "model": "tiny", "max_tokens": 1500, "temperature": 0.0, "ignore_eos": True,
+                "stream": True, "prompt_embeds": encode_embeds(embeds)}) as r:
+            assert r.status_code == 200, r.text
+            chunks = sum(line.startswith(b"data: {") for line in r.iter_lines())
+    finally:
+        stop.set()
+        sampler.join()
     assert chunks > 100
-    assert during, "the segment's name went while its request ran"
-    assert budget_sees >= embeds.nbytes
-    if still:  # (a fast decode may end before /metrics answers)
-        assert during_bytes >= embeds.nbytes
-    assert ours_in(server["seg_dir"]) == [] and held() == 0
+    late = [s for s in seen if s[0] >= 100]
+    assert late, f"the segment's name went while its request ran (named at {seen})"
+    assert all(dir_held >= embeds.nbytes and budget >= embeds.nbytes
+               for _, dir_held, budget in late)
+    assert ours_in(server["seg_dir"]) == [] and scrape()[1] == 0
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])

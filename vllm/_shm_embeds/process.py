@@ -28,6 +28,7 @@ from vllm.logger import init_logger
 
 from vllm._shm_embeds import counters
 from vllm._shm_embeds import segment as seg
+from vllm._shm_embeds.census import Census
 from vllm._shm_embeds.config import MAX_WRITERS, enabled, max_segments, shm_dir, stats_dir
 from vllm._shm_embeds.handle import SegmentName, pid_namespace, proc_start_time
 from vllm._shm_embeds.owned import OwnedSegments
@@ -48,12 +49,14 @@ class Process:
         released: keys appended by finalizers; drained at safe points.
         regions: the API server's ``regions.RegionRegistry`` when it serves
             registered regions (``VLLM_SHM_EMBEDS_REGIONS``), else None.
+        censuses: segment directory -> its ``census.Census`` (the budget's count).
     """
 
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.released: collections.deque = collections.deque()
         self.owned = OwnedSegments(self)
+        self.censuses: dict[str, Census] = {}
         self.tag: SegmentName | None = None
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.pool_lock = threading.Lock()
@@ -62,6 +65,13 @@ class Process:
         self.placement_warned = False
         self.shutdown_done = False
         self.regions: Any = None
+
+    def census(self, directory: str) -> Census:
+        """The count of what our segment files hold in ``directory`` (one per directory)."""
+        with self.pool_lock:
+            if directory not in self.censuses:
+                self.censuses[directory] = Census(directory)
+            return self.censuses[directory]
 
     def new_name(self, capped: bool = True) -> str:
         """A fresh segment name owned by this process.

@@ -72,7 +72,9 @@ def check_budget(nbytes: int) -> None:
     would take our segments in the directory over ``config.budget_bytes()``.
 
     Counted: what our files hold now (every process of the server; a body
-    still arriving by what it has written) plus the look-ahead this
+    still arriving by what it has written; ``census.Census``: the last walk
+    of the directory, made off the caller's thread, plus what this process
+    wrote since) plus the look-ahead this
     process's bodies still arriving were granted and have not written yet
     (at most :data:`STREAM_GRANT_BYTES` each: :class:`StreamedSegment`). A
     segment keeps its name until its request is freed
@@ -84,7 +86,7 @@ def check_budget(nbytes: int) -> None:
     """
     budget = budget_bytes()
     directory = shm_dir()
-    held = seg.held_bytes(directory)
+    held = process.current().census(directory).held()  # never a walk on the caller's thread
     if not shares_dev_shm():
         held = max(held, seg.used_bytes(directory))
     held += process.current().owned.pending_stream_bytes()
@@ -109,6 +111,7 @@ def create_segment(tensor: torch.Tensor) -> tuple[SharedTensorHandle, list[int]]
     data = memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
     pool = state.writer_pool() if handle.split else None
     fds = seg.write_segment(shm_dir(), handle, data, pool)
+    state.census(shm_dir()).wrote(tensor.nbytes)
     count(segments_created=1, copied_bytes=tensor.nbytes)
     return handle, fds
 
@@ -435,6 +438,7 @@ class StreamedSegment:
             check_budget(grant)
             f.reserved += grant
         f.write(data)
+        process.current().census(shm_dir()).wrote(len(data))
 
     def read_back(self, out: memoryview) -> None:
         """Copy the bytes written so far into ``out`` (``streamed_file.StreamedFile.read_back``)."""

@@ -27,6 +27,7 @@ EngineCore's adoptions, each TP worker's mappings).
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import os
 import re
@@ -336,8 +337,8 @@ class MetricsMiddleware:
         names = {k.lower(): v for k, v in resp_headers}
         if (start.get("status") == 200 and b"content-encoding" not in names
                 and names.get(b"content-type", b"").startswith(b"text/plain")):
-            try:
-                out += exposition()
+            try:  # off the event loop: it reads files and lists the segment directory
+                out += await asyncio.get_running_loop().run_in_executor(None, exposition)
             except Exception:  # never fail vLLM's own metrics
                 logger.exception("shm-embeds: metrics not appended to /metrics")
         resp_headers = [(k, v) for k, v in resp_headers if k.lower() != b"content-length"]
