@@ -559,3 +559,28 @@ def write_counters(stats_dir: str, records: list[dict]) -> list[int]:
         assert os.waitpid(pid, 0)[1] == 0
         pids.append(pid)
     return pids
+
+
+def open_fds() -> dict[int, str]:
+    """This process's open descriptors and what each points to (``/proc/self/fd``)."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # the listing's own fd, already closed
+            pass
+    return out
+
+
+def new_fds(before: dict[int, str]) -> dict[int, str]:
+    """Descriptors open now that were not open in ``before`` (:func:`open_fds`) or
+    point elsewhere: a leak. (Fewer is no leak: the garbage collector may close
+    an earlier test's files meanwhile.) A walk of the segment directory that
+    ``census.Census`` runs on a thread of its own holds the directory open for
+    a moment: it is waited for first."""
+    import threading
+
+    for t in threading.enumerate():
+        if t.name == "shm-embeds-census":
+            t.join(10)
+    return {fd: link for fd, link in open_fds().items() if before.get(fd) != link}

@@ -30,12 +30,13 @@ from vllm._shm_embeds import counters
 from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.census import Census
 from vllm._shm_embeds.config import MAX_WRITERS, enabled, max_segments, shm_dir, stats_dir
-from vllm._shm_embeds.handle import SegmentName, pid_namespace, proc_start_time
+from vllm._shm_embeds.handle import SegmentName, pid_namespace, proc_start_time, proc_stat
 from vllm._shm_embeds.owned import OwnedSegments
 
 logger = init_logger(__name__)
 
 NO_SPACE_MARKER = "no_space.warned"  # in the stats dir: the server warned of ENOSPC
+EXIT_WAIT_S = 2.0  # at exit: how long to wait for force-killed children before sweeping
 SWEEP_INTERVAL_S = 10.0  # EngineCore: sweep dead owners' segments this often
 REAP_INTERVAL_S = 0.1  # reaper thread: safe point this often
 
@@ -276,8 +277,28 @@ def _at_exit() -> None:
     if enabled():
         try:
             sweep_stale_segments(expected=True)
-        except OSError:
+            # A child just force-killed (vllm serve kills its EngineCores
+            # without waiting) may not be dead yet: wait for it a moment.
+            deadline = time.monotonic() + EXIT_WAIT_S
+            waited = False
+            while _children_holding_segments() and time.monotonic() < deadline:
+                waited = True
+                time.sleep(0.05)
+            if waited:
+                sweep_stale_segments(expected=True)
+        except (OSError, ValueError):
             pass
+
+
+def _children_holding_segments() -> set[int]:
+    """Pids of this process's live children that own a segment in :func:`shm_dir`."""
+    me, ns, out = os.getpid(), pid_namespace(), set()
+    for _, parsed in seg.list_segments(shm_dir()):
+        if parsed.pidns == ns and parsed.pid != me and parsed.pid not in out:
+            stat = proc_stat(parsed.pid)  # None: gone or a zombie (dead)
+            if stat is not None and int(stat[1]) == me:
+                out.add(parsed.pid)
+    return out
 
 
 atexit.register(_at_exit)
