@@ -12,15 +12,9 @@ import time
 
 import pytest
 import torch
-from vllm._shm_embeds import counters
-from vllm._shm_embeds import digests
-from vllm._shm_embeds import handle
-from vllm._shm_embeds import hop1, hop2
-from vllm._shm_embeds import process, segment
-from vllm._shm_embeds import transfer
-from vllm._shm_embeds.http import binary
-from vllm._shm_embeds.http import common
 
+from vllm._shm_embeds import counters, digests, handle, hop1, hop2, process, segment, transfer
+from vllm._shm_embeds.http import binary, common
 
 LIMITS = common.ServerContext(hidden_size=8, max_model_len=16, dtype=torch.float32,
                             enable_prompt_embeds=True, max_body_bytes=16 * 8 * 4)

@@ -13,32 +13,50 @@ import threading
 import time
 
 import torch
+from helpers import wait_until
 
 from vllm._shm_embeds import census, process, transfer
 from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.handle import SegmentName, pid_namespace
 
 
-def _walks(monkeypatch, delay_s: float = 0.0) -> list:
-    """Record the thread of every walk of the directory (and make each slow)."""
+def _walks(monkeypatch) -> list:
+    """Record the thread of every walk of the directory."""
     seen = []
     real = seg.held_bytes
 
     def held_bytes(directory, *a, **k):
         seen.append(threading.current_thread())
-        time.sleep(delay_s)
         return real(directory, *a, **k)
 
     monkeypatch.setattr(seg, "held_bytes", held_bytes)
     return seen
 
 
+def _background_walks_end() -> None:
+    wait_until(lambda: not any(t.name == "shm-embeds-census" for t in threading.enumerate()),
+               10, "the census's background walk to end")
+
+
 def test_event_loop_never_walks_after_the_first_count(shm_env, monkeypatch):
     """After the first count, every budget check on the loop returns at once
-    (a slow walk of planted names runs on a thread of its own) and still
-    counts what this process wrote meanwhile. Fails on a4123c0, whose every
-    check walked the directory on the calling thread."""
-    walks = _walks(monkeypatch, delay_s=0.3)
+    (a walk runs on a thread of its own) and still counts what this process
+    wrote meanwhile. Fails on a4123c0, whose every check walked the
+    directory on the calling thread.
+
+    No timing: every walk after the first is held until the loop's checks
+    are done; a check that walked on the loop, or waited for a walk, would
+    wait out that hold (recorded) instead of returning."""
+    walks, waited_out, gate = [], [], threading.Event()
+    real = seg.held_bytes
+
+    def held_bytes(directory, *a, **k):
+        walks.append(threading.current_thread())
+        if len(walks) > 1 and not gate.wait(30):
+            waited_out.append(threading.current_thread())
+        return real(directory, *a, **k)
+
+    monkeypatch.setattr(seg, "held_bytes", held_bytes)
     monkeypatch.setenv("VLLM_SHM_EMBEDS_MAX_BYTES", str(1 << 20))
     monkeypatch.setattr(census, "MIN_INTERVAL_S", 0.0)
 
@@ -46,31 +64,31 @@ def test_event_loop_never_walks_after_the_first_count(shm_env, monkeypatch):
         loop_thread = threading.current_thread()
         transfer.check_budget(1)  # the first count: one walk here
         assert walks == [loop_thread]
-        t0 = time.monotonic()
         made.append(transfer.create_segment(torch.zeros(600 << 10, dtype=torch.uint8)))
         for _ in range(20):
             transfer.check_budget(1)
-        took = time.monotonic() - t0
         try:  # 600 KiB written by this process counts at once, walk or not
             transfer.check_budget(600 << 10)
             raise AssertionError("over the budget, yet allowed")
         except seg.BudgetExceeded:
             pass
-        assert took < 0.25, f"the loop waited {took:.2f} s for walks"
-        await asyncio.sleep(0.7)  # the next walk is due (twice the last one's time)
-        transfer.check_budget(1)
-        await asyncio.sleep(0.4)
-        assert len(walks) >= 2 and all(t is not loop_thread for t in walks[1:])
+        # a check once the next walk is due starts it, on a thread, held there
+        wait_until(lambda: transfer.check_budget(1) or len(walks) >= 2, 10,
+                   "a walk off the loop")
+        assert all(t is not loop_thread for t in walks[1:]), walks
+        assert not waited_out, "a check on the loop waited for a walk"
 
     made: list = []
     try:
         asyncio.run(run())
     finally:
+        gate.set()
+        _background_walks_end()
         for handle, fds in made:
             for fd in fds:
                 os.close(fd)
             seg.unlink_segment(shm_env, handle.name, len(handle.parts()))
-        time.sleep(0.4)  # the last background walk ends
+    assert not waited_out
 
 
 def test_off_the_loop_the_count_is_exact(shm_env, monkeypatch):
@@ -104,7 +122,7 @@ def test_planted_names_are_neither_counted_nor_walked_on_the_loop(shm_env, monke
         return time.monotonic() - t0
 
     assert asyncio.run(on_loop()) < 0.5
-    time.sleep(0.2)
+    _background_walks_end()
     for name in os.listdir(shm_env):
         p = os.path.join(shm_env, name)
         if os.path.isdir(p) and not os.path.islink(p):

@@ -19,15 +19,12 @@ import json
 import os
 
 import torch
+from helpers import new_fds, open_fds
 from hypothesis import given
 from hypothesis import strategies as st
 from test_binary_framing import LIMITS, _framed, _scope, desc, hdr
 
 from vllm._shm_embeds.http import binary, json_body
-
-
-def _fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 def _drive(headers, chunks, end: str):
@@ -87,7 +84,7 @@ def test_fuzz_binary_middleware(shm_env, req):
     headers, chunks, end = req
     ok_headers, ok_body = _framed([torch.randn(2, 8)])
     assert _drive(ok_headers, [ok_body], "done")[0] == [200]  # lazily made fds, threads
-    before = _fds()
+    before = open_fds()
     statuses, calls = _drive(headers, chunks, end)
     if calls:
         assert len(calls) == 1 and statuses == [200]
@@ -96,7 +93,7 @@ def test_fuzz_binary_middleware(shm_env, req):
     else:
         assert end == "disconnect"
     assert os.listdir(shm_env) == []
-    assert _fds() == before
+    assert new_fds(before) == {}
 
 
 _KEY = st.text(max_size=6)

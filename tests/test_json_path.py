@@ -18,18 +18,11 @@ import types
 
 import pytest
 import torch
+from helpers import delta, encode_embeds, wait_until
 
-from helpers import encode_embeds
+from vllm._shm_embeds import counters, digests, handle, hop1, process, transfer
+from vllm._shm_embeds.http import common, json_body, torch_save
 from vllm._shm_embeds.http.common import resolve_placeholder
-from vllm._shm_embeds import counters
-from vllm._shm_embeds import digests
-from vllm._shm_embeds import handle
-from vllm._shm_embeds import hop1
-from vllm._shm_embeds import process
-from vllm._shm_embeds import transfer
-from vllm._shm_embeds.http import common
-from vllm._shm_embeds.http import json_body
-from vllm._shm_embeds.http import torch_save
 from vllm._shm_embeds.sites import core_client
 
 HIDDEN = 64
@@ -447,8 +440,9 @@ def test_spoiled_base64_is_rejected_as_vllm_rejects_it(shm_env, name, monkeypatc
     monkeypatch.setattr(torch_save, "DECODE_CHUNK_BYTES", 1 << 20)  # several chunks
     good = encode_embeds(torch.randn(16000, HIDDEN))  # 4 MB: four chunks
     n = len(good)
-    outline = torch_save._Outline(n // 4 * 3, base64.b64decode(good[:torch_save.HEAD_CHARS]), (n - torch_save.TAIL_CHARS)
-                          // 4 * 3, base64.b64decode(good[n - torch_save.TAIL_CHARS:]))
+    head, tail = good[:torch_save.HEAD_CHARS], good[n - torch_save.TAIL_CHARS:]
+    outline = torch_save._Outline(n // 4 * 3, base64.b64decode(head),
+                                  (n - torch_save.TAIL_CHARS) // 4 * 3, base64.b64decode(tail))
     assert torch_save.plain_tensor_layout(_ctx(), outline)[3] == _DATA_OFFSET
     where, text = SPOILED[name]
     b64 = _spoil(good, where(len(good)), text)
@@ -509,10 +503,9 @@ def test_outline_holds_only_head_and_tail():
 
 
 def test_hop1_carries_digests_and_engine_hashes_nothing(shm_env):
+    from vllm.v1.core import kv_cache_utils as kcu
     from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
-
-    from vllm.v1.core import kv_cache_utils as kcu
 
     tensor = torch.randn(50, HIDDEN)
     body = _body(prompt="", prompt_embeds=encode_embeds(tensor))
@@ -606,30 +599,6 @@ def test_malformed_or_foreign_digests_are_refused(shm_env):
 MAX_LEN = 2048
 
 
-@pytest.fixture
-def server(main_server):
-    return main_server
-
-
-def _totals(server, role=None) -> dict:
-    from helpers import by_role
-    from vllm._shm_embeds.counters import read_stats_dir
-
-    stats = read_stats_dir(server["stats"])
-    if role is not None:
-        return {k: v for c in by_role(stats, role) for k, v in c.items()}
-    total: dict = {}
-    for s in stats:
-        for k, v in s["counters"].items():
-            total[k] = total.get(k, 0) + v
-    return total
-
-
-def _delta(before, after):
-    return {k: after.get(k, 0) - before.get(k, 0) for k in after
-            if after.get(k, 0) != before.get(k, 0)}
-
-
 def _post(server, route, body, stock=False):
     """POST ``body`` as JSON; ``stock=True`` sends it chunked (no Content-Length),
     which the middleware leaves to vLLM's own JSON handling: the stock path
@@ -665,10 +634,10 @@ def test_same_tokens_as_stock_by_the_fast_path(server):
         ("/v1/chat/completions", _chat(b64),
          lambda r: r["choices"][0]["message"]["content"]),
     ):
-        before = _totals(server)
+        before = server.totals()
         fast = _post(server, route, body)
         assert fast.status_code == 200, fast.text
-        d = _delta(before, _totals(server))
+        d = delta(before, server.totals())
         # The fast path ran: decoded here, handed over with its digests, and
         # the EngineCore took them instead of hashing (no silent fallback).
         assert d.get("json_tensors") == 1 and d.get("hop1_handover_tensors") == 1, d
@@ -707,12 +676,12 @@ def test_engine_hashes_no_embeds_and_prefix_cache_hits(server):
         assert r.status_code == 200, r.text
         return _prefix_hits(server) - before
 
-    before = _totals(server, "engine")
+    before = server.totals("engine")
     body = {**KW, "prompt": "", "prompt_embeds": encode_embeds(first)}
     assert hits(body) == 0
     again = hits(body)
     prefix = hits({**body, "prompt_embeds": encode_embeds(shared)})
-    d = _delta(before, _totals(server, "engine"))
+    d = delta(before, server.totals("engine"))
     assert d.get("hash_engine_blocks", 0) == 0, d  # never hashed embeds itself
     assert d.get("hash_reused_blocks", 0) > 0 and d.get("hash_adopted_tensors") == 3, d
     assert again >= 512  # every full block of the 600 rows (block size <= 128)
@@ -720,9 +689,9 @@ def test_engine_hashes_no_embeds_and_prefix_cache_hits(server):
     # vLLM's own JSON decode (the body sent chunked): hop 1 copies the tensor
     # and hashes it meanwhile; it finds the blocks the fast path cached. (The
     # EngineCore hashing a tensor itself and finding them: test_binary.py.)
-    before = _totals(server)
+    before = server.totals()
     stock = hits(body, stock=True)
-    d = _delta(before, _totals(server))
+    d = delta(before, server.totals())
     assert d.get("hash_engine_blocks", 0) == 0 and d.get("hash_api_tensors") == 1, d
     assert d.get("json_tensors", 0) == 0 and d.get("hop1_shm_tensors") == 2, d
     assert stock == again
@@ -745,7 +714,7 @@ def test_bad_payloads_answered_as_stock(server):
     from helpers import ours_in
 
     hidden = server["weights"].shape[1]
-    before = _totals(server, "client")
+    before = server.totals("client")
     for name, route, body in _bad_bodies(hidden):
         fast = _post(server, route, body)
         stock = _post(server, route, body, stock=True)
@@ -753,12 +722,16 @@ def test_bad_payloads_answered_as_stock(server):
         assert fast.status_code == stock.status_code, (name, route)
         ef, es = fast.json()["error"], stock.json()["error"]
         assert (ef["type"], ef["message"]) == (es["type"], es["message"]), (name, route)
-    d = _delta(before, _totals(server, "client"))
+    d = delta(before, server.totals("client"))
     # The big bad payloads went through our decode and were given back.
     assert d.get("json_fallback.rejected", 0) >= 8, d
-    import time
+    # Given back when each request ended, which may be just after its answer:
+    # once every segment made is counted unlinked, none may be left.
+    def unlinked():
+        t = server.totals()
+        return t.get("segments_created", 0) == t.get("segments_unlinked", 0)
 
-    time.sleep(1)
+    wait_until(unlinked, 30, lambda: f"every segment unlinked: {server.totals()}")
     assert ours_in(server["seg_dir"]) == []
 
 

@@ -25,11 +25,6 @@ from vllm._shm_embeds import segment
 pytestmark = [pytest.mark.integration, pytest.mark.online]
 
 
-@pytest.fixture
-def server(main_server):
-    return main_server
-
-
 def _client(server):
     from openai import OpenAI
 

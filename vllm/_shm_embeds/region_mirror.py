@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from vllm._shm_embeds.counters import count
+from vllm._shm_embeds.counters import Event, count
 from vllm._shm_embeds.region_socket import peer_is_sibling, received_fds
 from vllm._shm_embeds.regions import (
     UNKNOWN_REGION,
@@ -136,7 +136,7 @@ class RegionMirror:
                 self._local.unregister(region.id)  # freed when the lease ends
             except RegionError:
                 pass  # closed meanwhile (shutdown): already unregistered
-        count(region_lookups=1)
+        count(Event.REGION_LOOKUPS)
         return lease
 
     def find(self, tensor: torch.Tensor) -> tuple[int, int, int] | None:

@@ -6,7 +6,7 @@ One owner per segment, one copy in total:
 * hop 1 sender: :func:`share_tensor` copies a tensor once into a new segment
   whose ownership passes with its handle; a :class:`StreamedSegment` (a
   request body written straight into a segment) is handed over without a
-  copy (:func:`take_handover`).
+  copy (:func:`hand_over`).
 * hop 1 receiver (EngineCore): :func:`adopt_tensor` takes the segment over by
   an atomic ``rename`` to its own name, then maps it; no copy.
 * readers (TP workers): :func:`open_tensor` maps read-only and sets the
@@ -32,7 +32,7 @@ from vllm._shm_embeds.config import (
     shm_dir,
     writers,
 )
-from vllm._shm_embeds.counters import count, count_reason
+from vllm._shm_embeds.counters import Event, count, count_many, count_reason
 from vllm._shm_embeds.handle import (
     HEADER_BYTES,
     MAGIC,
@@ -43,6 +43,7 @@ from vllm._shm_embeds.handle import (
     part_name,
     split_for,
 )
+from vllm._shm_embeds.lifecycle import Kind
 from vllm._shm_embeds.streamed_file import StreamedFile
 
 
@@ -112,7 +113,7 @@ def create_segment(tensor: torch.Tensor) -> tuple[SharedTensorHandle, list[int]]
     pool = state.writer_pool() if handle.split else None
     fds = seg.write_segment(shm_dir(), handle, data, pool)
     state.census(shm_dir()).wrote(tensor.nbytes)
-    count(segments_created=1, copied_bytes=tensor.nbytes)
+    count_many({Event.SEGMENTS_CREATED: 1, Event.COPIED_BYTES: tensor.nbytes})
     return handle, fds
 
 
@@ -150,7 +151,8 @@ def share_region(tensor: torch.Tensor, holder: tuple[int, int, int]) -> SharedTe
     header = SharedTensorHandle(name, "uint8", (0,))
     for fd in seg.write_segment(shm_dir(), header, memoryview(b""), None):
         os.close(fd)
-    count(segments_created=1, hop1_region_tensors=1, hop1_region_bytes=tensor.nbytes)
+    count_many({Event.SEGMENTS_CREATED: 1, Event.HOP1_REGION_TENSORS: 1,
+                Event.HOP1_REGION_BYTES: tensor.nbytes})
     return SharedTensorHandle(name, dtype_name(tensor.dtype), tuple(tensor.shape),
                               region=tuple(holder))
 
@@ -160,7 +162,7 @@ def discard_shared(handle: SharedTensorHandle) -> bool:
     (encode or send failed). True if it was still there."""
     gone = seg.unlink_segment(shm_dir(), handle.name, len(handle.parts()))
     if gone:
-        count(segments_unlinked=1)
+        count(Event.SEGMENTS_UNLINKED)
     return gone
 
 
@@ -195,7 +197,7 @@ def adopt_tensor(handle: SharedTensorHandle) -> torch.Tensor:
     try:
         state.check_segments()
     except seg.TooManySegments:
-        count_reason("fallback", "segments", hop="1")
+        count_reason(Event.FALLBACK, "segments", hop="1")
         return _adopt_by_copy(handle)
     if handle.region:
         return _adopt_region(handle)
@@ -218,13 +220,13 @@ def adopt_tensor(handle: SharedTensorHandle) -> torch.Tensor:
     try:
         mm = seg.map_segment(directory, mine)
     except OSError:  # e.g. ENOMEM at vm.max_map_count: read it instead
-        count_reason("fallback", "map_failed", hop="1")
+        count_reason(Event.FALLBACK, "map_failed", hop="1")
         return _adopt_by_copy(mine)
     except BaseException:
         seg.unlink_segment(directory, mine.name, nparts)
         raise
     tensor, anchor = seg.tensor_view(mm, mine)
-    state.owned.add_mapped(mine, mm, tensor, anchor)
+    state.owned.own(Kind.ADOPTED, mine, mm, tensor, anchor)
     return tensor
 
 
@@ -245,7 +247,7 @@ def _rename_part(directory: str, handle: SharedTensorHandle, mine: SharedTensorH
         except FileExistsError:
             if i:
                 raise
-            count(adopt_names_taken=1)
+            count(Event.ADOPT_NAMES_TAKEN)
             mine = handle.renamed(process.current().new_name(capped=False))
     raise FileExistsError(errno.EEXIST, "every segment name drawn was taken")
 
@@ -285,7 +287,7 @@ def _adopt_by_copy(handle: SharedTensorHandle) -> torch.Tensor:
         raise ShmEmbedsError(f"shm-embeds segment could not be read: {e}") from e
     finally:
         _unlink_peer(directory, handle.name, 1 if handle.region else len(parts))
-    count(copied_bytes=handle.nbytes)
+    count(Event.COPIED_BYTES, handle.nbytes)
     return out
 
 
@@ -336,8 +338,8 @@ def _adopt_region(handle: SharedTensorHandle) -> torch.Tensor:
             raise ShmEmbedsError(f"shm-embeds region could not be mapped: {e}") from e
         raise
     tensor, anchor = seg.tensor_view(mm, mine)
-    process.current().owned.add_mapped(mine, mm, tensor, anchor, fds=fds)
-    count(hop1_region_adopted=1)
+    process.current().owned.own(Kind.REGION, mine, mm, tensor, anchor, fds=fds)
+    count(Event.HOP1_REGION_ADOPTED)
     return tensor
 
 
@@ -385,7 +387,7 @@ class StreamedSegment:
 
     The file I/O is ``streamed_file.StreamedFile``'s; this adds ownership: the
     segment gets a name of this process, :meth:`finish` maps it and returns
-    the tensor, and the segment stays owned here until :func:`take_handover`
+    the tensor, and the segment stays owned here until :func:`hand_over`
     passes it to a peer (hop 1, by handle, no copy). It is unlinked when the
     tensor's storage is freed before that (next safe point), by
     :func:`release_streamed`, or by :meth:`abort`. The caller must have
@@ -417,7 +419,7 @@ class StreamedSegment:
         self.handle = handle
         self.nbytes = handle.nbytes
         state.owned.stream_started(self._file)
-        count(segments_created=1)
+        count(Event.SEGMENTS_CREATED)
 
     @property
     def filled(self) -> int:
@@ -459,20 +461,20 @@ class StreamedSegment:
             self.abort()
             raise
         process.current().owned.stream_ended(self._file)
-        count(copied_bytes=self.nbytes)
+        count(Event.COPIED_BYTES, self.nbytes)
         tensor, anchor = seg.tensor_view(mm, self.handle)
         state = process.current()
-        state.owned.add_mapped(self.handle, mm, tensor, anchor, handover=True)
+        state.owned.own(Kind.STREAMED, self.handle, mm, tensor, anchor)
         state.start_reaper()  # unlinks it soon if its storage dies unsent
         return tensor
 
     def abort(self) -> None:
         """Close and unlink (idempotent); counts the bytes written so far as copied."""
         if self._file.open and self._file.filled:
-            count(copied_bytes=self._file.filled)
+            count(Event.COPIED_BYTES, self._file.filled)
         process.current().owned.stream_ended(self._file)
         if self._file.abort():
-            count(segments_unlinked=1)
+            count(Event.SEGMENTS_UNLINKED)
 
 
 def streamed_tensor_like(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -489,11 +491,10 @@ def streamed_tensor_like(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Te
 
 def is_streamed(tensor: Any) -> bool:
     """True if ``tensor`` covers exactly a streamed segment not yet handed over."""
-    return (isinstance(tensor, torch.Tensor)
-            and process.current().owned.handover_entry(tensor) is not None)
+    return isinstance(tensor, torch.Tensor) and process.current().owned.is_streamed(tensor)
 
 
-def take_handover(tensor: Any) -> SharedTensorHandle | None:
+def hand_over(tensor: Any) -> SharedTensorHandle | None:
     """Hop 1 sender: the handle of ``tensor``'s streamed segment, ownership passed on.
 
     If ``tensor`` (same data pointer, dtype and shape) is a streamed segment
@@ -505,7 +506,7 @@ def take_handover(tensor: Any) -> SharedTensorHandle | None:
         return None
     handle = process.current().owned.hand_over(tensor)
     if handle is not None:
-        count(hop1_handover_tensors=1)
+        count(Event.HOP1_HANDOVER_TENSORS)
     return handle
 
 
@@ -514,14 +515,14 @@ def release_streamed(tensor: Any) -> bool:
 
     Unlinks it now if hop 1 did not hand it over (rejected, failed,
     disconnected), and lets go of this process's pages of it either way
-    (``OwnedSegments.release``): the tensor stays valid but reads zeros, and
+    (``OwnedSegments.release_streamed``): the tensor stays valid but reads zeros, and
     the memory is back once the EngineCore and TP workers are done with it,
     even if something here keeps the tensor object alive. True if ``tensor``
     was a streamed segment of this process.
     """
     if not isinstance(tensor, torch.Tensor):
         return False
-    return process.current().owned.release(tensor)
+    return process.current().owned.release_streamed(tensor)
 
 
 def release_adopted(tensor: Any) -> bool:
@@ -540,11 +541,11 @@ def release_adopted(tensor: Any) -> bool:
         return False
     if not process.current().owned.release_adopted(tensor):
         return False
-    count(engine_pages_released=1)
+    count(Event.ENGINE_PAGES_RELEASED)
     return True
 
 
 def streamed_pending() -> int:
     """Streamed segments this process still owns (not handed over, not released)."""
-    return process.current().owned.pending(handover_only=True)
+    return process.current().owned.pending(streamed_only=True)
 

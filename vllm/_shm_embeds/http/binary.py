@@ -35,7 +35,7 @@ per-request random token and the tensors. The stock decode sites
 context variable of *this* request holds the same token; any other bytes,
 including the same placeholder sent by a JSON client, take vLLM's own path
 and get its usual error. Hop 1 then sends the segment itself by handle
-(:func:`~vllm._shm_embeds.transfer.take_handover`): the socket-to-segment write is the
+(:func:`~vllm._shm_embeds.transfer.hand_over`): the socket-to-segment write is the
 only copy of the bytes (a ``datatype`` other than the model's costs one more,
 counted, as the JSON path's cast). The prefix-cache digests of each block are
 computed on the hashing pool while the body arrives (``digests.StreamHasher``),
@@ -68,7 +68,7 @@ from vllm.logger import init_logger
 from vllm._shm_embeds import digests
 from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.config import body_deadline_s
-from vllm._shm_embeds.counters import count, count_reason
+from vllm._shm_embeds.counters import Event, count, count_many, count_reason
 from vllm._shm_embeds.http.binary_header import (  # noqa: F401 (re-exported)
     CONTENT_TYPE,
     DATATYPES,
@@ -108,7 +108,7 @@ class _Disconnected(Exception):
 
 
 def _reject(e: BinaryBodyError) -> None:
-    count_reason("binary_rejected", e.reason)
+    count_reason(Event.BINARY_REJECTED, e.reason)
     logger.info("shm-embeds: binary body rejected (%s): %r", e.reason, e.message)
 
 
@@ -153,7 +153,7 @@ def _open_sink(spec: TensorSpec) -> StreamedSegment | _Private:
 def _fall_back(segment: StreamedSegment | None, spec: TensorSpec, e: OSError) -> _Private:
     """Move a tensor's body bytes from a segment that failed to private memory."""
     reason = seg.fallback_reason(e)
-    count_reason("binary_fallback", reason)
+    count_reason(Event.BINARY_FALLBACK, reason)
     logger.debug("shm-embeds: a binary body's tensor goes the stock way (%s): %s", reason, e)
     private = _Private(spec.dtype, spec.shape)
     if segment is not None:
@@ -287,13 +287,13 @@ class BinaryBodyMiddleware:
             if any(t.dtype != limits.dtype for t in tensors):
                 upload.tensors = await asyncio.get_running_loop().run_in_executor(
                     None, _convert, tensors, limits.dtype)
-            count(binary_bodies=1, binary_tensors=len(tensors),
-                  binary_bytes=sum(t.nbytes for t in tensors))
+            count_many({Event.BINARY_BODIES: 1, Event.BINARY_TENSORS: len(tensors),
+                        Event.BINARY_BYTES: sum(t.nbytes for t in tensors)})
             del tensors
         except _Disconnected:
             for s in segs:  # before counting: the counter says it is clean
                 s.abort()
-            count_reason("binary_rejected", "disconnect")
+            count_reason(Event.BINARY_REJECTED, "disconnect")
             logger.info("shm-embeds: client disconnected during a binary upload")
             return
         except BinaryBodyError as e:
@@ -345,11 +345,11 @@ def _convert(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tens
         try:
             dst = streamed_tensor_like(dtype, tuple(t.shape))
         except OSError as e:  # no room: cast in private memory, the stock way
-            count_reason("binary_fallback", seg.fallback_reason(e))
+            count_reason(Event.BINARY_FALLBACK, seg.fallback_reason(e))
             dst = t.to(dtype)
         else:
             dst.copy_(t)
-        count(binary_converted_bytes=dst.nbytes)
+        count(Event.BINARY_CONVERTED_BYTES, dst.nbytes)
         release_streamed(t)
         out.append(dst)
     return out

@@ -83,7 +83,7 @@ from vllm.logger import init_logger
 from vllm._shm_embeds import digests
 from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.config import min_bytes
-from vllm._shm_embeds.counters import count, count_reason
+from vllm._shm_embeds.counters import Event, count_many, count_reason
 from vllm._shm_embeds.http.common import (
     IN_FLIGHT,
     Receive,
@@ -305,8 +305,8 @@ def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext) -> Prepared:
         raise
     finally:
         view.release()
-    count(json_bodies=1, json_tensors=len(keep),
-              json_bytes=sum(t.nbytes for t in tensors if t is not None))
+    count_many({Event.JSON_BODIES: 1, Event.JSON_TENSORS: len(keep),
+                Event.JSON_BYTES: sum(t.nbytes for t in tensors if t is not None)})
     return Prepared(skeleton, Upload(token, tensors, ctx.hash_block_tokens))
 
 
@@ -357,24 +357,24 @@ class JsonBodyMiddleware:
                 or not ctx.enable_prompt_embeds):
             return await self.app(scope, receive, send)
         if length > max_json_body_bytes(ctx):
-            count_reason("json_fallback", "too_large")
+            count_reason(Event.JSON_FALLBACK, "too_large")
             return await self.app(scope, receive, send)
         if not IN_FLIGHT.take(length):
-            count_reason("json_fallback", "busy")
+            count_reason(Event.JSON_FALLBACK, "busy")
             return await self.app(scope, receive, send)
         try:
             try:
                 raw = await read_body(receive, length, deadline_for(length))
             except Stalled as e:  # a body that stalls holds memory: refuse it, as 408
-                count_reason("json_fallback", "timeout")
+                count_reason(Event.JSON_FALLBACK, "timeout")
                 logger.info("shm-embeds: JSON body stalled: %s", e)
                 return await send_error(send, 408, f"{e}; request timed out",
                                         "RequestTimeout")
             if raw is None:
-                count_reason("json_fallback", "disconnect")
+                count_reason(Event.JSON_FALLBACK, "disconnect")
                 return
             if isinstance(raw, bytes):
-                count_reason("json_fallback", "body")
+                count_reason(Event.JSON_FALLBACK, "body")
                 return await self._downstream(scope, receive, send, raw, None)
             try:
                 prepared = await asyncio.get_running_loop().run_in_executor(
@@ -387,7 +387,7 @@ class JsonBodyMiddleware:
         finally:
             IN_FLIGHT.give_back(length)
         if prepared.upload is None:
-            count_reason("json_fallback", prepared.reason)
+            count_reason(Event.JSON_FALLBACK, prepared.reason)
             return await self._downstream(scope, receive, send, prepared.body, None)
         try:
             await self._downstream(scope, receive, send, prepared.body, prepared.upload)

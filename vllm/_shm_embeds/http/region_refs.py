@@ -47,7 +47,7 @@ from vllm.logger import init_logger
 
 from vllm._shm_embeds import digests, process
 from vllm._shm_embeds.config import regions_group, regions_path, regions_refs_max
-from vllm._shm_embeds.counters import count, count_reason
+from vllm._shm_embeds.counters import Event, count_many, count_reason
 from vllm._shm_embeds.http.common import (
     Receive,
     Send,
@@ -191,7 +191,7 @@ class RegionRefsMiddleware:
             try:
                 upload = await _lease(path, body, registry)
             except RegionError as e:
-                count_reason("region_refused", "reference")
+                count_reason(Event.REGION_REFUSED, "reference")
                 if e.reason == "leases":  # the server's, not the request's fault
                     return await send_error(send, 429, f"prompt_embeds region reference {e}",
                                             "TooManyRequests")
@@ -202,7 +202,7 @@ class RegionRefsMiddleware:
         try:
             upload.hash_block_tokens = getattr(ServerContext.of_app(scope),
                                                "hash_block_tokens", None)
-            count(region_requests=1, region_tensors=len(upload.leases))
+            count_many({Event.REGION_REQUESTS: 1, Event.REGION_TENSORS: len(upload.leases)})
             await call_with_body(self.app, scope, receive, send,
                                  json.dumps(body).encode(), upload)
         finally:

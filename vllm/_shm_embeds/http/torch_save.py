@@ -43,7 +43,7 @@ import torch
 
 from vllm._shm_embeds import digests
 from vllm._shm_embeds.config import min_bytes
-from vllm._shm_embeds.counters import count, count_reason
+from vllm._shm_embeds.counters import Event, count, count_reason
 from vllm._shm_embeds.http import pickle_scan
 from vllm._shm_embeds.http.common import ServerContext
 
@@ -287,7 +287,7 @@ def layout_or_reason(ctx: ServerContext, outline: _Outline
 
 def _declined(reason: str) -> None:
     """Count why a payload is left to vLLM's loader; None."""
-    count_reason("json_direct_declined", reason)
+    count_reason(Event.JSON_DIRECT_DECLINED, reason)
     return None
 
 
@@ -363,6 +363,6 @@ def direct_decode(ctx: ServerContext, piece: memoryview) -> torch.Tensor | None:
         out = digests.fill_segment(dtype, (rows, hidden), write)
     except ValueError:
         return _declined("base64")  # not valid base64 after all: vLLM's loader says so
-    count(json_direct_tensors=1)
+    count(Event.JSON_DIRECT_TENSORS)
     return out
 
