@@ -15,21 +15,22 @@ import time
 import torch
 from helpers import wait_until
 
-from vllm._shm_embeds import census, process, transfer
+from vllm._shm_embeds import census, process, segment_dir, transfer
 from vllm._shm_embeds import segment as seg
-from vllm._shm_embeds.handle import SegmentName, pid_namespace
+from vllm._shm_embeds.handle import SegmentName
+from vllm._shm_embeds.procfs import pid_namespace
 
 
 def _walks(monkeypatch) -> list:
     """Record the thread of every walk of the directory."""
     seen = []
-    real = seg.held_bytes
+    real = segment_dir.held_bytes
 
     def held_bytes(directory, *a, **k):
         seen.append(threading.current_thread())
         return real(directory, *a, **k)
 
-    monkeypatch.setattr(seg, "held_bytes", held_bytes)
+    monkeypatch.setattr(segment_dir, "held_bytes", held_bytes)
     return seen
 
 
@@ -48,7 +49,7 @@ def test_event_loop_never_walks_after_the_first_count(shm_env, monkeypatch):
     are done; a check that walked on the loop, or waited for a walk, would
     wait out that hold (recorded) instead of returning."""
     walks, waited_out, gate = [], [], threading.Event()
-    real = seg.held_bytes
+    real = segment_dir.held_bytes
 
     def held_bytes(directory, *a, **k):
         walks.append(threading.current_thread())
@@ -56,7 +57,7 @@ def test_event_loop_never_walks_after_the_first_count(shm_env, monkeypatch):
             waited_out.append(threading.current_thread())
         return real(directory, *a, **k)
 
-    monkeypatch.setattr(seg, "held_bytes", held_bytes)
+    monkeypatch.setattr(segment_dir, "held_bytes", held_bytes)
     monkeypatch.setenv("VLLM_SHM_EMBEDS_MAX_BYTES", str(1 << 20))
     monkeypatch.setattr(census, "MIN_INTERVAL_S", 0.0)
 

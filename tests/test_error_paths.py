@@ -25,7 +25,8 @@ import torch
 from helpers import run_child, wait_until
 
 from vllm._shm_embeds import counters, handle, hop1, hop2, process, segment, transfer
-from vllm._shm_embeds.handle import SegmentName, pid_namespace
+from vllm._shm_embeds.handle import SegmentName
+from vllm._shm_embeds.procfs import pid_namespace
 from vllm._shm_embeds.sites import core_client
 
 # -- 1. every writer finishes before any fd is closed ------------------------

@@ -29,11 +29,12 @@ from test_regions import GOOD, MAX_T, REG, H, _limits, env, memfd  # noqa: F401
 
 import shm_embeds_client as sec
 from vllm._shm_embeds import counters, process
-from vllm._shm_embeds import region_server as rs
-from vllm._shm_embeds import region_socket as rsock
 from vllm._shm_embeds.http import region_refs
 from vllm._shm_embeds.http.common import COMPLETIONS, ServerContext
-from vllm._shm_embeds.regions import RegionError, RegionRegistry
+from vllm._shm_embeds.regions import server as rs
+from vllm._shm_embeds.regions import service
+from vllm._shm_embeds.regions import sockets as rsock
+from vllm._shm_embeds.regions.registry import RegionError, RegionRegistry
 
 NOBODY = 65534
 
@@ -181,12 +182,12 @@ def test_squatted_start_up_lock_neither_blocks_nor_stops_regions(env, monkeypatc
     server = None
     try:
         start = time.monotonic()
-        server = region_refs.start_regions(env.path, _ctx())
+        server = service.start_regions(env.path, _ctx())
         assert time.monotonic() - start < 3
         assert server is not None and process.current().regions is not None
         assert "region" in env.register(env.connect(), torch.randn(2, H))
     finally:
-        region_refs.stop_regions(server)
+        service.stop_regions(server)
         for s in squats:
             s.close()
         for p in procs:

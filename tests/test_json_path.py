@@ -20,9 +20,9 @@ import pytest
 import torch
 from helpers import delta, encode_embeds, wait_until
 
-from vllm._shm_embeds import counters, digests, handle, hop1, process, transfer
-from vllm._shm_embeds.http import common, json_body, torch_save
-from vllm._shm_embeds.http.common import resolve_placeholder
+from vllm._shm_embeds import counters, digests, handle, hop1, process, streamed, torch_save
+from vllm._shm_embeds.http import common, json_body
+from vllm._shm_embeds.http.placeholders import resolve_placeholder
 from vllm._shm_embeds.sites import core_client
 
 HIDDEN = 64
@@ -84,7 +84,7 @@ def test_prepare_equals_vllm_decode_and_digests(shm_env, route):
     assert ("p" * 5000 in out.body.decode()) == (route == "/v1/completions")
     # Only this request's context resolves the placeholder.
     assert resolve_placeholder(value) is None
-    from vllm._shm_embeds.http.common import _current
+    from vllm._shm_embeds.http.placeholders import _current
 
     token = _current.set(out.upload)
     try:
@@ -93,14 +93,14 @@ def test_prepare_equals_vllm_decode_and_digests(shm_env, route):
         _current.reset(token)
     want = safe_load_prompt_embeds(_ctx().model_config, b64.encode())
     assert torch.equal(got, want) and got.dtype == torch.float32
-    assert transfer.is_streamed(got)
+    assert streamed.is_streamed(got)
     d = digests.attached(got)
     stock, req = _stock_block_hashes(want, 16)
     assert d.digests == b"".join(req._prompt_embeds_per_block_hashes[(i, i + 16)]
                                  for i in range(0, 96, 16)) + d.digests[-32:]
     assert len(d.digests) == 7 * 32  # 6 full blocks and the short tail
     assert counters.stats()["json_tensors"] == 1
-    transfer.release_streamed(got)
+    streamed.release_streamed(got)
     del got
 
 
@@ -139,7 +139,7 @@ def test_prepare_leaves_other_long_strings_and_non_json_alone(shm_env):
     assert digests.attached(got).digests == b"".join(
         __import__("hashlib").sha256(t[i:i + 16].numpy().tobytes()).digest()
         for i in range(0, 40, 16))
-    transfer.release_streamed(got)
+    streamed.release_streamed(got)
 
 
 @pytest.mark.parametrize("late", [False, True])
@@ -346,7 +346,7 @@ def test_plain_payload_is_decoded_straight_into_the_segment(shm_env, shape):
     rows = want.shape[0]
     assert digests.attached(got).digests == b"".join(
         hashlib.sha256(want[i:i + 16].numpy().tobytes()).digest() for i in range(0, rows, 16))
-    transfer.release_streamed(got)
+    streamed.release_streamed(got)
 
 
 def _big():
@@ -396,7 +396,7 @@ def test_anything_else_goes_to_vllms_loader(shm_env, name):
     if name == "directory-bit":  # vLLM's loader answers with uninitialized memory:
         for t in out.upload.tensors:  # nothing to compare
             if t is not None:
-                transfer.release_streamed(t)
+                streamed.release_streamed(t)
     elif want is None:
         assert out.reason == "rejected" and out.body == body
     else:
@@ -406,7 +406,7 @@ def test_anything_else_goes_to_vllms_loader(shm_env, name):
         want = want.resolve_neg().contiguous()
         assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8),
                                                        want.view(torch.uint8))
-        transfer.release_streamed(got)
+        streamed.release_streamed(got)
     process.collect()
     assert os.listdir(shm_env) == []
 
@@ -458,7 +458,7 @@ def test_spoiled_base64_is_rejected_as_vllm_rejects_it(shm_env, name, monkeypatc
     assert _direct_count() == 1
     for t in out.upload.tensors:
         if t is not None:
-            transfer.release_streamed(t)
+            streamed.release_streamed(t)
 
 
 @pytest.mark.parametrize("dtype,fail_at", [(torch.float32, 3), (torch.float16, 1)])
@@ -471,7 +471,7 @@ def test_no_space_midway_gives_the_body_back_and_leaves_nothing(shm_env, monkeyp
     import errno
 
     writes = []
-    real = transfer.StreamedSegment.write
+    real = streamed.StreamedSegment.write
 
     def full(self, data):
         writes.append(len(data))
@@ -479,7 +479,7 @@ def test_no_space_midway_gives_the_body_back_and_leaves_nothing(shm_env, monkeyp
             raise OSError(errno.ENOSPC, "No space left on device")
         real(self, data)
 
-    monkeypatch.setattr(transfer.StreamedSegment, "write", full)
+    monkeypatch.setattr(streamed.StreamedSegment, "write", full)
     monkeypatch.setattr(torch_save, "DECODE_CHUNK_BYTES", 1 << 16)
     body = _body(prompt="", prompt_embeds=encode_embeds(torch.randn(4000, HIDDEN).to(dtype)))
     out = json_body.prepare(body, "/v1/completions", _ctx())

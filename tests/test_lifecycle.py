@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from vllm._shm_embeds import hop2, lifecycle, process, transfer
+from vllm._shm_embeds import hop2, lifecycle, process, streamed, transfer
 from vllm._shm_embeds.lifecycle import (
     BROADCAST,
     FREED,
@@ -164,24 +164,24 @@ def s_release_unknown(d):
 
 
 def s_streamed(d):
-    t = transfer.streamed_tensor_like(torch.float32, (8, 32))
+    t = streamed.streamed_tensor_like(torch.float32, (8, 32))
     e = _entry(t)
-    assert (e.kind, e.state) == (Kind.STREAMED, HELD) and transfer.is_streamed(t)
-    assert transfer.release_streamed(t) and e.state is GONE  # HELD -> GONE
-    t = transfer.streamed_tensor_like(torch.float32, (8, 32))
+    assert (e.kind, e.state) == (Kind.STREAMED, HELD) and streamed.is_streamed(t)
+    assert streamed.release_streamed(t) and e.state is GONE  # HELD -> GONE
+    t = streamed.streamed_tensor_like(torch.float32, (8, 32))
     e = _entry(t)
-    handle = transfer.hand_over(t)
-    assert handle is not None and e.state is MAPPED and not transfer.is_streamed(t)
+    handle = streamed.hand_over(t)
+    assert handle is not None and e.state is MAPPED and not streamed.is_streamed(t)
     adopted = transfer.adopt_tensor(handle)  # the peer (here: this process)
-    assert transfer.release_streamed(t) and e.state is GONE  # MAPPED -> GONE
+    assert streamed.release_streamed(t) and e.state is GONE  # MAPPED -> GONE
     assert transfer.release_adopted(adopted)
-    t = transfer.streamed_tensor_like(torch.float32, (8, 32))
+    t = streamed.streamed_tensor_like(torch.float32, (8, 32))
     e = _entry(t)
-    adopted = transfer.adopt_tensor(transfer.hand_over(t))
+    adopted = transfer.adopt_tensor(streamed.hand_over(t))
     del t
     assert _die(e) == [GONE]  # MAPPED -> GONE
     transfer.release_adopted(adopted)
-    t = transfer.streamed_tensor_like(torch.float32, (8, 32))
+    t = streamed.streamed_tensor_like(torch.float32, (8, 32))
     e = _entry(t)
     del t
     assert _die(e) == [GONE] and os.listdir(d) == []  # HELD -> GONE
@@ -194,8 +194,8 @@ def s_unlink_all(d):
     freed = _adopt()
     hop2.externalize(freed, readers=1)
     transfer.release_adopted(freed)
-    mapped = transfer.streamed_tensor_like(torch.float32, (8, 32))
-    peer = transfer.adopt_tensor(transfer.hand_over(mapped))
+    mapped = streamed.streamed_tensor_like(torch.float32, (8, 32))
+    peer = transfer.adopt_tensor(streamed.hand_over(mapped))
     entries = [_entry(t) for t in (held, broadcast, freed, mapped, peer)]
     assert [e.state for e in entries] == [HELD, BROADCAST, FREED, MAPPED, HELD]
     assert _owned().unlink_all() == 4

@@ -13,7 +13,8 @@ import torch
 from helpers import delta, mine, run_child
 
 from vllm._shm_embeds import counters, handle, hop1, hop2, process, transfer
-from vllm._shm_embeds.handle import SegmentName, pid_namespace, proc_start_time
+from vllm._shm_embeds.handle import SegmentName
+from vllm._shm_embeds.procfs import pid_namespace, proc_start_time
 
 
 class _Req:

@@ -154,7 +154,8 @@ def test_aggregate_attributes_hops_to_senders_and_sums_processes(tmp_path):
     stats_dir.mkdir()
     pids = write_counters(str(stats_dir), stats)
     # One segment file of a process in ``stats``, one of a process that is not.
-    from vllm._shm_embeds.handle import SegmentName, pid_namespace
+    from vllm._shm_embeds.handle import SegmentName
+    from vllm._shm_embeds.procfs import pid_namespace
 
     ours = SegmentName(pid_namespace(), pids[0], 1, 0)
     (seg_dir / str(ours)).write_bytes(b"x" * 8192)

@@ -20,7 +20,7 @@ from helpers import (
     ours_in,
 )
 
-from vllm._shm_embeds import segment
+from vllm._shm_embeds import segment_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.online]
 
@@ -105,7 +105,7 @@ def test_segment_counts_while_its_request_runs(server):
     def sample() -> None:
         while not stop.is_set():
             tokens, dir_held = scrape()
-            budget_sees = segment.held_bytes(server["seg_dir"])
+            budget_sees = segment_dir.held_bytes(server["seg_dir"])
             if ours_in(server["seg_dir"]):
                 seen.append((tokens - tokens0, dir_held, budget_sees))
 

@@ -15,8 +15,8 @@ import threading
 import pytest
 import torch
 
-from vllm._shm_embeds import digests, transfer
-from vllm._shm_embeds.http import common
+from vllm._shm_embeds import digests, streamed
+from vllm._shm_embeds.http import placeholders
 from vllm._shm_embeds.sites import renderers
 
 H, BLOCK = 8, 4
@@ -25,7 +25,7 @@ H, BLOCK = 8, 4
 def _streamed(rows: int, seed: int) -> torch.Tensor:
     """A binary body's tensor: a streamed segment, mapped read-only."""
     t = torch.randn(rows, H, generator=torch.Generator().manual_seed(seed))
-    seg = transfer.StreamedSegment(torch.float32, (rows, H))
+    seg = streamed.StreamedSegment(torch.float32, (rows, H))
     seg.write(t.numpy().tobytes())
     return seg.finish(writable=False)
 
@@ -44,7 +44,7 @@ def _perms(tensor: torch.Tensor) -> str:
 @pytest.fixture
 def upload(shm_env, monkeypatch):
     """The request being served: hashes per block of ``BLOCK`` rows."""
-    up = common.Upload(common.new_token(), [], hash_block_tokens=BLOCK)
+    up = placeholders.Upload(placeholders.new_token(), [], hash_block_tokens=BLOCK)
     monkeypatch.setattr(renderers, "current_upload", lambda: up)
     yield up
     up.release()
@@ -60,7 +60,7 @@ def test_chat_prompt_assembled_read_only_then_hashed_off_the_event_loop(upload, 
     full, mask = renderers.wrap_build_mixed_prompt_embeds(stock)(token_ids, parts, positions)
     want, want_mask = stock(token_ids, [p.clone() for p in parts], positions)
     assert torch.equal(full, want) and mask == want_mask
-    assert transfer.is_streamed(full) and any(t is full for t in upload.made)
+    assert streamed.is_streamed(full) and any(t is full for t in upload.made)
     assert _perms(full)[:2] == "r-", _perms(full)  # mapped read-only
     assert digests.attached(full) is None  # not hashed on the calling thread
 
@@ -127,7 +127,7 @@ def test_prompt_of_no_binary_part_is_vllms(upload):
     plain = [torch.randn(3, H)]
     out, mask = renderers.wrap_build_mixed_prompt_embeds(stock)(list(range(5)), plain,
                                                                [(1, 3)])
-    assert not transfer.is_streamed(out) and upload.made == []
+    assert not streamed.is_streamed(out) and upload.made == []
 
     async def render(self, messages, params):
         return "c", {"prompt_embeds": out}

@@ -26,11 +26,11 @@ from vllm.logger import init_logger
 from vllm._shm_embeds import digests, process
 from vllm._shm_embeds.counters import Event, count, count_many, count_reason
 from vllm._shm_embeds.handle import SharedTensorHandle, ShmEmbedsError
+from vllm._shm_embeds.streamed import hand_over
 from vllm._shm_embeds.transfer import (
     adopt_tensor,
     dense_nbytes,
     eligible,
-    hand_over,
     share_region,
     share_tensor,
 )

@@ -33,6 +33,7 @@ import torch
 from vllm.logger import init_logger
 
 from vllm._shm_embeds import segment as seg
+from vllm._shm_embeds import segment_dir
 from vllm._shm_embeds.config import shm_dir
 from vllm._shm_embeds.counters import Event, count, count_reason
 from vllm._shm_embeds.handle import MAX_READERS, SegmentName, SharedTensorHandle, ShmEmbedsError
@@ -93,7 +94,7 @@ class OwnedSegments:
         self._state = state
         self._index = Index()
         self._lock = threading.Lock()
-        # Files a request body is being written into (``streamed_file.StreamedFile``).
+        # Files a request body is being written into (``streamed.StreamedFile``).
         self._streams: set = set()
 
     # -- own
@@ -355,7 +356,7 @@ class OwnedSegments:
     # -- whole process
 
     def stream_started(self, f: Any) -> None:
-        """``f`` (a ``streamed_file.StreamedFile``) is being filled from a request body."""
+        """``f`` (a ``streamed.StreamedFile``) is being filled from a request body."""
         with self._lock:
             self._streams.add(f)
 
@@ -366,7 +367,7 @@ class OwnedSegments:
 
     def pending_stream_bytes(self) -> int:
         """Bytes this process's bodies still arriving were granted by the budget
-        and have not written yet (``transfer.StreamedSegment``: a bounded
+        and have not written yet (``streamed.StreamedSegment``: a bounded
         look-ahead each, not their whole size)."""
         with self._lock:
             return sum(max(0, f.reserved - f.filled) for f in self._streams)
@@ -396,12 +397,12 @@ class OwnedSegments:
         for entry in gone:
             entry.close_fds()
             n += seg.unlink_segment(shm_dir(), entry.handle.name, len(entry.handle.parts()))
-        for name, parsed in seg.list_segments(shm_dir()):
+        for name, parsed in segment_dir.list_segments(shm_dir()):
             if not self._state.owns_name(parsed):
                 continue
             path = os.path.join(shm_dir(), name)
             try:  # only a regular file of ours: never what someone planted
-                if seg.our_file(os.lstat(path)) and seg.unlink_quietly(path):
+                if segment_dir.our_file(os.lstat(path)) and seg.unlink_quietly(path):
                     n += parsed.part == 0
             except OSError:
                 continue

@@ -30,7 +30,7 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm._shm_embeds import counters
+from vllm._shm_embeds import counters, segment_dir
 from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.census import Census
 from vllm._shm_embeds.config import (
@@ -42,8 +42,9 @@ from vllm._shm_embeds.config import (
     writers,
 )
 from vllm._shm_embeds.counters import Event, count
-from vllm._shm_embeds.handle import SegmentName, pid_namespace, proc_start_time, proc_stat
+from vllm._shm_embeds.handle import SegmentName
 from vllm._shm_embeds.owned import OwnedSegments
+from vllm._shm_embeds.procfs import pid_namespace, proc_start_time, proc_stat
 
 logger = init_logger(__name__)
 
@@ -74,7 +75,7 @@ class Process:
         stats_dir_made: the metrics directory this process made and removes
             at exit (``http.metrics.ensure_stats_dir``), else None.
         fd_closer: queue of the thread that closes received descriptors
-            (``region_socket.discard_fd``), once started.
+            (``sockets.discard_fd``), once started.
     """
 
     def __init__(self) -> None:
@@ -271,8 +272,9 @@ def placement_failed(hop: str, nbytes: int, e: OSError) -> str:
         shm_dir(),
         e,
         hop,
-        f" while they do not fit ({seg.free_bytes(shm_dir())} bytes free now): make the directory "
-        "larger (Docker: --shm-size); the start-up log says how large" if no_space else "",
+        f" while they do not fit ({segment_dir.free_bytes(shm_dir())} bytes free now): "
+        "make the directory larger (Docker: --shm-size); the start-up log says how large"
+        if no_space else "",
     )
     return reason
 
@@ -302,12 +304,12 @@ def sweep_stale_segments(expected: bool = False) -> int:
 
     Only names of this PID namespace whose owner no longer exists (or is a
     zombie, or has another start time) are removed; an owner that may be
-    alive keeps its segments (:func:`~vllm._shm_embeds_segments.owner_is_dead`).
+    alive keeps its segments (``procfs.owner_is_dead``).
     ``expected=True`` (a parent cleaning up after children it just stopped,
     the EngineCore's periodic sweep) logs at info instead of warning level.
     Returns the number removed.
     """
-    removed = seg.sweep(shm_dir(), pid_namespace())
+    removed = segment_dir.sweep(shm_dir(), pid_namespace())
     if removed:
         (logger.info if expected else logger.warning)(
             "shm-embeds: removed %d stale segment(s) of dead processes from %s",
@@ -361,7 +363,7 @@ def _at_exit() -> None:
 def _children_holding_segments() -> set[int]:
     """Pids of this process's live children that own a segment in :func:`shm_dir`."""
     me, ns, out = os.getpid(), pid_namespace(), set()
-    for _, parsed in seg.list_segments(shm_dir()):
+    for _, parsed in segment_dir.list_segments(shm_dir()):
         if parsed.pidns == ns and parsed.pid != me and parsed.pid not in out:
             stat = proc_stat(parsed.pid)  # None: gone or a zombie (dead)
             if stat is not None and int(stat[1]) == me:

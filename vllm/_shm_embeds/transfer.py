@@ -4,9 +4,9 @@
 One owner per segment, one copy in total:
 
 * hop 1 sender: :func:`share_tensor` copies a tensor once into a new segment
-  whose ownership passes with its handle; a :class:`StreamedSegment` (a
+  whose ownership passes with its handle; a ``streamed.StreamedSegment`` (a
   request body written straight into a segment) is handed over without a
-  copy (:func:`hand_over`).
+  copy (``streamed.hand_over``).
 * hop 1 receiver (EngineCore): :func:`adopt_tensor` takes the segment over by
   an atomic ``rename`` to its own name, then maps it; no copy.
 * readers (TP workers): :func:`open_tensor` maps read-only and sets the
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from vllm._shm_embeds import process
+from vllm._shm_embeds import process, segment_dir
 from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.config import (
     budget_bytes,
@@ -44,7 +44,6 @@ from vllm._shm_embeds.handle import (
     split_for,
 )
 from vllm._shm_embeds.lifecycle import Kind
-from vllm._shm_embeds.streamed_file import StreamedFile
 
 
 def eligible(tensor: Any) -> str | None:
@@ -77,7 +76,7 @@ def check_budget(nbytes: int) -> None:
     of the directory, made off the caller's thread, plus what this process
     wrote since) plus the look-ahead this
     process's bodies still arriving were granted and have not written yet
-    (at most :data:`STREAM_GRANT_BYTES` each: :class:`StreamedSegment`). A
+    (at most ``streamed.STREAM_GRANT_BYTES`` each: ``streamed.StreamedSegment``). A
     segment keeps its name until its request is freed
     (``owned.OwnedSegments``), so the named files are what the server's
     requests hold; the TP workers drop their mappings at the step after
@@ -89,7 +88,7 @@ def check_budget(nbytes: int) -> None:
     directory = shm_dir()
     held = process.current().census(directory).held()  # never a walk on the caller's thread
     if not shares_dev_shm():
-        held = max(held, seg.used_bytes(directory))
+        held = max(held, segment_dir.used_bytes(directory))
     held += process.current().owned.pending_stream_bytes()
     if held + nbytes > budget:
         raise seg.BudgetExceeded(nbytes, held, budget)
@@ -238,7 +237,7 @@ def _rename_part(directory: str, handle: SharedTensorHandle, mine: SharedTensorH
     after :data:`ADOPT_NAME_TRIES` names)."""
     src = os.path.join(directory, part_name(handle.name, i))
     st = os.lstat(src)  # the peer's file: a regular file of our user, never a link
-    if not seg.our_file(st):
+    if not segment_dir.our_file(st):
         raise OSError(errno.EPERM, "not a segment file of this user")
     for _ in range(ADOPT_NAME_TRIES if i == 0 else 1):
         try:
@@ -258,7 +257,7 @@ def _unlink_peer(directory: str, name: str, nparts: int) -> None:
     for i in range(nparts):
         path = os.path.join(directory, part_name(name, i))
         try:
-            if seg.our_file(os.lstat(path)):
+            if segment_dir.our_file(os.lstat(path)):
                 seg.unlink_quietly(path)
         except OSError:
             pass
@@ -296,7 +295,7 @@ def _read_part(fd: int, i: int, length: int, dst: memoryview, region: tuple) -> 
     ``length`` data bytes into ``dst``. Raises OSError, ShmEmbedsError."""
     st = os.fstat(fd)
     want = length + (HEADER_BYTES if i == 0 else 0)
-    if not (seg.our_file(st) or (i and region)) or st.st_size != want:
+    if not (segment_dir.our_file(st) or (i and region)) or st.st_size != want:
         raise ShmEmbedsError("shm-embeds segment has the wrong size or owner")
     if i == 0 and os.pread(fd, len(MAGIC), 0) != MAGIC:
         raise ShmEmbedsError("shm-embeds segment has no header")
@@ -374,157 +373,6 @@ def dense_nbytes(tensor: Any) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------
-# streamed segments: tensors written from a byte stream (request bodies),
-# handed over at hop 1 by handle
-
-
-STREAM_GRANT_BYTES = 64 << 20  # budget a body still arriving holds beyond what it wrote
-
-
-class StreamedSegment:
-    """A one-file segment that a request body is written into, chunk by chunk.
-
-    The file I/O is ``streamed_file.StreamedFile``'s; this adds ownership: the
-    segment gets a name of this process, :meth:`finish` maps it and returns
-    the tensor, and the segment stays owned here until :func:`hand_over`
-    passes it to a peer (hop 1, by handle, no copy). It is unlinked when the
-    tensor's storage is freed before that (next safe point), by
-    :func:`release_streamed`, or by :meth:`abort`. The caller must have
-    validated ``shape`` and ``dtype`` against its own limits first.
-
-    Budget (:func:`check_budget`): the whole size must fit when the segment
-    is made, but it is charged by what it has written plus a grant of at
-    most :data:`STREAM_GRANT_BYTES` ahead, renewed as it fills: a slow
-    upload does not hold budget for bytes it has not sent. When a renewal
-    does not fit (other segments took the room meanwhile), :meth:`write`
-    raises ``segment.BudgetExceeded`` (an ``OSError``) and writes nothing;
-    the caller goes on the stock way (the binary path reads the bytes
-    back into private memory; the JSON path gives vLLM the body) and aborts
-    this segment: nothing is left.
-
-    Args:
-        dtype: element type of the bytes that will be written.
-        shape: tensor shape, e.g. ``(num_tokens, hidden_size)``.
-    Raises:
-        OSError: the file could not be created or sized (nothing is left).
-    """
-
-    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        state = process.current()
-        handle = SharedTensorHandle(state.new_name(), dtype_name(dtype), tuple(shape))
-        check_budget(handle.nbytes)
-        self._file = StreamedFile(shm_dir(), handle)
-        self._file.reserved = min(handle.nbytes, STREAM_GRANT_BYTES)
-        self.handle = handle
-        self.nbytes = handle.nbytes
-        state.owned.stream_started(self._file)
-        count(Event.SEGMENTS_CREATED)
-
-    @property
-    def filled(self) -> int:
-        """Bytes written so far."""
-        return self._file.filled
-
-    def write(self, data: bytes | memoryview) -> None:
-        """Append ``data`` (see ``streamed_file.StreamedFile.write`` for the errors).
-
-        Raises:
-            segment.BudgetExceeded: the next grant does not fit the budget
-                (nothing written; see the class docstring).
-        """
-        f = self._file
-        end = f.filled + len(data)
-        if end > f.reserved and f.open:
-            grant = min(f.nbytes, max(end, f.reserved + STREAM_GRANT_BYTES)) - f.reserved
-            check_budget(grant)
-            f.reserved += grant
-        f.write(data)
-        process.current().census(shm_dir()).wrote(len(data))
-
-    def read_back(self, out: memoryview) -> None:
-        """Copy the bytes written so far into ``out`` (``streamed_file.StreamedFile.read_back``)."""
-        self._file.read_back(out)
-
-    def finish(self, writable: bool = True) -> torch.Tensor:
-        """Map the filled segment; returns the segment-backed tensor.
-
-        Counts the bytes written as ``copied_bytes`` (the one copy).
-        ``writable=False`` maps it read-only (a write through the tensor
-        faults): for bytes that were hashed as they were written.
-        Raises:
-            ShmEmbedsError: not every byte was written (the segment is removed).
-        """
-        try:
-            mm = self._file.finish(writable)
-        except BaseException:
-            self.abort()
-            raise
-        process.current().owned.stream_ended(self._file)
-        count(Event.COPIED_BYTES, self.nbytes)
-        tensor, anchor = seg.tensor_view(mm, self.handle)
-        state = process.current()
-        state.owned.own(Kind.STREAMED, self.handle, mm, tensor, anchor)
-        state.start_reaper()  # unlinks it soon if its storage dies unsent
-        return tensor
-
-    def abort(self) -> None:
-        """Close and unlink (idempotent); counts the bytes written so far as copied."""
-        if self._file.open and self._file.filled:
-            count(Event.COPIED_BYTES, self._file.filled)
-        process.current().owned.stream_ended(self._file)
-        if self._file.abort():
-            count(Event.SEGMENTS_UNLINKED)
-
-
-def streamed_tensor_like(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A new writable segment-backed tensor (for a dtype conversion into shm).
-
-    The caller fills it (e.g. ``out.copy_(src)``; counted here as
-    ``copied_bytes``); it is handed over or unlinked like a streamed one.
-    Raises OSError (nothing left) if the segment cannot be created.
-    """
-    streamed = StreamedSegment(dtype, shape)
-    streamed._file.assume_filled()  # filled by the caller through the mapping
-    return streamed.finish()
-
-
-def is_streamed(tensor: Any) -> bool:
-    """True if ``tensor`` covers exactly a streamed segment not yet handed over."""
-    return isinstance(tensor, torch.Tensor) and process.current().owned.is_streamed(tensor)
-
-
-def hand_over(tensor: Any) -> SharedTensorHandle | None:
-    """Hop 1 sender: the handle of ``tensor``'s streamed segment, ownership passed on.
-
-    If ``tensor`` (same data pointer, dtype and shape) is a streamed segment
-    this process owns, it leaves this process's books (the peer adopts it by
-    ``rename``, exactly as a :func:`share_tensor` segment) and its handle is
-    returned: no copy. Otherwise None (the caller copies as usual).
-    """
-    if not isinstance(tensor, torch.Tensor):
-        return None
-    handle = process.current().owned.hand_over(tensor)
-    if handle is not None:
-        count(Event.HOP1_HANDOVER_TENSORS)
-    return handle
-
-
-def release_streamed(tensor: Any) -> bool:
-    """This process is done with ``tensor``'s streamed segment (its request ended).
-
-    Unlinks it now if hop 1 did not hand it over (rejected, failed,
-    disconnected), and lets go of this process's pages of it either way
-    (``OwnedSegments.release_streamed``): the tensor stays valid but reads zeros, and
-    the memory is back once the EngineCore and TP workers are done with it,
-    even if something here keeps the tensor object alive. True if ``tensor``
-    was a streamed segment of this process.
-    """
-    if not isinstance(tensor, torch.Tensor):
-        return False
-    return process.current().owned.release_streamed(tensor)
-
-
 def release_adopted(tensor: Any) -> bool:
     """EngineCore: vLLM freed the request whose ``prompt_embeds`` is ``tensor``.
 
@@ -543,9 +391,3 @@ def release_adopted(tensor: Any) -> bool:
         return False
     count(Event.ENGINE_PAGES_RELEASED)
     return True
-
-
-def streamed_pending() -> int:
-    """Streamed segments this process still owns (not handed over, not released)."""
-    return process.current().owned.pending(streamed_only=True)
-

@@ -30,7 +30,7 @@ chunks on the event loop; the rest runs in a worker thread
 3. for each of those, when the payload is one plain tensor of the model's
    dtype (what clients send; :func:`_plain_tensor_layout` says exactly
    which), its base64 is decoded straight into a
-   :class:`~vllm._shm_embeds.transfer.StreamedSegment` 4 MiB at a time, each chunk
+   :class:`~vllm._shm_embeds.streamed.StreamedSegment` 4 MiB at a time, each chunk
    hashed for the prefix cache while the next is decoded (``torch_save.direct_decode``:
    one pass, no private copy of the tensor). Any other payload goes
    through vLLM's own ``safe_load_prompt_embeds`` on a ``memoryview`` of the
@@ -41,7 +41,7 @@ chunks on the event loop; the rest runs in a worker thread
 
 The stock app then gets the skeleton, and the binary path's machinery does
 the rest: placeholders resolve only in this request's context
-(``http/common.py`` ``resolve_placeholder``, patched decode sites) and
+(``http/placeholders.py`` ``resolve_placeholder``, patched decode sites) and
 hop 1 hands the segment over with its digests, no copy.
 
 Stock behaviour is kept by construction: if anything in step 2 or 3 fails
@@ -84,27 +84,21 @@ from vllm._shm_embeds import digests
 from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.config import min_bytes
 from vllm._shm_embeds.counters import Event, count_many, count_reason
+from vllm._shm_embeds.http.body_limits import IN_FLIGHT, Stalled, byte_count, deadline_for
 from vllm._shm_embeds.http.common import (
-    IN_FLIGHT,
     Receive,
     Send,
     ServerContext,
-    Stalled,
-    Upload,
-    byte_count,
-    call_with_body,
     content_type,
-    deadline_for,
     embeds_slots,
     headers,
-    new_token,
-    placeholder,
     route,
     send_error,
 )
 from vllm._shm_embeds.http.json_read import body_buffer, read_body  # noqa: F401
-from vllm._shm_embeds.http.torch_save import direct_decode
-from vllm._shm_embeds.transfer import release_streamed
+from vllm._shm_embeds.http.placeholders import Upload, call_with_body, new_token, placeholder
+from vllm._shm_embeds.streamed import release_streamed
+from vllm._shm_embeds.torch_save import direct_decode
 
 logger = init_logger(__name__)
 

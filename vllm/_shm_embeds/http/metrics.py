@@ -38,10 +38,10 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm._shm_embeds import config, counters, process
+from vllm._shm_embeds import config, counters, process, segment_dir
 from vllm._shm_embeds import segment as seg
-from vllm._shm_embeds.handle import pid_namespace, proc_start_time
 from vllm._shm_embeds.process import NO_SPACE_MARKER
+from vllm._shm_embeds.procfs import pid_namespace, proc_start_time
 
 logger = init_logger(__name__)
 
@@ -241,7 +241,7 @@ def aggregate(values: dict[tuple[counters.Key, str], float], pids: set[int],
             elif what == "tensors" and path == "shm":
                 add("received_tensors", (hop,), value)
     seg_dir = seg_dir or config.shm_dir()
-    out["dir_held_bytes"][()] = seg.held_bytes(seg_dir, pids, pid_namespace())
+    out["dir_held_bytes"][()] = segment_dir.held_bytes(seg_dir, pids, pid_namespace())
     try:
         st = os.statvfs(seg_dir)
         out["dir_free_bytes"][()] = st.f_bavail * st.f_frsize

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Sites in ``vllm/renderers/`` (API server): where ``prompt_embeds`` bytes are decoded.
 
-A placeholder of the request being served (``http/common.py``) resolves to
+A placeholder of the request being served (``http/placeholders.py``) resolves to
 its segment-backed tensor; anything else takes vLLM's path. Each site below
 says what it does, why, and what upstream change would retire it.
 """
@@ -14,9 +14,9 @@ from collections.abc import Callable
 import torch
 
 from vllm._shm_embeds import digests, process
-from vllm._shm_embeds.http.common import current_upload, resolve_placeholder
+from vllm._shm_embeds.http.placeholders import current_upload, resolve_placeholder
 from vllm._shm_embeds.sites.site import Site
-from vllm._shm_embeds.transfer import is_streamed
+from vllm._shm_embeds.streamed import is_streamed
 
 BASE = "vllm.renderers.base"
 

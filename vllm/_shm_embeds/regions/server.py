@@ -15,11 +15,11 @@ Protocol (pinned; producers in any language speak it): an ``AF_UNIX``,
   every fd received with it is closed and the connection stays usable,
   unless the fd attached is not a memfd: the connection is then closed after
   the answer (as it is for a message sent while the server takes no fds,
-  its closer thread being behind: ``region_socket.closer_busy``).
+  its closer thread being behind: ``sockets.closer_busy``).
 
 Internal, between the API servers of one ``vllm serve`` (``--api-server-count``
 > 1; they are siblings, children of the same process): one of them serves the
-socket, the others look regions up in it (``region_mirror.py``):
+socket, the others look regions up in it (``regions/mirror.py``):
 ``{"op": "lookup", "region": "<id>"}`` -> ``{"datatype": ..., "shape": [T, H],
 "byte_size": N, ...}`` with the region's fd attached, or an error. Only a peer
 with this process's uid and parent may look up. Which API server serves the
@@ -38,7 +38,7 @@ registry's idle expiry about once a second; registrations (hashing the
 tensor: seconds for GiBs) run on two workers, and a connection is not read
 while its registration runs, so answers stay in order.
 
-Knows sockets and the registry (``regions.py``), not vLLM and not HTTP.
+Knows sockets and the registry (``regions/registry.py``), not vLLM and not HTTP.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ from vllm.logger import init_logger
 
 from vllm._shm_embeds import config
 from vllm._shm_embeds.counters import Event, count, count_reason
-from vllm._shm_embeds.region_socket import (  # peer_is_sibling: public here too
+from vllm._shm_embeds.regions.registry import NOT_MEMFD, RegionError, RegionRegistry
+from vllm._shm_embeds.regions.sockets import (  # peer_is_sibling: public here too
     clear_path,
     closer_busy,
     discard_fd,
@@ -72,7 +73,6 @@ from vllm._shm_embeds.region_socket import (  # peer_is_sibling: public here too
     received_fds,
     set_mode,
 )
-from vllm._shm_embeds.regions import NOT_MEMFD, RegionError, RegionRegistry
 
 logger = init_logger(__name__)
 
@@ -143,7 +143,7 @@ class RegionServer:
 
         Raises:
             FileExistsError: ``path`` exists and is not a socket.
-            region_socket.LockHeld: a process of this uid serves ``path``
+            sockets.LockHeld: a process of this uid serves ``path``
                 (EADDRINUSE; ``sibling``: another API server of this ``vllm serve``).
             OSError: another server listens on ``path`` (EADDRINUSE), or
                 binding failed.

@@ -2,7 +2,7 @@
 """Registered regions: sealed memfds of same-host producers, mapped read-only.
 
 A producer hands the API server a sealed memfd holding one ``prompt_embeds``
-tensor (the socket protocol: ``region_server.py``) and gets a region id;
+tensor (the socket protocol: ``regions/server.py``) and gets a region id;
 requests name the region (Triton's ``shared_memory_region`` parameters) and
 get this process's zero-copy, read-only mapping of it as their tensor.
 
@@ -36,7 +36,7 @@ from vllm.logger import init_logger
 from vllm._shm_embeds import config
 from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.counters import Event, count, count_many, count_reason
-from vllm._shm_embeds.region_socket import discard_fd, is_memfd
+from vllm._shm_embeds.regions.sockets import discard_fd, is_memfd
 
 logger = init_logger(__name__)
 
@@ -204,7 +204,7 @@ class RegionRegistry:
                  counted: bool = True) -> None:
         self.limits = limits
         self.on_registered = on_registered
-        self.counted = counted  # False: a sibling's regions seen here (region_mirror.py)
+        self.counted = counted  # False: a sibling's regions seen here (regions/mirror.py)
         self._lock = threading.Lock()
         self._regions: dict[str, Region] = {}  # registered
         self._live: dict[int, Region] = {}  # data_ptr -> registered or leased

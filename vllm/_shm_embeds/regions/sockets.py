@@ -36,7 +36,7 @@ import struct
 from vllm.logger import init_logger
 
 from vllm._shm_embeds import process
-from vllm._shm_embeds.handle import proc_stat
+from vllm._shm_embeds.procfs import proc_stat
 
 logger = init_logger(__name__)
 
