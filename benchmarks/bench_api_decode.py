@@ -69,11 +69,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
-from vllm._shm_embeds import counters
-from vllm._shm_embeds import transfer
-from vllm._shm_embeds.http import common
-from vllm._shm_embeds.http import json_body
-from vllm._shm_embeds.http import torch_save
+
+from vllm._shm_embeds import counters, streamed
+from vllm._shm_embeds import torch_save
+from vllm._shm_embeds.http import common, json_body
 
 STEPS = ("join", "json.loads", "validate", "load", "hash")
 JSON_STEPS = ("j.buffer", "j.scan", "j.load", "j.seg+hash", "j.direct", "j.total")
@@ -90,7 +89,7 @@ def _binary_round(tensor: torch.Tensor, header: bytes, chunks: list, block: int
     t0 = time.perf_counter()
     spec = parse_header(header, "/v1/completions", limits, None).specs[0]
     t1 = time.perf_counter()
-    seg = transfer.StreamedSegment(spec.dtype, spec.shape)
+    seg = streamed.StreamedSegment(spec.dtype, spec.shape)
     for c in chunks:
         seg.write(c)
     t2 = time.perf_counter()
@@ -102,7 +101,7 @@ def _binary_round(tensor: torch.Tensor, header: bytes, chunks: list, block: int
         hashlib.sha256(flat[i : i + row_bytes]).digest()
     t4 = time.perf_counter()
     del flat
-    transfer.release_streamed(embeds)
+    streamed.release_streamed(embeds)
     return {"b.header": t1 - t0, "b.stream": t2 - t1, "b.finish": t3 - t2, "b.hash": t4 - t3}
 
 
@@ -121,13 +120,13 @@ def _json_path_round(chunks, ctx, route="/v1/completions") -> dict[str, float]:
     t3 = time.perf_counter()
     out = json_body._to_segment(ctx, tensor)
     t4 = time.perf_counter()
-    transfer.release_streamed(out)
+    streamed.release_streamed(out)
     del tensor, out
     t4b = time.perf_counter()
     out = torch_save.direct_decode(ctx, view[spans[0][0]:spans[0][1]])
     t4c = time.perf_counter()
     assert out is not None, "not the plain case: the direct decode did not run"
-    transfer.release_streamed(out)
+    streamed.release_streamed(out)
     view.release()
     raw.close()
     del out
@@ -139,7 +138,7 @@ def _json_path_round(chunks, ctx, route="/v1/completions") -> dict[str, float]:
     assert prepared.upload is not None, prepared.reason
     for t in prepared.upload.tensors:
         if t is not None:
-            transfer.release_streamed(t)
+            streamed.release_streamed(t)
     del prepared
     return {"j.buffer": t1 - t0, "j.scan": t2 - t1, "j.load": t3 - t2,
             "j.seg+hash": t4 - t3, "j.direct": t4c - t4b, "j.total": t6 - t5}
@@ -377,7 +376,7 @@ async def _json_async(chunks, ctx) -> None:
     raw.close()
     for t in prepared.upload.tensors:
         if t is not None:
-            transfer.release_streamed(t)
+            streamed.release_streamed(t)
 
 
 if __name__ == "__main__":

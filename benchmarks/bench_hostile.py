@@ -177,7 +177,8 @@ def attack_nested(url: str) -> dict:
 
 
 def attack_planted(url: str, api: psutil.Process, seg_dir: str, weights: torch.Tensor) -> dict:
-    from vllm._shm_embeds.handle import SegmentName, pid_namespace, proc_stat
+    from vllm._shm_embeds.handle import SegmentName
+    from vllm._shm_embeds.procfs import pid_namespace, proc_stat
 
     planted = []
     ns = pid_namespace()

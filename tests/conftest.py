@@ -143,6 +143,13 @@ def main_server(tmp_path_factory):
         yield server
 
 
+@pytest.fixture
+def server(main_server):
+    """``main_server`` under the name the online tests use (a module may
+    define its own ``server``, e.g. test_regions_client.py's fake one)."""
+    return main_server
+
+
 @pytest.fixture(scope="session")
 def dp_server(tmp_path_factory):
     """``vllm serve --data-parallel-size 2``: two API servers (vLLM's default
@@ -232,7 +239,10 @@ def pytest_collection_modifyitems(session, config, items):
     """Each shared engine's tests together (its ``ends_engine`` test last),
     the engines first (the longest first), then the other tests, in file
     order otherwise. Each engine's tests form one pytest-xdist group
-    (``--dist loadgroup``), so that one worker starts it and runs them all."""
+    (``--dist loadgroup``), so that one worker starts it and runs them all.
+    Every such test must be marked ``integration`` (a usage error otherwise:
+    ``-m "not integration"`` must start no engine). Runs before ``-m``
+    deselects anything, so it sees every test collected."""
     def key(item):
         group = _engine_group(item)
         rank = ENGINES.index(group) if group in ENGINES else (
@@ -240,10 +250,17 @@ def pytest_collection_modifyitems(session, config, items):
         return rank, item.get_closest_marker("ends_engine") is not None
 
     items[:] = [item for _, item in sorted(enumerate(items), key=lambda p: (key(p[1]), p[0]))]
+    unmarked = []
     for item in items:
         group = _engine_group(item)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+            if item.get_closest_marker("integration") is None:
+                unmarked.append(item.nodeid)
+    if unmarked:  # -m "not integration" would start engines
+        raise pytest.UsageError(
+            f"{len(unmarked)} tests use a shared engine but are not marked integration: "
+            + ", ".join(unmarked[:5]))
 
 
 def pytest_collection_finish(session):

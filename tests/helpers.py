@@ -5,9 +5,9 @@ One home for what several test modules need (conftest.py keeps the fixtures).
 """
 
 import base64
+import contextlib
 import io
 import json
-import contextlib
 import os
 import random
 import shutil
@@ -40,25 +40,95 @@ def ours_in(seg_dir: str) -> list[str]:
     return sorted(n for n in os.listdir(seg_dir) if SegmentName.parse(n) is not None)
 
 
+def held_by(pid: int, directory: str) -> list[str]:
+    """What process ``pid`` maps or opens in ``directory`` (the mapped paths, then
+    ``"fd <n>: <path>"``); unlinked files count too (``"... (deleted)"``).
+
+    Raises:
+        OSError: ``pid`` is gone (or its /proc entries cannot be read).
+    """
+    with open(f"/proc/{pid}/maps") as f:
+        found = [line.split(None, 5)[-1].strip() for line in f if directory in line]
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if directory in target:
+                found.append(f"fd {fd}: {target}")
+    return found
+
+
 def holders(directory: str) -> dict[str, list[str]]:
     """Which processes map or open a file in ``directory``: ``{"<pid> <name>": [...]}``."""
     out: dict[str, list[str]] = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        found = []
         try:
-            with open(f"/proc/{pid}/maps") as f:
-                found += [line.split(None, 5)[-1].strip() for line in f if directory in line]
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                    if directory in target:
-                        found.append(f"fd {fd}: {target}")
+            found = held_by(int(pid), directory)
             if found:
                 with open(f"/proc/{pid}/comm") as f:
                     out[f"{pid} {f.read().strip()}"] = found
         except OSError:
             continue
     return out
+
+
+def descendants(proc, needle: str) -> list:
+    """Live descendants (``psutil.Process``) of ``proc`` (a ``Popen``) whose
+    command line or name contains ``needle`` (e.g. ``"EngineCore"``)."""
+    import psutil
+
+    found = []
+    for p in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            if needle in " ".join(p.cmdline()) or needle in p.name():
+                found.append(p)
+        except psutil.Error:  # gone, or a zombie not yet reaped
+            pass
+    return found
+
+
+@contextlib.contextmanager
+def stopped(pids):
+    """SIGSTOP every pid in ``pids`` for the block, SIGCONT after (even on an
+    error; a pid gone meanwhile is skipped): what is read from them inside
+    the block (``held_by``, their counters) is what a signal sent inside it
+    finds, since they cannot change it in between."""
+    pids = list(pids)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+    try:
+        yield pids
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def wait_until(predicate, timeout: float, what, interval: float = 0.05):
+    """Call ``predicate()`` until it returns something truthy; return that.
+
+    The one polling loop of the tests: a wait that times out fails the test
+    (never returns a falsy value for the test to judge).
+
+    Args:
+        predicate: called with no arguments, at least once.
+        timeout: seconds to wait in all.
+        what: what is awaited, for the failure message: a string, or a
+            callable returning one (called once, at the timeout: e.g. to show
+            the counters seen last).
+        interval: seconds between calls.
+    Raises:
+        AssertionError: ``timeout`` passed before ``predicate`` held.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for "
+                                 f"{what() if callable(what) else what}")
+        time.sleep(interval)
 
 
 VLLM_SHM_FILES = ("psm_", "vllm_dist_", "sem.mp-")  # vLLM's own /dev/shm files

@@ -23,7 +23,6 @@ import os
 import time
 
 import torch
-
 from helpers import embed_weights, ours_in
 
 

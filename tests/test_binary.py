@@ -2,11 +2,12 @@
 """Online: binary ``prompt_embeds`` bodies on a stock OpenAI server, TP=2.
 
 On the suite's main server (conftest.py: shm on, only ``VLLM_SHM_EMBEDS=1``
-and the test's dirs set; counters as deltas). Greedy outputs of the binary path must equal those of the same
-token ids and of the JSON path; the counters of every process must show the
-bytes went socket -> segment -> handles with one copy and no JSON decode (a
-silent fallback to the JSON path fails); bad bodies get their 4xx, leave
-nothing in the segment dir and the server healthy.
+and the test's dirs set; counters as deltas). Greedy outputs of the binary
+path must equal those of the same token ids and of the JSON path; the
+counters of every process must show the bytes went socket -> segment ->
+handles with one copy and no JSON decode (a silent fallback to the JSON path
+fails); bad bodies get their 4xx, leave nothing in the segment dir and the
+server healthy.
 """
 
 import concurrent.futures
@@ -17,45 +18,23 @@ import time
 import pytest
 import requests
 import torch
+from helpers import delta, encode_embeds, ours_in, wait_until
 
 import shm_embeds_client as sec
-from helpers import encode_embeds, ours_in
 
 pytestmark = [pytest.mark.integration, pytest.mark.online]
 
 MAX_LEN = 2048
 
 
-@pytest.fixture
-def server(main_server):
-    return main_server
-
-
-def _totals(server) -> dict:
-    """Counters summed over all processes, plus the API server's alone."""
-    from vllm._shm_embeds.counters import read_stats_dir
-
-    stats = read_stats_dir(server["stats"])
-    total: dict = {}
-    for s in stats:
-        for k, v in s["counters"].items():
-            total[k] = total.get(k, 0) + v
-    return total
-
-
-def _delta(before: dict, after: dict) -> dict:
-    return {k: after.get(k, 0) - before.get(k, 0) for k in after
-            if after.get(k, 0) != before.get(k, 0)}
-
-
 def _settle(server, want_unlinked: int, before: dict) -> dict:
     """Counters once the EngineCore unlinked the names (it does so after the step)."""
-    deadline = time.monotonic() + 30
-    while True:
-        d = _delta(before, _totals(server))
-        if d.get("segments_unlinked", 0) >= want_unlinked or time.monotonic() > deadline:
-            return d
-        time.sleep(0.2)
+    def unlinked():
+        d = delta(before, server.totals())
+        return d if d.get("segments_unlinked", 0) >= want_unlinked else None
+
+    return wait_until(unlinked, 30, lambda: f"{want_unlinked} name(s) unlinked: "
+                      f"{delta(before, server.totals())}", interval=0.2)
 
 
 def _ids(n: int, seed: int) -> torch.Tensor:
@@ -73,7 +52,7 @@ def test_completions_binary_equals_ids_and_json_with_one_copy(server):
                            json={"model": "tiny", "prompt": ids.tolist(), **KW}).json()
     by_json = requests.post(url + "/v1/completions", timeout=300, json={
         "model": "tiny", "prompt": "", "prompt_embeds": encode_embeds(embeds), **KW}).json()
-    before = _totals(server)
+    before = server.totals()
     by_bin = sec.complete(url, "tiny", embeds, **KW)
     d = _settle(server, 1, before)
     text = by_bin["choices"][0]["text"]
@@ -109,9 +88,9 @@ def test_prefix_cache_hits_for_binary_and_json_alike(server):
     embeds = w[_ids(320, 11)].half().float().contiguous()  # 2 full blocks of 128 tokens
 
     def sent(send):
-        before, h = _totals(server), _prefix_cache_hits(url)
+        before, h = server.totals(), _prefix_cache_hits(url)
         text = send()
-        return text, _prefix_cache_hits(url) - h, _delta(before, _totals(server))
+        return text, _prefix_cache_hits(url) - h, delta(before, server.totals())
 
     first, h, d = sent(lambda: sec.complete(url, "tiny", embeds, **KW)["choices"][0]["text"])
     assert h == 0 and d.get("hash_engine_blocks", 0) == 0, d  # hashed on arrival
@@ -145,8 +124,10 @@ def test_completions_binary_options_behave_as_json(server):
         "model": "tiny", "prompt_embeds": [encode_embeds(a), encode_embeds(b)], **kw}).json()
     bi = sec.complete(url, "tiny", [a, b], **kw)
     assert len(bi["choices"]) == 4  # n=2 per tensor; the client adds no "" text prompt
-    key = lambda r: sorted((c["index"], c["text"], json.dumps(c["logprobs"]["top_logprobs"]))
-                           for c in r["choices"])
+    def key(r):
+        return sorted((c["index"], c["text"], json.dumps(c["logprobs"]["top_logprobs"]))
+                      for c in r["choices"])
+
     assert key(bi) == key(js)
     # Streamed text of byte-level tokens depends on timing (incremental
     # detokenization); the streamed token ids must be the same.
@@ -178,7 +159,7 @@ def test_chat_binary_equals_ids_with_one_copy(server):
     embeds = w[ids].contiguous()
     by_ids = requests.post(url + "/v1/completions", timeout=300,
                            json={"model": "tiny", "prompt": ids.tolist(), **KW}).json()
-    before = _totals(server)
+    before = server.totals()
     chat = sec.chat(url, "tiny", embeds, **KW)
     d = _settle(server, 1, before)
     assert chat["choices"][0]["message"]["content"] == by_ids["choices"][0]["text"]
@@ -283,7 +264,7 @@ def test_bad_binary_bodies_get_4xx_and_leave_nothing(server, name):
 @pytest.mark.parametrize("how", ["cut-short", "disconnect-midway"])
 def test_upload_aborted_midway_leaves_nothing(server, how):
     h = server["weights"].shape[1]
-    before = _totals(server)
+    before = server.totals()
     data = bytes(1000 * h * 4)
     header, body = _framed(_d(1000, h), data)
     headers = {"Content-Type": "application/octet-stream",
@@ -297,11 +278,10 @@ def test_upload_aborted_midway_leaves_nothing(server, how):
     else:
         assert _raw(server, {**headers, "Content-Length": len(body)}, body,
                     close_after=len(body) // 2) is None
-    deadline = time.monotonic() + 30
     reason = "short" if how == "cut-short" else "disconnect"
-    while _delta(before, _totals(server)).get(f"binary_rejected.{reason}", 0) < 1:
-        assert time.monotonic() < deadline, _delta(before, _totals(server))
-        time.sleep(0.2)
+    wait_until(lambda: delta(before, server.totals()).get(f"binary_rejected.{reason}", 0) >= 1,
+               30, lambda: f"binary_rejected.{reason} counted: {delta(before, server.totals())}",
+               interval=0.2)
     assert ours_in(server["seg_dir"]) == []
     ok = requests.post(server["url"] + "/v1/completions", timeout=120,
                        json={"model": "tiny", "prompt": "hello", "max_tokens": 2})

@@ -12,15 +12,19 @@ import time
 
 import pytest
 import torch
-from vllm._shm_embeds import counters
-from vllm._shm_embeds import digests
-from vllm._shm_embeds import handle
-from vllm._shm_embeds import hop1, hop2
-from vllm._shm_embeds import process, segment
-from vllm._shm_embeds import transfer
-from vllm._shm_embeds.http import binary
-from vllm._shm_embeds.http import common
 
+from vllm._shm_embeds import (
+    counters,
+    digests,
+    handle,
+    hop1,
+    hop2,
+    process,
+    segment,
+    streamed,
+    transfer,
+)
+from vllm._shm_embeds.http import binary, common, placeholders
 
 LIMITS = common.ServerContext(hidden_size=8, max_model_len=16, dtype=torch.float32,
                             enable_prompt_embeds=True, max_body_bytes=16 * 8 * 4)
@@ -110,24 +114,24 @@ def test_frame_header_length():
 
 def test_streamed_segment_handover_and_release(shm_env):
     t = torch.randn(40, 8)
-    seg = transfer.StreamedSegment(torch.float32, (40, 8))
+    seg = streamed.StreamedSegment(torch.float32, (40, 8))
     raw = t.view(torch.uint8).reshape(-1).numpy().tobytes()
     for i in range(0, len(raw), 100):
         seg.write(raw[i:i + 100])
     got = seg.finish()
-    assert torch.equal(got, t) and transfer.is_streamed(got)
-    assert transfer.is_streamed(got.view(40, 8)) and not transfer.is_streamed(got[1:])
+    assert torch.equal(got, t) and streamed.is_streamed(got)
+    assert streamed.is_streamed(got.view(40, 8)) and not streamed.is_streamed(got[1:])
     consumer = hop1.HandleOOBConsumer(None)
     consumer.arm(got)
     meta = consumer(got)[hop1.META_KEY]
-    assert not transfer.is_streamed(got)  # handed over: the peer owns it now
+    assert not streamed.is_streamed(got)  # handed over: the peer owns it now
     assert counters.stats().get("hop1_handover_tensors") == 1
     adopted = transfer.adopt_tensor(handle.SharedTensorHandle.from_meta(meta))
     assert torch.equal(adopted, t)
     del got, adopted
     process.shutdown()  # the adopter's name
     # Not handed over: the name goes with the last tensor over the mapping.
-    seg = transfer.StreamedSegment(torch.bfloat16, (4, 8))
+    seg = streamed.StreamedSegment(torch.bfloat16, (4, 8))
     seg.write(bytes(64))
     view = seg.finish()[1:]
     assert len(os.listdir(shm_env)) == 1
@@ -135,11 +139,11 @@ def test_streamed_segment_handover_and_release(shm_env):
     process.collect()  # the next safe point (the API server's reaper runs one every 0.1 s)
     assert os.listdir(shm_env) == []
     # Aborted mid-way: nothing left.
-    seg = transfer.StreamedSegment(torch.float16, (4, 8))
+    seg = streamed.StreamedSegment(torch.float16, (4, 8))
     seg.write(bytes(10))
     seg.abort()
     assert os.listdir(shm_env) == []
-    seg = transfer.StreamedSegment(torch.float16, (1, 1))
+    seg = streamed.StreamedSegment(torch.float16, (1, 1))
     with pytest.raises(ValueError):
         seg.write(bytes(3))
     seg.abort()
@@ -162,7 +166,7 @@ def test_request_end_lets_go_of_the_pages(shm_env):
     its segment's pages, even while something still holds the tensor object
     (the peer's mapping, here the adopter's, is then the only one)."""
     t = torch.randn(2048, 8)
-    seg = transfer.StreamedSegment(torch.float32, tuple(t.shape))
+    seg = streamed.StreamedSegment(torch.float32, tuple(t.shape))
     seg.write(t.view(torch.uint8).reshape(-1).numpy().tobytes())
     got = seg.finish()
     assert torch.equal(got, t) and len(_holds(shm_env)) == 1  # one mapping, no fd
@@ -170,38 +174,38 @@ def test_request_end_lets_go_of_the_pages(shm_env):
     consumer.arm(got)
     meta = consumer(got)[hop1.META_KEY]  # handed over
     name = os.listdir(shm_env)
-    assert transfer.release_streamed(got)  # the request ended
+    assert streamed.release_streamed(got)  # the request ended
     assert _holds(shm_env) == [] and os.listdir(shm_env) == name  # the peer's now
     assert got.shape == t.shape and not got.any()  # still valid memory: zeros
     adopted = transfer.adopt_tensor(handle.SharedTensorHandle.from_meta(meta))
     assert torch.equal(adopted, t)  # the peer's bytes were not touched
-    assert not transfer.release_streamed(got)  # once only
+    assert not streamed.release_streamed(got)  # once only
     del adopted
     process.shutdown()
     # Not handed over (rejected by vLLM): unlinked and let go at once, by the
     # request's upload, which also drops its digests (they no longer hold).
-    seg = transfer.StreamedSegment(torch.float32, (4, 8))
+    seg = streamed.StreamedSegment(torch.float32, (4, 8))
     seg.write(bytes(128))
     kept = seg.finish()
     digests.attach(kept, digests.hash_tensor(kept, 2).result())
-    common.Upload("ab" * 16, [kept]).release()
+    placeholders.Upload("ab" * 16, [kept]).release()
     assert os.listdir(shm_env) == [] and _holds(shm_env) == [] and kept.shape == (4, 8)
     assert digests.attached(kept) is None
 
 
 def test_placeholder_resolves_only_in_its_own_context():
     t = torch.ones(2, 8)
-    up = common.Upload("ab" * 16, [t])
+    up = placeholders.Upload("ab" * 16, [t])
     ph = f"shm-embeds-binary:{'ab' * 16}.0"
-    assert common.resolve_placeholder(ph.encode()) is None  # no binary body here
-    tok = common._current.set(up)
+    assert placeholders.resolve_placeholder(ph.encode()) is None  # no binary body here
+    tok = placeholders._current.set(up)
     try:
-        assert common.resolve_placeholder(ph.encode()) is t
-        assert common.resolve_placeholder(ph.replace("ab", "cd", 1)) is None
-        assert common.resolve_placeholder(ph[:-1] + "1") is None
-        assert common.resolve_placeholder(b"\xff") is None
+        assert placeholders.resolve_placeholder(ph.encode()) is t
+        assert placeholders.resolve_placeholder(ph.replace("ab", "cd", 1)) is None
+        assert placeholders.resolve_placeholder(ph[:-1] + "1") is None
+        assert placeholders.resolve_placeholder(b"\xff") is None
     finally:
-        common._current.reset(tok)
+        placeholders._current.reset(tok)
 
 
 def _scope(headers, limits=LIMITS):
@@ -228,7 +232,7 @@ def _run_middleware(headers, chunks, limits=LIMITS, disconnect=False):
         seen["body"] = json.loads(msg["body"])
         # What vLLM would see while the request runs (the originals are let
         # go of when it ends: "views").
-        seen["views"] = [common.resolve_placeholder(v) for v in
+        seen["views"] = [placeholders.resolve_placeholder(v) for v in
                          (seen["body"]["prompt_embeds"]
                           if isinstance(seen["body"]["prompt_embeds"], list)
                           else [seen["body"]["prompt_embeds"]])]
@@ -345,13 +349,13 @@ def test_no_room_takes_the_stock_way_not_507(shm_env, monkeypatch, when):
             raise OSError(errno.ENOSPC, "No space left on device")
         monkeypatch.setattr(binary, "StreamedSegment", full)
     else:
-        real = transfer.StreamedSegment.write
+        real = streamed.StreamedSegment.write
 
         def write(self, data):  # the second tensor's segment fills up midway
             if self.nbytes == 6 * 8 * 4 and self.filled + len(data) > 100:
                 raise OSError(errno.ENOSPC, "No space left on device")
             real(self, data)
-        monkeypatch.setattr(transfer.StreamedSegment, "write", write)
+        monkeypatch.setattr(streamed.StreamedSegment, "write", write)
     before = counters.stats()
     status, _, seen = _run_middleware(headers, [body[i:i + 97] for i in range(0, len(body), 97)])
     assert status == 200

@@ -13,23 +13,30 @@ import threading
 import time
 
 import torch
+from helpers import wait_until
 
-from vllm._shm_embeds import census, process, transfer
+from vllm._shm_embeds import census, process, segment_dir, transfer
 from vllm._shm_embeds import segment as seg
-from vllm._shm_embeds.handle import SegmentName, pid_namespace
+from vllm._shm_embeds.handle import SegmentName
+from vllm._shm_embeds.procfs import pid_namespace
 
 
 def _walks(monkeypatch) -> list:
     """Record the thread of every walk of the directory."""
     seen = []
-    real = seg.held_bytes
+    real = segment_dir.held_bytes
 
     def held_bytes(directory, *a, **k):
         seen.append(threading.current_thread())
         return real(directory, *a, **k)
 
-    monkeypatch.setattr(seg, "held_bytes", held_bytes)
+    monkeypatch.setattr(segment_dir, "held_bytes", held_bytes)
     return seen
+
+
+def _background_walks_end() -> None:
+    wait_until(lambda: not any(t.name == "shm-embeds-census" for t in threading.enumerate()),
+               10, "the census's background walk to end")
 
 
 def test_event_loop_never_walks_after_the_first_count(shm_env, monkeypatch):
@@ -41,39 +48,35 @@ def test_event_loop_never_walks_after_the_first_count(shm_env, monkeypatch):
     No timing: every walk after the first is held until the loop's checks
     are done; a check that walked on the loop, or waited for a walk, would
     wait out that hold (recorded) instead of returning."""
-    walks, waited_out, gate, loop = [], [], threading.Event(), []
-    real = seg.held_bytes
+    walks, waited_out, gate = [], [], threading.Event()
+    real = segment_dir.held_bytes
 
     def held_bytes(directory, *a, **k):
         walks.append(threading.current_thread())
-        if len(walks) > 1 and threading.current_thread() not in loop and not gate.wait(30):
+        if len(walks) > 1 and not gate.wait(30):
             waited_out.append(threading.current_thread())
         return real(directory, *a, **k)
 
-    monkeypatch.setattr(seg, "held_bytes", held_bytes)
+    monkeypatch.setattr(segment_dir, "held_bytes", held_bytes)
     monkeypatch.setenv("VLLM_SHM_EMBEDS_MAX_BYTES", str(1 << 20))
     monkeypatch.setattr(census, "MIN_INTERVAL_S", 0.0)
 
     async def run():
         loop_thread = threading.current_thread()
-        loop.append(loop_thread)
         transfer.check_budget(1)  # the first count: one walk here
         assert walks == [loop_thread]
         made.append(transfer.create_segment(torch.zeros(600 << 10, dtype=torch.uint8)))
         for _ in range(20):
             transfer.check_budget(1)
-        assert walks == [loop_thread] or all(t is not loop_thread for t in walks[1:]), walks
         try:  # 600 KiB written by this process counts at once, walk or not
             transfer.check_budget(600 << 10)
             raise AssertionError("over the budget, yet allowed")
         except seg.BudgetExceeded:
             pass
         # a check once the next walk is due starts it, on a thread, held there
-        deadline = time.monotonic() + 10
-        while len(walks) < 2 and time.monotonic() < deadline:
-            transfer.check_budget(1)
-            await asyncio.sleep(0.01)
-        assert len(walks) >= 2 and all(t is not loop_thread for t in walks[1:]), walks
+        wait_until(lambda: transfer.check_budget(1) or len(walks) >= 2, 10,
+                   "a walk off the loop")
+        assert all(t is not loop_thread for t in walks[1:]), walks
         assert not waited_out, "a check on the loop waited for a walk"
 
     made: list = []
@@ -81,9 +84,7 @@ def test_event_loop_never_walks_after_the_first_count(shm_env, monkeypatch):
         asyncio.run(run())
     finally:
         gate.set()
-        for t in threading.enumerate():
-            if t.name == "shm-embeds-census":
-                t.join(10)
+        _background_walks_end()
         for handle, fds in made:
             for fd in fds:
                 os.close(fd)
@@ -122,7 +123,7 @@ def test_planted_names_are_neither_counted_nor_walked_on_the_loop(shm_env, monke
         return time.monotonic() - t0
 
     assert asyncio.run(on_loop()) < 0.5
-    time.sleep(0.2)
+    _background_walks_end()
     for name in os.listdir(shm_env):
         p = os.path.join(shm_env, name)
         if os.path.isdir(p) and not os.path.islink(p):

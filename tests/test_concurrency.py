@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-
 from helpers import embed_weights, encode_embeds, ours_in
 
 pytestmark = [pytest.mark.integration, pytest.mark.online]

@@ -22,18 +22,12 @@ import types
 
 import pytest
 import torch
+from helpers import run_child, wait_until
 
-from helpers import run_child
-from vllm._shm_embeds.handle import SegmentName, pid_namespace
-from vllm._shm_embeds import counters
-from vllm._shm_embeds import handle
-from vllm._shm_embeds import hop1
-from vllm._shm_embeds import hop2
-from vllm._shm_embeds import process
-from vllm._shm_embeds import segment
-from vllm._shm_embeds import transfer
+from vllm._shm_embeds import counters, handle, hop1, hop2, process, segment, transfer
+from vllm._shm_embeds.handle import SegmentName
+from vllm._shm_embeds.procfs import pid_namespace
 from vllm._shm_embeds.sites import core_client
-
 
 # -- 1. every writer finishes before any fd is closed ------------------------
 
@@ -327,7 +321,8 @@ _FORK_SCRIPT = textwrap.dedent("""
         process.collect()
         sys.exit(0)   # a normal exit: atexit handlers and finalizers run
     _, status = os.waitpid(pid, 0)
-    print("CHILD", status, sorted(os.listdir(config.shm_dir())) and len(os.listdir(config.shm_dir())))
+    left = os.listdir(config.shm_dir())
+    print("CHILD", status, sorted(left) and len(left))
 """)
 
 
@@ -390,9 +385,7 @@ def test_engine_reaper_sweeps_dead_owners(shm_env, monkeypatch):
     open(os.path.join(shm_env, name), "wb").close()
     monkeypatch.setattr(process, "SWEEP_INTERVAL_S", 0.2)
     process.start_engine_reaper()
-    deadline = time.monotonic() + 10
-    while os.listdir(shm_env) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert os.listdir(shm_env) == []
+    wait_until(lambda: not os.listdir(shm_env), 10,
+               lambda: f"the reaper to sweep {os.listdir(shm_env)}", interval=0.1)
     assert counters.stats()["segments_swept"] == 1
     process._state.shutdown_done = True  # stop the reaper

@@ -12,6 +12,7 @@ The soak runs ``SHM_EMBEDS_SOAK`` requests (default 200 in CI; the figure in
 docs/figures.md uses 1000: ``SHM_EMBEDS_SOAK=1000 bash scripts/test.sh -k soak -s``).
 """
 
+import contextlib
 import os
 import random
 import signal
@@ -24,29 +25,20 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 import requests
-
 from helpers import (
     Server,
     by_role,
+    descendants,
     embed_weights,
     encode_embeds,
+    held_by,
     ours_in,
     post_completion,
+    stopped,
+    wait_until,
 )
 
 pytestmark = pytest.mark.integration
-
-
-def _children(proc, needle):
-    """Live descendants of ``proc`` whose title contains ``needle``."""
-    found = []
-    for p in psutil.Process(proc.pid).children(recursive=True):
-        try:
-            if needle in " ".join(p.cmdline()) or needle in p.name():
-                found.append(p)
-        except psutil.Error:  # gone, or a zombie not yet reaped
-            pass
-    return found
 
 
 def _embeds_bodies(model_dir, n, length=600):
@@ -68,14 +60,43 @@ def _sweep(seg_dir):
     )
 
 
+def _signal_mid_request(pids, seg_dir, send, timeout: float = 60) -> dict[int, list[str]]:
+    """Call ``send()`` at a moment when one of ``pids`` maps or opens one of
+    our segments in ``seg_dir`` that still has its name: a request is in
+    flight there (a name lasts as long as its request; a mapping of an
+    unlinked segment may outlive it by a step).
+
+    Each try SIGSTOPs ``pids`` (``helpers.stopped``), reads what they hold
+    and, if any holds such a segment, calls ``send`` before they run again:
+    what was read is what the signal finds. Returns ``{pid: what it held}``;
+    fails the test if none was held within ``timeout`` s (nothing was in
+    flight: the fault would prove nothing)."""
+    def held_then_sent():
+        with stopped(pids):
+            held = {}
+            for pid in pids:
+                with contextlib.suppress(OSError):
+                    named = [f for f in held_by(pid, seg_dir) if not f.endswith("(deleted)")]
+                    if named:
+                        held[pid] = named
+            if held:
+                send()
+            return held
+
+    return wait_until(held_then_sent, timeout,
+                      f"a request's segment held by one of {pids} (in flight)")
+
 
 def _sigkill_mid_request_then_next_start_sweeps(server, victim, length):
     bodies = _embeds_bodies(server["model"], 24, length=length)
+    seg_dir = server["seg_dir"]
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(post_completion, server["url"], b, 60) for b in bodies]
-        time.sleep(1.0)
-        [target] = _children(server["proc"], victim)
-        target.send_signal(signal.SIGKILL)
+        [target] = descendants(server["proc"], victim)
+        # SIGKILLed while it maps or opens a request's segment (asserted).
+        held = _signal_mid_request([target.pid], seg_dir,
+                                   lambda: target.send_signal(signal.SIGKILL))
+        assert held[target.pid], held
         # As in stock vLLM, the server notices the death and exits.
         server["proc"].wait(180)
         for f in futures:
@@ -83,7 +104,6 @@ def _sigkill_mid_request_then_next_start_sweeps(server, victim, length):
                 f.result()
             except requests.RequestException:
                 pass
-    seg_dir = server["seg_dir"]
     left = ours_in(seg_dir)
     _sweep(seg_dir)
     assert ours_in(seg_dir) == [], f"the sweep left {ours_in(seg_dir)} of {left}"
@@ -103,11 +123,16 @@ def test_sigkill_tp_worker_mid_request_then_next_start_sweeps(tp4_server):
 @pytest.mark.ends_engine
 def test_sigterm_with_requests_in_flight(dp_server):
     bodies = _embeds_bodies(dp_server["model"], 16)
+    proc = dp_server["proc"]
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(post_completion, dp_server["url"], b, 60) for b in bodies]
-        time.sleep(1.0)
-        os.killpg(dp_server["proc"].pid, signal.SIGTERM)
-        assert dp_server["proc"].wait(180) is not None
+        # SIGTERM to the whole server while one of its processes maps or
+        # opens a request's segment (asserted); it handles the signal once
+        # it runs again, at the state that was read.
+        server_pids = [proc.pid, *(p.pid for p in descendants(proc, ""))]
+        _signal_mid_request(server_pids, dp_server["seg_dir"],
+                            lambda: os.killpg(proc.pid, signal.SIGTERM))
+        assert proc.wait(180) is not None
         for f in futures:
             try:
                 f.result()
@@ -189,14 +214,14 @@ def test_a_rank_that_cannot_map_stops_the_engine_instead_of_hanging(main_server)
     assert time.monotonic() - t0 < 120
     # vLLM fails the engine on the reported worker error: /health and the
     # process say so within a minute (no wedged server reporting 200).
-    deadline, healthy = time.monotonic() + 60, True
-    while healthy and time.monotonic() < deadline:
+    def unhealthy():
         try:
-            healthy = requests.get(server["url"] + "/health", timeout=5).status_code == 200
+            return requests.get(server["url"] + "/health", timeout=5).status_code != 200
         except requests.RequestException:
-            healthy = False
-        time.sleep(0.5)
-    assert not healthy, "the server still reports healthy after its engine failed"
+            return True
+
+    wait_until(unhealthy, 60, "/health to stop answering 200 after the engine failed",
+               interval=0.5)
     log = server["log"].read_text()
     assert "could not be mapped on every rank" in log
     # As in stock vLLM, the API server exits once its engine is dead; what
@@ -261,7 +286,7 @@ def _soak(server, n: int, shm_on: bool) -> dict:
     results2, (rss2, shm2, mapped2) = round_(n // 2)
     results = results1 + results2
     workers = {p.pid for name in ("Worker_TP0", "Worker_TP1")
-               for p in _children(server["proc"], name)}
+               for p in descendants(server["proc"], name)}
     fig = {"results": results, "shm": (shm1, shm2), "mapped": (mapped1, mapped2),
            "growth": {pid: (rss2[pid] - rss1[pid]) / 2**20 for pid in rss1 if pid in rss2},
            "workers": workers, "stats": server.read_stats(),

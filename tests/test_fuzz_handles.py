@@ -4,7 +4,7 @@ hop 1 and hop 2: ``SharedTensorHandle.from_meta`` (only ``ShmEmbedsError``),
 ``SegmentName.parse`` (a ``SegmentName`` that prints back to the same string,
 or None), ``hop1.HandleOOBProvider`` (never raises for metadata of ours: a
 failed tensor or the adopted one), ``digests.adopt_meta`` (never raises) and
-the request placeholders (``http.common.resolve_placeholder``: a tensor of
+the request placeholders (``http.placeholders.resolve_placeholder``: a tensor of
 the current upload or None).
 
 Examples per target: the "ci" profile of tests/conftest.py; SHM_EMBEDS_FUZZ=long
@@ -104,17 +104,17 @@ def test_fuzz_adopt_meta_never_raises(field):
 
 @given(st.text(max_size=60) | st.binary(max_size=60), st.integers(0, 3))
 def test_fuzz_placeholders_resolve_only_their_own(data, n):
-    from vllm._shm_embeds.http import common
+    from vllm._shm_embeds.http import placeholders
 
     tensors = [torch.zeros(1) for _ in range(n)]
-    upload = common.Upload(common.new_token(), list(tensors))
-    token = common._current.set(upload)
+    upload = placeholders.Upload(placeholders.new_token(), list(tensors))
+    token = placeholders._current.set(upload)
     try:
-        got = common.resolve_placeholder(data)
+        got = placeholders.resolve_placeholder(data)
         assert got is None or any(got is t for t in tensors)
         for i, t in enumerate(tensors):
-            assert common.resolve_placeholder(common.placeholder(upload.token, i)) is t
-            assert common.resolve_placeholder(
-                common.placeholder(upload.token, i).encode()) is t
+            assert placeholders.resolve_placeholder(placeholders.placeholder(upload.token, i)) is t
+            assert placeholders.resolve_placeholder(
+                placeholders.placeholder(upload.token, i).encode()) is t
     finally:
-        common._current.reset(token)
+        placeholders._current.reset(token)

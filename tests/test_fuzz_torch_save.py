@@ -52,8 +52,7 @@ def _child(conn, seg_dir: str, stats_dir: str) -> None:
 
     os.environ.update(VLLM_SHM_EMBEDS="1", VLLM_SHM_EMBEDS_DIR=seg_dir,
                       VLLM_SHM_EMBEDS_STATS_DIR=stats_dir, VLLM_SHM_EMBEDS_MIN_BYTES="0")
-    from vllm._shm_embeds import counters, process, transfer
-    from vllm._shm_embeds.http import torch_save
+    from vllm._shm_embeds import counters, process, streamed, torch_save
 
     counters._state = counters._Counters()
     process._state = process.Process()
@@ -63,7 +62,7 @@ def _child(conn, seg_dir: str, stats_dir: str) -> None:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     warm = cases.saved(torch.randn(12, HIDDEN))
-    transfer.release_streamed(torch_save.direct_decode(ctx, memoryview(base64.b64encode(warm))))
+    streamed.release_streamed(torch_save.direct_decode(ctx, memoryview(base64.b64encode(warm))))
     cases.stock(warm)
     process.collect()
     rss0 = peak()
@@ -92,7 +91,7 @@ def _child(conn, seg_dir: str, stats_dir: str) -> None:
                                        f"{tuple(want.shape)} {want.dtype}")
             else:
                 verdict = ("tensor", None)
-            transfer.release_streamed(ours)
+            streamed.release_streamed(ours)
             del ours, want
             process.collect()
         if peak() - rss0 > RSS_GROWTH:

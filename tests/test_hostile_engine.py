@@ -5,8 +5,8 @@ adoption is never steered by a planted name, only our own files count or go,
 per-process caps.
 
 Unit level: ``hop1.HandleOOBProvider`` (vLLM's input-socket thread calls it
-for every out-of-band tensor), ``transfer.adopt_tensor``, ``segment.sweep``
-and ``segment.held_bytes``. Counters are read with ``counters.stats()``.
+for every out-of-band tensor), ``transfer.adopt_tensor``, ``segment_dir.sweep``
+and ``segment_dir.held_bytes``. Counters are read with ``counters.stats()``.
 """
 
 import itertools
@@ -17,9 +17,10 @@ import subprocess
 import pytest
 import torch
 
-from vllm._shm_embeds import counters, hop1, process, transfer
+from vllm._shm_embeds import counters, hop1, process, segment_dir, streamed, transfer
 from vllm._shm_embeds import segment as seg
-from vllm._shm_embeds.handle import SegmentName, part_name, pid_namespace
+from vllm._shm_embeds.handle import SegmentName, part_name
+from vllm._shm_embeds.procfs import pid_namespace
 
 NOBODY = 65534
 
@@ -207,7 +208,7 @@ def test_malformed_metadata_never_raises(shm_env):
 
 def test_segment_cap_takes_the_stock_path(shm_env, monkeypatch):
     monkeypatch.setenv("VLLM_SHM_EMBEDS_MAX_SEGMENTS", "2")
-    kept = [transfer.streamed_tensor_like(torch.float32, (4, 4)) for _ in range(2)]
+    kept = [streamed.streamed_tensor_like(torch.float32, (4, 4)) for _ in range(2)]
     # sender: a third segment is over the cap: the stock path, counted
     consumer = hop1.HandleOOBConsumer()
     t = torch.ones(4, 4)
@@ -224,7 +225,7 @@ def test_segment_cap_takes_the_stock_path(shm_env, monkeypatch):
     assert _stat("fallback.hop1.segments") == 2
     assert not os.path.exists(os.path.join(shm_env, meta[hop1.META_KEY]["name"]))
     for k in kept:
-        transfer.release_streamed(k)
+        streamed.release_streamed(k)
     del kept
     process.collect()
 
@@ -254,8 +255,8 @@ def test_held_bytes_counts_only_our_regular_files(shm_env, tmp_path):
     else:
         _remove(shm_env, [planted.pop("foreign")])
     try:
-        assert seg.held_bytes(shm_env) == 0
-        assert seg.held_bytes(shm_env, {pid}, ns) == 0
+        assert segment_dir.held_bytes(shm_env) == 0
+        assert segment_dir.held_bytes(shm_env, {pid}, ns) == 0
         transfer.check_budget(1)  # nothing of ours is held
     finally:
         _remove(shm_env, planted.values())

@@ -20,8 +20,8 @@ import torch
 from helpers import encode_embeds
 from test_binary_framing import LIMITS, _framed, _run_middleware, _scope, desc, hdr
 
-from vllm._shm_embeds import counters, segment, transfer
-from vllm._shm_embeds.http import binary, common, json_body
+from vllm._shm_embeds import counters, segment, streamed, transfer
+from vllm._shm_embeds.http import binary, body_limits, common, json_body
 
 
 def _json_scope(length: int, hidden=64, max_len=2048, enable=True, ctype=b"application/json",
@@ -99,14 +99,14 @@ def test_stalled_json_bodies_hold_only_what_arrived(shm_env, monkeypatch):
             tasks.append(asyncio.create_task(one(receive)))
         await asyncio.sleep(1.5)
         grown["rss"] = _rss() - r0
-        assert common.IN_FLIGHT.bytes == 3 * declared
+        assert body_limits.IN_FLIGHT.bytes == 3 * declared
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(main())
     assert grown["rss"] < 48 << 20, grown
-    assert common.IN_FLIGHT.bytes == 0
+    assert body_limits.IN_FLIGHT.bytes == 0
 
 
 async def _ignore(m):
@@ -142,10 +142,10 @@ def test_json_bytes_in_flight_capped(shm_env, monkeypatch):
     assert got["body"] == body and counters.stats()["json_fallback.busy"] == 1
     monkeypatch.setenv("VLLM_SHM_EMBEDS_INFLIGHT_BYTES", str(len(body)))
     _, got, _ = _run_json(_json_scope(len(body)), [body])
-    assert counters.stats()["json_tensors"] == 1 and common.IN_FLIGHT.bytes == 0
+    assert counters.stats()["json_tensors"] == 1 and body_limits.IN_FLIGHT.bytes == 0
     monkeypatch.setenv("VLLM_SHM_EMBEDS_BODY_TIMEOUT_S", "0.2")
     sent, _, _ = _run_json(_json_scope(len(body)), [body[:100]], stall=True)
-    assert sent[0]["status"] == 408 and common.IN_FLIGHT.bytes == 0
+    assert sent[0]["status"] == 408 and body_limits.IN_FLIGHT.bytes == 0
 
 
 def _trickle(every: float, first: bytes):
@@ -194,11 +194,11 @@ def test_upload_charged_by_what_it_wrote(shm_env, monkeypatch):
     grant, not its declared size: a second upload starts while the first
     trickles; when the first later meets the budget its write fails cleanly
     (BudgetExceeded, nothing written) and abort leaves nothing."""
-    monkeypatch.setattr(transfer, "STREAM_GRANT_BYTES", 64 << 10)
+    monkeypatch.setattr(streamed, "STREAM_GRANT_BYTES", 64 << 10)
     monkeypatch.setenv("VLLM_SHM_EMBEDS_MAX_BYTES", str(1 << 20))
-    a = transfer.StreamedSegment(torch.uint8, (768 << 10,))
+    a = streamed.StreamedSegment(torch.uint8, (768 << 10,))
     a.write(b"\1" * 4096)
-    b = transfer.StreamedSegment(torch.uint8, (768 << 10,))  # a4123c0: over budget
+    b = streamed.StreamedSegment(torch.uint8, (768 << 10,))  # a4123c0: over budget
     for _ in range(12):
         b.write(b"\2" * (64 << 10))
     with pytest.raises(segment.BudgetExceeded):
@@ -227,7 +227,7 @@ def test_binary_upload_meeting_the_budget_finishes_privately(shm_env, monkeypatc
             raise segment.BudgetExceeded(n, 0, 0)
         real(n)
     monkeypatch.setattr(transfer, "check_budget", budget)
-    monkeypatch.setattr(transfer, "STREAM_GRANT_BYTES", 128)
+    monkeypatch.setattr(streamed, "STREAM_GRANT_BYTES", 128)
     status, _, seen = _run_middleware(headers, [body[i:i + 100] for i in range(0, len(body), 100)])
     assert status == 200 and torch.equal(seen["tensors"][0], t)
     assert counters.stats()["binary_fallback.budget"] == 1
@@ -270,7 +270,8 @@ def test_non_ascii_digits_are_not_byte_counts(shm_env, value):
     with pytest.raises(binary.BinaryBodyError):
         binary.frame_header_length(ok + [(b"inference-header-content-length", b"5"),
                                          (b"content-length", value)])
-    assert common.byte_count(" 12 ") == 12 and common.byte_count(value.decode("latin-1")) is None
+    assert body_limits.byte_count(" 12 ") == 12
+    assert body_limits.byte_count(value.decode("latin-1")) is None
     body = b'{"model": "m"}'
     _, got, _ = _run_json(_json_scope(0, clen=value), [body])
     assert got["body"] == body

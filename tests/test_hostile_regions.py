@@ -25,15 +25,16 @@ import time
 
 import pytest
 import torch
-from test_regions import GOOD, MAX_T, REG, H, _limits, _wait, env, memfd  # noqa: F401
+from test_regions import GOOD, MAX_T, REG, H, _limits, env, memfd  # noqa: F401
 
 import shm_embeds_client as sec
 from vllm._shm_embeds import counters, process
-from vllm._shm_embeds import region_server as rs
-from vllm._shm_embeds import region_socket as rsock
 from vllm._shm_embeds.http import region_refs
 from vllm._shm_embeds.http.common import COMPLETIONS, ServerContext
-from vllm._shm_embeds.regions import RegionError, RegionRegistry
+from vllm._shm_embeds.regions import server as rs
+from vllm._shm_embeds.regions import service
+from vllm._shm_embeds.regions import sockets as rsock
+from vllm._shm_embeds.regions.registry import RegionError, RegionRegistry
 
 NOBODY = 65534
 
@@ -74,7 +75,7 @@ def test_closer_backlog_is_bounded(env, monkeypatch):
     for fd in held:
         stuck.put(fd)
     monkeypatch.setattr(rsock, "CLOSER_BACKLOG", 2, raising=False)
-    monkeypatch.setattr(rsock, "_closer", (os.getpid(), stuck))
+    monkeypatch.setattr(process.current(), "fd_closer", stuck)
     try:
         env.start()
         for _ in range(3):
@@ -181,12 +182,12 @@ def test_squatted_start_up_lock_neither_blocks_nor_stops_regions(env, monkeypatc
     server = None
     try:
         start = time.monotonic()
-        server = region_refs.start_regions(env.path, _ctx())
+        server = service.start_regions(env.path, _ctx())
         assert time.monotonic() - start < 3
         assert server is not None and process.current().regions is not None
         assert "region" in env.register(env.connect(), torch.randn(2, H))
     finally:
-        region_refs.stop_regions(server)
+        service.stop_regions(server)
         for s in squats:
             s.close()
         for p in procs:
@@ -280,7 +281,7 @@ def test_producer_checks_the_servers_uid(tmp_path):
     os.chmod(d, 0o777)
     path = os.path.join(d, "regions.sock")
     code = textwrap.dedent(f"""
-        import os, socket
+        import os, socket, time
         os.setgid({NOBODY}); os.setuid({NOBODY})
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         s.bind({path!r}); os.chmod({path!r}, 0o666); s.listen(1)
@@ -291,6 +292,7 @@ def test_producer_checks_the_servers_uid(tmp_path):
         except OSError:
             anc = []
         print("fds", sum(len(a[2]) // 4 for a in anc), flush=True)
+        time.sleep(60)  # still listening for the second client (killed below)
     """)
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:

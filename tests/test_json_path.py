@@ -18,18 +18,11 @@ import types
 
 import pytest
 import torch
+from helpers import delta, encode_embeds, wait_until
 
-from helpers import encode_embeds
-from vllm._shm_embeds.http.common import resolve_placeholder
-from vllm._shm_embeds import counters
-from vllm._shm_embeds import digests
-from vllm._shm_embeds import handle
-from vllm._shm_embeds import hop1
-from vllm._shm_embeds import process
-from vllm._shm_embeds import transfer
-from vllm._shm_embeds.http import common
-from vllm._shm_embeds.http import json_body
-from vllm._shm_embeds.http import torch_save
+from vllm._shm_embeds import counters, digests, handle, hop1, process, streamed, torch_save
+from vllm._shm_embeds.http import common, json_body
+from vllm._shm_embeds.http.placeholders import resolve_placeholder
 from vllm._shm_embeds.sites import core_client
 
 HIDDEN = 64
@@ -91,7 +84,7 @@ def test_prepare_equals_vllm_decode_and_digests(shm_env, route):
     assert ("p" * 5000 in out.body.decode()) == (route == "/v1/completions")
     # Only this request's context resolves the placeholder.
     assert resolve_placeholder(value) is None
-    from vllm._shm_embeds.http.common import _current
+    from vllm._shm_embeds.http.placeholders import _current
 
     token = _current.set(out.upload)
     try:
@@ -100,14 +93,14 @@ def test_prepare_equals_vllm_decode_and_digests(shm_env, route):
         _current.reset(token)
     want = safe_load_prompt_embeds(_ctx().model_config, b64.encode())
     assert torch.equal(got, want) and got.dtype == torch.float32
-    assert transfer.is_streamed(got)
+    assert streamed.is_streamed(got)
     d = digests.attached(got)
     stock, req = _stock_block_hashes(want, 16)
     assert d.digests == b"".join(req._prompt_embeds_per_block_hashes[(i, i + 16)]
                                  for i in range(0, 96, 16)) + d.digests[-32:]
     assert len(d.digests) == 7 * 32  # 6 full blocks and the short tail
     assert counters.stats()["json_tensors"] == 1
-    transfer.release_streamed(got)
+    streamed.release_streamed(got)
     del got
 
 
@@ -146,7 +139,7 @@ def test_prepare_leaves_other_long_strings_and_non_json_alone(shm_env):
     assert digests.attached(got).digests == b"".join(
         __import__("hashlib").sha256(t[i:i + 16].numpy().tobytes()).digest()
         for i in range(0, 40, 16))
-    transfer.release_streamed(got)
+    streamed.release_streamed(got)
 
 
 @pytest.mark.parametrize("late", [False, True])
@@ -353,7 +346,7 @@ def test_plain_payload_is_decoded_straight_into_the_segment(shm_env, shape):
     rows = want.shape[0]
     assert digests.attached(got).digests == b"".join(
         hashlib.sha256(want[i:i + 16].numpy().tobytes()).digest() for i in range(0, rows, 16))
-    transfer.release_streamed(got)
+    streamed.release_streamed(got)
 
 
 def _big():
@@ -403,7 +396,7 @@ def test_anything_else_goes_to_vllms_loader(shm_env, name):
     if name == "directory-bit":  # vLLM's loader answers with uninitialized memory:
         for t in out.upload.tensors:  # nothing to compare
             if t is not None:
-                transfer.release_streamed(t)
+                streamed.release_streamed(t)
     elif want is None:
         assert out.reason == "rejected" and out.body == body
     else:
@@ -413,7 +406,7 @@ def test_anything_else_goes_to_vllms_loader(shm_env, name):
         want = want.resolve_neg().contiguous()
         assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8),
                                                        want.view(torch.uint8))
-        transfer.release_streamed(got)
+        streamed.release_streamed(got)
     process.collect()
     assert os.listdir(shm_env) == []
 
@@ -447,8 +440,9 @@ def test_spoiled_base64_is_rejected_as_vllm_rejects_it(shm_env, name, monkeypatc
     monkeypatch.setattr(torch_save, "DECODE_CHUNK_BYTES", 1 << 20)  # several chunks
     good = encode_embeds(torch.randn(16000, HIDDEN))  # 4 MB: four chunks
     n = len(good)
-    outline = torch_save._Outline(n // 4 * 3, base64.b64decode(good[:torch_save.HEAD_CHARS]), (n - torch_save.TAIL_CHARS)
-                          // 4 * 3, base64.b64decode(good[n - torch_save.TAIL_CHARS:]))
+    head, tail = good[:torch_save.HEAD_CHARS], good[n - torch_save.TAIL_CHARS:]
+    outline = torch_save._Outline(n // 4 * 3, base64.b64decode(head),
+                                  (n - torch_save.TAIL_CHARS) // 4 * 3, base64.b64decode(tail))
     assert torch_save.plain_tensor_layout(_ctx(), outline)[3] == _DATA_OFFSET
     where, text = SPOILED[name]
     b64 = _spoil(good, where(len(good)), text)
@@ -464,7 +458,7 @@ def test_spoiled_base64_is_rejected_as_vllm_rejects_it(shm_env, name, monkeypatc
     assert _direct_count() == 1
     for t in out.upload.tensors:
         if t is not None:
-            transfer.release_streamed(t)
+            streamed.release_streamed(t)
 
 
 @pytest.mark.parametrize("dtype,fail_at", [(torch.float32, 3), (torch.float16, 1)])
@@ -477,7 +471,7 @@ def test_no_space_midway_gives_the_body_back_and_leaves_nothing(shm_env, monkeyp
     import errno
 
     writes = []
-    real = transfer.StreamedSegment.write
+    real = streamed.StreamedSegment.write
 
     def full(self, data):
         writes.append(len(data))
@@ -485,7 +479,7 @@ def test_no_space_midway_gives_the_body_back_and_leaves_nothing(shm_env, monkeyp
             raise OSError(errno.ENOSPC, "No space left on device")
         real(self, data)
 
-    monkeypatch.setattr(transfer.StreamedSegment, "write", full)
+    monkeypatch.setattr(streamed.StreamedSegment, "write", full)
     monkeypatch.setattr(torch_save, "DECODE_CHUNK_BYTES", 1 << 16)
     body = _body(prompt="", prompt_embeds=encode_embeds(torch.randn(4000, HIDDEN).to(dtype)))
     out = json_body.prepare(body, "/v1/completions", _ctx())
@@ -509,10 +503,9 @@ def test_outline_holds_only_head_and_tail():
 
 
 def test_hop1_carries_digests_and_engine_hashes_nothing(shm_env):
+    from vllm.v1.core import kv_cache_utils as kcu
     from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
-
-    from vllm.v1.core import kv_cache_utils as kcu
 
     tensor = torch.randn(50, HIDDEN)
     body = _body(prompt="", prompt_embeds=encode_embeds(tensor))
@@ -606,30 +599,6 @@ def test_malformed_or_foreign_digests_are_refused(shm_env):
 MAX_LEN = 2048
 
 
-@pytest.fixture
-def server(main_server):
-    return main_server
-
-
-def _totals(server, role=None) -> dict:
-    from helpers import by_role
-    from vllm._shm_embeds.counters import read_stats_dir
-
-    stats = read_stats_dir(server["stats"])
-    if role is not None:
-        return {k: v for c in by_role(stats, role) for k, v in c.items()}
-    total: dict = {}
-    for s in stats:
-        for k, v in s["counters"].items():
-            total[k] = total.get(k, 0) + v
-    return total
-
-
-def _delta(before, after):
-    return {k: after.get(k, 0) - before.get(k, 0) for k in after
-            if after.get(k, 0) != before.get(k, 0)}
-
-
 def _post(server, route, body, stock=False):
     """POST ``body`` as JSON; ``stock=True`` sends it chunked (no Content-Length),
     which the middleware leaves to vLLM's own JSON handling: the stock path
@@ -665,10 +634,10 @@ def test_same_tokens_as_stock_by_the_fast_path(server):
         ("/v1/chat/completions", _chat(b64),
          lambda r: r["choices"][0]["message"]["content"]),
     ):
-        before = _totals(server)
+        before = server.totals()
         fast = _post(server, route, body)
         assert fast.status_code == 200, fast.text
-        d = _delta(before, _totals(server))
+        d = delta(before, server.totals())
         # The fast path ran: decoded here, handed over with its digests, and
         # the EngineCore took them instead of hashing (no silent fallback).
         assert d.get("json_tensors") == 1 and d.get("hop1_handover_tensors") == 1, d
@@ -707,12 +676,12 @@ def test_engine_hashes_no_embeds_and_prefix_cache_hits(server):
         assert r.status_code == 200, r.text
         return _prefix_hits(server) - before
 
-    before = _totals(server, "engine")
+    before = server.totals("engine")
     body = {**KW, "prompt": "", "prompt_embeds": encode_embeds(first)}
     assert hits(body) == 0
     again = hits(body)
     prefix = hits({**body, "prompt_embeds": encode_embeds(shared)})
-    d = _delta(before, _totals(server, "engine"))
+    d = delta(before, server.totals("engine"))
     assert d.get("hash_engine_blocks", 0) == 0, d  # never hashed embeds itself
     assert d.get("hash_reused_blocks", 0) > 0 and d.get("hash_adopted_tensors") == 3, d
     assert again >= 512  # every full block of the 600 rows (block size <= 128)
@@ -720,9 +689,9 @@ def test_engine_hashes_no_embeds_and_prefix_cache_hits(server):
     # vLLM's own JSON decode (the body sent chunked): hop 1 copies the tensor
     # and hashes it meanwhile; it finds the blocks the fast path cached. (The
     # EngineCore hashing a tensor itself and finding them: test_binary.py.)
-    before = _totals(server)
+    before = server.totals()
     stock = hits(body, stock=True)
-    d = _delta(before, _totals(server))
+    d = delta(before, server.totals())
     assert d.get("hash_engine_blocks", 0) == 0 and d.get("hash_api_tensors") == 1, d
     assert d.get("json_tensors", 0) == 0 and d.get("hop1_shm_tensors") == 2, d
     assert stock == again
@@ -745,7 +714,8 @@ def test_bad_payloads_answered_as_stock(server):
     from helpers import ours_in
 
     hidden = server["weights"].shape[1]
-    before = _totals(server, "client")
+    before = server.totals("client")
+    before_all = server.totals()
     for name, route, body in _bad_bodies(hidden):
         fast = _post(server, route, body)
         stock = _post(server, route, body, stock=True)
@@ -753,12 +723,18 @@ def test_bad_payloads_answered_as_stock(server):
         assert fast.status_code == stock.status_code, (name, route)
         ef, es = fast.json()["error"], stock.json()["error"]
         assert (ef["type"], ef["message"]) == (es["type"], es["message"]), (name, route)
-    d = _delta(before, _totals(server, "client"))
+    d = delta(before, server.totals("client"))
     # The big bad payloads went through our decode and were given back.
     assert d.get("json_fallback.rejected", 0) >= 8, d
-    import time
+    # Given back when each request ended, which may be just after its answer:
+    # once as many segments went as this test made, none may be left (counted
+    # from this test's start: an earlier test's aborted request may have made
+    # a segment that its EngineCore never adopted and the sender removed).
+    def unlinked():
+        d = delta(before_all, server.totals())
+        return d.get("segments_unlinked", 0) >= d.get("segments_created", 0)
 
-    time.sleep(1)
+    wait_until(unlinked, 30, lambda: f"every segment unlinked: {server.totals()}")
     assert ours_in(server["seg_dir"]) == []
 
 

@@ -10,16 +10,11 @@ import sys
 
 import pytest
 import torch
+from helpers import delta, mine, run_child
 
-from helpers import mine, run_child
-from vllm._shm_embeds.handle import SegmentName, pid_namespace, proc_start_time
-from vllm._shm_embeds import config
-from vllm._shm_embeds import counters
-from vllm._shm_embeds import handle
-from vllm._shm_embeds import hop1
-from vllm._shm_embeds import hop2
-from vllm._shm_embeds import process
-from vllm._shm_embeds import transfer
+from vllm._shm_embeds import counters, handle, hop1, hop2, process, transfer
+from vllm._shm_embeds.handle import SegmentName
+from vllm._shm_embeds.procfs import pid_namespace, proc_start_time
 
 
 class _Req:
@@ -58,10 +53,6 @@ def _read_in_spawned_readers(handles, readers):
     return results
 
 
-def _delta(before, key):
-    return counters.stats().get(key, 0) - before.get(key, 0)
-
-
 def test_round_trip_across_spawned_readers(shm_env):
     """fp32/fp16/bf16 with 0, 1 and 37 rows, mapped by two spawned readers."""
     srcs = [
@@ -73,7 +64,7 @@ def test_round_trip_across_spawned_readers(shm_env):
     handles = [hop2.externalize(src, readers=2) for src in srcs]
     assert all(len(pickle.dumps(h)) < 300 for h in handles)
     assert [h.nbytes for h in handles] == [s.nbytes for s in srcs]
-    assert _delta(before, "copied_bytes") == sum(s.nbytes for s in srcs)
+    assert delta(before, counters.stats()).get("copied_bytes", 0) == sum(s.nbytes for s in srcs)
     for r in _read_in_spawned_readers(handles, 2):
         for src, (dtype, shape, values) in zip(srcs, r):
             assert dtype == src.dtype and shape == tuple(src.shape)
@@ -93,8 +84,8 @@ def test_reused_without_copy_and_released_on_free(shm_env):
     before = counters.stats()
     h2 = hop2.externalize(src, readers=1)  # same tensor, still linked
     assert h2.name == h1.name
-    assert _delta(before, "copied_bytes") == 0
-    assert _delta(before, "hop2_reused_tensors") == 1
+    assert delta(before, counters.stats()).get("copied_bytes", 0) == 0
+    assert delta(before, counters.stats()).get("hop2_reused_tensors", 0) == 1
     assert process.collect() == 0  # reader has not mapped it yet
     assert h2.flag_base == h1.flag_base + 1  # each broadcast has flags of its own
     t = transfer.open_tensor(h1, 0)
@@ -120,13 +111,14 @@ def test_adopt_renames_to_owner_and_hop2_reuses_it(shm_env):
     before = counters.stats()
     h = hop2.externalize(adopted, readers=1)
     assert h.name == names[0]
-    assert _delta(before, "copied_bytes") == 0  # one copy in total (at hop 1)
+    # one copy in total (at hop 1)
+    assert delta(before, counters.stats()).get("copied_bytes", 0) == 0
     transfer.open_tensor(h, 0)
     assert process.collect() == 0  # the request still uses it: the name stays
     # a second broadcast (vLLM 0.33's V2 model runner re-sends on resume)
     # reuses it by name, no copy
     again = hop2.externalize(adopted, readers=1)
-    assert again.name == h.name and _delta(before, "copied_bytes") == 0
+    assert again.name == h.name and delta(before, counters.stats()).get("copied_bytes", 0) == 0
     transfer.open_tensor(again, 0)
     del adopted
     assert process.collect() == 1 and os.listdir(shm_env) == []
@@ -186,7 +178,8 @@ def test_request_freed_while_its_broadcast_is_pending(shm_env):
     before = counters.stats()
     assert process.collect() == 1
     assert os.listdir(shm_env) == [] and _maps_of(shm_env) == []
-    assert _delta(before, "engine_pages_released") == 1 and not adopted.any()
+    assert delta(before, counters.stats()).get("engine_pages_released", 0) == 1
+    assert not adopted.any()
     # every flag set but no safe point yet: released at once
     adopted = transfer.adopt_tensor(transfer.share_tensor(src))
     transfer.open_tensor(hop2.externalize(adopted, readers=1), 0)
@@ -197,9 +190,7 @@ def test_request_freed_while_its_broadcast_is_pending(shm_env):
 def test_without_free_request_names_go_once_mapped(shm_env, monkeypatch):
     """If vLLM's ``Scheduler._free_request`` site cannot be patched nothing
     says when a request ends: a name goes once every reader mapped it."""
-    from vllm._shm_embeds import owned
-
-    monkeypatch.setattr(owned, "_release_known", False)
+    monkeypatch.setattr(process.current(), "release_known", False)
     adopted = transfer.adopt_tensor(transfer.share_tensor(torch.randn(64, 32)))
     reader = transfer.open_tensor(hop2.externalize(adopted, readers=1), 0)
     assert process.collect() == 1 and os.listdir(shm_env) == []
@@ -251,8 +242,9 @@ def test_region_crosses_both_hops_without_a_copy(shm_env):
     assert len(hb.owner_files) == 2 and hb.region
     reader = transfer.open_tensor(hb, 0)  # a TP worker, through the EngineCore's fds
     assert torch.equal(reader, src)
-    assert _delta(before, "copied_bytes") == 0 and _delta(before, "hop2_reused_tensors") == 1
-    assert _delta(before, "hop1_region_adopted") == 1
+    d = delta(before, counters.stats())
+    assert d.get("copied_bytes", 0) == 0 and d.get("hop2_reused_tensors", 0) == 1
+    assert delta(before, counters.stats()).get("hop1_region_adopted", 0) == 1
     assert process.collect() == 0 and len(os.listdir(shm_env)) == 1  # the header file
     del reader
     assert transfer.release_adopted(adopted)
@@ -317,8 +309,8 @@ def test_ineligible_tensors_keep_stock_path(shm_env, tensor, reason):
     before = counters.stats()
     assert hop2.externalize_prompt_embeds([req], readers=2) == []
     assert req.prompt_embeds is tensor
-    assert _delta(before, f"fallback.hop2.{reason}") == 1
-    assert _delta(before, "hop2_stock_tensors") == 1
+    assert delta(before, counters.stats()).get(f"fallback.hop2.{reason}", 0) == 1
+    assert delta(before, counters.stats()).get("hop2_stock_tensors", 0) == 1
 
 
 def test_small_tensor_keeps_stock_path(shm_env, monkeypatch):
@@ -338,11 +330,11 @@ def test_full_dev_shm_falls_back(shm_env, monkeypatch):
     before = counters.stats()
     assert hop2.externalize_prompt_embeds([req], readers=1) == []
     assert req.prompt_embeds is tensor
-    assert _delta(before, "fallback.hop2.no_space") == 1
+    assert delta(before, counters.stats()).get("fallback.hop2.no_space", 0) == 1
     consumer = hop1.HandleOOBConsumer()
     consumer.arm(tensor)
     assert consumer(tensor) is None  # inline
-    assert _delta(before, "fallback.hop1.no_space") == 1
+    assert delta(before, counters.stats()).get("fallback.hop1.no_space", 0) == 1
 
 
 def test_region_header_on_a_full_dev_shm_goes_inline(shm_env, monkeypatch):
@@ -365,9 +357,9 @@ def test_region_header_on_a_full_dev_shm_goes_inline(shm_env, monkeypatch):
         consumer = hop1.HandleOOBConsumer()
         consumer.arm(src)
         assert consumer(src) is None  # inline: the stock way
-        assert _delta(before, "fallback.hop1.no_space") == 1
-        assert _delta(before, "hop1_stock_bytes") == src.nbytes
-        assert _delta(before, "hop1_region_tensors") == 0
+        assert delta(before, counters.stats()).get("fallback.hop1.no_space", 0) == 1
+        assert delta(before, counters.stats()).get("hop1_stock_bytes", 0) == src.nbytes
+        assert delta(before, counters.stats()).get("hop1_region_tensors", 0) == 0
         assert consumer.take_created() == [] and os.listdir(shm_env) == []
     finally:
         os.close(fd)
@@ -532,13 +524,6 @@ def test_vanished_segment_is_copied_again(shm_env):
     assert counters.stats().get("fallback.hop2.vanished", 0) >= 1
 
 
-@pytest.mark.parametrize("raw", ["", "1MiB", "1e6", "-5"])
-def test_bad_min_bytes_defaults(monkeypatch, raw):
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_MIN_BYTES", raw)
-    assert config.min_bytes() == config.DEFAULT_MIN_BYTES
-    assert bool(config.settings().problems) == bool(raw)
-
-
 @pytest.fixture
 def striped(shm_env, monkeypatch):
     """Stripe every segment of more than one page over 3 files."""
@@ -561,7 +546,7 @@ def test_striped_segment_hop1_hop2_round_trip(striped):
     assert len(names) == 3 and all(mine(n) for n in names)
     before = counters.stats()
     h = hop2.externalize(adopted, readers=2)
-    assert _delta(before, "copied_bytes") == 0 and h.split == sent.split
+    assert delta(before, counters.stats()).get("copied_bytes", 0) == 0 and h.split == sent.split
     for r in _read_in_spawned_readers([h], 2):
         assert r[0][2] == src.tolist()
     assert process.collect() == 0 and len(os.listdir(striped)) == 3
@@ -600,11 +585,3 @@ def test_bad_split_is_rejected(split):
             "shape": [4, 4096], "split": split}
     with pytest.raises(handle.ShmEmbedsError, match="malformed"):
         handle.SharedTensorHandle.from_meta(meta)
-
-
-@pytest.mark.parametrize("raw,ok", [("", True), ("2", True), ("0", False), ("x", False),
-                                    ("99", False)])
-def test_writers_setting(monkeypatch, raw, ok):
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_WRITERS", raw)
-    assert 1 <= config.writers() <= config.MAX_WRITERS
-    assert (not any("WRITERS" in p for p in config.settings().problems)) == ok

@@ -26,7 +26,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 import torch
-
 from helpers import (
     METRICS_PREFIX,
     by_role,
@@ -37,9 +36,11 @@ from helpers import (
     ours_in,
     parse_metrics,
     tiny_model,
+    wait_until,
     write_counters,
 )
-from vllm._shm_embeds import counters, sizing
+
+from vllm._shm_embeds import counters, process, sizing
 from vllm._shm_embeds.counters import read_stats_dir
 from vllm._shm_embeds.http import metrics as hmetrics
 from vllm._shm_embeds.sites import entrypoints
@@ -75,7 +76,8 @@ def expected_from_files(stats: list[dict]) -> dict[tuple[str, frozenset], float]
         add("received_tensors", 0, hop=hop)
         add("reused_tensors", 0, hop=hop)
     plain = ("copied_bytes", "segments_created", "segments_unlinked", "segments_swept",
-             "adopt_names_taken", "binary_bodies", "binary_bytes", "regions_registered", "region_bytes",
+             "adopt_names_taken", "binary_bodies", "binary_bytes", "regions_registered",
+             "region_bytes",
              "region_leases", "region_lookups", "region_lookup_trimmed", "regions_freed")
     for name in plain:
         add(name, 0)
@@ -152,7 +154,8 @@ def test_aggregate_attributes_hops_to_senders_and_sums_processes(tmp_path):
     stats_dir.mkdir()
     pids = write_counters(str(stats_dir), stats)
     # One segment file of a process in ``stats``, one of a process that is not.
-    from vllm._shm_embeds.handle import SegmentName, pid_namespace
+    from vllm._shm_embeds.handle import SegmentName
+    from vllm._shm_embeds.procfs import pid_namespace
 
     ours = SegmentName(pid_namespace(), pids[0], 1, 0)
     (seg_dir / str(ours)).write_bytes(b"x" * 8192)
@@ -189,7 +192,7 @@ def test_metrics_route_appends_families_equal_to_files(tmp_path, monkeypatch):
              {"roles": ["worker"], "counters": {"hop2_shm_tensors": 3}}]
     write_counters(str(tmp_path), stats)
     monkeypatch.setenv("VLLM_SHM_EMBEDS_STATS_DIR", str(tmp_path))
-    monkeypatch.setattr(hmetrics, "_model_name", "tiny")
+    monkeypatch.setattr(process.current(), "model_name", "tiny")
     app = FastAPI()
     entrypoints.wrap_attach_router(route.attach_router)(app)
     app.get("/other")(lambda: {"metrics": "no"})
@@ -240,16 +243,16 @@ def test_sizing_warning_says_how_large():
 def settled(stats_dir: str) -> list[dict]:
     """The stats files once every segment created was unlinked and nothing changes
     (the EngineCore unlinks a name when vLLM frees its request)."""
-    deadline = time.monotonic() + 60
-    last = None
-    while True:
-        stats = read_stats_dir(stats_dir)
+    seen: list = [None]
+
+    def still():
+        stats, last = read_stats_dir(stats_dir), seen[0]
+        seen[0] = stats
         total = lambda k: sum(s["counters"].get(k, 0) for s in stats)  # noqa: E731
-        if total("segments_created") == total("segments_unlinked") and stats == last:
-            return stats
-        assert time.monotonic() < deadline, f"counters did not settle: {stats}"
-        last = stats
-        time.sleep(0.5)
+        return (stats,) if total("segments_created") == total("segments_unlinked") and \
+            stats == last else None
+
+    return wait_until(still, 60, lambda: f"counters to settle: {seen[0]}", interval=0.5)[0]
 
 
 def _embeds(weights, n, seed):
@@ -428,8 +431,6 @@ def test_two_api_servers_and_dp2_add_up(dp_server):
     assert len(re.findall(r"WARNING.*segment directory .* holds", log)) <= 1
 
 
-@pytest.mark.integration
-@pytest.mark.online
 def _stalled_upload(url: str, t: torch.Tensor) -> str:
     """Declare a whole binary body, send a third of it, then nothing: the
     status the server answers with ("cut" if it closed without one)."""
@@ -477,6 +478,8 @@ def _slow_binary(url: str, t: torch.Tensor, kw: dict, pause_s: float = 2.0) -> t
         conn.close()
 
 
+@pytest.mark.integration
+@pytest.mark.online
 def test_flood_on_a_tmpfs_smaller_than_what_is_in_flight(small_shm_server):
     """Issue 16's flood, scaled to this server's 256 KiB tmpfs: 6 binary and 6
     base64 JSON bodies of 100 KiB (about 4.7x the tmpfs in flight), 2 text
@@ -534,13 +537,13 @@ def test_flood_on_a_tmpfs_smaller_than_what_is_in_flight(small_shm_server):
     # stock way (counted), the others shared memory
     assert sum(v for k, v in d.items() if k.endswith(".no_space")) > 0, d
     assert d.get("hop1_handover_tensors", 0) > 0, d
-    deadline = time.monotonic() + 5
-    while ours_in(server.seg_dir) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert ours_in(server.seg_dir) == []
+    wait_until(lambda: not ours_in(server.seg_dir), 5,
+               lambda: f"every name to go: {ours_in(server.seg_dir)}", interval=0.1)
     assert requests.get(server.url + "/health", timeout=30).status_code == 200
 
 
+@pytest.mark.integration
+@pytest.mark.online
 def test_back_to_back_binary_bodies_on_a_dev_shm_that_holds_one(small_shm_server):
     """The 3 MiB case of issue 16, scaled to this server's 256 KiB tmpfs: a
     binary body that only fits once, sent again as soon as the last answer

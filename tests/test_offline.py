@@ -12,7 +12,6 @@ preemption and the fork start method are checked on the same run
 """
 
 import pytest
-
 from helpers import by_role, local_model, run_offline
 
 pytestmark = pytest.mark.integration

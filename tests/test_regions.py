@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Unit tests of registered regions (regions.py) and their socket (region_server.py).
+"""Unit tests of registered regions (regions/registry.py) and their socket (regions/server.py).
 
 No vLLM engine: a RegionRegistry and a RegionServer on a tmp path, and a tiny
 producer in the test (memfd_create, seals, SCM_RIGHTS over SOCK_SEQPACKET).
@@ -23,10 +23,11 @@ import time
 
 import pytest
 import torch
+from helpers import open_fds, wait_until
 
 from vllm._shm_embeds import counters
-from vllm._shm_embeds import region_server as rs
-from vllm._shm_embeds.regions import RegionError, RegionLimits, RegionRegistry
+from vllm._shm_embeds.regions import server as rs
+from vllm._shm_embeds.regions.registry import RegionError, RegionLimits, RegionRegistry
 
 H, MAX_T = 64, 128
 ALL_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -35,13 +36,7 @@ FULL_FP32 = MAX_T * H * 4  # 32 KiB
 
 
 def _fds() -> dict[int, str]:
-    out = {}
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:  # the listing's own fd, already closed
-            pass
-    return out
+    return open_fds()
 
 
 def _is_memfd(fd: int) -> bool:
@@ -55,13 +50,6 @@ def _limits(**kw) -> RegionLimits:
     base = {"hidden_size": H, "max_tokens": MAX_T, "allowed_uids": frozenset({os.getuid()}),
             "max_regions_per_uid": 4, "max_bytes_per_uid": 2 * FULL_FP32, "idle_ttl_s": 600.0}
     return RegionLimits(**{**base, **kw})
-
-
-def _wait(cond, timeout=5.0):
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.01)
 
 
 class Env:
@@ -171,10 +159,7 @@ def env(tmp_path, monkeypatch):
     def leaks():
         return {fd: link for fd, link in _fds().items() if before.get(fd) != link}
 
-    end = time.monotonic() + 2
-    while (leaked := leaks()) and time.monotonic() < end:
-        time.sleep(0.01)
-    assert not leaked, f"fds leaked: {leaked}"
+    wait_until(lambda: not leaks(), 2, lambda: f"no fd leaked: {leaks()}", interval=0.01)
     for msg in e.errors:  # client-safe: no path, no internal name
         for bad in (str(tmp_path), "/dev/shm", "memfd:", MEMFD_NAME, "/proc"):
             assert bad not in msg, (bad, msg)
@@ -278,8 +263,8 @@ def test_connection_close_unregisters_and_leases_outlive_it(env):
     sock.close()
     # the server thread frees after dropping (outside the registry lock):
     # wait for the free, not only for the drop
-    _wait(lambda: env.registry.stats()["regions"] == 0
-          and counters.stats().get("regions_freed") == 1)
+    wait_until(lambda: env.registry.stats()["regions"] == 0
+               and counters.stats().get("regions_freed") == 1, 5, "the region freed")
     for r in (rid, rid2):
         with pytest.raises(RegionError, match="unknown"):
             env.registry.lease(r, "FP16", [7, H], t.nbytes, 0)
@@ -563,7 +548,7 @@ def test_server_thread_expires(env, monkeypatch):
     env.start(idle_ttl_s=0.1)
     sock = env.connect()
     env.register(sock, torch.randn(2, H))
-    _wait(lambda: env.registry.stats()["regions"] == 0)
+    wait_until(lambda: env.registry.stats()["regions"] == 0, 5, "no region registered")
 
 
 # ---------------------------------------------------------------- the socket file
@@ -627,7 +612,7 @@ def test_max_connections(env):
     assert c.recv(10) == b""
     env.check_good_registration(b)
     a.close()
-    _wait(lambda: len(env.server._conns) == 1)
+    wait_until(lambda: len(env.server._conns) == 1, 5, "one connection open")
     env.check_good_registration(env.connect())
 
 
@@ -664,7 +649,7 @@ def test_lookup_only_for_sibling_api_servers(env):
         reg.close()
 
     def mirror(region_id):
-        from vllm._shm_embeds.region_mirror import RegionMirror
+        from vllm._shm_embeds.regions.mirror import RegionMirror
 
         m = RegionMirror(env.path, _limits())
         try:
@@ -735,7 +720,7 @@ def test_registration_runs_off_the_socket_thread(env):
         env.send(a, {"op": "register", "datatype": "FP32", "shape": [2, H]},
                  [memfd(tensor_bytes(t))])
         env.send(a, {"op": "unregister", "region": "x"})
-        _wait(lambda: calls)
+        wait_until(lambda: calls, 5, "a registration running")
         b.settimeout(2)  # b is answered while a's registration runs
         env.refused(env.request(b, b"not json"), "malformed")
         assert env.request(b, {"op": "unregister", "region": "x"})["error"].startswith(
@@ -754,10 +739,11 @@ def test_registration_of_a_connection_closed_meanwhile_is_unregistered(env):
     env.start(on_registered=hook)
     a = env.connect()
     env.send(a, REG, [memfd(GOOD)])
-    _wait(lambda: calls)
+    wait_until(lambda: calls, 5, "a registration running")
     a.close()
     release.set()
-    _wait(lambda: counters.stats().get("region_unregistered.disconnect") == 1)
+    wait_until(lambda: counters.stats().get("region_unregistered.disconnect") == 1, 5,
+               "the region unregistered at the disconnect")
     assert env.registry.stats()["regions"] == 0 and not env.server._conns
     env.check_good_registration(env.connect())
 
@@ -769,11 +755,12 @@ def test_server_close_waits_for_registrations(env):
     for s in socks:
         env.send(s, REG, [memfd(GOOD)])
     # every worker busy, one registration queued
-    _wait(lambda: len(calls) == rs.REGISTER_WORKERS
-          and env.server._pool._work_queue.qsize() == 1)
+    wait_until(lambda: len(calls) == rs.REGISTER_WORKERS
+               and env.server._pool._work_queue.qsize() == 1, 5,
+               "every registration worker busy and one registration queued")
     closing = threading.Thread(target=env.server.close)
     closing.start()
-    _wait(lambda: env.server._stop)
+    wait_until(lambda: env.server._stop, 5, "the server stopping")
     time.sleep(0.2)
     assert closing.is_alive()  # waits for the registrations running
     release.set()
@@ -826,7 +813,7 @@ def test_no_io_on_fds_that_are_not_memfds(env, monkeypatch, make_fd, op):
     monkeypatch.setattr(os, "close", close)
     msg = REG if op == "register" else {"op": "unregister", "region": "x"}
     env.refused(env.request(sock, msg, [fd]), "not a memfd")
-    _wait(lambda: seen, timeout=2)
+    wait_until(lambda: seen, 2, "the fd closer's first call")
     assert seen == [("close", "shm-embeds-fd-closer")]
     monkeypatch.undo()
     assert sock.recv(10) == b""  # and the peer closed
@@ -921,7 +908,7 @@ def test_lookup_reply_drops_extras_over_128_kib(env, monkeypatch):
     assert counters.stats()["region_lookup_trimmed"] == 1
     lease = env.registry.lease(rid, "FP32", [2, H], t.nbytes, 0)
     try:  # the lookups' leases are released right after their answers were sent
-        _wait(lambda: lease.region.leases == 1)
+        wait_until(lambda: lease.region.leases == 1, 5, "one lease of the region")
     finally:
         lease.release()
 

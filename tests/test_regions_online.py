@@ -16,24 +16,19 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 import torch
-from helpers import METRICS_PREFIX, encode_embeds
-from test_binary import KW, _delta, _ids, _prefix_cache_hits, _totals
+from helpers import METRICS_PREFIX, delta, descendants, encode_embeds, stopped, wait_until
+from test_binary import KW, _ids, _prefix_cache_hits
 
 import shm_embeds_client as sec
 
 pytestmark = [pytest.mark.integration, pytest.mark.online]
 
 MEMFD_NAME = "shm-embeds-region"  # the client's memfd name
-
-
-@pytest.fixture
-def server(main_server):
-    return main_server
 
 
 def _memfd_holders() -> dict[int, int]:
@@ -56,21 +51,20 @@ def _memfd_holders() -> dict[int, int]:
     return out
 
 
-def _wait_released(timeout: float = 10.0) -> dict[int, int]:
-    deadline = time.monotonic() + timeout
-    while (held := _memfd_holders()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return held
+def _wait_released() -> None:
+    """Every mapping and fd of a client region goes (within 10 s)."""
+    wait_until(lambda: not _memfd_holders(), 10,
+               lambda: f"every mapping and fd of the regions to go: {_memfd_holders()}")
 
 
 def _settled(server, before: dict) -> dict:
     """Counters once both TP workers counted the request's hop 2."""
-    deadline = time.monotonic() + 10
-    while True:
-        d = _delta(before, _totals(server))
-        if d.get("hop2_shm_tensors", 0) >= 3 or time.monotonic() > deadline:
-            return d
-        time.sleep(0.1)
+    def counted():
+        d = delta(before, server.totals())
+        return d if d.get("hop2_shm_tensors", 0) >= 3 else None
+
+    return wait_until(counted, 10, lambda: f"hop 2 of both TP workers counted: "
+                      f"{delta(before, server.totals())}")
 
 
 def test_region_request_copies_nothing_and_hits_the_prefix_cache(server):
@@ -86,7 +80,7 @@ def test_region_request_copies_nothing_and_hits_the_prefix_cache(server):
         region = producer.register(embeds)
         assert region.byte_size == embeds.nbytes
         for i in range(2):
-            before, hits = _totals(server), _prefix_cache_hits(url)
+            before, hits = server.totals(), _prefix_cache_hits(url)
             out = sec.complete(url, "tiny", region, **KW)
             assert len(out["choices"]) == 1  # the client adds no "" text prompt
             text = out["choices"][0]["text"]
@@ -113,7 +107,7 @@ def test_region_request_copies_nothing_and_hits_the_prefix_cache(server):
     assert moved("regions_registered_total") == 1 and moved("region_leases_total") == 4
     assert moved("reused_tensors_total", hop="1") == 4 and moved("copied_bytes_total") == 0
     # unregistered by closing the connection: every mapping and fd goes
-    assert _wait_released() == {}
+    _wait_released()
 
 
 def test_region_references_that_do_not_match_get_400(server):
@@ -155,7 +149,7 @@ def test_region_references_that_do_not_match_get_400(server):
     assert post(good).status_code == 400
     assert post({**good, "parameters": {}}).status_code == 400  # vLLM's own validation
     assert requests.get(url + "/health", timeout=30).status_code == 200
-    assert _wait_released() == {}
+    _wait_released()
 
 
 PRODUCER = textwrap.dedent("""
@@ -171,9 +165,13 @@ PRODUCER = textwrap.dedent("""
 
 def test_producer_killed_while_its_region_is_in_use(server, tmp_path):
     """A producer SIGKILLed while requests use its region: those requests end
-    well, later ones get 400, and nothing of the region is left anywhere."""
-    import concurrent.futures
+    well, later ones get 400, and nothing of the region is left anywhere.
 
+    The region is in use at the kill (asserted): once the API server counted
+    a lease for each of the three requests, the EngineCore is stopped
+    (SIGSTOP) until the registry has unregistered the dead producer's
+    region, so none of them can end meanwhile; the region must then be
+    draining, unregistered but not freed (counters)."""
     url, w = server["url"], server["weights"]
     embeds = w[_ids(1500, 23)].contiguous()
     torch.save(embeds, tmp_path / "e.pt")
@@ -187,30 +185,43 @@ def test_producer_killed_while_its_region_is_in_use(server, tmp_path):
             "shared_memory_offset": 0}}
         body = {"model": "tiny", "prompt": "", "prompt_embeds": ref, "max_tokens": 24,
                 "temperature": 0.0}
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        before = server.totals()
+        [engine] = descendants(server["proc"], "EngineCore")
+        with ThreadPoolExecutor(3) as pool:
             futures = [pool.submit(requests.post, url + "/v1/completions", json=body,
                                    timeout=300) for _ in range(3)]
-            time.sleep(0.3)  # in flight
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(30)
+            wait_until(lambda: delta(before, server.totals()).get("region_leases", 0) >= 3,
+                       60, lambda: f"a lease for each request: {delta(before, server.totals())}")
+            with stopped([engine.pid]):
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(30)
+                wait_until(lambda: delta(before, server.totals()).get(
+                    "region_unregistered.disconnect", 0) >= 1, 30,
+                    "the registry to unregister the dead producer's region")
+                # read after the unregistration was counted (a region freed
+                # at its unregistration is counted freed before that)
+                d = delta(before, server.totals())
+            assert d.get("region_leases") == 3 and d.get("regions_freed", 0) == 0, \
+                f"no lease of the region was live when its producer died: {d}"
             answers = [f.result() for f in futures]
         assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
         assert len({r.json()["choices"][0]["text"] for r in answers}) == 1
-        deadline = time.monotonic() + 10
-        while requests.post(url + "/v1/completions", json=body, timeout=60).status_code != 400:
-            assert time.monotonic() < deadline, "the dead producer's region still serves"
-            time.sleep(0.2)
+        wait_until(lambda: requests.post(url + "/v1/completions", json=body,
+                                         timeout=60).status_code == 400,
+                   10, "the dead producer's region to stop serving (400)", interval=0.2)
+        wait_until(lambda: delta(before, server.totals()).get("regions_freed") == 1, 10,
+                   "the region freed at the end of its last lease")
     finally:
         proc.kill()
         proc.wait()
-    assert _wait_released() == {}
+    _wait_released()
     assert requests.get(url + "/health", timeout=30).status_code == 200
 
 
 def test_regions_with_two_api_servers_and_dp2(dp_server):
     """``vllm serve --data-parallel-size 2`` starts two API servers and two
     EngineCores: one API server serves the regions socket, the other looks
-    each region up there (``region_mirror.py``); requests on either copy
+    each region up there (``regions/mirror.py``); requests on either copy
     nothing, and hop 1 reaches both EngineCores."""
     url, server = dp_server["url"], dp_server
     from helpers import embed_weights
@@ -240,4 +251,4 @@ def test_regions_with_two_api_servers_and_dp2(dp_server):
                                      for p in engines), adopted
     assert sum(p["counters"].get("copied_bytes", 0) for p in after) == sum(
         p["counters"].get("copied_bytes", 0) for p in before)
-    assert _wait_released() == {}
+    _wait_released()

@@ -14,8 +14,8 @@ import types
 
 import pytest
 import torch
-
 from helpers import REPO, mine
+
 from vllm._shm_embeds import counters, handle, hop1, process, sites, transfer
 from vllm._shm_embeds.sites import core_client, multiproc_executor
 
@@ -35,7 +35,7 @@ def _request(embeds):
 
 
 def test_every_site_resolves_in_installed_vllm():
-    assert len(sites.SITES) == 22 and len({s.key for s in sites.SITES}) == 22
+    assert len(sites.SITES) == 23 and len({s.key for s in sites.SITES}) == 23
     for group in sites.GROUPS:
         assert sites.check(group)[0] == [], group
 
@@ -130,16 +130,14 @@ def test_hop2_wrapper_local_vs_remote_readers(shm_env, n_remote):
 def test_names_last_as_long_as_requests_only_with_free_request(monkeypatch, release_ok):
     """Without the ``free_request`` site nothing says when a request ends: the
     books then let a name go once every TP rank mapped it."""
-    from vllm._shm_embeds import owned
-
-    monkeypatch.setattr(owned, "_release_known", not release_ok)
+    monkeypatch.setattr(process.current(), "release_known", not release_ok)
     monkeypatch.setattr(sites, "STATUS", {})
     # nothing resolves, nothing is patched; only the release group has problems
     monkeypatch.setattr(sites, "check", lambda group: (
         ["Scheduler._free_request: missing"] if group == "release" and not release_ok
         else [], []))
     sites.apply()
-    assert owned._release_known is release_ok
+    assert process.current().release_known is release_ok
 
 
 _UNTOUCHED_PROBE = """

@@ -18,7 +18,6 @@ import os
 
 import pytest
 import torch
-
 from helpers import by_role, run_offline, tiny_model
 
 pytestmark = pytest.mark.integration

@@ -8,11 +8,11 @@ worker (hop 2: the ``SchedulerOutput`` broadcast). With
 ``VLLM_SHM_EMBEDS=1`` this plugin puts the tensor in a shared-memory segment
 once and sends a small :class:`SharedTensorHandle` over each hop instead.
 
-One file per job (``docs/design.md`` has the map):
+One file per job; ``docs/design.md`` ("Package layout") lists every module
+and its job, the one such list (a test fails when a module is missing):
 
-* mechanism, no vLLM classes, no HTTP: ``config``, ``handle``, ``segment``,
-  ``owned``, ``process``, ``transfer``, ``counters``, ``digests``, ``hop1``,
-  ``hop2``;
+* the mechanism, no vLLM classes, no HTTP: the modules at the top of the
+  package but ``plugin``;
 * the API server's HTTP side: ``http/``;
 * every patched vLLM site, in one registry: ``sites/``; the entry point
   vLLM loads: ``plugin.register``.

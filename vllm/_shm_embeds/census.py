@@ -3,7 +3,7 @@
 
 The budget (``transfer.check_budget``) needs the bytes that the server's
 segment files hold in the directory: a walk of the directory plus an
-``lstat`` per name like ours (``segment.held_bytes``). That is cheap for the
+``lstat`` per name like ours (``segment_dir.held_bytes``). That is cheap for the
 names we make, but the directory is usually ``/dev/shm`` (mode 1777): any
 local user may plant names like ours by the million, and the budget is asked
 on the API server's event loop (a binary body's segment and each of its
@@ -30,13 +30,13 @@ import asyncio
 import threading
 import time
 
-from vllm._shm_embeds import segment as seg
+from vllm._shm_embeds import segment_dir
 
 MIN_INTERVAL_S = 0.05  # a count at most this old (plus a walk) is used as it is
 
 
 class Census:
-    """Bytes our segment files hold in one directory (``segment.held_bytes``),
+    """Bytes our segment files hold in one directory (``segment_dir.held_bytes``),
     refreshed off the caller's thread.
 
     Args:
@@ -86,7 +86,7 @@ class Census:
         with self._lock:
             written_before = self._written
         try:
-            held = seg.held_bytes(self.directory)
+            held = segment_dir.held_bytes(self.directory)
         except Exception:  # noqa: BLE001 - keep the last count; never raise on a thread
             held = self._held or 0
         took = time.monotonic() - began

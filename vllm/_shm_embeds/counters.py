@@ -16,23 +16,23 @@ name) and, for the labelled events, ``hop`` and ``reason``. The public
 ``vllm:shm_embeds_*`` families are derived from these at scrape time
 (``http/metrics.py``).
 
-Events (bytes in bytes): ``hop{1,2}_{shm,stock}_{tensors,bytes}``,
-``hop1_adopted_tensors``, ``hop1_handover_tensors``, ``hop2_reused_tensors``
-(sent without a copy), ``copied_bytes`` (bytes copied into segments),
-``segments_created``, ``segments_unlinked``, ``segments_swept``, the
-binary, JSON and digest events of ``http/`` and ``digests.py``, and the
-labelled :func:`count_reason` events ``fallback`` (hop, reason),
-``binary_rejected`` and ``json_fallback`` (reason). Never count from a
-finalizer (this takes a lock).
+Every event is declared once, in :class:`Event`, with the ``/metrics``
+family it feeds (or none: summary and tests only) and what it counts; callers
+name it (``count(Event.SEGMENTS_CREATED)``), never spell it, so a typo is an
+``AttributeError`` and not a counter ``/metrics`` never shows
+(``tests/test_registry_tables.py`` checks the call sites and the mapping of
+``http/metrics.py``). Never count from a finalizer (this takes a lock).
 """
 
 from __future__ import annotations
 
+import enum
 import glob
 import json
 import os
 import threading
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from vllm._shm_embeds import config
@@ -40,6 +40,117 @@ from vllm._shm_embeds import config
 FAMILY = "shm_embeds_event"
 _LABELS = ("event", "role", "hop", "reason")
 _HELP = "shm-embeds events of one process (internal; see vllm:shm_embeds_* on /metrics)"
+
+
+class Event(enum.StrEnum):
+    """Every event counted, declared once (bytes in bytes).
+
+    The value is the stored name (the ``event`` label of :data:`FAMILY`, the
+    :meth:`Key.flat` name). Attributes: ``metric``, the ``vllm:shm_embeds_*``
+    family of ``http/metrics.py`` it feeds (without the prefix), or None:
+    only in the summary log line and :func:`read_stats_dir`; ``labels``, the
+    labels it is counted with (:func:`count_reason`), () for a plain event
+    (:func:`count`); ``doc``, what it counts.
+    """
+
+    metric: str | None
+    labels: tuple[str, ...]
+    doc: str
+
+    def __new__(cls, value: str, metric: str | None, doc: str,
+                labels: tuple[str, ...] = ()) -> Event:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.metric, member.doc, member.labels = metric, doc, labels
+        return member
+
+    # hops (the sender counts tensors/bytes; a receiver's *_shm_tensors are received)
+    HOP1_SHM_TENSORS = ("hop1_shm_tensors", "tensors",
+                        "hop-1 tensors sent by shared memory (API server) or adopted "
+                        "(EngineCore: received_tensors)")
+    HOP1_SHM_BYTES = ("hop1_shm_bytes", "bytes", "their bytes")
+    HOP1_STOCK_TENSORS = ("hop1_stock_tensors", "tensors",
+                          "hop-1 tensors sent the stock way (as ZMQ frames)")
+    HOP1_STOCK_BYTES = ("hop1_stock_bytes", "bytes", "their bytes")
+    HOP2_SHM_TENSORS = ("hop2_shm_tensors", "tensors",
+                        "hop-2 tensors sent as handles (EngineCore) or mapped (each TP "
+                        "worker: received_tensors)")
+    HOP2_SHM_BYTES = ("hop2_shm_bytes", "bytes", "their bytes")
+    HOP2_STOCK_TENSORS = ("hop2_stock_tensors", "tensors", "hop-2 tensors sent the stock way "
+                          "(in the broadcast, or over ZMQ per reader)")
+    HOP2_STOCK_BYTES = ("hop2_stock_bytes", "bytes", "their bytes")
+    HOP1_ADOPTED_TENSORS = ("hop1_adopted_tensors", None,
+                            "hop-1 segments the EngineCore adopted")
+    HOP1_HANDOVER_TENSORS = ("hop1_handover_tensors", "reused_tensors",
+                             "a binary or JSON-path body's segment sent at hop 1 as it is")
+    HOP1_REGION_TENSORS = ("hop1_region_tensors", "reused_tensors",
+                           "registered regions sent at hop 1 by descriptor")
+    HOP1_REGION_BYTES = ("hop1_region_bytes", None, "their bytes")
+    HOP1_REGION_ADOPTED = ("hop1_region_adopted", None,
+                           "registered regions the EngineCore opened")
+    HOP2_REUSED_TENSORS = ("hop2_reused_tensors", "reused_tensors",
+                           "hop-2 tensors sent without a copy (segments adopted at hop 1)")
+    FALLBACK = ("fallback", "fallbacks", "tensors that took the stock path (or failed)",
+                ("hop", "reason"))
+    # segments
+    COPIED_BYTES = ("copied_bytes", "copied_bytes", "bytes copied into segments")
+    SEGMENTS_CREATED = ("segments_created", "segments_created", "segments created")
+    SEGMENTS_UNLINKED = ("segments_unlinked", "segments_unlinked",
+                         "segments unlinked by their owner")
+    SEGMENTS_SWEPT = ("segments_swept", "segments_swept",
+                      "segments of dead owners removed")
+    ADOPT_NAMES_TAKEN = ("adopt_names_taken", "adopt_names_taken",
+                         "names found taken when adopting (another name was drawn)")
+    ENGINE_PAGES_RELEASED = ("engine_pages_released", None,
+                             "adopted segments whose pages the EngineCore let go of "
+                             "once vLLM freed the request")
+    # binary bodies
+    BINARY_BODIES = ("binary_bodies", "binary_bodies", "binary request bodies accepted")
+    BINARY_TENSORS = ("binary_tensors", None, "their tensors")
+    BINARY_BYTES = ("binary_bytes", "binary_bytes", "their tensor bytes")
+    BINARY_CONVERTED_BYTES = ("binary_converted_bytes", None,
+                              "bytes of binary tensors cast to the model's dtype")
+    BINARY_REJECTED = ("binary_rejected", "binary_rejected", "binary bodies rejected",
+                       ("reason",))
+    BINARY_FALLBACK = ("binary_fallback", "binary_fallbacks",
+                       "binary tensors received into private memory", ("reason",))
+    # JSON path
+    JSON_BODIES = ("json_bodies", None, "base64 JSON bodies the JSON path decoded")
+    JSON_TENSORS = ("json_tensors", "json_tensors", "their tensors (how: loader)")
+    JSON_DIRECT_TENSORS = ("json_direct_tensors", "json_tensors",
+                           "those of them decoded straight into shared memory (how: direct)")
+    JSON_BYTES = ("json_bytes", None, "their bytes")
+    JSON_FALLBACK = ("json_fallback", "json_fallbacks",
+                     "large JSON bodies left to vLLM's decode", ("reason",))
+    JSON_DIRECT_DECLINED = ("json_direct_declined", "json_direct_declined",
+                            "JSON payloads left to vLLM's loader", ("reason",))
+    # registered regions
+    REGIONS_REGISTERED = ("regions_registered", "regions_registered", "regions registered")
+    REGION_BYTES = ("region_bytes", "region_bytes", "their bytes")
+    REGION_LEASES = ("region_leases", "region_leases", "uses of regions by requests")
+    REGION_LOOKUPS = ("region_lookups", "region_lookups",
+                      "regions looked up at the sibling API server")
+    REGION_LOOKUP_TRIMMED = ("region_lookup_trimmed", "region_lookup_trimmed",
+                             "lookup answers sent without digests")
+    REGIONS_FREED = ("regions_freed", "regions_freed", "regions whose memory was let go")
+    REGION_REQUESTS = ("region_requests", None, "requests that referenced regions")
+    REGION_TENSORS = ("region_tensors", None, "their region references")
+    REGION_UNREGISTERED = ("region_unregistered", "region_unregistered",
+                           "regions unregistered", ("reason",))
+    REGION_REFUSED = ("region_refused", "region_refused",
+                      "registrations and references refused", ("reason",))
+    REGION_LEASE_REFUSED = ("region_lease_refused", "region_lease_refused",
+                            "references that matched no registration", ("reason",))
+    # prefix-cache digests
+    HASH_API_TENSORS = ("hash_api_tensors", None, "tensors the API server hashed")
+    HASH_API_BLOCKS = ("hash_api_blocks", None, "their blocks")
+    HASH_SENT_TENSORS = ("hash_sent_tensors", None, "tensors sent with their digests")
+    HASH_ADOPTED_TENSORS = ("hash_adopted_tensors", None,
+                            "tensors whose digests the EngineCore took")
+    HASH_REJECTED_META = ("hash_rejected_meta", None,
+                          "digests the EngineCore refused (it hashes itself)")
+    HASH_REUSED_BLOCKS = ("hash_reused_blocks", None, "blocks whose digest was reused")
+    HASH_ENGINE_BLOCKS = ("hash_engine_blocks", None, "blocks vLLM hashed itself")
 
 
 class Key(NamedTuple):
@@ -143,14 +254,27 @@ def roles() -> list[str]:
     return sorted(_state.roles)
 
 
-def count(**deltas: int) -> None:
-    """Add to this process's counters, e.g. ``count(hop2_shm_tensors=1)``."""
-    _state.add({Key(name): n for name, n in deltas.items()})
+def count(event: Event | None = None, n: int = 1, /, **by_name: int) -> None:
+    """Add ``n`` to a plain event, e.g. ``count(Event.COPIED_BYTES, nbytes)``.
+
+    ``by_name``: the older form ``count(segments_swept=2)`` (names are
+    :class:`Event` values; replaying stats in tests).
+    """
+    deltas = {Key(name): v for name, v in by_name.items()}
+    if event is not None:
+        deltas[Key(event.value)] = n
+    _state.add(deltas)
 
 
-def count_reason(event: str, reason: str, hop: str = "", n: int = 1) -> None:
-    """Add ``n`` to a labelled event, e.g. ``count_reason("fallback", "small", hop="1")``."""
-    _state.add({Key(event, hop, reason): n})
+def count_many(deltas: Mapping[Event, int]) -> None:
+    """Add to several plain events at once (one lock), e.g.
+    ``count_many({Event.SEGMENTS_CREATED: 1, Event.COPIED_BYTES: nbytes})``."""
+    _state.add({Key(event.value): n for event, n in deltas.items()})
+
+
+def count_reason(event: Event | str, reason: str, hop: str = "", n: int = 1) -> None:
+    """Add ``n`` to a labelled event, e.g. ``count_reason(Event.FALLBACK, "small", hop="1")``."""
+    _state.add({Key(str(event), hop, reason): n})
 
 
 def stats() -> dict[str, int]:

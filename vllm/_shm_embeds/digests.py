@@ -16,7 +16,7 @@ Here instead:
 
 * API server: :func:`write_chunks_and_digest` writes a tensor's bytes,
   chunk by chunk as they are decoded, into its
-  :class:`~vllm._shm_embeds.transfer.StreamedSegment` and hashes each chunk in a
+  :class:`~vllm._shm_embeds.streamed.StreamedSegment` and hashes each chunk in a
   thread pool meanwhile (``hashlib`` releases the GIL);
   :func:`write_and_digest` does the same for a tensor already in memory;
   :class:`StreamHasher` hashes a binary body's pieces as they arrive, and
@@ -49,16 +49,16 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import hashlib
-import os
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from vllm._shm_embeds import process
 from vllm._shm_embeds.config import writers
-from vllm._shm_embeds.counters import count
-from vllm._shm_embeds.transfer import StreamedSegment
+from vllm._shm_embeds.counters import Event, count, count_many
+from vllm._shm_embeds.streamed import StreamedSegment
 
 ATTR = "_shm_embeds_block_sha256"  # attribute on a tensor: its BlockDigests
 META_FIELD = "block_sha256"  # key inside the hop-1 handle metadata
@@ -95,27 +95,6 @@ class BlockDigests:
         return (isinstance(tensor, torch.Tensor) and tensor.dim() == 2
                 and tensor.shape[0] == self.rows and self.block_tokens > 0
                 and len(self.digests) == -(-self.rows // self.block_tokens) * DIGEST_BYTES)
-
-
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _hash_pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(
-                writers(), thread_name_prefix="shm-embeds-hash")
-        return _pool
-
-
-def _forget_pool_in_child() -> None:
-    global _pool
-    _pool = None  # a forked child has none of its parent's threads
-
-
-os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
 def _hash_blocks(data: memoryview, block_bytes: int, first: int, last: int) -> list[bytes]:
@@ -159,7 +138,7 @@ def write_chunks_and_digest(chunks: Iterable[memoryview | bytes], segment: Strea
             returns or raises.
     """
     block_bytes = row_bytes * block_tokens if block_tokens else 0
-    pool = _hash_pool() if block_bytes and rows else None
+    pool = process.current().hash_pool() if block_bytes and rows else None
     limit = 2 * writers()
     futures: list[concurrent.futures.Future] = []
     try:
@@ -180,7 +159,7 @@ def write_chunks_and_digest(chunks: Iterable[memoryview | bytes], segment: Strea
     if not futures:
         return None
     digests = b"".join(d for f in futures for d in f.result())
-    count(hash_api_tensors=1, hash_api_blocks=len(digests) // DIGEST_BYTES)
+    count_many({Event.HASH_API_TENSORS: 1, Event.HASH_API_BLOCKS: len(digests) // DIGEST_BYTES})
     return BlockDigests(block_tokens, rows, digests)
 
 
@@ -245,7 +224,8 @@ class StreamHasher:
 
     def _submit(self) -> None:
         pieces, self._pieces, self._held = self._pieces, [], 0
-        self._futures.append(_hash_pool().submit(_hash_pieces, pieces, self._block_bytes))
+        pool = process.current().hash_pool()
+        self._futures.append(pool.submit(_hash_pieces, pieces, self._block_bytes))
 
     def feed(self, piece: bytes | memoryview) -> concurrent.futures.Future | None:
         """Take the next ``piece`` of the tensor's bytes (kept, not copied, until hashed).
@@ -288,7 +268,8 @@ class StreamHasher:
             except BaseException as e:  # pragma: no cover - hashlib does not fail
                 done.set_exception(e)
                 return
-            count(hash_api_tensors=1, hash_api_blocks=len(digests) // DIGEST_BYTES)
+            count_many({Event.HASH_API_TENSORS: 1,
+                        Event.HASH_API_BLOCKS: len(digests) // DIGEST_BYTES})
             done.set_result(BlockDigests(self.block_tokens, self.rows, digests))
 
         if not futures:
@@ -334,7 +315,7 @@ def hash_tensor_here(tensor: torch.Tensor, block_tokens: int) -> BlockDigests:
     data = memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
     block_bytes = tensor.shape[1] * tensor.element_size() * block_tokens
     digests = b"".join(_hash_pieces([data], block_bytes))
-    count(hash_api_tensors=1, hash_api_blocks=len(digests) // DIGEST_BYTES)
+    count_many({Event.HASH_API_TENSORS: 1, Event.HASH_API_BLOCKS: len(digests) // DIGEST_BYTES})
     return BlockDigests(block_tokens, tensor.shape[0], digests)
 
 
@@ -392,7 +373,7 @@ def handover_meta(tensor: torch.Tensor, d: BlockDigests | None = None) -> dict[s
     d = d if d is not None and d.valid_for(tensor) else attached(tensor)
     if d is None:
         return {}
-    count(hash_sent_tensors=1)
+    count(Event.HASH_SENT_TENSORS)
     return {META_FIELD: {"block": d.block_tokens, "rows": d.rows, "digests": d.digests}}
 
 
@@ -410,10 +391,10 @@ def adopt_meta(tensor: torch.Tensor, meta: dict[str, Any]) -> None:
             and all(type(field.get(k)) is int for k in ("block", "rows")):
         d = BlockDigests(field["block"], field["rows"], bytes(field["digests"]))
     if d is None or not d.valid_for(tensor):
-        count(hash_rejected_meta=1)
+        count(Event.HASH_REJECTED_META)
         return
     setattr(tensor, ATTR, d)
-    count(hash_adopted_tensors=1)
+    count(Event.HASH_ADOPTED_TENSORS)
 
 
 def fill_segment(dtype: torch.dtype, shape: tuple[int, ...],

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import mmap
-import os
 import re
 import reprlib
 from typing import Any
@@ -37,6 +36,7 @@ from typing import Any
 import torch
 
 from vllm._shm_embeds.config import MAX_WRITERS
+from vllm._shm_embeds.procfs import pid_namespace
 
 SEGMENT_PREFIX = "vllm-shm-embeds"
 HEADER_BYTES = 4096
@@ -106,74 +106,6 @@ def part_name(name: str, index: int) -> str:
     return name if index == 0 else f"{name}p{index}"
 
 
-def pid_namespace() -> int:
-    """This process's PID namespace id (inode of ``/proc/self/ns/pid``), or 0."""
-    try:
-        return int("".join(c for c in os.readlink("/proc/self/ns/pid") if c.isdigit()) or 0)
-    except OSError:
-        return 0
-
-
-def proc_stat(pid: int) -> list[bytes] | None:
-    """Fields 3 onwards of ``/proc/<pid>/stat`` (``proc(5)``: [0] the state,
-    [1] the parent pid, [19] the start time in clock ticks since boot); None
-    if ``pid`` is gone, unreadable or a zombie (killed, not yet reaped).
-    Raises ValueError: the file does not read as ``proc(5)`` says."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # Field 2 (comm) may contain spaces and parentheses: split after the last ')'.
-    head, paren, tail = stat.rpartition(b")")
-    fields = tail.split()
-    if not paren or len(fields) < 20:
-        raise ValueError(f"unexpected /proc/{pid}/stat")
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return fields
-
-
-def proc_start_time(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot; None if gone or unreadable.
-
-    A zombie (killed, not yet reaped by its parent) counts as gone. Raises
-    ValueError: ``/proc/<pid>/stat`` does not parse.
-    """
-    fields = proc_stat(pid)
-    return int(fields[19]) if fields is not None else None
-
-
-def owner_is_dead(name: SegmentName) -> bool:
-    """True only when the owner of ``name`` is certainly gone (a sweep may unlink).
-
-    Gone means: no such pid (``kill(pid, 0)`` says ESRCH), or ``/proc`` shows
-    a zombie or a different start time. When ``/proc`` cannot be read, or the
-    name's start time is unknown (0), a pid that exists counts as alive: a
-    sweep must never remove a live owner's segment.
-    """
-    if not 0 < name.pid < 1 << 22:  # PID_MAX_LIMIT: no such process can exist
-        return False  # not a name of ours: keep it
-    try:
-        os.kill(name.pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        pass  # exists, owned by someone else
-    try:
-        with open(f"/proc/{name.pid}/stat", "rb"):
-            pass
-    except OSError:
-        return False  # /proc unreadable here: cannot tell, keep it
-    try:
-        start = proc_start_time(name.pid)
-    except ValueError:
-        return False  # cannot tell: keep it
-    if start is None:
-        return True  # zombie, or exited between the two reads
-    return name.start != 0 and start != name.start
-
-
 # --------------------------------------------------------------------------
 # handles
 
@@ -197,7 +129,7 @@ class SharedTensorHandle:
         owner_files: hop 2: ``(fd, inode)`` per file, so that readers open
             ``/proc/<owner_pid>/fd/<fd>``: that works even if something else
             unlinked the name, and the inode check rules out a reused fd.
-        region: a registered region (``regions.py``): ``(pid, fd, inode)`` of
+        region: a registered region (``regions/registry.py``): ``(pid, fd, inode)`` of
             the API server's descriptor of the producer's sealed memfd, which
             holds the tensor's bytes from offset 0. File 0 is then the header
             alone (``HEADER_BYTES``) and the memfd is file 1: it has no name,

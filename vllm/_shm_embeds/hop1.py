@@ -24,15 +24,15 @@ import torch
 from vllm.logger import init_logger
 
 from vllm._shm_embeds import digests, process
-from vllm._shm_embeds.counters import count, count_reason
+from vllm._shm_embeds.counters import Event, count, count_many, count_reason
 from vllm._shm_embeds.handle import SharedTensorHandle, ShmEmbedsError
+from vllm._shm_embeds.streamed import hand_over
 from vllm._shm_embeds.transfer import (
     adopt_tensor,
     dense_nbytes,
     eligible,
     share_region,
     share_tensor,
-    take_handover,
 )
 
 logger = init_logger(__name__)
@@ -78,7 +78,7 @@ class HandleOOBConsumer:
             holder = regions.find(tensor) if regions is not None else None
             # A streamed segment (binary body) goes as it is, whatever its size;
             # a registered region by the API server's descriptor of it.
-            handover = take_handover(tensor) if holder is None else None
+            handover = hand_over(tensor) if holder is None else None
             reason = None if handover is not None or holder is not None else eligible(tensor)
             if reason is None:
                 found = None
@@ -97,13 +97,13 @@ class HandleOOBConsumer:
                     reason = "error"
                 else:
                     self._created.append(handle)
-                    count(hop1_shm_tensors=1, hop1_shm_bytes=tensor.nbytes)
+                    count_many({Event.HOP1_SHM_TENSORS: 1, Event.HOP1_SHM_BYTES: tensor.nbytes})
                     meta = handle.to_meta()
                     # digests our own code computed over exactly these bytes
                     meta.update(digests.handover_meta(tensor, found))
                     return {META_KEY: meta}
-            count(hop1_stock_tensors=1, hop1_stock_bytes=dense_nbytes(tensor))
-            count_reason("fallback", reason, hop="1")
+            count_many({Event.HOP1_STOCK_TENSORS: 1, Event.HOP1_STOCK_BYTES: dense_nbytes(tensor)})
+            count_reason(Event.FALLBACK, reason, hop="1")
         return self.inner(tensor) if self.inner is not None else None
 
 
@@ -164,14 +164,13 @@ class HandleOOBProvider:
             tensor = adopt_tensor(handle)
         except Exception as e:  # ShmEmbedsError, or anything else of ours
             return self._fail(e)
-        count(
-            hop1_shm_tensors=1, hop1_shm_bytes=handle.nbytes, hop1_adopted_tensors=1
-        )
+        count_many({Event.HOP1_SHM_TENSORS: 1, Event.HOP1_SHM_BYTES: handle.nbytes,
+                    Event.HOP1_ADOPTED_TENSORS: 1})
         try:
             digests.adopt_meta(tensor, meta[META_KEY])  # prefix-cache digests
         except Exception:  # vLLM hashes it itself then
             logger.debug("shm-embeds: hop 1 digests dropped", exc_info=True)
-            count(hash_rejected_meta=1)
+            count(Event.HASH_REJECTED_META)
         return tensor
 
     def _fail(self, e: Exception | str) -> torch.Tensor:
@@ -179,7 +178,7 @@ class HandleOOBProvider:
         adopted; logged and counted. Never raises."""
         logger.warning("shm-embeds: rejecting a request's prompt_embeds: %s", e,
                        exc_info=not isinstance(e, (str, ShmEmbedsError)))
-        count_reason("fallback", "adopt_failed", hop="1")
+        count_reason(Event.FALLBACK, "adopt_failed", hop="1")
         tensor = torch.empty(0)
         self._failed[id(tensor)] = weakref.ref(tensor)
         # dict.pop takes no lock: safe in a finalizer.

@@ -31,8 +31,9 @@ from vllm.logger import init_logger
 from vllm._shm_embeds import process
 from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.config import shm_dir
-from vllm._shm_embeds.counters import count, count_reason
+from vllm._shm_embeds.counters import Event, count, count_many, count_reason
 from vllm._shm_embeds.handle import HEADER_BYTES, MAX_READERS, SharedTensorHandle, ShmEmbedsError
+from vllm._shm_embeds.lifecycle import Kind
 from vllm._shm_embeds.transfer import create_segment, dense_nbytes, eligible, open_tensor
 
 logger = init_logger(__name__)
@@ -58,9 +59,9 @@ def externalize(tensor: torch.Tensor, readers: int) -> SharedTensorHandle:
         raise ValueError(f"readers must be in 1..{MAX_READERS}, got {readers}")
     owned = process.current().owned
     entry = owned.lookup(tensor)
-    handle = owned.begin_broadcast(entry, readers) if entry is not None else None
+    handle = owned.broadcast(entry, readers) if entry is not None else None
     if handle is not None:
-        count(hop2_reused_tensors=1)
+        count(Event.HOP2_REUSED_TENSORS)
         return handle
     new, fds = create_segment(tensor)
     try:
@@ -72,10 +73,10 @@ def externalize(tensor: torch.Tensor, readers: int) -> SharedTensorHandle:
             os.close(fd)
         seg.unlink_segment(shm_dir(), new.name, len(new.parts()))
         raise
-    owned.add_copy(new, mm, fds, tensor)
+    owned.own(Kind.COPY, new, mm, tensor, fds=fds)
     entry = owned.lookup(tensor)
     assert entry is not None
-    handle = owned.begin_broadcast(entry, readers)
+    handle = owned.broadcast(entry, readers)
     assert handle is not None
     return handle
 
@@ -111,12 +112,12 @@ def externalize_prompt_embeds(
                                "unexpected error", exc_info=True)
                 reason = "error"
         if reason is not None:
-            count(hop2_stock_tensors=1, hop2_stock_bytes=dense_nbytes(tensor))
-            count_reason("fallback", reason, hop="2")
+            count_many({Event.HOP2_STOCK_TENSORS: 1, Event.HOP2_STOCK_BYTES: dense_nbytes(tensor)})
+            count_reason(Event.FALLBACK, reason, hop="2")
             continue
         req.prompt_embeds = handle
         swapped.append((req, tensor))
-        count(hop2_shm_tensors=1, hop2_shm_bytes=tensor.nbytes)
+        count_many({Event.HOP2_SHM_TENSORS: 1, Event.HOP2_SHM_BYTES: tensor.nbytes})
     return swapped
 
 
@@ -145,11 +146,11 @@ def internalize_prompt_embeds(new_reqs: Iterable[Any], reader_index: int | None)
             try:
                 req.prompt_embeds = open_tensor(handle, reader_index)
             except (ShmEmbedsError, OSError) as e:
-                count_reason("fallback", "map_failed", hop="2")
+                count_reason(Event.FALLBACK, "map_failed", hop="2")
                 if first is None:
                     first = e if isinstance(e, ShmEmbedsError) else ShmEmbedsError(str(e))
                 continue
-            count(hop2_shm_tensors=1, hop2_shm_bytes=handle.nbytes)
+            count_many({Event.HOP2_SHM_TENSORS: 1, Event.HOP2_SHM_BYTES: handle.nbytes})
             n += 1
     if first is not None:
         raise first

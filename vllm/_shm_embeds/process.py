@@ -2,9 +2,12 @@
 """Per-process state of shm-embeds: one object that a forked child replaces.
 
 :class:`Process` holds what this process owns (``owned.OwnedSegments``),
-its segment-name tag, the writer pool, the reaper thread and the
-warning state. A forked child (e.g. a TP worker under the fork start
-method) gets a new one: it owns and unlinks nothing of its parent's. At
+its segment-name tag, its threads (the writer and hashing pools, the
+reaper, the fd closer), the warning state, whether vLLM tells it when a
+request is freed, the served model name and the metrics directory it made.
+A forked child (e.g. a TP worker under the fork start method) gets a new
+one (:meth:`Process.forked`, the only place that says what a child keeps):
+it owns and unlinks nothing of its parent's and has none of its threads. At
 exit the owner unlinks what is left (:func:`shutdown`); every process sweeps
 the segments of dead owners at start-up and the EngineCore every
 :data:`SWEEP_INTERVAL_S` seconds (:func:`sweep_stale_segments`).
@@ -19,6 +22,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import os
+import queue
 import secrets
 import threading
 import time
@@ -26,12 +30,21 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm._shm_embeds import counters
+from vllm._shm_embeds import counters, segment_dir
 from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.census import Census
-from vllm._shm_embeds.config import MAX_WRITERS, enabled, max_segments, shm_dir, stats_dir
-from vllm._shm_embeds.handle import SegmentName, pid_namespace, proc_start_time, proc_stat
+from vllm._shm_embeds.config import (
+    MAX_WRITERS,
+    enabled,
+    max_segments,
+    shm_dir,
+    stats_dir,
+    writers,
+)
+from vllm._shm_embeds.counters import Event, count
+from vllm._shm_embeds.handle import SegmentName
 from vllm._shm_embeds.owned import OwnedSegments
+from vllm._shm_embeds.procfs import pid_namespace, proc_start_time, proc_stat
 
 logger = init_logger(__name__)
 
@@ -47,10 +60,22 @@ class Process:
     Attributes:
         pid: the process this state belongs to (finalizers check it).
         owned: segments this process owns.
-        released: keys appended by finalizers; drained at safe points.
+        released: ``lifecycle.StorageDied``/``SourceDied`` records appended by
+            finalizers; applied at safe points.
+        pool, hasher: the writer threads (``transfer.create_segment``) and the
+            hashing threads (``digests.py``), made on first use.
         regions: the API server's ``regions.RegionRegistry`` when it serves
             registered regions (``VLLM_SHM_EMBEDS_REGIONS``), else None.
         censuses: segment directory -> its ``census.Census`` (the budget's count).
+        release_known: vLLM tells when a request is freed (``sites``' ``release``
+            group is on: ``owned.OwnedSegments.release_adopted``); else a name
+            goes once every reader mapped it. Kept by a forked child.
+        model_name: the served model name, the ``model_name`` label of the
+            metrics (``http.metrics.set_model_name``). Kept by a forked child.
+        stats_dir_made: the metrics directory this process made and removes
+            at exit (``http.metrics.ensure_stats_dir``), else None.
+        fd_closer: queue of the thread that closes received descriptors
+            (``sockets.discard_fd``), once started.
     """
 
     def __init__(self) -> None:
@@ -66,6 +91,20 @@ class Process:
         self.placement_warned = False
         self.shutdown_done = False
         self.regions: Any = None
+        self.release_known = True
+        self.model_name = ""
+        self.stats_dir_made: str | None = None
+        self.hasher: concurrent.futures.ThreadPoolExecutor | None = None
+        self.fd_closer: queue.Queue | None = None
+
+    def forked(self) -> Process:
+        """The state of a forked child of this process: new, but for what
+        describes the server rather than the process (whether requests'
+        ends are told, the model name)."""
+        child = Process()
+        child.release_known = self.release_known
+        child.model_name = self.model_name
+        return child
 
     def census(self, directory: str) -> Census:
         """The count of what our segment files hold in ``directory`` (one per directory)."""
@@ -113,6 +152,24 @@ class Process:
                 )
             return self.pool
 
+    def hash_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The threads that hash prompt_embeds blocks (``digests.py``)."""
+        with self.pool_lock:
+            if self.hasher is None:
+                self.hasher = concurrent.futures.ThreadPoolExecutor(
+                    writers(), thread_name_prefix="shm-embeds-hash")
+            return self.hasher
+
+    def close_later(self, fd: int) -> None:
+        """Close ``fd`` on this process's daemon closer thread (started on
+        first use): a ``close`` there may never return (FUSE)."""
+        with self.pool_lock:
+            if self.fd_closer is None:
+                self.fd_closer = queue.Queue()
+                threading.Thread(target=_close_forever, args=(self.fd_closer,), daemon=True,
+                                 name="shm-embeds-fd-closer").start()
+            self.fd_closer.put(fd)
+
     def start_reaper(self, sweep_interval: float | None = None) -> None:
         """Start the thread that runs safe points (and sweeps, if asked) when idle."""
         if sweep_interval is not None:
@@ -122,6 +179,17 @@ class Process:
                 target=_reaper_loop, args=(self,), name="shm-embeds-reaper", daemon=True
             )
             self.reaper.start()
+
+
+def _close_forever(fds: queue.Queue) -> None:
+    while True:
+        fd = fds.get()
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        finally:
+            fds.task_done()
 
 
 def _reaper_loop(state: Process) -> None:
@@ -154,7 +222,8 @@ def reset() -> None:
 def _after_fork_in_child() -> None:
     # A forked child (e.g. a TP worker under the fork start method) owns
     # none of its parent's segments: fresh state, no threads.
-    reset()
+    global _state
+    _state = _state.forked()
 
 
 def collect() -> int:
@@ -203,8 +272,9 @@ def placement_failed(hop: str, nbytes: int, e: OSError) -> str:
         shm_dir(),
         e,
         hop,
-        f" while they do not fit ({seg.free_bytes(shm_dir())} bytes free now): make the directory "
-        "larger (Docker: --shm-size); the start-up log says how large" if no_space else "",
+        f" while they do not fit ({segment_dir.free_bytes(shm_dir())} bytes free now): "
+        "make the directory larger (Docker: --shm-size); the start-up log says how large"
+        if no_space else "",
     )
     return reason
 
@@ -234,19 +304,19 @@ def sweep_stale_segments(expected: bool = False) -> int:
 
     Only names of this PID namespace whose owner no longer exists (or is a
     zombie, or has another start time) are removed; an owner that may be
-    alive keeps its segments (:func:`~vllm._shm_embeds_segments.owner_is_dead`).
+    alive keeps its segments (``procfs.owner_is_dead``).
     ``expected=True`` (a parent cleaning up after children it just stopped,
     the EngineCore's periodic sweep) logs at info instead of warning level.
     Returns the number removed.
     """
-    removed = seg.sweep(shm_dir(), pid_namespace())
+    removed = segment_dir.sweep(shm_dir(), pid_namespace())
     if removed:
         (logger.info if expected else logger.warning)(
             "shm-embeds: removed %d stale segment(s) of dead processes from %s",
             removed,
             shm_dir(),
         )
-        counters.count(segments_swept=removed)
+        count(Event.SEGMENTS_SWEPT, removed)
     return removed
 
 
@@ -293,7 +363,7 @@ def _at_exit() -> None:
 def _children_holding_segments() -> set[int]:
     """Pids of this process's live children that own a segment in :func:`shm_dir`."""
     me, ns, out = os.getpid(), pid_namespace(), set()
-    for _, parsed in seg.list_segments(shm_dir()):
+    for _, parsed in segment_dir.list_segments(shm_dir()):
         if parsed.pidns == ns and parsed.pid != me and parsed.pid not in out:
             stat = proc_stat(parsed.pid)  # None: gone or a zombie (dead)
             if stat is not None and int(stat[1]) == me:

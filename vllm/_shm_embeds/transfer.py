@@ -4,9 +4,9 @@
 One owner per segment, one copy in total:
 
 * hop 1 sender: :func:`share_tensor` copies a tensor once into a new segment
-  whose ownership passes with its handle; a :class:`StreamedSegment` (a
+  whose ownership passes with its handle; a ``streamed.StreamedSegment`` (a
   request body written straight into a segment) is handed over without a
-  copy (:func:`take_handover`).
+  copy (``streamed.hand_over``).
 * hop 1 receiver (EngineCore): :func:`adopt_tensor` takes the segment over by
   an atomic ``rename`` to its own name, then maps it; no copy.
 * readers (TP workers): :func:`open_tensor` maps read-only and sets the
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from vllm._shm_embeds import process
+from vllm._shm_embeds import process, segment_dir
 from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.config import (
     budget_bytes,
@@ -32,7 +32,7 @@ from vllm._shm_embeds.config import (
     shm_dir,
     writers,
 )
-from vllm._shm_embeds.counters import count, count_reason
+from vllm._shm_embeds.counters import Event, count, count_many, count_reason
 from vllm._shm_embeds.handle import (
     HEADER_BYTES,
     MAGIC,
@@ -43,7 +43,7 @@ from vllm._shm_embeds.handle import (
     part_name,
     split_for,
 )
-from vllm._shm_embeds.streamed_file import StreamedFile
+from vllm._shm_embeds.lifecycle import Kind
 
 
 def eligible(tensor: Any) -> str | None:
@@ -76,7 +76,7 @@ def check_budget(nbytes: int) -> None:
     of the directory, made off the caller's thread, plus what this process
     wrote since) plus the look-ahead this
     process's bodies still arriving were granted and have not written yet
-    (at most :data:`STREAM_GRANT_BYTES` each: :class:`StreamedSegment`). A
+    (at most ``streamed.STREAM_GRANT_BYTES`` each: ``streamed.StreamedSegment``). A
     segment keeps its name until its request is freed
     (``owned.OwnedSegments``), so the named files are what the server's
     requests hold; the TP workers drop their mappings at the step after
@@ -88,7 +88,7 @@ def check_budget(nbytes: int) -> None:
     directory = shm_dir()
     held = process.current().census(directory).held()  # never a walk on the caller's thread
     if not shares_dev_shm():
-        held = max(held, seg.used_bytes(directory))
+        held = max(held, segment_dir.used_bytes(directory))
     held += process.current().owned.pending_stream_bytes()
     if held + nbytes > budget:
         raise seg.BudgetExceeded(nbytes, held, budget)
@@ -112,7 +112,7 @@ def create_segment(tensor: torch.Tensor) -> tuple[SharedTensorHandle, list[int]]
     pool = state.writer_pool() if handle.split else None
     fds = seg.write_segment(shm_dir(), handle, data, pool)
     state.census(shm_dir()).wrote(tensor.nbytes)
-    count(segments_created=1, copied_bytes=tensor.nbytes)
+    count_many({Event.SEGMENTS_CREATED: 1, Event.COPIED_BYTES: tensor.nbytes})
     return handle, fds
 
 
@@ -150,7 +150,8 @@ def share_region(tensor: torch.Tensor, holder: tuple[int, int, int]) -> SharedTe
     header = SharedTensorHandle(name, "uint8", (0,))
     for fd in seg.write_segment(shm_dir(), header, memoryview(b""), None):
         os.close(fd)
-    count(segments_created=1, hop1_region_tensors=1, hop1_region_bytes=tensor.nbytes)
+    count_many({Event.SEGMENTS_CREATED: 1, Event.HOP1_REGION_TENSORS: 1,
+                Event.HOP1_REGION_BYTES: tensor.nbytes})
     return SharedTensorHandle(name, dtype_name(tensor.dtype), tuple(tensor.shape),
                               region=tuple(holder))
 
@@ -160,7 +161,7 @@ def discard_shared(handle: SharedTensorHandle) -> bool:
     (encode or send failed). True if it was still there."""
     gone = seg.unlink_segment(shm_dir(), handle.name, len(handle.parts()))
     if gone:
-        count(segments_unlinked=1)
+        count(Event.SEGMENTS_UNLINKED)
     return gone
 
 
@@ -195,7 +196,7 @@ def adopt_tensor(handle: SharedTensorHandle) -> torch.Tensor:
     try:
         state.check_segments()
     except seg.TooManySegments:
-        count_reason("fallback", "segments", hop="1")
+        count_reason(Event.FALLBACK, "segments", hop="1")
         return _adopt_by_copy(handle)
     if handle.region:
         return _adopt_region(handle)
@@ -218,13 +219,13 @@ def adopt_tensor(handle: SharedTensorHandle) -> torch.Tensor:
     try:
         mm = seg.map_segment(directory, mine)
     except OSError:  # e.g. ENOMEM at vm.max_map_count: read it instead
-        count_reason("fallback", "map_failed", hop="1")
+        count_reason(Event.FALLBACK, "map_failed", hop="1")
         return _adopt_by_copy(mine)
     except BaseException:
         seg.unlink_segment(directory, mine.name, nparts)
         raise
     tensor, anchor = seg.tensor_view(mm, mine)
-    state.owned.add_mapped(mine, mm, tensor, anchor)
+    state.owned.own(Kind.ADOPTED, mine, mm, tensor, anchor)
     return tensor
 
 
@@ -236,7 +237,7 @@ def _rename_part(directory: str, handle: SharedTensorHandle, mine: SharedTensorH
     after :data:`ADOPT_NAME_TRIES` names)."""
     src = os.path.join(directory, part_name(handle.name, i))
     st = os.lstat(src)  # the peer's file: a regular file of our user, never a link
-    if not seg.our_file(st):
+    if not segment_dir.our_file(st):
         raise OSError(errno.EPERM, "not a segment file of this user")
     for _ in range(ADOPT_NAME_TRIES if i == 0 else 1):
         try:
@@ -245,7 +246,7 @@ def _rename_part(directory: str, handle: SharedTensorHandle, mine: SharedTensorH
         except FileExistsError:
             if i:
                 raise
-            count(adopt_names_taken=1)
+            count(Event.ADOPT_NAMES_TAKEN)
             mine = handle.renamed(process.current().new_name(capped=False))
     raise FileExistsError(errno.EEXIST, "every segment name drawn was taken")
 
@@ -256,7 +257,7 @@ def _unlink_peer(directory: str, name: str, nparts: int) -> None:
     for i in range(nparts):
         path = os.path.join(directory, part_name(name, i))
         try:
-            if seg.our_file(os.lstat(path)):
+            if segment_dir.our_file(os.lstat(path)):
                 seg.unlink_quietly(path)
         except OSError:
             pass
@@ -285,7 +286,7 @@ def _adopt_by_copy(handle: SharedTensorHandle) -> torch.Tensor:
         raise ShmEmbedsError(f"shm-embeds segment could not be read: {e}") from e
     finally:
         _unlink_peer(directory, handle.name, 1 if handle.region else len(parts))
-    count(copied_bytes=handle.nbytes)
+    count(Event.COPIED_BYTES, handle.nbytes)
     return out
 
 
@@ -294,7 +295,7 @@ def _read_part(fd: int, i: int, length: int, dst: memoryview, region: tuple) -> 
     ``length`` data bytes into ``dst``. Raises OSError, ShmEmbedsError."""
     st = os.fstat(fd)
     want = length + (HEADER_BYTES if i == 0 else 0)
-    if not (seg.our_file(st) or (i and region)) or st.st_size != want:
+    if not (segment_dir.our_file(st) or (i and region)) or st.st_size != want:
         raise ShmEmbedsError("shm-embeds segment has the wrong size or owner")
     if i == 0 and os.pread(fd, len(MAGIC), 0) != MAGIC:
         raise ShmEmbedsError("shm-embeds segment has no header")
@@ -336,8 +337,8 @@ def _adopt_region(handle: SharedTensorHandle) -> torch.Tensor:
             raise ShmEmbedsError(f"shm-embeds region could not be mapped: {e}") from e
         raise
     tensor, anchor = seg.tensor_view(mm, mine)
-    process.current().owned.add_mapped(mine, mm, tensor, anchor, fds=fds)
-    count(hop1_region_adopted=1)
+    process.current().owned.own(Kind.REGION, mine, mm, tensor, anchor, fds=fds)
+    count(Event.HOP1_REGION_ADOPTED)
     return tensor
 
 
@@ -372,158 +373,6 @@ def dense_nbytes(tensor: Any) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------
-# streamed segments: tensors written from a byte stream (request bodies),
-# handed over at hop 1 by handle
-
-
-STREAM_GRANT_BYTES = 64 << 20  # budget a body still arriving holds beyond what it wrote
-
-
-class StreamedSegment:
-    """A one-file segment that a request body is written into, chunk by chunk.
-
-    The file I/O is ``streamed_file.StreamedFile``'s; this adds ownership: the
-    segment gets a name of this process, :meth:`finish` maps it and returns
-    the tensor, and the segment stays owned here until :func:`take_handover`
-    passes it to a peer (hop 1, by handle, no copy). It is unlinked when the
-    tensor's storage is freed before that (next safe point), by
-    :func:`release_streamed`, or by :meth:`abort`. The caller must have
-    validated ``shape`` and ``dtype`` against its own limits first.
-
-    Budget (:func:`check_budget`): the whole size must fit when the segment
-    is made, but it is charged by what it has written plus a grant of at
-    most :data:`STREAM_GRANT_BYTES` ahead, renewed as it fills: a slow
-    upload does not hold budget for bytes it has not sent. When a renewal
-    does not fit (other segments took the room meanwhile), :meth:`write`
-    raises ``segment.BudgetExceeded`` (an ``OSError``) and writes nothing;
-    the caller goes on the stock way (the binary path reads the bytes
-    back into private memory; the JSON path gives vLLM the body) and aborts
-    this segment: nothing is left.
-
-    Args:
-        dtype: element type of the bytes that will be written.
-        shape: tensor shape, e.g. ``(num_tokens, hidden_size)``.
-    Raises:
-        OSError: the file could not be created or sized (nothing is left).
-    """
-
-    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        state = process.current()
-        handle = SharedTensorHandle(state.new_name(), dtype_name(dtype), tuple(shape))
-        check_budget(handle.nbytes)
-        self._file = StreamedFile(shm_dir(), handle)
-        self._file.reserved = min(handle.nbytes, STREAM_GRANT_BYTES)
-        self.handle = handle
-        self.nbytes = handle.nbytes
-        state.owned.stream_started(self._file)
-        count(segments_created=1)
-
-    @property
-    def filled(self) -> int:
-        """Bytes written so far."""
-        return self._file.filled
-
-    def write(self, data: bytes | memoryview) -> None:
-        """Append ``data`` (see ``streamed_file.StreamedFile.write`` for the errors).
-
-        Raises:
-            segment.BudgetExceeded: the next grant does not fit the budget
-                (nothing written; see the class docstring).
-        """
-        f = self._file
-        end = f.filled + len(data)
-        if end > f.reserved and f.open:
-            grant = min(f.nbytes, max(end, f.reserved + STREAM_GRANT_BYTES)) - f.reserved
-            check_budget(grant)
-            f.reserved += grant
-        f.write(data)
-        process.current().census(shm_dir()).wrote(len(data))
-
-    def read_back(self, out: memoryview) -> None:
-        """Copy the bytes written so far into ``out`` (``streamed_file.StreamedFile.read_back``)."""
-        self._file.read_back(out)
-
-    def finish(self, writable: bool = True) -> torch.Tensor:
-        """Map the filled segment; returns the segment-backed tensor.
-
-        Counts the bytes written as ``copied_bytes`` (the one copy).
-        ``writable=False`` maps it read-only (a write through the tensor
-        faults): for bytes that were hashed as they were written.
-        Raises:
-            ShmEmbedsError: not every byte was written (the segment is removed).
-        """
-        try:
-            mm = self._file.finish(writable)
-        except BaseException:
-            self.abort()
-            raise
-        process.current().owned.stream_ended(self._file)
-        count(copied_bytes=self.nbytes)
-        tensor, anchor = seg.tensor_view(mm, self.handle)
-        state = process.current()
-        state.owned.add_mapped(self.handle, mm, tensor, anchor, handover=True)
-        state.start_reaper()  # unlinks it soon if its storage dies unsent
-        return tensor
-
-    def abort(self) -> None:
-        """Close and unlink (idempotent); counts the bytes written so far as copied."""
-        if self._file.open and self._file.filled:
-            count(copied_bytes=self._file.filled)
-        process.current().owned.stream_ended(self._file)
-        if self._file.abort():
-            count(segments_unlinked=1)
-
-
-def streamed_tensor_like(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A new writable segment-backed tensor (for a dtype conversion into shm).
-
-    The caller fills it (e.g. ``out.copy_(src)``; counted here as
-    ``copied_bytes``); it is handed over or unlinked like a streamed one.
-    Raises OSError (nothing left) if the segment cannot be created.
-    """
-    streamed = StreamedSegment(dtype, shape)
-    streamed._file.assume_filled()  # filled by the caller through the mapping
-    return streamed.finish()
-
-
-def is_streamed(tensor: Any) -> bool:
-    """True if ``tensor`` covers exactly a streamed segment not yet handed over."""
-    return (isinstance(tensor, torch.Tensor)
-            and process.current().owned.handover_entry(tensor) is not None)
-
-
-def take_handover(tensor: Any) -> SharedTensorHandle | None:
-    """Hop 1 sender: the handle of ``tensor``'s streamed segment, ownership passed on.
-
-    If ``tensor`` (same data pointer, dtype and shape) is a streamed segment
-    this process owns, it leaves this process's books (the peer adopts it by
-    ``rename``, exactly as a :func:`share_tensor` segment) and its handle is
-    returned: no copy. Otherwise None (the caller copies as usual).
-    """
-    if not isinstance(tensor, torch.Tensor):
-        return None
-    handle = process.current().owned.hand_over(tensor)
-    if handle is not None:
-        count(hop1_handover_tensors=1)
-    return handle
-
-
-def release_streamed(tensor: Any) -> bool:
-    """This process is done with ``tensor``'s streamed segment (its request ended).
-
-    Unlinks it now if hop 1 did not hand it over (rejected, failed,
-    disconnected), and lets go of this process's pages of it either way
-    (``OwnedSegments.release``): the tensor stays valid but reads zeros, and
-    the memory is back once the EngineCore and TP workers are done with it,
-    even if something here keeps the tensor object alive. True if ``tensor``
-    was a streamed segment of this process.
-    """
-    if not isinstance(tensor, torch.Tensor):
-        return False
-    return process.current().owned.release(tensor)
-
-
 def release_adopted(tensor: Any) -> bool:
     """EngineCore: vLLM freed the request whose ``prompt_embeds`` is ``tensor``.
 
@@ -540,11 +389,5 @@ def release_adopted(tensor: Any) -> bool:
         return False
     if not process.current().owned.release_adopted(tensor):
         return False
-    count(engine_pages_released=1)
+    count(Event.ENGINE_PAGES_RELEASED)
     return True
-
-
-def streamed_pending() -> int:
-    """Streamed segments this process still owns (not handed over, not released)."""
-    return process.current().owned.pending(handover_only=True)
-

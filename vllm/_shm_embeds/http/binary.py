@@ -23,7 +23,7 @@ against the served model *before allocating anything* (datatype, 2-D,
 ``binary_data_size == T*H*itemsize``, ``H`` = hidden size, ``1 <= T <=
 max_model_len``, header length and total against ``Content-Length``, total
 against ``VLLM_SHM_EMBEDS_BINARY_MAX_BYTES``), then writes the following body chunks from
-``receive()`` straight into one :class:`~vllm._shm_embeds.transfer.StreamedSegment`
+``receive()`` straight into one :class:`~vllm._shm_embeds.streamed.StreamedSegment`
 per tensor (``pwrite``; no join of the body, no base64, no ``torch.load``, no
 JSON scan of the bulk). It then calls the stock app with a small JSON body in
 which each descriptor is replaced by a placeholder string
@@ -35,7 +35,7 @@ per-request random token and the tensors. The stock decode sites
 context variable of *this* request holds the same token; any other bytes,
 including the same placeholder sent by a JSON client, take vLLM's own path
 and get its usual error. Hop 1 then sends the segment itself by handle
-(:func:`~vllm._shm_embeds.transfer.take_handover`): the socket-to-segment write is the
+(:func:`~vllm._shm_embeds.streamed.hand_over`): the socket-to-segment write is the
 only copy of the bytes (a ``datatype`` other than the model's costs one more,
 counted, as the JSON path's cast). The prefix-cache digests of each block are
 computed on the hashing pool while the body arrives (``digests.StreamHasher``),
@@ -68,7 +68,7 @@ from vllm.logger import init_logger
 from vllm._shm_embeds import digests
 from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.config import body_deadline_s
-from vllm._shm_embeds.counters import count, count_reason
+from vllm._shm_embeds.counters import Event, count, count_many, count_reason
 from vllm._shm_embeds.http.binary_header import (  # noqa: F401 (re-exported)
     CONTENT_TYPE,
     DATATYPES,
@@ -82,20 +82,17 @@ from vllm._shm_embeds.http.binary_header import (  # noqa: F401 (re-exported)
     parse_header,
     parse_spec,
 )
+from vllm._shm_embeds.http.body_limits import Stalled, deadline_for, receive_body_message
 from vllm._shm_embeds.http.common import (
     COMPLETIONS,
     Receive,
     Send,
     ServerContext,
-    Stalled,
-    Upload,
-    call_with_body,
-    deadline_for,
-    receive_body_message,
     route,
     send_error,
 )
-from vllm._shm_embeds.transfer import StreamedSegment, release_streamed, streamed_tensor_like
+from vllm._shm_embeds.http.placeholders import Upload, call_with_body
+from vllm._shm_embeds.streamed import StreamedSegment, release_streamed, streamed_tensor_like
 
 logger = init_logger(__name__)
 
@@ -108,7 +105,7 @@ class _Disconnected(Exception):
 
 
 def _reject(e: BinaryBodyError) -> None:
-    count_reason("binary_rejected", e.reason)
+    count_reason(Event.BINARY_REJECTED, e.reason)
     logger.info("shm-embeds: binary body rejected (%s): %r", e.reason, e.message)
 
 
@@ -121,7 +118,7 @@ async def _send_error(send: Send, e: BinaryBodyError) -> None:
 class _Private:
     """A tensor in this process's memory that a body is written into: the stock
     way, for a tensor that cannot go to shared memory (budget, ENOSPC, a failed
-    write). Same interface as ``transfer.StreamedSegment``."""
+    write). Same interface as ``streamed.StreamedSegment``."""
 
     def __init__(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         self.tensor = torch.empty(shape, dtype=dtype)
@@ -153,7 +150,7 @@ def _open_sink(spec: TensorSpec) -> StreamedSegment | _Private:
 def _fall_back(segment: StreamedSegment | None, spec: TensorSpec, e: OSError) -> _Private:
     """Move a tensor's body bytes from a segment that failed to private memory."""
     reason = seg.fallback_reason(e)
-    count_reason("binary_fallback", reason)
+    count_reason(Event.BINARY_FALLBACK, reason)
     logger.debug("shm-embeds: a binary body's tensor goes the stock way (%s): %s", reason, e)
     private = _Private(spec.dtype, spec.shape)
     if segment is not None:
@@ -172,7 +169,7 @@ class _BodyReader:
         self._receive = receive
         self._buf = memoryview(b"")
         self.more = True
-        self.deadline = deadline_for(nbytes)  # for the whole body (``common.deadline_for``)
+        self.deadline = deadline_for(nbytes)  # for the whole body (``body_limits.deadline_for``)
 
     def extend(self, nbytes: int) -> None:
         """The body holds ``nbytes`` more than the deadline was set for."""
@@ -287,13 +284,13 @@ class BinaryBodyMiddleware:
             if any(t.dtype != limits.dtype for t in tensors):
                 upload.tensors = await asyncio.get_running_loop().run_in_executor(
                     None, _convert, tensors, limits.dtype)
-            count(binary_bodies=1, binary_tensors=len(tensors),
-                  binary_bytes=sum(t.nbytes for t in tensors))
+            count_many({Event.BINARY_BODIES: 1, Event.BINARY_TENSORS: len(tensors),
+                        Event.BINARY_BYTES: sum(t.nbytes for t in tensors)})
             del tensors
         except _Disconnected:
             for s in segs:  # before counting: the counter says it is clean
                 s.abort()
-            count_reason("binary_rejected", "disconnect")
+            count_reason(Event.BINARY_REJECTED, "disconnect")
             logger.info("shm-embeds: client disconnected during a binary upload")
             return
         except BinaryBodyError as e:
@@ -345,11 +342,11 @@ def _convert(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tens
         try:
             dst = streamed_tensor_like(dtype, tuple(t.shape))
         except OSError as e:  # no room: cast in private memory, the stock way
-            count_reason("binary_fallback", seg.fallback_reason(e))
+            count_reason(Event.BINARY_FALLBACK, seg.fallback_reason(e))
             dst = t.to(dtype)
         else:
             dst.copy_(t)
-        count(binary_converted_bytes=dst.nbytes)
+        count(Event.BINARY_CONVERTED_BYTES, dst.nbytes)
         release_streamed(t)
         out.append(dst)
     return out

@@ -17,14 +17,9 @@ import torch
 from starlette.datastructures import Headers
 
 from vllm._shm_embeds.config import binary_max_tensors
-from vllm._shm_embeds.http.common import (
-    ServerContext,
-    byte_count,
-    content_type,
-    embeds_slots,
-    new_token,
-    placeholder,
-)
+from vllm._shm_embeds.http.body_limits import byte_count
+from vllm._shm_embeds.http.common import ServerContext, content_type, embeds_slots
+from vllm._shm_embeds.http.placeholders import new_token, placeholder
 
 HEADER_NAME = "inference-header-content-length"
 CONTENT_TYPE = b"application/octet-stream"
@@ -186,7 +181,7 @@ def frame_header_length(headers: list[tuple[bytes, bytes]]) -> tuple[int, int | 
     it then goes to stock handling.
     Raises:
         BinaryBodyError: the header values are not byte counts (ASCII digits,
-            ``common.byte_count``), or the JSON header is longer than the body
+            ``body_limits.byte_count``), or the JSON header is longer than the body
             or than :data:`MAX_JSON_BYTES`.
     """
     h = Headers(raw=headers)

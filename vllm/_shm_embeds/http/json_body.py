@@ -30,7 +30,7 @@ chunks on the event loop; the rest runs in a worker thread
 3. for each of those, when the payload is one plain tensor of the model's
    dtype (what clients send; :func:`_plain_tensor_layout` says exactly
    which), its base64 is decoded straight into a
-   :class:`~vllm._shm_embeds.transfer.StreamedSegment` 4 MiB at a time, each chunk
+   :class:`~vllm._shm_embeds.streamed.StreamedSegment` 4 MiB at a time, each chunk
    hashed for the prefix cache while the next is decoded (``torch_save.direct_decode``:
    one pass, no private copy of the tensor). Any other payload goes
    through vLLM's own ``safe_load_prompt_embeds`` on a ``memoryview`` of the
@@ -41,7 +41,7 @@ chunks on the event loop; the rest runs in a worker thread
 
 The stock app then gets the skeleton, and the binary path's machinery does
 the rest: placeholders resolve only in this request's context
-(``http/common.py`` ``resolve_placeholder``, patched decode sites) and
+(``http/placeholders.py`` ``resolve_placeholder``, patched decode sites) and
 hop 1 hands the segment over with its digests, no copy.
 
 Stock behaviour is kept by construction: if anything in step 2 or 3 fails
@@ -83,28 +83,22 @@ from vllm.logger import init_logger
 from vllm._shm_embeds import digests
 from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.config import min_bytes
-from vllm._shm_embeds.counters import count, count_reason
+from vllm._shm_embeds.counters import Event, count_many, count_reason
+from vllm._shm_embeds.http.body_limits import IN_FLIGHT, Stalled, byte_count, deadline_for
 from vllm._shm_embeds.http.common import (
-    IN_FLIGHT,
     Receive,
     Send,
     ServerContext,
-    Stalled,
-    Upload,
-    byte_count,
-    call_with_body,
     content_type,
-    deadline_for,
     embeds_slots,
     headers,
-    new_token,
-    placeholder,
     route,
     send_error,
 )
 from vllm._shm_embeds.http.json_read import body_buffer, read_body  # noqa: F401
-from vllm._shm_embeds.http.torch_save import direct_decode
-from vllm._shm_embeds.transfer import release_streamed
+from vllm._shm_embeds.http.placeholders import Upload, call_with_body, new_token, placeholder
+from vllm._shm_embeds.streamed import release_streamed
+from vllm._shm_embeds.torch_save import direct_decode
 
 logger = init_logger(__name__)
 
@@ -305,8 +299,8 @@ def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext) -> Prepared:
         raise
     finally:
         view.release()
-    count(json_bodies=1, json_tensors=len(keep),
-              json_bytes=sum(t.nbytes for t in tensors if t is not None))
+    count_many({Event.JSON_BODIES: 1, Event.JSON_TENSORS: len(keep),
+                Event.JSON_BYTES: sum(t.nbytes for t in tensors if t is not None)})
     return Prepared(skeleton, Upload(token, tensors, ctx.hash_block_tokens))
 
 
@@ -357,24 +351,24 @@ class JsonBodyMiddleware:
                 or not ctx.enable_prompt_embeds):
             return await self.app(scope, receive, send)
         if length > max_json_body_bytes(ctx):
-            count_reason("json_fallback", "too_large")
+            count_reason(Event.JSON_FALLBACK, "too_large")
             return await self.app(scope, receive, send)
         if not IN_FLIGHT.take(length):
-            count_reason("json_fallback", "busy")
+            count_reason(Event.JSON_FALLBACK, "busy")
             return await self.app(scope, receive, send)
         try:
             try:
                 raw = await read_body(receive, length, deadline_for(length))
             except Stalled as e:  # a body that stalls holds memory: refuse it, as 408
-                count_reason("json_fallback", "timeout")
+                count_reason(Event.JSON_FALLBACK, "timeout")
                 logger.info("shm-embeds: JSON body stalled: %s", e)
                 return await send_error(send, 408, f"{e}; request timed out",
                                         "RequestTimeout")
             if raw is None:
-                count_reason("json_fallback", "disconnect")
+                count_reason(Event.JSON_FALLBACK, "disconnect")
                 return
             if isinstance(raw, bytes):
-                count_reason("json_fallback", "body")
+                count_reason(Event.JSON_FALLBACK, "body")
                 return await self._downstream(scope, receive, send, raw, None)
             try:
                 prepared = await asyncio.get_running_loop().run_in_executor(
@@ -387,7 +381,7 @@ class JsonBodyMiddleware:
         finally:
             IN_FLIGHT.give_back(length)
         if prepared.upload is None:
-            count_reason("json_fallback", prepared.reason)
+            count_reason(Event.JSON_FALLBACK, prepared.reason)
             return await self._downstream(scope, receive, send, prepared.body, None)
         try:
             await self._downstream(scope, receive, send, prepared.body, prepared.upload)

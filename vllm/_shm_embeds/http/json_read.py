@@ -15,7 +15,8 @@ import errno
 import mmap
 from typing import Any
 
-from vllm._shm_embeds.http.common import Receive, receive_body_message
+from vllm._shm_embeds.http.body_limits import receive_body_message
+from vllm._shm_embeds.http.common import Receive
 
 LOOKAHEAD_MIN = 64 << 10  # bytes of a body buffer faulted in before they arrive: at least,
 LOOKAHEAD_MAX = 16 << 20  # at most (and never more than what already arrived)
@@ -80,7 +81,7 @@ async def read_body(receive: Receive, length: int,
 
     Args:
         deadline: ``time.monotonic()`` by which the whole body must be in
-            (``common.deadline_for``), or None for only the per-receive timeout.
+            (``body_limits.deadline_for``), or None for only the per-receive timeout.
     Returns None if the client disconnected; ``bytes`` when no buffer could
     be made or the body did not match ``length`` (the stock app then judges
     it as it is); else the buffer (the caller closes it).

@@ -38,10 +38,10 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm._shm_embeds import config, counters
+from vllm._shm_embeds import config, counters, process, segment_dir
 from vllm._shm_embeds import segment as seg
-from vllm._shm_embeds.handle import pid_namespace, proc_start_time
 from vllm._shm_embeds.process import NO_SPACE_MARKER
+from vllm._shm_embeds.procfs import pid_namespace, proc_start_time
 
 logger = init_logger(__name__)
 
@@ -110,8 +110,6 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 }
 PREFIX = "vllm:shm_embeds_"
 
-_model_name = ""  # served model name, set by the API server's client (set_model_name)
-_owned_dir: tuple[int, str] | None = None  # (pid, path) of the dir this process made
 
 # --------------------------------------------------------------------------
 # the stats directory
@@ -127,7 +125,6 @@ def ensure_stats_dir() -> str:
     the processes this one starts inherit it, and removed when this process
     exits. Call it before the engine processes are started.
     """
-    global _owned_dir
     current = config.stats_dir()
     if current:
         os.makedirs(current, exist_ok=True)
@@ -137,15 +134,16 @@ def ensure_stats_dir() -> str:
     sweep_stale_stats_dirs()
     path = tempfile.mkdtemp(prefix=f"{STATS_DIR_PREFIX}{os.getpid()}.")
     config.set_stats_dir(path)
-    _owned_dir = (os.getpid(), path)
-    atexit.register(_remove_owned_dir)
+    state = process.current()
+    state.stats_dir_made = path
+    atexit.register(_remove_stats_dir, state)
     return path
 
 
-def _remove_owned_dir() -> None:
-    """At exit: remove the directory this process made (not in a forked child)."""
-    if _owned_dir is not None and _owned_dir[0] == os.getpid():
-        shutil.rmtree(_owned_dir[1], ignore_errors=True)
+def _remove_stats_dir(state: process.Process) -> None:
+    """At exit: remove the directory ``state``'s process made (not in a forked child)."""
+    if state.stats_dir_made is not None and state.pid == os.getpid():
+        shutil.rmtree(state.stats_dir_made, ignore_errors=True)
 
 
 def sweep_stale_stats_dirs(directory: str | None = None) -> int:
@@ -170,28 +168,28 @@ def sweep_stale_stats_dirs(directory: str | None = None) -> int:
 
 def set_model_name(name: Any) -> None:
     """Record the served model name for the ``model_name`` label."""
-    global _model_name
-    _model_name = str(name or "")
+    process.current().model_name = str(name or "")
 
 
 
 # --------------------------------------------------------------------------
 # aggregation: the public families from every process's events
 
-_HOP_EVENTS = {f"hop{h}_{p}_{w}": (h, p, w) for h in "12" for p in ("shm", "stock")
+E = counters.Event  # every event name below is a declared one (a typo: AttributeError)
+_HOP_EVENTS = {E(f"hop{h}_{p}_{w}"): (h, p, w) for h in "12" for p in ("shm", "stock")
                for w in ("tensors", "bytes")}
 _RECEIVER = {"1": "engine", "2": "worker"}  # role of a hop's receiving process
-_REUSED = {"hop1_handover_tensors": "1", "hop1_region_tensors": "1",
-           "hop2_reused_tensors": "2"}
-_REASONS = {"fallback": "fallbacks", "binary_rejected": "binary_rejected",
-            "binary_fallback": "binary_fallbacks", "json_fallback": "json_fallbacks",
-            "json_direct_declined": "json_direct_declined",
-            "region_refused": "region_refused", "region_lease_refused": "region_lease_refused",
-            "region_unregistered": "region_unregistered"}
-_PLAIN = ("copied_bytes", "segments_created", "segments_unlinked", "segments_swept",
-          "adopt_names_taken",
-          "binary_bodies", "binary_bytes", "regions_registered", "region_bytes",
-          "region_leases", "region_lookups", "region_lookup_trimmed", "regions_freed")
+_REUSED = {E.HOP1_HANDOVER_TENSORS: "1", E.HOP1_REGION_TENSORS: "1",
+           E.HOP2_REUSED_TENSORS: "2"}
+_REASONS = {E.FALLBACK: "fallbacks", E.BINARY_REJECTED: "binary_rejected",
+            E.BINARY_FALLBACK: "binary_fallbacks", E.JSON_FALLBACK: "json_fallbacks",
+            E.JSON_DIRECT_DECLINED: "json_direct_declined",
+            E.REGION_REFUSED: "region_refused", E.REGION_LEASE_REFUSED: "region_lease_refused",
+            E.REGION_UNREGISTERED: "region_unregistered"}
+_PLAIN = (E.COPIED_BYTES, E.SEGMENTS_CREATED, E.SEGMENTS_UNLINKED, E.SEGMENTS_SWEPT,
+          E.ADOPT_NAMES_TAKEN,
+          E.BINARY_BODIES, E.BINARY_BYTES, E.REGIONS_REGISTERED, E.REGION_BYTES,
+          E.REGION_LEASES, E.REGION_LOOKUPS, E.REGION_LOOKUP_TRIMMED, E.REGIONS_FREED)
 
 
 def aggregate(values: dict[tuple[counters.Key, str], float], pids: set[int],
@@ -216,20 +214,20 @@ def aggregate(values: dict[tuple[counters.Key, str], float], pids: set[int],
     for how in ("direct", "loader"):
         out["json_tensors"][(how,)] = 0
     for name in _PLAIN:
-        out[name][()] = 0
+        out[name.value][()] = 0
 
     def add(metric: str, labels: tuple[str, ...], value: float) -> None:
         out[metric][labels] = out[metric].get(labels, 0) + value
 
     for (key, role), value in values.items():
         event = key.event
-        if event == "fallback":
+        if event == E.FALLBACK:
             add("fallbacks", (key.hop, key.reason), value)
         elif event in _REASONS:
             add(_REASONS[event], (key.reason,), value)
-        elif event == "json_tensors":
+        elif event == E.JSON_TENSORS:
             add("json_tensors", ("loader",), value)
-        elif event == "json_direct_tensors":  # counted in json_tensors too
+        elif event == E.JSON_DIRECT_TENSORS:  # counted in json_tensors too
             add("json_tensors", ("direct",), value)
             add("json_tensors", ("loader",), -value)
         elif event in _PLAIN:
@@ -243,7 +241,7 @@ def aggregate(values: dict[tuple[counters.Key, str], float], pids: set[int],
             elif what == "tensors" and path == "shm":
                 add("received_tensors", (hop,), value)
     seg_dir = seg_dir or config.shm_dir()
-    out["dir_held_bytes"][()] = seg.held_bytes(seg_dir, pids, pid_namespace())
+    out["dir_held_bytes"][()] = segment_dir.held_bytes(seg_dir, pids, pid_namespace())
     try:
         st = os.statvfs(seg_dir)
         out["dir_free_bytes"][()] = st.f_bavail * st.f_frsize
@@ -264,11 +262,12 @@ class ShmEmbedsCollector:
     def _families(self, values: dict | None) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+        model_name = process.current().model_name
         for name, (kind, doc, labels) in METRICS.items():
             cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             family = cls(PREFIX + name, doc, labels=["model_name", *labels])
             for label_values, value in sorted((values or {}).get(name, {}).items()):
-                family.add_metric([_model_name, *label_values], value)
+                family.add_metric([model_name, *label_values], value)
             yield family
 
     def describe(self) -> Iterator[Any]:

@@ -1,13 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Registered regions in the API server: the socket at start-up, references in request bodies.
+"""Registered regions in the API server's requests: references in request bodies.
 
 With ``VLLM_SHM_EMBEDS_REGIONS=<path>``, same-host producers register sealed
-memfds holding ``prompt_embeds`` tensors over a Unix socket
-(``region_server.py``; the registry and its checks are ``regions.py``;
-protocol and security model in ``docs/regions.md``). A request then names a
-region wherever a ``prompt_embeds`` tensor can appear (the completions field
-or a list item of it, a chat ``prompt_embeds`` content part), in a plain JSON
-body, with Triton's parameter names::
+memfds holding ``prompt_embeds`` tensors over a Unix socket (the
+``regions/`` package: socket, registry and checks; protocol and security
+model in ``docs/regions.md``). A request then names a region wherever a
+``prompt_embeds`` tensor can appear (the completions field or a list item
+of it, a chat ``prompt_embeds`` content part), in a plain JSON body, with
+Triton's parameter names::
 
     {"datatype": "FP32", "shape": [T, H],
      "parameters": {"shared_memory_region": "<id>",
@@ -15,14 +15,14 @@ body, with Triton's parameter names::
 
 :class:`RegionRefsMiddleware` (pure ASGI, added next to the JSON body
 middleware) starts the registry and the socket server at the app's
-``lifespan`` start-up (the served model is known then:
-``app.state.vllm_config``) and closes them at shutdown. On the two
+``lifespan`` start-up (``regions/service.py``; the served model is known
+then: ``app.state.vllm_config``) and closes them at shutdown. On the two
 completion routes it reads JSON bodies of at most 1 MiB
 (:data:`MAX_BODY_BYTES`; a body naming regions is small), and when a
 body names a region it *leases* each region for the request
 (``RegionRegistry.lease``: the reference must match the registration) and
 puts a placeholder there that resolves, in this request's context only, to
-the region's read-only tensor (``common.resolve_placeholder``). Hop 1 then
+the region's read-only tensor (``placeholders.resolve_placeholder``). Hop 1 then
 sends the API server's descriptor of the memfd instead of the bytes
 (``hop1.py``, ``transfer.share_region``); the digests computed at
 registration ride along. A reference that does not match gets 400, with a
@@ -45,26 +45,23 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm._shm_embeds import digests, process
-from vllm._shm_embeds.config import regions_group, regions_path, regions_refs_max
-from vllm._shm_embeds.counters import count, count_reason
+from vllm._shm_embeds import process
+from vllm._shm_embeds.config import regions_path, regions_refs_max
+from vllm._shm_embeds.counters import Event, count_many, count_reason
+from vllm._shm_embeds.http.body_limits import Stalled, receive_body_message
 from vllm._shm_embeds.http.common import (
     Receive,
     Send,
     ServerContext,
-    Stalled,
-    Upload,
-    call_with_body,
     content_type,
     embeds_slots,
     headers,
-    new_token,
-    placeholder,
-    receive_body_message,
     route,
     send_error,
 )
-from vllm._shm_embeds.regions import RegionError
+from vllm._shm_embeds.http.placeholders import Upload, call_with_body, new_token, placeholder
+from vllm._shm_embeds.regions.registry import RegionError
+from vllm._shm_embeds.regions.service import start_regions, stop_regions
 
 logger = init_logger(__name__)
 
@@ -85,7 +82,7 @@ def _region_ref(value: Any) -> dict | None:
 def lease_refs(path: str, body: Any, registry: Any) -> Upload | None:
     """Replace each region reference in ``body`` (in place) by a placeholder.
 
-    Returns the request's :class:`~vllm._shm_embeds.http.common.Upload`
+    Returns the request's :class:`~vllm._shm_embeds.http.placeholders.Upload`
     (its tensors are the regions', its leases end with it), or None when the
     body names no region.
 
@@ -132,7 +129,7 @@ def lease_refs(path: str, body: Any, registry: Any) -> Upload | None:
 
 async def _lease(path: str, body: Any, registry: Any) -> Upload | None:
     """:func:`lease_refs`; off the event loop when the registry is a sibling's
-    (``region_mirror``: a socket round trip per region). Leases taken by a
+    (``regions/mirror.py``: a socket round trip per region). Leases taken by a
     lookup whose request was cancelled meanwhile are released."""
     if not getattr(registry, "remote", False):
         return lease_refs(path, body, registry)  # in-process: a dict lookup
@@ -191,7 +188,7 @@ class RegionRefsMiddleware:
             try:
                 upload = await _lease(path, body, registry)
             except RegionError as e:
-                count_reason("region_refused", "reference")
+                count_reason(Event.REGION_REFUSED, "reference")
                 if e.reason == "leases":  # the server's, not the request's fault
                     return await send_error(send, 429, f"prompt_embeds region reference {e}",
                                             "TooManyRequests")
@@ -202,7 +199,7 @@ class RegionRefsMiddleware:
         try:
             upload.hash_block_tokens = getattr(ServerContext.of_app(scope),
                                                "hash_block_tokens", None)
-            count(region_requests=1, region_tensors=len(upload.leases))
+            count_many({Event.REGION_REQUESTS: 1, Event.REGION_TENSORS: len(upload.leases)})
             await call_with_body(self.app, scope, receive, send,
                                  json.dumps(body).encode(), upload)
         finally:
@@ -243,107 +240,3 @@ class RegionRefsMiddleware:
         server, self.server = self.server, None
         if server is not None or process.current().regions is not None:
             stop_regions(server)
-
-
-def _describe(tensor: Any) -> dict:
-    """A sibling's lookup answer carries the region's digests (hex), if any."""
-    d = digests.attached(tensor)
-    if d is None:
-        return {}
-    return {"block_sha256": {"block": d.block_tokens, "rows": d.rows,
-                             "digests": d.digests.hex()}}
-
-
-def _on_mirrored(tensor: Any, answer: dict) -> None:
-    """Attach the digests a sibling sent (computed there at registration)."""
-    field = answer.get("block_sha256")
-    try:
-        d = digests.BlockDigests(int(field["block"]), int(field["rows"]),
-                                 bytes.fromhex(field["digests"]))
-    except (TypeError, KeyError, ValueError):
-        return  # none sent: the EngineCore hashes this one
-    digests.attach(tensor, d)
-
-
-def _served_by_sibling(path: str) -> bool:
-    """True if a sibling API server (same uid and parent) listens on ``path``
-    now; False if nobody or another process does (it must never learn the
-    region ids named here). One non-blocking try: never waits."""
-    import socket
-
-    from vllm._shm_embeds.region_server import peer_is_sibling
-
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    try:
-        sock.setblocking(False)
-        sock.connect(path)
-        return peer_is_sibling(sock)
-    except OSError:
-        return False
-    finally:
-        sock.close()
-
-
-def start_regions(path: str, ctx: ServerContext) -> Any:
-    """Serve registrations on ``path`` for the model of ``ctx``; returns the
-    started ``region_server.RegionServer``, or None when a sibling API server
-    serves ``path`` (requests here then look regions up there:
-    ``region_mirror.RegionMirror``). The registry (or the mirror) becomes
-    ``process.current().regions``. Never waits (it runs on the event loop): a
-    sibling holding the start-up lock may still be starting; the mirror's
-    lookups fail cleanly (400) until it serves. Raises OSError if the path
-    cannot be used."""
-    import errno
-
-    from vllm._shm_embeds import region_mirror, region_server, region_socket, regions
-
-    datatype = next((k for k, v in regions.DTYPES.items() if v == ctx.dtype), None)
-    limits = regions.RegionLimits.from_config(ctx.hidden_size, ctx.max_model_len, datatype)
-    block_tokens, model_dtype = ctx.hash_block_tokens, ctx.dtype
-
-    def on_registered(tensor: Any) -> None:
-        # Hashed once for the prefix cache: the seals keep these bytes as they
-        # are. On the registration's own thread, not the pool requests wait on.
-        if block_tokens and tensor.dtype == model_dtype:
-            digests.attach(tensor, digests.hash_tensor_here(tensor, block_tokens))
-
-    registry = regions.RegionRegistry(limits, on_registered)
-    server = region_server.RegionServer(path, registry, group=regions_group(),
-                                        describe=_describe)
-    try:
-        server.start()
-    except OSError as e:
-        registry.close()
-        if e.errno != errno.EADDRINUSE:
-            raise
-        held_by_sibling = isinstance(e, region_socket.LockHeld) and e.sibling
-        if not held_by_sibling and not _served_by_sibling(path):
-            raise OSError(errno.EADDRINUSE, "another process, not an API server of this "
-                          "vllm serve, holds the regions socket", path) from None
-        process.current().regions = region_mirror.RegionMirror(path, limits, _on_mirrored)
-        logger.info("shm-embeds: registered prompt_embeds regions are served on %s by "
-                    "another API server; requests here look them up there", path)
-        return None
-    except BaseException:
-        registry.close()
-        raise
-    process.current().regions = registry
-    logger.info("shm-embeds: registered prompt_embeds regions served on %s (datatype %s, "
-                "shape [T, %d]; uids %s, at most %d regions and %d bytes per uid, idle TTL "
-                "%g s)", path, datatype, ctx.hidden_size, sorted(limits.allowed_uids),
-                limits.max_regions_per_uid, limits.max_bytes_per_uid, limits.idle_ttl_s)
-    return server
-
-
-def stop_regions(server: Any | None) -> None:
-    """Close the socket server and the registry (regions in use by requests
-    keep their memory until those end); never raises."""
-    state = process.current()
-    registry, state.regions = state.regions, None
-    try:
-        if server is not None:
-            server.close()
-        if registry is not None:
-            registry.close()
-    except Exception:
-        logger.exception("shm-embeds: closing the region socket failed")

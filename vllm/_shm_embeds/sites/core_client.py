@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Sites in ``vllm/v1/engine/core_client.py`` (API server / ``LLM`` process): hop 1 sender.
 
-See the index in ``sites/__init__.py`` for why each is patched.
+Each site below says what it does, why, and what upstream change would retire it.
 """
 
 from __future__ import annotations
@@ -178,13 +178,32 @@ def wrap_shutdown(orig: Callable, sweep: bool = False) -> Callable:
     return shutdown
 
 
+# What upstream change would retire most hop-1 sites (also ``engine_core.py``).
+HOP1_RETIRE = ("vLLM routing prompt_embeds through its tensor IPC whenever "
+               "--enable-prompt-embeds is on, with name-addressable segments (the seed PR's "
+               "design)")
+
 SITES = (
     Site("client_init", "hop1", MODULE, "MPClient.__init__",
-         ("vllm_config",), ("self.encoder = MsgpackEncoder(",), wrap_client_init),
+         ("vllm_config",), ("self.encoder = MsgpackEncoder(",), wrap_client_init,
+         what="after it, the request encoder offers the request's prompt_embeds to the hop-1 "
+              "consumer (MsgpackEncoder.oob_tensor_consumer); other tensors keep theirs "
+              "(e.g. the multimodal TensorIpcSender); logs `hop 1 on`",
+         why="vLLM sends prompt_embeds as ZMQ frames: copied into and out of the socket",
+         retire=HOP1_RETIRE),
     Site("client_send_sync", "hop1", MODULE, "SyncMPClient._send_input", ("request",),
-         ("self.encoder.encode(request)",), wrap_send_input),
+         ("self.encoder.encode(request)",), wrap_send_input,
+         what="a segment made for a message whose encode or send fails is removed at once",
+         why="nothing else would remove it before the process exits",
+         retire="an encoder hook that owns the resources it makes"),
     Site("client_send_async", "hop1", MODULE, "AsyncMPClient._send_input", ("request",),
-         ("self.encoder.encode(request)",), wrap_send_input),
+         ("self.encoder.encode(request)",), wrap_send_input,
+         what="the same for the async client", why="the same",
+         retire="an encoder hook that owns the resources it makes"),
     Site("client_shutdown", "hop1", MODULE, "MPClient.shutdown",
-         wrap=functools.partial(wrap_shutdown, sweep=True)),
+         wrap=functools.partial(wrap_shutdown, sweep=True),
+         what="unlink segments never adopted and those of EngineCores vLLM force-killed; "
+              "log the summary",
+         why="a force-killed EngineCore leaves the segments it adopted behind",
+         retire="upstream lifetime tracking of IPC tensors"),
 )

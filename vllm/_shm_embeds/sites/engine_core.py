@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Sites in ``vllm/v1/engine/core.py`` (EngineCore process): hop 1 receiver.
 
-See the index in ``sites/__init__.py`` for why each is patched.
+Each site below says what it does, why, and what upstream change would retire it.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from vllm.logger import init_logger
 from vllm._shm_embeds import process
 from vllm._shm_embeds.counters import set_role
 from vllm._shm_embeds.hop1 import HandleOOBProvider
+from vllm._shm_embeds.sites.core_client import HOP1_RETIRE
 from vllm._shm_embeds.sites.site import Site
 
 MODULE = "vllm.v1.engine.core"
@@ -52,7 +53,14 @@ def wrap_engine_preprocess(orig: Callable) -> Callable:
 
 SITES = (
     Site("engine_input", "hop1", MODULE, "EngineCoreProc.process_input_sockets",
-         (), ("oob_tensor_provider=self.tensor_ipc_receiver",), wrap_engine_input),
+         (), ("oob_tensor_provider=self.tensor_ipc_receiver",), wrap_engine_input,
+         what="before it builds its decoders, self.tensor_ipc_receiver is wrapped by the "
+              "hop-1 provider, which adopts segments",
+         why="the decoders take their tensor provider from that attribute at start",
+         retire=HOP1_RETIRE),
     Site("engine_preprocess", "hop1", MODULE, "EngineCore.preprocess_add_request",
-         ("request",), wrap=wrap_engine_preprocess),
+         ("request",), wrap=wrap_engine_preprocess,
+         what="a request whose segment could not be adopted is rejected",
+         why="a request-scoped error, not a dead input thread",
+         retire="a provider error path in vLLM's decoder"),
 )

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Sites in ``vllm/entrypoints/`` (API server): our middlewares in vLLM's app.
 
-See the index in ``sites/__init__.py`` for why each is patched.
+Each site below says what it does, why, and what upstream change would retire it.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _add_json_middleware(app: Any) -> None:
 def _add_region_middleware(app: Any) -> None:
     """With ``VLLM_SHM_EMBEDS_REGIONS`` set, add the registered-regions middleware
     (it opens the socket at the app's start-up); never raises."""
-    if not config.regions_path():
+    if STATUS.get("regions") or not config.regions_path():
         return
     try:
         from vllm._shm_embeds.http.region_refs import RegionRefsMiddleware
@@ -91,17 +91,33 @@ def wrap_attach_router(orig: Callable) -> Callable:
     return attach_router
 
 
+# What upstream change would retire the middleware sites.
+APP_RETIRE = ("a general-plugin hook for ASGI middleware (endpoint plugins need "
+              "VLLM_PLUGINS, which would turn off the user's other general plugins)")
+METRICS_RETIRE = "a collector hook on vLLM's multiprocess /metrics registry"
+
 SITES = (
     # build_app calls init_entrypoints_middleware through its module's global.
     Site("app_build", "binary", APP, "build_app", ("args",),
-         ("init_entrypoints_middleware(args, app, supported_tasks)",)),
+         ("init_entrypoints_middleware(args, app, supported_tasks)",),
+         what="must call init_entrypoints_middleware through its module global",
+         why="app_middleware replaces that global", retire=APP_RETIRE),
     Site("app_middleware", "binary", "vllm.entrypoints.serve.middleware.register",
          "init_entrypoints_middleware", ("args", "app", "supported_tasks"),
-         ("app.add_middleware(",), wrap_init_middleware, patch_in=APP),
+         ("app.add_middleware(",), wrap_init_middleware, patch_in=APP,
+         what="adds the binary body middleware, and the JSON and regions ones when their "
+              "groups are on, first, i.e. inside vLLM's own (authentication, CORS)",
+         why="request bodies must be read before vLLM parses them", retire=APP_RETIRE),
     Site("metrics_route", "metrics", METRICS, "attach_router", ("app",),
-         ("Instrumentator(", '"/metrics"'), wrap_attach_router),
+         ("Instrumentator(", '"/metrics"'), wrap_attach_router,
+         what="after vLLM mounts /metrics, a middleware appends the vllm:shm_embeds_* "
+              "families of every process",
+         why="with several API servers the /metrics route builds its own registry per "
+             "scrape", retire=METRICS_RETIRE),
     # Its caller imports attach_router at call time, so it sees the wrapper.
     Site("metrics_caller", "metrics", "vllm.entrypoints.serve.instrumentator",
          "register_instrumentator_api_routers", ("app",),
-         ("from .metrics import attach_router",)),
+         ("from .metrics import attach_router",),
+         what="imports attach_router at call time, so it sees the wrapper",
+         why="metrics_route is patched on its module", retire=METRICS_RETIRE),
 )

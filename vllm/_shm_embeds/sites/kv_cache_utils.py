@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Sites in ``vllm/v1/core/kv_cache_utils.py`` (EngineCore): prefix-cache digests of embeds.
 
-See the index in ``sites/__init__.py`` for why each is patched.
+Each site below says what it does, why, and what upstream change would retire it.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Callable
 from vllm.logger import init_logger
 
 from vllm._shm_embeds import digests
-from vllm._shm_embeds.counters import count
+from vllm._shm_embeds.counters import Event, count
 from vllm._shm_embeds.sites.site import Site
 
 MODULE = "vllm.v1.core.kv_cache_utils"
@@ -37,9 +37,9 @@ def wrap_gen_prompt_embeds_extra_hash_keys(orig: Callable) -> Callable:
                     (start_token_idx, end_token_idx) not in cache:
                 n = digests.fill_block_cache(cache, embeds, start_token_idx, end_token_idx)
                 if n is not None:
-                    count(hash_reused_blocks=n)
+                    count(Event.HASH_REUSED_BLOCKS, n)
                 elif start_token_idx < getattr(embeds, "shape", (0,))[0]:
-                    count(hash_engine_blocks=1)  # vLLM hashes this block itself
+                    count(Event.HASH_ENGINE_BLOCKS)  # vLLM hashes this block itself
         except Exception:  # never into vLLM's scheduler: vLLM hashes the block
             logger.debug("shm-embeds: digests not used for a block", exc_info=True)
         return orig(request, start_token_idx, end_token_idx, *args, **kwargs)
@@ -47,14 +47,24 @@ def wrap_gen_prompt_embeds_extra_hash_keys(orig: Callable) -> Callable:
     return _gen_prompt_embeds_extra_hash_keys
 
 
+# What upstream change would retire the digest sites.
+HASH_RETIRE = ("vLLM hashing prompt_embeds in the frontend, or carrying digests on "
+               "EngineCoreRequest")
+
 SITES = (
     # generate_block_hash_extra_keys looks it up in its module's globals.
     Site("embeds_block_hash", "json", MODULE, "_gen_prompt_embeds_extra_hash_keys",
          ("request", "start_token_idx", "end_token_idx"),
          ("request._prompt_embeds_per_block_hashes.get(block_range)",
           "hashlib.sha256(tensor_data(block_prompt_embeds)).digest()"),
-         wrap_gen_prompt_embeds_extra_hash_keys),
+         wrap_gen_prompt_embeds_extra_hash_keys,
+         what="EngineCore: the API server's digests fill "
+              "Request._prompt_embeds_per_block_hashes, so vLLM hashes nothing again",
+         why="vLLM SHA-256-hashes the embeds on the EngineCore's input thread",
+         retire=HASH_RETIRE),
     Site("embeds_block_hash_caller", "json", MODULE, "generate_block_hash_extra_keys",
          ("request", "start_token_idx", "end_token_idx"),
-         ("_gen_prompt_embeds_extra_hash_keys(",)),
+         ("_gen_prompt_embeds_extra_hash_keys(",),
+         what="looks _gen_prompt_embeds_extra_hash_keys up in its module's globals",
+         why="so it calls the wrapper", retire=HASH_RETIRE),
 )

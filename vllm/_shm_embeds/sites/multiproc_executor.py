@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Sites in ``vllm/v1/executor/multiproc_executor.py``: hop 2 (EngineCore and TP workers).
 
-See the index in ``sites/__init__.py`` for why each is patched.
+Each site below says what it does, why, and what upstream change would retire it.
 """
 
 from __future__ import annotations
@@ -149,11 +149,27 @@ def wrap_worker_rpc(orig: Callable) -> Callable:
     return _execute_worker_rpc
 
 
+# What upstream change would retire the hop-2 sites.
+HOP2_RETIRE = ("--enable-shm-tensor-arena without its size cap and slot limit, reusing "
+               "hop 1's segment")
+
 SITES = (
     Site("executor_rpc", "hop2", MODULE, "MultiprocExecutor.collective_rpc",
-         ("method", "args", "kwargs"), ("self.rpc_broadcast_mq.enqueue(",), wrap_executor_rpc),
+         ("method", "args", "kwargs"), ("self.rpc_broadcast_mq.enqueue(",), wrap_executor_rpc,
+         what="NewRequestData.prompt_embeds in a SchedulerOutput argument is swapped for a "
+              "handle while the message is enqueued, then restored; skipped when the queue "
+              "has remote readers",
+         why="above 16 MiB the broadcast sends each TP reader its own copy over ZMQ",
+         retire=HOP2_RETIRE),
     Site("worker_rpc", "hop2", MODULE, "WorkerProc._execute_worker_rpc", ("rpc_request",),
-         wrap=wrap_worker_rpc),
-    Site("executor_shutdown", "hop2", MODULE, "MultiprocExecutor.shutdown", wrap=wrap_shutdown),
-    Site("worker_shutdown", "hop2", MODULE, "WorkerProc.shutdown", wrap=wrap_shutdown),
+         wrap=wrap_worker_rpc,
+         what="handles are mapped back to tensors before the worker method runs; all ranks "
+              "agree (all-reduce over TP, then PP) whether every rank mapped them",
+         why="a rank that could not map must fail the step on every rank, none left waiting",
+         retire=HOP2_RETIRE),
+    Site("executor_shutdown", "hop2", MODULE, "MultiprocExecutor.shutdown", wrap=wrap_shutdown,
+         what="unlink what is left, log the summary",
+         why="segments still owned at shutdown", retire=HOP2_RETIRE),
+    Site("worker_shutdown", "hop2", MODULE, "WorkerProc.shutdown", wrap=wrap_shutdown,
+         what="log the summary", why="the worker's counts at exit", retire=HOP2_RETIRE),
 )

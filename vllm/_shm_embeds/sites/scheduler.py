@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Sites in ``vllm/v1/core/sched/scheduler.py`` (EngineCore): a freed request lets go.
 
-See the index in ``sites/__init__.py`` for why each is patched.
+Each site below says what it does, why, and what upstream change would retire it.
 """
 
 from __future__ import annotations
@@ -49,5 +49,12 @@ def wrap_free_request(orig: Callable) -> Callable:
 
 SITES = (
     Site("free_request", "release", MODULE, "Scheduler._free_request", ("request",),
-         ("self.finished_req_ids.add(request_id)",), wrap_free_request),
+         ("self.finished_req_ids.add(request_id)",), wrap_free_request,
+         what="EngineCore: once vLLM frees a finished request, its segment's name is "
+              "unlinked (a name lasts as long as its request, so the budget counts it) and "
+              "its pages of an adopted segment are dropped",
+         why="vLLM's input path keeps the last request received alive until the next "
+             "message, so an idle server held one request's embeds",
+         retire="vLLM dropping its reference to a decoded request once it is added (or "
+                "freeing prompt_embeds with the request)"),
 )

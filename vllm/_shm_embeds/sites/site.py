@@ -28,8 +28,8 @@ class Site:
 
     Attributes:
         key: short name, unique in the registry (``sites/__init__.py``).
-        group: ``hop1``, ``hop2``, ``binary``, ``json`` or ``metrics``; a
-            group is patched only if every one of its sites holds.
+        group: a key of ``sites.GROUPS``; a group is patched only if every
+            one of its sites holds.
         module: e.g. ``"vllm.v1.engine.core_client"``.
         qualname: ``"Class.method"``, or ``"function"`` for a module-level
             function (or a module global that names one).
@@ -41,6 +41,13 @@ class Site:
         patch_in: a module that imported the function by name and calls it
             through its own global: that global is replaced (and must be
             vLLM's function), not the defining module's.
+        what: what the plugin does there (or relies on, for a checked site).
+        why: what vLLM does there that the plugin avoids or needs.
+        retire: the upstream change (a PR, or what it would do) that would
+            make the site unnecessary.
+
+    These three are the only place those facts are written: ``docs/design.md``'s
+    sites table is generated from them (``tools/check_sites.py --doc``).
     """
 
     key: str
@@ -52,6 +59,9 @@ class Site:
     wrap: Callable[[Callable], Callable] | None = None
     alt_modules: tuple[str, ...] = ()
     patch_in: str | None = None
+    what: str = ""
+    why: str = ""
+    retire: str = ""
 
     def resolve(self) -> tuple[Any, str, Callable]:
         """``(owner, attribute name, function)``; owner is a class or a module.

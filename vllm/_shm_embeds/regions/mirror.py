@@ -2,7 +2,7 @@
 """Registered regions seen from a sibling API server (``--api-server-count`` > 1).
 
 One API server of a ``vllm serve`` serves the regions socket
-(``region_server.py``); producers register there, once. Each request that
+(``regions/server.py``); producers register there, once. Each request that
 lands on another API server and names a region is resolved by
 :class:`RegionMirror`: it asks the serving API server over the same socket
 (``{"op": "lookup"}``; only a sibling, same uid and parent, may) and gets the
@@ -14,7 +14,7 @@ never served here afterwards, and one in use here stays valid after the
 producer unregistered it (this process holds its own reference). Hop 1 then
 sends *this* process's fd of it, as the serving API server would.
 
-Knows sockets and the registry (``regions.py``), not vLLM and not HTTP.
+Knows sockets and the registry (``regions/registry.py``), not vLLM and not HTTP.
 """
 
 from __future__ import annotations
@@ -30,15 +30,15 @@ from typing import Any
 
 import torch
 
-from vllm._shm_embeds.counters import count
-from vllm._shm_embeds.region_socket import peer_is_sibling, received_fds
-from vllm._shm_embeds.regions import (
+from vllm._shm_embeds.counters import Event, count
+from vllm._shm_embeds.regions.registry import (
     UNKNOWN_REGION,
     Lease,
     RegionError,
     RegionLimits,
     RegionRegistry,
 )
+from vllm._shm_embeds.regions.sockets import peer_is_sibling, received_fds
 
 _MAX_REPLY = 1 << 20  # bytes of a lookup answer (digests included)
 _TIMEOUT_S = 10.0
@@ -136,7 +136,7 @@ class RegionMirror:
                 self._local.unregister(region.id)  # freed when the lease ends
             except RegionError:
                 pass  # closed meanwhile (shutdown): already unregistered
-        count(region_lookups=1)
+        count(Event.REGION_LOOKUPS)
         return lease
 
     def find(self, tensor: torch.Tensor) -> tuple[int, int, int] | None:

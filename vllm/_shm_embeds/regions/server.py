@@ -15,11 +15,11 @@ Protocol (pinned; producers in any language speak it): an ``AF_UNIX``,
   every fd received with it is closed and the connection stays usable,
   unless the fd attached is not a memfd: the connection is then closed after
   the answer (as it is for a message sent while the server takes no fds,
-  its closer thread being behind: ``region_socket.closer_busy``).
+  its closer thread being behind: ``sockets.closer_busy``).
 
 Internal, between the API servers of one ``vllm serve`` (``--api-server-count``
 > 1; they are siblings, children of the same process): one of them serves the
-socket, the others look regions up in it (``region_mirror.py``):
+socket, the others look regions up in it (``regions/mirror.py``):
 ``{"op": "lookup", "region": "<id>"}`` -> ``{"datatype": ..., "shape": [T, H],
 "byte_size": N, ...}`` with the region's fd attached, or an error. Only a peer
 with this process's uid and parent may look up. Which API server serves the
@@ -38,7 +38,7 @@ registry's idle expiry about once a second; registrations (hashing the
 tensor: seconds for GiBs) run on two workers, and a connection is not read
 while its registration runs, so answers stay in order.
 
-Knows sockets and the registry (``regions.py``), not vLLM and not HTTP.
+Knows sockets and the registry (``regions/registry.py``), not vLLM and not HTTP.
 """
 
 from __future__ import annotations
@@ -58,8 +58,9 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm._shm_embeds import config
-from vllm._shm_embeds.counters import count, count_reason
-from vllm._shm_embeds.region_socket import (  # peer_is_sibling: public here too
+from vllm._shm_embeds.counters import Event, count, count_reason
+from vllm._shm_embeds.regions.registry import NOT_MEMFD, RegionError, RegionRegistry
+from vllm._shm_embeds.regions.sockets import (  # peer_is_sibling: public here too
     clear_path,
     closer_busy,
     discard_fd,
@@ -72,7 +73,6 @@ from vllm._shm_embeds.region_socket import (  # peer_is_sibling: public here too
     received_fds,
     set_mode,
 )
-from vllm._shm_embeds.regions import NOT_MEMFD, RegionError, RegionRegistry
 
 logger = init_logger(__name__)
 
@@ -143,7 +143,7 @@ class RegionServer:
 
         Raises:
             FileExistsError: ``path`` exists and is not a socket.
-            region_socket.LockHeld: a process of this uid serves ``path``
+            sockets.LockHeld: a process of this uid serves ``path``
                 (EADDRINUSE; ``sibling``: another API server of this ``vllm serve``).
             OSError: another server listens on ``path`` (EADDRINUSE), or
                 binding failed.
@@ -240,7 +240,7 @@ class RegionServer:
                 while self._done:  # registrations answered: read those connections again
                     conn, sent = self._done.popleft()
                     if not sent:
-                        self._drop(sel, conn, "disconnect")
+                        self._close_conn(sel, conn, "disconnect")
                     elif conn in self._conns:
                         conn.busy = False
                         sel.register(conn.sock, selectors.EVENT_READ, conn)
@@ -260,7 +260,7 @@ class RegionServer:
             self._stop = True  # registrations not started yet are refused
             self._pool.shutdown(wait=True)
             for conn in list(self._conns):
-                self._drop(sel, conn, "close")
+                self._close_conn(sel, conn, "close")
             self._done.clear()
             sel.close()
             with self._wake_lock:
@@ -277,8 +277,8 @@ class RegionServer:
                 continue
             conn.regions = self.registry.registered(conn.regions)  # expired ones go
             if not conn.regions:
-                count_reason("region_refused", "idle_connection")
-                self._drop(sel, conn, "disconnect")
+                count_reason(Event.REGION_REFUSED, "idle_connection")
+                self._close_conn(sel, conn, "disconnect")
 
     def _drain_wake(self) -> None:
         try:
@@ -305,13 +305,13 @@ class RegionServer:
                 logger.warning("shm-embeds: regions connection from uid %d (pid %d), which "
                                "is not allowed (VLLM_SHM_EMBEDS_REGIONS_UIDS), closed", uid,
                                pid)
-                count_reason("region_refused", "uid")
+                count_reason(Event.REGION_REFUSED, "uid")
                 self._send(sock, {"error": "this user may not register regions"})
                 sock.close()
                 return True
             if not conn.sibling and sum(
                     not c.sibling for c in self._conns) >= self.max_connections:
-                count_reason("region_refused", "connections")
+                count_reason(Event.REGION_REFUSED, "connections")
                 self._send(sock, {"error": "too many connections"})
                 sock.close()
                 return True
@@ -333,7 +333,7 @@ class RegionServer:
         except OSError:  # EAGAIN (the peer does not read its replies), EPIPE
             return False
 
-    def _drop(self, sel: selectors.BaseSelector, conn: _Conn, reason: str) -> None:
+    def _close_conn(self, sel: selectors.BaseSelector, conn: _Conn, reason: str) -> None:
         self._conns.discard(conn)
         try:
             sel.unregister(conn.sock)
@@ -352,21 +352,21 @@ class RegionServer:
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            self._drop(sel, conn, "disconnect")
+            self._close_conn(sel, conn, "disconnect")
             return
         fds = received_fds(ancdata)
         if not data and not fds and not flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
-            self._drop(sel, conn, "disconnect")  # EOF
+            self._close_conn(sel, conn, "disconnect")  # EOF
             return
         conn.last_active = time.monotonic()
         # A peer that sends anything but a memfd (or any fd while none is taken) is
         # answered and closed: each such fd costs the closer thread a close.
         hostile = True
         if busy and flags & socket.MSG_CTRUNC:
-            count_reason("region_refused", "closer_busy")
+            count_reason(Event.REGION_REFUSED, "closer_busy")
             reply = {"error": "the server takes no file descriptors now; retry later"}
         elif not all(map(is_memfd, fds)):
-            count_reason("region_refused", "not_memfd")
+            count_reason(Event.REGION_REFUSED, "not_memfd")
             reply = {"error": NOT_MEMFD}
         else:
             hostile = False
@@ -383,7 +383,7 @@ class RegionServer:
             if lease is not None:  # the peer has its own reference to the memfd now
                 lease.release()
         if not sent or hostile:
-            self._drop(sel, conn, "disconnect")
+            self._close_conn(sel, conn, "disconnect")
 
     def _register(self, conn: _Conn, fd: int, msg: dict[str, Any]) -> None:
         """On a worker: register ``fd`` (owned), answer, hand ``conn`` back."""
@@ -392,7 +392,7 @@ class RegionServer:
             try:
                 if self._stop:
                     discard_fd(fd)
-                    count_reason("region_refused", "closed")
+                    count_reason(Event.REGION_REFUSED, "closed")
                     raise RegionError("the server is shutting down", "closed")
                 region = self.registry.register(fd, conn.uid, msg.get("datatype"),
                                                 msg.get("shape"))
@@ -469,13 +469,13 @@ class RegionServer:
                     if len(json.dumps(extra)) <= MAX_LOOKUP_REPLY:
                         reply = extra
                     else:  # the sibling does without (e.g. computes the digests)
-                        count(region_lookup_trimmed=1)
+                        count(Event.REGION_LOOKUP_TRIMMED)
                 except Exception:
                     logger.exception("shm-embeds: describing a region failed")
                 return {**reply, _LEASE: lease}
             raise RegionError('unknown op: expected "register" or "unregister"', "op")
         except RegionError as e:
-            count_reason("region_refused", e.reason)
+            count_reason(Event.REGION_REFUSED, e.reason)
             return {"error": str(e)}
         except Exception:
             logger.exception("shm-embeds: a regions message failed")

@@ -2,7 +2,7 @@
 """Registered regions: sealed memfds of same-host producers, mapped read-only.
 
 A producer hands the API server a sealed memfd holding one ``prompt_embeds``
-tensor (the socket protocol: ``region_server.py``) and gets a region id;
+tensor (the socket protocol: ``regions/server.py``) and gets a region id;
 requests name the region (Triton's ``shared_memory_region`` parameters) and
 get this process's zero-copy, read-only mapping of it as their tensor.
 
@@ -35,8 +35,8 @@ from vllm.logger import init_logger
 
 from vllm._shm_embeds import config
 from vllm._shm_embeds import segment as seg
-from vllm._shm_embeds.counters import count, count_reason
-from vllm._shm_embeds.region_socket import discard_fd, is_memfd
+from vllm._shm_embeds.counters import Event, count, count_many, count_reason
+from vllm._shm_embeds.regions.sockets import discard_fd, is_memfd
 
 logger = init_logger(__name__)
 
@@ -204,7 +204,7 @@ class RegionRegistry:
                  counted: bool = True) -> None:
         self.limits = limits
         self.on_registered = on_registered
-        self.counted = counted  # False: a sibling's regions seen here (region_mirror.py)
+        self.counted = counted  # False: a sibling's regions seen here (regions/mirror.py)
         self._lock = threading.Lock()
         self._regions: dict[str, Region] = {}  # registered
         self._live: dict[int, Region] = {}  # data_ptr -> registered or leased
@@ -303,15 +303,15 @@ class RegionRegistry:
                     self._unreserve(uid, reserved)
             discard_fd(fd)
             if isinstance(e, RegionError):
-                count_reason("region_refused", e.reason)
+                count_reason(Event.REGION_REFUSED, e.reason)
             raise
         if self.counted:
-            count(regions_registered=1, region_bytes=nbytes)
+            count_many({Event.REGIONS_REGISTERED: 1, Event.REGION_BYTES: nbytes})
         return region
 
     # ------------------------------------------------------------ unregister
 
-    def _drop(self, region: Region) -> bool:
+    def _withdraw(self, region: Region) -> bool:
         """Take a region out of lookup (lock held); True if it is to be freed now."""
         if region.registered:
             region.registered = False
@@ -327,19 +327,19 @@ class RegionRegistry:
         """Drop the mapping's pages and close the fd (lock not held)."""
         _unmap(region.mm)  # region.tensor is alive: drops the pages
         os.close(region.fd)
-        count(regions_freed=1)
+        count(Event.REGIONS_FREED)
 
     def _unregister(self, regions: Iterable[Region], reason: str,
                     pick: Callable[[Region], bool] | None = None) -> int:
         """Unregister those of ``regions`` registered and ``pick``-ed (under
-        the lock that drops them); returns how many."""
+        the lock that withdraws them); returns how many."""
         with self._lock:
             regions = [r for r in regions if r.registered and (pick is None or pick(r))]
-            free = [r for r in regions if self._drop(r)]
+            free = [r for r in regions if self._withdraw(r)]
         for r in free:
             self._free(r)
         if regions:
-            count_reason("region_unregistered", reason, n=len(regions))
+            count_reason(Event.REGION_UNREGISTERED, reason, n=len(regions))
         return len(regions)
 
     def unregister(self, region_id: str, uid: int | None = None) -> None:
@@ -412,9 +412,9 @@ class RegionRegistry:
                 region.leases += 1
                 region.last_used = time.monotonic()
         except RegionError as e:
-            count_reason("region_lease_refused", e.reason)
+            count_reason(Event.REGION_LEASE_REFUSED, e.reason)
             raise
-        count(region_leases=1)
+        count(Event.REGION_LEASES)
         return Lease(self, region)
 
     def lookup(self, region_id: Any) -> Lease:
@@ -438,7 +438,7 @@ class RegionRegistry:
             self._leases -= 1
             region.leases -= 1
             region.last_used = time.monotonic()
-            free = not region.registered and self._drop(region)
+            free = not region.registered and self._withdraw(region)
         if free:
             self._free(region)
 

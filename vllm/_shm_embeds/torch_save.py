@@ -24,6 +24,9 @@ tail are held, the metadata records and the central directory are capped
 (``MAX_RECORD_BYTES``, ``MAX_DIRECTORY_BYTES``), the pickle at
 ``pickle_scan.MAX_PICKLE_BYTES``.
 
+``ctx`` below is the served model (``http.common.ServerContext``: ``dtype``,
+``hidden_size``, ``enable_prompt_embeds``, ``hash_block_tokens``).
+
 Knows torch's file format and segments; nothing of HTTP.
 """
 
@@ -41,11 +44,9 @@ from typing import Any
 import pybase64
 import torch
 
-from vllm._shm_embeds import digests
+from vllm._shm_embeds import digests, pickle_scan
 from vllm._shm_embeds.config import min_bytes
-from vllm._shm_embeds.counters import count, count_reason
-from vllm._shm_embeds.http import pickle_scan
-from vllm._shm_embeds.http.common import ServerContext
+from vllm._shm_embeds.counters import Event, count, count_reason
 
 HEAD_CHARS = 64 << 10  # base64 chars decoded first: the zip records before the data
 TAIL_CHARS = 128 << 10  # and last: the records after it, the central directory
@@ -207,7 +208,7 @@ def _plain_record(outline: _Outline, ref: _Reference) -> tuple[str, int, int, by
     return "data/0", info.header_offset + _LOCAL.size + nlen + xlen, info.file_size, pkl
 
 
-def plain_tensor_layout(ctx: ServerContext, outline: _Outline
+def plain_tensor_layout(ctx: Any, outline: _Outline
                          ) -> tuple[torch.dtype, int, int, int] | None:
     """``(dtype, rows, hidden, data_offset)`` when the zip in ``outline`` is one
     plain tensor that vLLM's loader would take as it is, else None
@@ -216,7 +217,7 @@ def plain_tensor_layout(ctx: ServerContext, outline: _Outline
     return None if isinstance(out, str) else out
 
 
-def layout_or_reason(ctx: ServerContext, outline: _Outline
+def layout_or_reason(ctx: Any, outline: _Outline
                      ) -> tuple[torch.dtype, int, int, int] | str:
     """``(dtype, rows, hidden, data_offset)`` when the zip in ``outline`` is one
     plain tensor that vLLM's loader would take as it is, else why not.
@@ -287,11 +288,11 @@ def layout_or_reason(ctx: ServerContext, outline: _Outline
 
 def _declined(reason: str) -> None:
     """Count why a payload is left to vLLM's loader; None."""
-    count_reason("json_direct_declined", reason)
+    count_reason(Event.JSON_DIRECT_DECLINED, reason)
     return None
 
 
-def direct_decode(ctx: ServerContext, piece: memoryview) -> torch.Tensor | None:
+def direct_decode(ctx: Any, piece: memoryview) -> torch.Tensor | None:
     """Decode one base64 ``torch.save`` payload straight into a new segment.
 
     vLLM's loader decodes the whole payload into fresh memory, ``torch.load``
@@ -363,6 +364,6 @@ def direct_decode(ctx: ServerContext, piece: memoryview) -> torch.Tensor | None:
         out = digests.fill_segment(dtype, (rows, hidden), write)
     except ValueError:
         return _declined("base64")  # not valid base64 after all: vLLM's loader says so
-    count(json_direct_tensors=1)
+    count(Event.JSON_DIRECT_TENSORS)
     return out
 

@@ -29,21 +29,18 @@ import fcntl
 import grp
 import hashlib
 import os
-import queue
 import socket
 import stat
 import struct
-import threading
 
 from vllm.logger import init_logger
 
-from vllm._shm_embeds.handle import proc_stat
+from vllm._shm_embeds import process
+from vllm._shm_embeds.procfs import proc_stat
 
 logger = init_logger(__name__)
 
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
-_closer: tuple[int, queue.SimpleQueue] | None = None  # (pid, fds to close)
-_closer_lock = threading.Lock()
 CLOSER_BACKLOG = 64  # fds waiting for the closer thread, above which none is received
 LOCK_NAMES = 8  # abstract lock names tried past squatters before going without one
 _LOCK_PROBE_S = 0.2
@@ -180,23 +177,11 @@ def set_mode(path: str, mode: int, gid: int | None) -> int:
         os.close(fd)
 
 
-def _close_forever(fds: queue.Queue) -> None:
-    while True:
-        fd = fds.get()
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-        finally:
-            fds.task_done()
-
-
 def closer_busy() -> bool:
     """The closer thread's backlog is full (it may be stuck on a FUSE
     ``close``): receive no descriptors until it is not."""
-    closer = _closer
-    return closer is not None and closer[0] == os.getpid() and \
-        closer[1].qsize() >= CLOSER_BACKLOG
+    closer = process.current().fd_closer
+    return closer is not None and closer.qsize() >= CLOSER_BACKLOG
 
 
 def discard_fd(fd: int) -> None:
@@ -207,13 +192,7 @@ def discard_fd(fd: int) -> None:
     if is_memfd(fd):
         os.close(fd)
         return
-    global _closer
-    with _closer_lock:
-        if _closer is None or _closer[0] != os.getpid():  # none yet, or a forked child
-            _closer = (os.getpid(), queue.Queue())
-            threading.Thread(target=_close_forever, args=(_closer[1],), daemon=True,
-                             name="shm-embeds-fd-closer").start()
-        _closer[1].put(fd)
+    process.current().close_later(fd)
 
 
 def received_fds(ancdata: list[tuple[int, int, bytes]]) -> list[int]:

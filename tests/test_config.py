@@ -1,0 +1,233 @@
+# SPDX-License-Identifier: Apache-2.0
+"""config.py: each variable is declared once (``config.SETTINGS``) and that
+declaration drives the parsing, its problem messages, the getters the package
+imports, vLLM's ``environment_variables`` entries and the variables table of
+``docs/configuration.md``."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from vllm._shm_embeds import config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "configuration.md"
+PACKAGE = ROOT / "vllm" / "_shm_embeds"
+BY_NAME = {s.name: s for s in config.SETTINGS}
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    """No variable of ours set, and this process's cache left as it was found."""
+    for name in config.VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    cache = config.CACHE
+    saved = (cache.parsed, dict(cache.budget), dict(cache.shares))
+    cache.reset()
+    yield
+    cache.parsed, cache.budget, cache.shares = saved
+
+
+def _doc_table() -> str:
+    text = DOC.read_text()
+    m = re.search(r"<!-- generated from config\.SETTINGS: [^\n]*-->\n(.*?)"
+                  r"<!-- end of generated table -->", text, re.S)
+    assert m, f"{DOC} lost the markers around its variables table"
+    return m.group(1)
+
+
+def test_doc_table_is_what_the_declarations_give():
+    assert _doc_table() == config.markdown_table(), (
+        "docs/configuration.md's variables table differs from config.SETTINGS: "
+        "paste the output of `python -m vllm._shm_embeds.config --markdown`")
+
+
+def test_markdown_command_prints_the_table():
+    out = subprocess.run([sys.executable, "-m", "vllm._shm_embeds.config", "--markdown"],
+                         capture_output=True, text=True, check=True, timeout=120).stdout
+    assert out == config.markdown_table()
+
+
+def test_declarations_are_consistent():
+    names = [s.name for s in config.SETTINGS]
+    fields = [s.field for s in config.SETTINGS]
+    assert len(set(names)) == len(names) and len(set(fields)) == len(fields)
+    assert all(n == "VLLM_SHM_EMBEDS" or n.startswith("VLLM_SHM_EMBEDS_") for n in names)
+    assert all(s.unit and s.doc and "|" not in s.doc for s in config.SETTINGS)
+    assert config.VARIABLES == tuple(names)
+    assert list(config.ENV_VARS) == names
+    for name, getter in config.ENV_VARS.items():
+        getter()  # vLLM may call any of them: none raises with nothing set
+    assert config.ENV_VARS["VLLM_SHM_EMBEDS_MAX_BYTES"] is config.budget_bytes
+    assert config.ENV_VARS["VLLM_SHM_EMBEDS_INFLIGHT_BYTES"] is config.inflight_bytes
+
+
+def test_unset_means_the_declared_defaults():
+    s = config.settings()
+    assert s.problems == () and s.fatal == ()
+    for setting in config.SETTINGS:
+        default = setting.default
+        expected = default() if callable(default) else default
+        assert getattr(s, setting.field) == expected, setting.name
+    assert (s.enabled, s.min_bytes, s.dir, s.json, s.max_segments) == (
+        False, 1 << 20, "/dev/shm", True, 4096)
+
+
+# The messages the start-up log prints (``shm-embeds: <message>``), as they were
+# before the declarations: a bad value is named, cut at 64 characters, and the
+# default used instead is said.
+@pytest.mark.parametrize("name,raw,message", [
+    ("VLLM_SHM_EMBEDS", "enable", "VLLM_SHM_EMBEDS='enable' is not a flag (1/0); using False"),
+    ("VLLM_SHM_EMBEDS_JSON", "2", "VLLM_SHM_EMBEDS_JSON='2' is not a flag (1/0); using True"),
+    ("VLLM_SHM_EMBEDS_MIN_BYTES", " 1MiB ",
+     "VLLM_SHM_EMBEDS_MIN_BYTES='1MiB' is not a byte count; using 1048576"),
+    ("VLLM_SHM_EMBEDS_BINARY_MAX_BYTES", "-1",
+     "VLLM_SHM_EMBEDS_BINARY_MAX_BYTES='-1' is not a byte count; using None"),
+    ("VLLM_SHM_EMBEDS_MAX_BYTES", "x" * 100,
+     f"VLLM_SHM_EMBEDS_MAX_BYTES={'x' * 64!r} is not a byte count; using None"),
+    ("VLLM_SHM_EMBEDS_BODY_TIMEOUT_S", "0",
+     "VLLM_SHM_EMBEDS_BODY_TIMEOUT_S='0' is not a number of seconds; using 30.0"),
+    ("VLLM_SHM_EMBEDS_BODY_MIN_RATE", "0",
+     "VLLM_SHM_EMBEDS_BODY_MIN_RATE='0' is not a positive byte rate; using 1048576"),
+    ("VLLM_SHM_EMBEDS_INFLIGHT_BYTES", "1.5",
+     "VLLM_SHM_EMBEDS_INFLIGHT_BYTES='1.5' is not a byte count; using None"),
+    ("VLLM_SHM_EMBEDS_BINARY_MAX_TENSORS", "0",
+     "VLLM_SHM_EMBEDS_BINARY_MAX_TENSORS='0' is not a positive count; using 256"),
+    ("VLLM_SHM_EMBEDS_MAX_SEGMENTS", "many",
+     "VLLM_SHM_EMBEDS_MAX_SEGMENTS='many' is not a positive count; using 4096"),
+    ("VLLM_SHM_EMBEDS_REGIONS_UIDS", "1001,x",
+     "VLLM_SHM_EMBEDS_REGIONS_UIDS='1001,x' is not a comma-separated list of uids; using ()"),
+    ("VLLM_SHM_EMBEDS_REGIONS_MAX", "-1",
+     "VLLM_SHM_EMBEDS_REGIONS_MAX='-1' is not a positive count; using 64"),
+    ("VLLM_SHM_EMBEDS_REGIONS_MAX_BYTES", "0",
+     "VLLM_SHM_EMBEDS_REGIONS_MAX_BYTES='0' is not a positive byte count; using 17179869184"),
+    ("VLLM_SHM_EMBEDS_REGIONS_TTL_S", "-3",
+     "VLLM_SHM_EMBEDS_REGIONS_TTL_S='-3' is not a number of seconds; using 600.0"),
+    ("VLLM_SHM_EMBEDS_REGIONS_IDLE_S", "soon",
+     "VLLM_SHM_EMBEDS_REGIONS_IDLE_S='soon' is not a number of seconds; using 60.0"),
+    ("VLLM_SHM_EMBEDS_REGIONS_REFS_MAX", "0",
+     "VLLM_SHM_EMBEDS_REGIONS_REFS_MAX='0' is not a positive count; using 64"),
+    ("VLLM_SHM_EMBEDS_REGIONS_LEASES_MAX", "0",
+     "VLLM_SHM_EMBEDS_REGIONS_LEASES_MAX='0' is not a positive count; using 1024"),
+])
+def test_bad_value_gives_the_default_and_one_message(monkeypatch, name, raw, message):
+    monkeypatch.setenv(name, raw)
+    s = config.settings()
+    assert s.problems == (message,)
+    setting = BY_NAME[name]
+    assert getattr(s, setting.field) == setting.default
+
+
+@pytest.mark.parametrize("raw,ok", [("", True), ("2", True), ("0", False), ("x", False),
+                                    ("99", False)])
+def test_writers_setting(monkeypatch, raw, ok):
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_WRITERS", raw)
+    assert 1 <= config.writers() <= config.MAX_WRITERS
+    assert (not any("WRITERS" in p for p in config.settings().problems)) == ok
+    if not ok:
+        assert config.settings().problems == (
+            f"VLLM_SHM_EMBEDS_WRITERS={raw!r} is not a count in 1..16; "
+            f"using {config._default_writers()}",)
+
+
+@pytest.mark.parametrize("raw", ["", "1MiB", "1e6", "-5"])
+def test_bad_min_bytes_defaults(monkeypatch, raw):
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_MIN_BYTES", raw)
+    assert config.min_bytes() == config.DEFAULT_MIN_BYTES
+    assert bool(config.settings().problems) == bool(raw)
+
+
+@pytest.mark.parametrize("raw", ["1", "true", "T", " yes ", "y", "ON"])
+@pytest.mark.parametrize("name", ["VLLM_SHM_EMBEDS", "VLLM_SHM_EMBEDS_JSON"])
+def test_flags_on(monkeypatch, name, raw):
+    monkeypatch.setenv(name, raw)
+    assert getattr(config.settings(), BY_NAME[name].field) is True
+
+
+@pytest.mark.parametrize("raw", ["0", "false", "F", " no ", "n", "OFF"])
+@pytest.mark.parametrize("name", ["VLLM_SHM_EMBEDS", "VLLM_SHM_EMBEDS_JSON"])
+def test_flags_off(monkeypatch, name, raw):
+    monkeypatch.setenv(name, raw)
+    assert getattr(config.settings(), BY_NAME[name].field) is False
+    assert config.settings().problems == ()
+
+
+def test_text_settings(monkeypatch, tmp_path):
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_DIR", str(tmp_path))
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_REGIONS", "  /run/r.sock ")
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_REGIONS_GROUP", "   ")
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_REGIONS_UIDS", " 1001, 1002,")
+    assert config.shm_dir() == str(tmp_path) and config.settings().fatal == ()
+    assert config.regions_path() == "/run/r.sock" and config.regions_group() is None
+    assert config.regions_allowed_uids() == {os.getuid(), 1001, 1002}
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_DIR", str(tmp_path / "missing"))
+    assert config.settings().fatal == (
+        f"segment directory {tmp_path / 'missing'} is missing or not writable",)
+    assert config.settings().problems == ()  # fatal messages are the plugin's to add
+
+
+def test_binary_max_bytes_zero_means_the_model(monkeypatch):
+    assert config.binary_max_bytes(10, 4) == 160
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_BINARY_MAX_BYTES", "0")
+    assert config.binary_max_bytes(10, 4) == 160 and config.settings().problems == ()
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_BINARY_MAX_BYTES", "1000")
+    assert config.binary_max_bytes(10, 4) == 1000
+
+
+def test_body_deadline(monkeypatch):
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_BODY_TIMEOUT_S", "2.5")
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_BODY_MIN_RATE", "100")
+    assert config.body_timeout_s() == 2.5
+    assert config.body_deadline_s(1000) == 12.5 and config.body_deadline_s(-1) == 2.5
+
+
+@pytest.mark.parametrize("shared,free,budget", [
+    (False, 10 << 20, 500 << 20),  # a file system of its own: half of it
+    (True, 900 << 20, 500 << 20),  # /dev/shm's: half of it ...
+    (True, 100 << 20, 36 << 20),  # ... at most what is free less 64 MiB
+    (True, 10 << 20, 0),
+])
+def test_default_budget(monkeypatch, shared, free, budget):
+    """What README and docs/configuration.md say of the default budget."""
+    class Vfs:
+        f_frsize, f_blocks, f_bavail = 1 << 20, 1000, free >> 20
+
+    asked = []
+    monkeypatch.setattr(config.os, "statvfs", lambda d: asked.append(d) or Vfs)
+    monkeypatch.setattr(config, "shares_dev_shm", lambda: shared)
+    assert config.budget_bytes() == budget
+    assert config.budget_bytes() == budget and asked == ["/dev/shm"]  # asked once
+    assert config.inflight_bytes() == max(1 << 30, budget)
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_MAX_BYTES", "12345")
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_INFLIGHT_BYTES", "777")
+    assert config.budget_bytes() == 12345 and config.inflight_bytes() == 777
+
+
+def test_cache_parses_again_only_on_change(monkeypatch):
+    first = config.settings()
+    assert config.settings() is first
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_MIN_BYTES", "5")
+    assert config.settings() is not first and config.min_bytes() == 5
+    config.shares_dev_shm()
+    assert config.CACHE.shares and config.CACHE.parsed
+    config.CACHE.reset()
+    assert config.CACHE.parsed is None and not config.CACHE.shares and not config.CACHE.budget
+
+
+def test_every_config_name_the_package_uses_exists():
+    """Getters are built from the declarations: a name imported from config
+    (``from ...config import x`` or ``config.x``) must be there."""
+    used = set()
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        for group in re.findall(r"from vllm\._shm_embeds\.config import (\([^)]*\)|[^\n]*)",
+                                text):
+            used.update(n.strip(" ()\n") for n in group.split(",") if n.strip(" ()\n"))
+        if re.search(r"from vllm\._shm_embeds import [^\n]*\bconfig\b", text):
+            used.update(re.findall(r"(?<![\w.])config\.([A-Za-z_]\w*)", text))
+    assert {"min_bytes", "shm_dir", "budget_bytes", "MAX_WRITERS"} <= used
+    assert sorted(n for n in used if not hasattr(config, n)) == []

@@ -1,0 +1,329 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The segment lifecycle (``lifecycle.py``): every transition of its table
+driven through the real verbs of ``owned.OwnedSegments``, and illegal ones
+refused (raised under pytest, logged and refused elsewhere)."""
+
+import gc
+import os
+
+import pytest
+import torch
+
+from vllm._shm_embeds import hop2, lifecycle, process, streamed, transfer
+from vllm._shm_embeds.lifecycle import (
+    BROADCAST,
+    FREED,
+    GONE,
+    HELD,
+    MAPPED,
+    IllegalTransition,
+    Kind,
+    State,
+)
+
+
+def _owned():
+    return process.current().owned
+
+
+def _entry(tensor):
+    """The index entry of the segment ``tensor`` maps here (or was copied from)."""
+    return next((e for e in _owned()._index.all() if e.data_ptr == tensor.data_ptr()
+                 or (e.source is not None and e.source() is tensor)), None)
+
+
+def _adopt(rows=64):
+    return transfer.adopt_tensor(transfer.share_tensor(torch.randn(rows, 32)))
+
+
+def _die(*entries):
+    """Let the garbage collector run and the safe point apply the records."""
+    gc.collect()
+    process.collect()
+    return [e.state for e in entries]
+
+
+def _unlink_files(entry, directory):
+    for part, _, _ in entry.handle.parts():
+        os.unlink(os.path.join(directory, part))
+
+
+# -- scenarios: each starts from a fresh process state and leaves nothing
+
+
+def s_broadcast_and_settle(d):
+    a = _adopt()
+    e = _entry(a)
+    assert (e.kind, e.state) == (Kind.ADOPTED, HELD)  # own
+    h1 = hop2.externalize(a, readers=2)
+    assert e.state is BROADCAST  # broadcast: HELD -> BROADCAST
+    h2 = hop2.externalize(a, readers=1)
+    assert e.state is BROADCAST and h2.flag_base == 2  # BROADCAST -> BROADCAST
+    for h, i in ((h1, 0), (h1, 1), (h2, 0)):
+        transfer.open_tensor(h, i)
+    assert process.collect() == 0 and e.state is HELD  # settle: in use
+    assert transfer.release_adopted(a) and e.state is GONE  # HELD -> GONE
+    # settled inside release_adopted: BROADCAST -> GONE at once
+    a = _adopt()
+    e = _entry(a)
+    transfer.open_tensor(hop2.externalize(a, readers=1), 0)
+    assert transfer.release_adopted(a) and e.state is GONE and os.listdir(d) == []
+
+
+def s_freed(d):
+    a = _adopt()
+    h = hop2.externalize(a, readers=1)
+    e = _entry(a)
+    assert not transfer.release_adopted(a) and e.state is FREED  # readers not done
+    assert not transfer.release_adopted(a) and e.state is FREED  # FREED -> FREED
+    h2 = _owned().broadcast(e, 1)  # a lookup from before vLLM freed it
+    assert h2 is not None and e.state is FREED
+    transfer.open_tensor(h, 0)
+    assert process.collect() == 0 and e.state is FREED  # one reader left
+    transfer.open_tensor(h2, 0)
+    assert process.collect() == 1 and e.state is GONE and not a.any()  # settle
+    # freed again once the readers are done: FREED -> GONE
+    a = _adopt()
+    h = hop2.externalize(a, readers=1)
+    e = _entry(a)
+    assert not transfer.release_adopted(a)
+    transfer.open_tensor(h, 0)
+    assert transfer.release_adopted(a) and e.state is GONE and os.listdir(d) == []
+
+
+def s_die(d):
+    a = _adopt()
+    e = _entry(a)
+    del a
+    assert _die(e) == [GONE]  # HELD -> GONE
+    a = _adopt()
+    h = hop2.externalize(a, readers=1)
+    e = _entry(a)
+    del a
+    assert _die(e) == [BROADCAST] and e.data_ptr is None  # BROADCAST -> BROADCAST
+    transfer.open_tensor(h, 0)
+    assert process.collect() == 1 and e.state is GONE  # settle: nothing uses it
+    a = _adopt()
+    h = hop2.externalize(a, readers=1)
+    e = _entry(a)
+    transfer.release_adopted(a)
+    del a
+    assert _die(e) == [FREED]  # FREED -> FREED
+    transfer.open_tensor(h, 0)
+    assert process.collect() == 1 and e.state is GONE and os.listdir(d) == []
+
+
+def s_copies(d):
+    src = torch.randn(64, 32)
+    h = hop2.externalize(src, readers=1)
+    e = _entry(src)
+    assert (e.kind, e.state) == (Kind.COPY, BROADCAST)
+    transfer.open_tensor(h, 0)
+    assert process.collect() == 0 and e.state is HELD and e.fds is None
+    del src
+    assert _die(e) == [GONE]  # the source died: HELD -> GONE
+    src = torch.randn(64, 32)
+    h = hop2.externalize(src, readers=1)
+    e = _entry(src)
+    del src
+    assert _die(e) == [BROADCAST]
+    transfer.open_tensor(h, 0)
+    assert process.collect() == 1 and e.state is GONE and os.listdir(d) == []
+
+
+def s_vanish(d):
+    # an adopted segment whose name someone removed: MAPPED, copied instead
+    a = _adopt()
+    e = _entry(a)
+    _unlink_files(e, d)
+    h = hop2.externalize(a, readers=1)
+    assert e.state is MAPPED and h.name != e.handle.name
+    transfer.open_tensor(h, 0)
+    assert transfer.release_adopted(a) and e.state is GONE  # MAPPED -> GONE
+    # a copy whose name someone removed: GONE, copied again
+    src = torch.randn(64, 32)
+    transfer.open_tensor(hop2.externalize(src, readers=1), 0)
+    process.collect()
+    e = _entry(src)
+    assert e.state is HELD and e.fds is None
+    _unlink_files(e, d)
+    transfer.open_tensor(hop2.externalize(src, readers=1), 0)
+    assert e.state is GONE and _entry(src).state is BROADCAST
+    assert not transfer.release_adopted(src) and os.listdir(d) == []
+
+
+def s_release_unknown(d):
+    process.current().release_known = False  # nothing tells when requests end
+    a = _adopt()
+    e = _entry(a)
+    transfer.open_tensor(hop2.externalize(a, readers=1), 0)
+    assert process.collect() == 1 and e.state is MAPPED  # settle: name gone, mapped
+    assert os.listdir(d) == []
+    del a
+    assert _die(e) == [GONE]  # MAPPED -> GONE
+
+
+def s_streamed(d):
+    t = streamed.streamed_tensor_like(torch.float32, (8, 32))
+    e = _entry(t)
+    assert (e.kind, e.state) == (Kind.STREAMED, HELD) and streamed.is_streamed(t)
+    assert streamed.release_streamed(t) and e.state is GONE  # HELD -> GONE
+    t = streamed.streamed_tensor_like(torch.float32, (8, 32))
+    e = _entry(t)
+    handle = streamed.hand_over(t)
+    assert handle is not None and e.state is MAPPED and not streamed.is_streamed(t)
+    adopted = transfer.adopt_tensor(handle)  # the peer (here: this process)
+    assert streamed.release_streamed(t) and e.state is GONE  # MAPPED -> GONE
+    assert transfer.release_adopted(adopted)
+    t = streamed.streamed_tensor_like(torch.float32, (8, 32))
+    e = _entry(t)
+    adopted = transfer.adopt_tensor(streamed.hand_over(t))
+    del t
+    assert _die(e) == [GONE]  # MAPPED -> GONE
+    transfer.release_adopted(adopted)
+    t = streamed.streamed_tensor_like(torch.float32, (8, 32))
+    e = _entry(t)
+    del t
+    assert _die(e) == [GONE] and os.listdir(d) == []  # HELD -> GONE
+
+
+def s_unlink_all(d):
+    held = _adopt()
+    broadcast = _adopt()
+    hop2.externalize(broadcast, readers=1)
+    freed = _adopt()
+    hop2.externalize(freed, readers=1)
+    transfer.release_adopted(freed)
+    mapped = streamed.streamed_tensor_like(torch.float32, (8, 32))
+    peer = transfer.adopt_tensor(streamed.hand_over(mapped))
+    entries = [_entry(t) for t in (held, broadcast, freed, mapped, peer)]
+    assert [e.state for e in entries] == [HELD, BROADCAST, FREED, MAPPED, HELD]
+    assert _owned().unlink_all() == 4
+    assert all(e.state is GONE for e in entries) and len(_owned()._index) == 0
+    assert os.listdir(d) == []
+
+
+SCENARIOS = [s_broadcast_and_settle, s_freed, s_die, s_copies, s_vanish,
+             s_release_unknown, s_streamed, s_unlink_all]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.__name__[2:])
+def test_scenario(shm_env, scenario):
+    scenario(shm_env)
+    assert len(_owned()._index) == 0
+
+
+def test_every_transition_of_the_table_is_driven(shm_env, monkeypatch):
+    """The scenarios above make every move the table allows (so none is
+    dead, and each is checked by a test)."""
+    seen = set()
+    check = lifecycle.check
+
+    def recording(kind, event, source, to, name=""):
+        seen.add((event, source, to))
+        return check(kind, event, source, to, name)
+
+    monkeypatch.setattr(lifecycle, "check", recording)
+    for scenario in SCENARIOS:
+        monkeypatch.setattr(process, "_state", process.Process())
+        scenario(shm_env)
+    table = {(t.event, t.source, to) for t in lifecycle.TRANSITIONS for to in t.to}
+    assert table - seen == set()
+
+
+ILLEGAL = [
+    ("hand_over", HELD, MAPPED, Kind.ADOPTED),  # only streamed segments are handed over
+    ("broadcast", HELD, BROADCAST, Kind.STREAMED),  # never broadcast from here
+    ("broadcast", MAPPED, BROADCAST, Kind.ADOPTED),  # its name is gone
+    ("settle", HELD, GONE, Kind.ADOPTED),  # no broadcast to settle
+    ("settle", FREED, HELD, Kind.ADOPTED),  # a freed request is not used again
+    ("release_streamed", HELD, GONE, Kind.ADOPTED),
+    ("release_adopted", HELD, GONE, Kind.STREAMED),
+    ("die", MAPPED, GONE, Kind.COPY),  # a copy is never mapped here
+    ("own", HELD, HELD, Kind.ADOPTED),  # owned twice
+    ("unlink_all", GONE, GONE, Kind.ADOPTED),  # nothing moves out of GONE
+    ("vanish", BROADCAST, MAPPED, Kind.ADOPTED),  # its files are open
+    ("no_such_event", HELD, GONE, Kind.ADOPTED),
+]
+
+
+@pytest.mark.parametrize("event,source,to,kind", ILLEGAL)
+def test_illegal_transition_raises_under_pytest(event, source, to, kind):
+    assert not lifecycle.allowed(kind, event, source, to)
+    with pytest.raises(IllegalTransition, match=event):
+        lifecycle.check(kind, event, source, to, "x")
+
+
+def test_illegal_transition_is_logged_and_refused_in_production(monkeypatch):
+    errors = []
+    monkeypatch.setattr(lifecycle, "strict", lambda: False)
+    monkeypatch.setattr(lifecycle.logger, "error", lambda *a: errors.append(a))
+    for event, source, to, kind in ILLEGAL:
+        assert lifecycle.check(kind, event, source, to, "x") is False
+    assert len(errors) == len(ILLEGAL)
+    assert lifecycle.check(Kind.ADOPTED, "own", None, HELD) and len(errors) == len(ILLEGAL)
+
+
+def test_a_refused_move_changes_nothing(shm_env, monkeypatch):
+    """In production a move the table does not allow leaves the segment as it
+    was (no exception into vLLM's thread); the index too."""
+    monkeypatch.setattr(lifecycle, "strict", lambda: False)
+    monkeypatch.setattr(lifecycle.logger, "error", lambda *a: None)
+    a = _adopt()
+    e = _entry(a)
+    index = _owned()._index
+    assert not index.move(e, "hand_over", MAPPED)
+    assert e.state is HELD and index.at(a.data_ptr()) is e
+    # a verb whose move the table refuses does nothing
+    with monkeypatch.context() as m:
+        m.delitem(lifecycle._ALLOWED, ("release_adopted", HELD))
+        assert not transfer.release_adopted(a)
+        assert e.state is HELD and len(os.listdir(shm_env)) == 1 and a.any()
+    assert transfer.release_adopted(a) and os.listdir(shm_env) == []
+
+
+def test_illegal_move_raises_through_the_index(shm_env):
+    a = _adopt()
+    e = _entry(a)
+    with pytest.raises(IllegalTransition):
+        _owned()._index.move(e, "hand_over", MAPPED)
+    assert e.state is HELD
+    transfer.release_adopted(a)
+
+
+def test_table_names_only_known_states_and_verbs():
+    """Every event is a verb of ``OwnedSegments`` or one it observes (the
+    finalizers' ``die``, readers done: ``settle``, a name removed: ``vanish``),
+    and every state but GONE can be left."""
+    for t in lifecycle.TRANSITIONS:
+        assert (t.event in lifecycle.OBSERVED
+                or callable(getattr(type(_owned()), t.event, None))), t
+        assert t.kinds and t.to <= set(State)
+    left = {t.source for t in lifecycle.TRANSITIONS}
+    assert left == {None, *State} - {GONE}
+
+
+def test_a_forked_child_keeps_only_what_describes_the_server(shm_env):
+    """Per-process state (``process.Process``) is replaced in a forked child
+    in one place: it keeps whether request ends are told and the model name,
+    and has none of its parent's segments, threads or metrics directory."""
+    state = process.current()
+    state.release_known, state.model_name, state.stats_dir_made = False, "m", "/x"
+    state.hash_pool()
+    state.close_later(os.dup(0))
+    a = _adopt()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without running anything else
+        child = process.current()
+        ok = (child is not state and child.pid == os.getpid() and not child.release_known
+              and child.model_name == "m" and child.stats_dir_made is None
+              and child.hasher is None and child.fd_closer is None and child.pool is None
+              and child.owned.live() == 0)
+        os.write(w, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(w)
+    assert os.read(r, 1) == b"1"
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert transfer.release_adopted(a)

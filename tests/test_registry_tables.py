@@ -1,0 +1,241 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tables declared once, and what is generated from or checked against them.
+
+* counter events: every event counted anywhere in the package is a declared
+  :class:`counters.Event`, counted the way it is declared (plain or
+  labelled), and reaches ``/metrics`` exactly as declared (its family, or
+  none for the summary-only ones); ``http/metrics.py`` maps only declared
+  events; ``docs/metrics.md`` names each;
+* vLLM sites: each says what, why and what would retire it;
+  ``docs/design.md``'s sites tables are what ``tools/check_sites.py --doc``
+  generates from ``SITES`` and ``GROUPS``; ``tools/vllm_sites.md``'s letters
+  name real sites; a group that needs a group that is off is off;
+* modules: every module of the package is in ``docs/design.md``'s layout
+  table, and the table names no module that does not exist.
+"""
+
+import ast
+import os
+import re
+import sys
+import types
+
+import pytest
+from helpers import REPO
+
+from vllm._shm_embeds import counters, sites
+from vllm._shm_embeds.counters import Event, Key
+from vllm._shm_embeds.http import metrics
+
+sys.path.insert(0, os.path.join(REPO, "tools"))
+import check_sites  # noqa: E402
+
+PACKAGE = os.path.join(REPO, "vllm", "_shm_embeds")
+COUNT_CALLS = ("count", "count_many", "count_reason")
+
+
+def _read(*parts: str) -> str:
+    with open(os.path.join(REPO, *parts)) as f:
+        return f.read()
+
+
+def _package_files() -> list[str]:
+    """Paths of the package's modules, relative to the package directory."""
+    out = []
+    for root, dirs, files in os.walk(PACKAGE):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        out += [os.path.relpath(os.path.join(root, f), PACKAGE)
+                for f in files if f.endswith(".py")]
+    return sorted(out)
+
+
+def _event_of(node: ast.expr, where: str) -> Event:
+    """The declared event an argument names: ``Event.X`` or a string value."""
+    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.value.id in ("Event", "E")):
+        assert node.attr in Event.__members__, f"{where}: no Event.{node.attr}"
+        return Event[node.attr]
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        assert node.value in Event._value2member_map_, f"{where}: undeclared {node.value!r}"
+        return Event(node.value)
+    raise AssertionError(f"{where}: the event is not named ({ast.dump(node)})")
+
+
+def counted_events() -> list[tuple[Event, bool, str]]:
+    """``(event, labelled, where)`` for every count call in the package."""
+    found = []
+    for rel in _package_files():
+        if rel == "counters.py":
+            continue
+        tree = ast.parse(_read("vllm", "_shm_embeds", rel))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else (
+                f.attr if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
+                and f.value.id == "counters" else None)
+            if name not in COUNT_CALLS:
+                continue
+            where = f"{rel}:{node.lineno}"
+            if name == "count_reason":
+                found.append((_event_of(node.args[0], where), True, where))
+            elif name == "count_many":
+                arg = node.args[0]
+                assert isinstance(arg, ast.Dict), f"{where}: count_many needs a dict display"
+                found += [(_event_of(k, where), False, where) for k in arg.keys]
+            else:
+                found += [(_event_of(a, where), False, where) for a in node.args[:1]]
+                for kw in node.keywords:  # the older count(name=n) form
+                    assert kw.arg is not None, f"{where}: count(**...) names nothing"
+                    found.append((_event_of(ast.Constant(kw.arg), where), False, where))
+    return found
+
+
+def test_every_counted_event_is_declared_and_counted_as_declared():
+    found = counted_events()
+    assert len(found) > 60  # the scan sees the call sites (about 85 events counted)
+    for event, labelled, where in found:
+        assert bool(event.labels) == labelled, (
+            f"{where}: {event} is declared with labels {event.labels}")
+    # Every declared event is counted somewhere (none left over after a rename).
+    assert {e for e, _, _ in found} == set(Event)
+
+
+def _families_fed(event: Event, tmp_path) -> set[str]:
+    """The /metrics families whose values change when ``event`` is counted once
+    by a sending process (no role)."""
+    key = Key(event.value, "1" if "hop" in event.labels else "",
+              "some_reason" if "reason" in event.labels else "")
+    base = metrics.aggregate({}, set(), seg_dir=str(tmp_path))
+    got = metrics.aggregate({(key, ""): 3}, set(), seg_dir=str(tmp_path))
+    return {m for m in got if m not in ("dir_free_bytes", "dir_size_bytes")
+            and got[m] != base[m]}
+
+
+def test_each_event_reaches_metrics_as_declared(tmp_path):
+    """An event declared for a family feeds that family (and only it); one
+    declared summary-only (``metric=None``) feeds none: /metrics maps
+    exactly what the declarations say."""
+    for event in Event:
+        fed = _families_fed(event, tmp_path)
+        want = {event.metric} if event.metric else set()
+        assert fed == want, f"{event}: feeds {fed}, declared {want}"
+    # Every counter family of /metrics is fed by some declared event.
+    counter_families = {m for m, (kind, _, _) in metrics.METRICS.items() if kind == "counter"}
+    fed_by_receiver = {"received_tensors"}  # hop shm tensors counted by a receiver
+    assert counter_families - fed_by_receiver == {e.metric for e in Event if e.metric}
+
+
+def test_metrics_maps_only_declared_events():
+    tables = [*metrics._HOP_EVENTS, *metrics._REUSED, *metrics._REASONS, *metrics._PLAIN]
+    assert tables and all(isinstance(e, Event) for e in tables)
+
+
+def test_every_event_is_in_the_metrics_doc():
+    doc = _read("docs", "metrics.md")
+    missing = [e.value for e in Event if f"`{e.value}" not in doc]
+    assert not missing, f"docs/metrics.md does not name {missing}"
+
+
+def test_stored_names_are_the_event_values(tmp_path, monkeypatch):
+    """Named constants store the same names as the older keyword form."""
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_STATS_DIR", str(tmp_path))
+    counters.reset()
+    counters.count(Event.COPIED_BYTES, 3)
+    counters.count(copied_bytes=4)
+    counters.count_many({Event.SEGMENTS_CREATED: 1, Event.HOP1_SHM_BYTES: 2})
+    counters.count_reason(Event.FALLBACK, "small", hop="1")
+    assert counters.stats() == {"copied_bytes": 7, "segments_created": 1,
+                                "hop1_shm_bytes": 2, "fallback.hop1.small": 1}
+    values = counters.read_server(str(tmp_path))
+    assert {type(k.event) for k, _ in values} == {str}
+    counters.reset()
+
+
+# --------------------------------------------------------------------------
+# sites
+
+
+def test_every_site_says_what_why_and_what_retires_it():
+    for site in sites.SITES:
+        assert site.group in sites.GROUPS, site.key
+        assert site.what and site.why and site.retire, site.key
+    order = list(sites.GROUPS)
+    for name, group in sites.GROUPS.items():
+        # needs are checked in order: a needed group is decided first
+        assert all(order.index(n) < order.index(name) for n in group.needs), name
+
+
+def test_design_doc_sites_tables_are_generated_from_the_registry():
+    text = _read("docs", "design.md")
+    want = check_sites.doc_with_tables(text, check_sites.sites_tables(sites))
+    assert text == want, "docs/design.md drifted: run python tools/check_sites.py --doc"
+
+
+def test_vllm_sites_md_letters_name_real_sites():
+    text = _read("tools", "vllm_sites.md")
+    rows = re.findall(r"^\| ([a-i]) \| ([^|]*) \|", text, re.M)
+    assert [r[0] for r in rows] == list("abcdefghi")
+    named = {k for _, cell in rows for k in re.findall(r"`(\w+)`", cell)}
+    keys = {s.key for s in sites.SITES}
+    assert named <= keys, f"not sites: {named - keys}"
+    hops = {s.key for s in sites.SITES if s.group in ("hop1", "hop2")}
+    assert hops <= named, f"hop sites not read: {hops - named}"
+
+
+@pytest.mark.parametrize("failing", ["binary", "hop1"])
+def test_group_that_needs_an_off_group_is_off(monkeypatch, failing):
+    """In an API server, JSON and regions ride on the binary group's
+    middleware: with it off they say so (and the middleware adds neither)."""
+    from vllm._shm_embeds import config
+
+    monkeypatch.setattr(config, "regions_path", lambda: "/tmp/socket")
+    monkeypatch.setattr(sites, "STATUS", {})
+    monkeypatch.setitem(sys.modules, sites.APP_MODULE, types.ModuleType("app"))
+    monkeypatch.setattr(sites, "check", lambda group: (
+        [f"{group}: missing"] if group == failing else [], []))
+    status = sites.apply()
+    for group in ("json", "regions", "binary"):
+        assert status[group], (group, status)
+    assert status["hop2"] == [] and status["metrics"] == []
+
+
+def test_regions_group_only_when_configured(monkeypatch):
+    from vllm._shm_embeds import config
+
+    monkeypatch.setattr(config, "regions_path", lambda: "")
+    monkeypatch.setattr(sites, "STATUS", {})
+    monkeypatch.setitem(sys.modules, sites.APP_MODULE, types.ModuleType("app"))
+    monkeypatch.setattr(sites, "check", lambda group: ([], []))
+    assert "regions" not in sites.apply() and sites.STATUS["json"] == []
+
+
+def test_region_middleware_only_with_its_group(monkeypatch):
+    from vllm._shm_embeds import config
+    from vllm._shm_embeds.sites import entrypoints
+
+    added = []
+    app = types.SimpleNamespace(add_middleware=added.append)
+    monkeypatch.setattr(config, "regions_path", lambda: "/tmp/socket")
+    monkeypatch.setitem(entrypoints.STATUS, "regions", ["binary is off"])
+    entrypoints._add_region_middleware(app)
+    assert added == []
+    monkeypatch.setitem(entrypoints.STATUS, "regions", [])
+    entrypoints._add_region_middleware(app)
+    assert [m.__name__ for m in added] == ["RegionRefsMiddleware"]
+
+
+# --------------------------------------------------------------------------
+# modules
+
+
+def test_every_module_is_in_the_design_doc_layout():
+    text = _read("docs", "design.md")
+    section = text[text.index("## Package layout"):text.index("## The vLLM sites")]
+    listed: set[str] = set()
+    for row in re.findall(r"^\| (`[^|]*) \|", section, re.M):
+        listed.update(re.findall(r"`([\w/]+\.py)`", row))
+    files = set(_package_files())
+    assert not files - listed, f"modules not in docs/design.md: {sorted(files - listed)}"
+    assert not listed - files, f"docs/design.md names no module: {sorted(listed - files)}"

@@ -1,0 +1,142 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A request's segment-backed tensors, by placeholder strings.
+
+A body path puts :func:`placeholder` strings where the request's
+``prompt_embeds`` were and hands vLLM's app the new body with the
+request's :class:`Upload` (:func:`call_with_body`); the patched decode
+sites (``sites/renderers.py``) call :func:`resolve_placeholder`, which
+resolves only a placeholder of the request served in this context.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import hmac
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from vllm._shm_embeds.digests import forget
+from vllm._shm_embeds.http.common import Receive, Send
+from vllm._shm_embeds.streamed import release_streamed
+
+PLACEHOLDER_PREFIX = "shm-embeds-binary:"
+
+
+def new_token() -> str:
+    """A fresh random placeholder token (128 bits, hex)."""
+    return secrets.token_hex(16)
+
+
+def placeholder(token: str, index: int) -> str:
+    """The string that stands for tensor ``index`` of the upload with ``token``."""
+    return f"{PLACEHOLDER_PREFIX}{token}.{index}"
+
+
+@dataclasses.dataclass
+class Upload:
+    """A request's segment-backed tensors, by placeholder index.
+
+    Attributes:
+        token: the request's random placeholder token.
+        tensors: tensor ``i`` stands for ``placeholder(token, i)`` (None:
+            that index is not a tensor of ours).
+        hash_block_tokens: rows per prefix-cache digest
+            (``common.ServerContext.hash_block_tokens``), None when off.
+        made: segment-backed tensors made from these while rendering (a chat
+            prompt assembled from parts), released with them.
+        leases: ``regions.registry.Lease`` of each registered region the request
+            names; their tensors are the regions' (not released with the
+            request), the leases end with it.
+    """
+
+    token: str
+    tensors: list[torch.Tensor | None]
+    hash_block_tokens: int | None = None
+    made: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    leases: list[Any] = dataclasses.field(default_factory=list)
+
+    def release(self) -> None:
+        """The request has ended: unlink what vLLM did not take over (hop 1
+        hands the rest over), let go of this process's pages of every
+        tensor (``streamed.release_streamed``) and end the region leases."""
+        borrowed = {id(lease.tensor) for lease in self.leases}
+        for t in [*self.tensors, *self.made]:
+            if t is not None and id(t) not in borrowed:
+                forget(t)  # it reads zeros from here on: no digests of other bytes
+                release_streamed(t)
+        for lease in self.leases:
+            lease.release()
+        self.tensors.clear()
+        self.made.clear()
+        self.leases.clear()
+
+
+_current: contextvars.ContextVar[Upload | None] = contextvars.ContextVar(
+    "shm_embeds_upload", default=None
+)
+
+
+def current_upload() -> Upload | None:
+    """The upload of the request being served in this context, or None."""
+    return _current.get()
+
+
+def resolve_placeholder(data: Any) -> torch.Tensor | None:
+    """The tensor a placeholder stands for in the *current* request, or None.
+
+    Only a placeholder whose token equals that of the body being served in
+    this context (set by :func:`call_with_body`) resolves; anything else (a
+    JSON client's bytes, another request's token) gives None, and the caller
+    takes vLLM's stock decode path.
+    """
+    upload = _current.get()
+    if upload is None:
+        return None
+    if isinstance(data, (bytes, bytearray)):
+        try:
+            data = bytes(data).decode("ascii")
+        except UnicodeDecodeError:
+            return None
+    if not isinstance(data, str) or not data.startswith(PLACEHOLDER_PREFIX):
+        return None
+    token, _, index = data[len(PLACEHOLDER_PREFIX):].partition(".")
+    if not hmac.compare_digest(token, upload.token) or not index.isdigit():
+        return None
+    i = int(index)
+    return upload.tensors[i] if i < len(upload.tensors) else None
+
+
+DROPPED_HEADERS = {b"content-length", b"inference-header-content-length"}
+
+
+async def call_with_body(app: Callable, scope: dict, receive: Receive, send: Send,
+                         payload: bytes, upload: Upload | None,
+                         content_type: bytes | None = None) -> None:
+    """Call ``app`` with ``payload`` as the whole request body (Content-Length
+    set, ``content_type`` if given, the binary framing header dropped) and
+    ``upload`` as this request's placeholders; after the body, ``receive`` as
+    is (only ``http.disconnect`` then)."""
+    drop = DROPPED_HEADERS | ({b"content-type"} if content_type else set())
+    hdrs = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in drop]
+    if content_type:
+        hdrs.append((b"content-type", content_type))
+    hdrs.append((b"content-length", str(len(payload)).encode()))
+    sent = False
+
+    async def receive_body() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        return await receive()
+
+    token = _current.set(upload) if upload is not None else None
+    try:
+        await app(dict(scope, headers=hdrs), receive_body, send)
+    finally:
+        if token is not None:
+            _current.reset(token)

@@ -1,0 +1,311 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The lifecycle of a segment this process owns: kinds, states, transitions.
+
+Every segment in ``owned.OwnedSegments``'s index has a :class:`Kind` (how it
+came to this process) and a :class:`State`; it moves between states only by
+the events of :data:`TRANSITIONS`, each named as the ``OwnedSegments``
+method that makes it (the same word in ``transfer.py``), or, for what
+happens to a segment rather than by a call (:data:`OBSERVED`), as what the
+books see at a safe point::
+
+                               own
+                                |
+                                v
+          +---------------- +------+  broadcast   +-----------+ --+
+          |  hand_over,     | HELD | -----------> | BROADCAST |   | broadcast,
+          |  vanish         +------+ <----------- +-----------+ <-+ die
+          |                  |      settle (readers  |     |
+          v                  |      done, in use)    |     | release_adopted
+     +--------+  settle (readers done, nothing tells |     v (readers not done)
+     | MAPPED | <------------------------------------+  +-------+ --+ broadcast,
+     +--------+  the request's end)                     | FREED |   | die,
+          |                  |                          +-------+ <-+ release_adopted
+          | release_*,       | release_*, die,              |
+          | die              | vanish (a copy)              | settle
+          v                  v                              v
+     +--------------------------------------------------------------+
+     |                             GONE                             |
+     +--------------------------------------------------------------+
+       also BROADCAST -> GONE (settle, release_adopted, once the readers
+       are done and nothing maps it here); unlink_all: any state -> GONE
+
+* ``HELD``: the name is linked, the request uses the segment here (its tensor
+  is mapped here, or, for a hop-2 copy, the tensor it copies is alive), no
+  broadcast of it is pending.
+* ``BROADCAST``: readers of at least one broadcast have not all set their
+  flags (the flags live in its mapping here; the files stay open).
+* ``FREED``: vLLM freed the request while a broadcast was pending: the name
+  goes, and this process's pages of it are dropped, once the readers are done.
+* ``MAPPED``: out of the books: the name is gone or was passed to a peer
+  (``hand_over``), but the pages are still mapped here as a tensor until the
+  request is released or the storage dies.
+* ``GONE``: nothing of it is left here (terminal; not kept in the index).
+
+Words: *unlink* removes names; *drop* gives back this process's pages of a
+mapping (``segment.drop_pages``); *release* is the request being done with a
+segment here; *die* is its tensor storage (or a copy's source) being freed.
+
+An event not in the table is a bug of ours: :func:`check` raises
+:class:`IllegalTransition` under pytest, and elsewhere logs it and refuses
+the move (never an exception into a vLLM thread).
+
+Knows segments, not vLLM and not HTTP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import mmap
+import os
+import sys
+import weakref
+from typing import NamedTuple
+
+import torch
+from vllm.logger import init_logger
+
+from vllm._shm_embeds import segment as seg
+from vllm._shm_embeds.handle import SharedTensorHandle
+
+logger = init_logger(__name__)
+
+
+class Kind(enum.Enum):
+    """How a segment came to this process."""
+
+    ADOPTED = "adopted"  # hop 1: a peer's segment, renamed to ours and mapped
+    REGION = "region"  # hop 1: a registered region's header adopted, memfd mapped
+    COPY = "copy"  # hop 2: a copy of a tensor, only its header mapped here
+    STREAMED = "streamed"  # a request body written into it here, for hop 1's hand-over
+
+
+class State(enum.Enum):
+    """Where a segment is in its life (see the module docstring)."""
+
+    HELD = "held"
+    BROADCAST = "broadcast"
+    FREED = "freed"
+    MAPPED = "mapped"
+    GONE = "gone"
+
+
+class Transition(NamedTuple):
+    """One row of :data:`TRANSITIONS`: ``event`` moves a segment of one of
+    ``kinds`` from ``source`` (None: not yet in the index) to one of ``to``."""
+
+    event: str
+    source: State | None
+    to: frozenset[State]
+    kinds: frozenset[Kind]
+
+
+class StorageDied(NamedTuple):
+    """Finalizer record: the storage of a mapped segment's tensor was freed."""
+
+    name: str
+
+
+class SourceDied(NamedTuple):
+    """Finalizer record: the tensor a hop-2 copy was made from was freed
+    (``ptr``: its data address, a key of the index)."""
+
+    name: str
+    ptr: int
+
+
+class IllegalTransition(RuntimeError):
+    """An event that :data:`TRANSITIONS` does not allow (a bug of shm-embeds)."""
+
+
+HELD, BROADCAST, FREED, MAPPED, GONE = State
+ALL = frozenset(Kind)
+SENT = frozenset({Kind.ADOPTED, Kind.REGION, Kind.COPY})  # broadcast at hop 2
+MAPS = frozenset({Kind.ADOPTED, Kind.REGION, Kind.STREAMED})  # a tensor maps it here
+
+
+def _row(event: str, source: State | None, to: set[State], kinds: frozenset[Kind]
+         ) -> Transition:
+    return Transition(event, source, frozenset(to), kinds)
+
+
+# Events that no call makes: seen by the books at a safe point.
+OBSERVED = frozenset({
+    "die",  # its tensor's storage, or a copy's source, was freed (a finalizer's record)
+    "settle",  # the readers of its broadcasts have set their flags (``collect``)
+    "vanish",  # another process removed its name (seen by ``broadcast``)
+})
+
+# The only moves a segment makes. Events are ``OwnedSegments`` methods, or
+# :data:`OBSERVED`.
+TRANSITIONS: tuple[Transition, ...] = (
+    _row("own", None, {HELD}, ALL),
+    _row("broadcast", HELD, {BROADCAST}, SENT),
+    _row("broadcast", BROADCAST, {BROADCAST}, SENT),
+    # (vLLM freed the request on another thread since hop 2 looked it up)
+    _row("broadcast", FREED, {FREED}, SENT),
+    # the readers are done: still in use, unlinked (pages still mapped here
+    # when nothing tells the end of the request), or gone
+    _row("settle", BROADCAST, {HELD, MAPPED, GONE}, SENT),
+    _row("settle", FREED, {GONE}, SENT),
+    # another process removed the name before hop 2 could reuse it
+    _row("vanish", HELD, {MAPPED, GONE}, SENT),
+    _row("hand_over", HELD, {MAPPED}, frozenset({Kind.STREAMED})),
+    _row("release_adopted", HELD, {GONE}, SENT),
+    _row("release_adopted", BROADCAST, {FREED, GONE}, SENT),
+    _row("release_adopted", FREED, {FREED, GONE}, SENT),
+    _row("release_adopted", MAPPED, {GONE}, MAPS),
+    _row("release_streamed", HELD, {GONE}, frozenset({Kind.STREAMED})),
+    _row("release_streamed", MAPPED, {GONE}, MAPS),
+    _row("die", HELD, {GONE}, ALL),
+    _row("die", BROADCAST, {BROADCAST}, SENT),
+    _row("die", FREED, {FREED}, SENT),
+    _row("die", MAPPED, {GONE}, MAPS),
+    *(_row("unlink_all", s, {GONE}, ALL) for s in (HELD, BROADCAST, FREED, MAPPED)),
+)
+
+_ALLOWED: dict[tuple[str, State | None], Transition] = {
+    (t.event, t.source): t for t in TRANSITIONS
+}
+
+
+def allowed(kind: Kind, event: str, source: State | None, to: State) -> bool:
+    """True if :data:`TRANSITIONS` lets ``event`` move a ``kind`` segment
+    from ``source`` to ``to``."""
+    t = _ALLOWED.get((event, source))
+    return t is not None and to in t.to and kind in t.kinds
+
+
+def strict() -> bool:
+    """Raise on an illegal transition (under pytest) instead of refusing it."""
+    return "pytest" in sys.modules
+
+
+def check(kind: Kind, event: str, source: State | None, to: State, name: str = "") -> bool:
+    """Whether the move is allowed; if not, raise :class:`IllegalTransition`
+    under pytest, else log it and return False (the caller refuses the move).
+    """
+    if allowed(kind, event, source, to):
+        return True
+    what = (f"illegal segment transition {event}: {source and source.name} -> {to.name} "
+            f"({kind.value} {name})")
+    if strict():
+        raise IllegalTransition(what)
+    logger.error("shm-embeds: %s refused; please report this bug", what)
+    return False
+
+
+@dataclasses.dataclass(eq=False)
+class OwnedSegment:
+    """One segment this process owns (or, ``MAPPED``, still maps).
+
+    Attributes:
+        handle: its base handle (no broadcast fields).
+        mm: a mapping whose first page is the header (reader flags).
+        kind: how it came here (``lifecycle.Kind``).
+        key: its address in the index: the data address of the tensor that
+            maps it here, or of the tensor a copy was made from.
+        state: where it is in its life (``lifecycle.State``).
+        data_ptr: address of the data in this process's mapping of it, while
+            a tensor maps it here; else None (a copy, or its storage died).
+        source: the tensor that was copied into it (copies), else None.
+        fds: the files, held open while broadcasts are pending (a
+            region's for as long as the name: its memfd has no name).
+        broadcasts: ``(flag_base, readers)`` of broadcasts whose readers have
+            not all set their flags (non-empty in ``BROADCAST`` and ``FREED``).
+        next_flag: first unused flag byte.
+    """
+
+    handle: SharedTensorHandle
+    mm: mmap.mmap | None
+    kind: Kind
+    key: int
+    state: State | None = None
+    data_ptr: int | None = None
+    source: weakref.ref | None = None
+    fds: list[int] | None = None
+    broadcasts: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    next_flag: int = 0
+
+    def maps(self, tensor: torch.Tensor) -> bool:
+        """True if ``tensor`` is exactly this segment's mapping here (same
+        address, dtype and shape)."""
+        return (self.data_ptr == tensor.data_ptr() and tensor.dtype == self.handle.torch_dtype
+                and tuple(tensor.shape) == self.handle.shape)
+
+    def in_use(self, release_known: bool) -> bool:
+        """True while the request still uses the segment here: its tensor
+        (mapped here) or the tensor it copies (hop 2) is alive and vLLM has
+        not freed the request (``release_known``: something tells when)."""
+        if self.state is FREED or not release_known:
+            return False
+        return self.data_ptr is not None or (self.source is not None
+                                             and self.source() is not None)
+
+    def settle(self) -> None:
+        """Forget the broadcasts whose readers have all set their flags."""
+        self.broadcasts = [(base, readers) for base, readers in self.broadcasts
+                           if b"\x00" in seg.read_flags(self.mm, base, readers)]
+
+    def close_fds(self) -> None:
+        for fd in self.fds or ():
+            os.close(fd)
+        self.fds = None
+
+
+class Index:
+    """The one index of a process's segments: every one not ``GONE`` by name,
+    and those in the books (not ``MAPPED``) also by :attr:`OwnedSegment.key`.
+
+    Only :meth:`move` changes a state, checked against
+    ``lifecycle.TRANSITIONS``; it keeps both maps in step. Lock held by the
+    caller (``OwnedSegments._lock``) for every method.
+    """
+
+    def __init__(self) -> None:
+        self._names: dict[str, OwnedSegment] = {}
+        self._keys: dict[int, str] = {}  # key -> name; the last one owned wins
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def get(self, name: str) -> OwnedSegment | None:
+        return self._names.get(name)
+
+    def at(self, key: int) -> OwnedSegment | None:
+        """The segment in the books last owned at address ``key``, if any."""
+        name = self._keys.get(key)
+        return self._names.get(name) if name is not None else None
+
+    def unkey(self, key: int | None, name: str) -> None:
+        """Forget address ``key`` if it still leads to ``name``."""
+        if key is not None and self._keys.get(key) == name:
+            del self._keys[key]
+
+    def all(self) -> list[OwnedSegment]:
+        return list(self._names.values())
+
+    def linked(self) -> list[OwnedSegment]:
+        """The segments in the books (names linked, not ``MAPPED``)."""
+        return [e for e in self._names.values() if e.state is not MAPPED]
+
+    def mapped(self, tensor: torch.Tensor) -> OwnedSegment | None:
+        """The ``MAPPED`` segment that is exactly ``tensor``, if any."""
+        return next((e for e in self._names.values()
+                     if e.state is MAPPED and e.maps(tensor)), None)
+
+    def move(self, entry: OwnedSegment, event: str, to: State) -> bool:
+        """Make ``event`` move ``entry`` to ``to`` if the table allows it
+        (else False: refused, see ``lifecycle.check``)."""
+        name = entry.handle.name
+        if not check(entry.kind, event, entry.state, to, name):
+            return False
+        if entry.state is None:
+            self._names[name] = entry
+            self._keys[entry.key] = name
+        entry.state = to
+        if to is MAPPED or to is GONE:
+            self.unkey(entry.key, name)
+        if to is GONE:
+            self._names.pop(name, None)
+        return True

@@ -1,0 +1,84 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Processes seen through ``/proc``: the PID namespace, ``/proc/<pid>/stat``,
+and whether a segment's owner is certainly gone.
+
+A segment name carries its owner's pid and start time (``handle.SegmentName``)
+so that a sweep tells a dead owner's segments from a live one's even after
+pid reuse. Every reader here answers "cannot tell" on the safe side.
+
+Knows ``/proc`` only: no segment file, not vLLM, not HTTP.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def pid_namespace() -> int:
+    """This process's PID namespace id (inode of ``/proc/self/ns/pid``), or 0."""
+    try:
+        return int("".join(c for c in os.readlink("/proc/self/ns/pid") if c.isdigit()) or 0)
+    except OSError:
+        return 0
+
+
+def proc_stat(pid: int) -> list[bytes] | None:
+    """Fields 3 onwards of ``/proc/<pid>/stat`` (``proc(5)``: [0] the state,
+    [1] the parent pid, [19] the start time in clock ticks since boot); None
+    if ``pid`` is gone, unreadable or a zombie (killed, not yet reaped).
+    Raises ValueError: the file does not read as ``proc(5)`` says."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # Field 2 (comm) may contain spaces and parentheses: split after the last ')'.
+    head, paren, tail = stat.rpartition(b")")
+    fields = tail.split()
+    if not paren or len(fields) < 20:
+        raise ValueError(f"unexpected /proc/{pid}/stat")
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return fields
+
+
+def proc_start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot; None if gone or unreadable.
+
+    A zombie (killed, not yet reaped by its parent) counts as gone. Raises
+    ValueError: ``/proc/<pid>/stat`` does not parse.
+    """
+    fields = proc_stat(pid)
+    return int(fields[19]) if fields is not None else None
+
+
+def owner_is_dead(pid: int, start: int) -> bool:
+    """True only when process ``pid``, started at ``start`` (clock ticks since
+    boot, 0 if unknown: a segment name's ``pid`` and ``start``), is certainly
+    gone (a sweep may unlink its segments).
+
+    Gone means: no such pid (``kill(pid, 0)`` says ESRCH), or ``/proc`` shows
+    a zombie or a different start time. When ``/proc`` cannot be read, or the
+    start time is unknown (0), a pid that exists counts as alive: a
+    sweep must never remove a live owner's segment.
+    """
+    if not 0 < pid < 1 << 22:  # PID_MAX_LIMIT: no such process can exist
+        return False  # not a name of ours: keep it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # exists, owned by someone else
+    try:
+        with open(f"/proc/{pid}/stat", "rb"):
+            pass
+    except OSError:
+        return False  # /proc unreadable here: cannot tell, keep it
+    try:
+        now = proc_start_time(pid)
+    except ValueError:
+        return False  # cannot tell: keep it
+    if now is None:
+        return True  # zombie, or exited between the two reads
+    return start != 0 and now != start

@@ -1,0 +1,275 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Streamed segments: tensors written from a byte stream (a request body),
+handed over at hop 1 by handle.
+
+:class:`StreamedFile` is the file I/O (created empty at its final size,
+filled in order with ``pwrite``, then mapped; ``segment.py``'s helpers);
+:class:`StreamedSegment` adds ownership and the budget: a name of this
+process, the books of ``owned.py``, a grant renewed as it fills. Then
+:func:`hand_over` (hop 1 sender, no copy) or :func:`release_streamed`
+(the request ended).
+
+Knows segments and ownership, not vLLM and not HTTP.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+from typing import Any
+
+import torch
+
+from vllm._shm_embeds import process, transfer
+from vllm._shm_embeds import segment as seg
+from vllm._shm_embeds.config import shm_dir
+from vllm._shm_embeds.counters import Event, count
+from vllm._shm_embeds.handle import HEADER_BYTES, SharedTensorHandle, ShmEmbedsError, dtype_name
+from vllm._shm_embeds.lifecycle import Kind
+from vllm._shm_embeds.segment import HEADER, map_files, pwrite_all, unlink_quietly
+
+
+class StreamedFile:
+    """A one-file segment created empty at its final size and filled in order.
+
+    ``ftruncate`` first (no memory is used until bytes arrive), then
+    :meth:`write` appends with ``pwrite`` (one kernel copy from the caller's
+    buffer into the tmpfs pages; ENOSPC is an ``OSError``, never a SIGBUS).
+    :meth:`finish` maps it; :meth:`abort` closes and unlinks it.
+
+    Args:
+        directory: the segment directory.
+        handle: name, dtype and shape of the segment (one file, no split).
+    Raises:
+        OSError: the file could not be created or sized (nothing is left).
+    """
+
+    def __init__(self, directory: str, handle: SharedTensorHandle) -> None:
+        self.handle = handle
+        self.nbytes = handle.nbytes
+        self.filled = 0
+        # Bytes the segment budget granted this file so far (its owner,
+        # :class:`StreamedSegment`, renews it as the file fills).
+        self.reserved = 0
+        self._path = os.path.join(directory, handle.name)
+        self._fd: int | None = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            pwrite_all(self._fd, memoryview(HEADER), 0)
+            os.ftruncate(self._fd, HEADER_BYTES + self.nbytes)
+        except BaseException:
+            self.abort()
+            raise
+
+    @property
+    def open(self) -> bool:
+        return self._fd is not None
+
+    def write(self, data: bytes | memoryview) -> None:
+        """Append ``data`` (at most the bytes still missing).
+
+        Raises:
+            ShmEmbedsError: already finished or aborted.
+            ValueError: more bytes than the segment holds.
+            OSError: e.g. ENOSPC (the caller aborts).
+        """
+        if self._fd is None:
+            raise ShmEmbedsError("segment already finished or aborted")
+        if self.filled + len(data) > self.nbytes:
+            raise ValueError("more bytes than the segment holds")
+        pwrite_all(self._fd, memoryview(data), HEADER_BYTES + self.filled)
+        self.filled += len(data)
+
+    def assume_filled(self) -> None:
+        """Take the file as filled (the caller writes it through the mapping)."""
+        self.filled = self.nbytes
+
+    def finish(self, writable: bool) -> mmap.mmap:
+        """Map the filled file and close it; the file stays linked.
+
+        Raises:
+            ShmEmbedsError: already closed, or not every byte was written.
+            OSError: the mapping failed.
+            On an error the file stays as it was: the caller aborts.
+        """
+        if self._fd is None or self.filled != self.nbytes:
+            raise ShmEmbedsError(f"segment holds {self.filled} of {self.nbytes} bytes")
+        mm = map_files([self._fd], [HEADER_BYTES + self.nbytes],
+                       mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+        os.close(self._fd)
+        self._fd = None
+        return mm
+
+    def read_back(self, out: memoryview) -> None:
+        """Copy the bytes written so far into ``out`` (at least :attr:`filled` bytes).
+
+        Raises:
+            ShmEmbedsError: already finished or aborted; OSError: the read failed.
+        """
+        if self._fd is None:
+            raise ShmEmbedsError("segment already finished or aborted")
+        done = 0
+        while done < self.filled:
+            n = os.preadv(self._fd, [out[done:self.filled]], HEADER_BYTES + done)
+            if n <= 0:
+                raise OSError(errno.EIO, "short read of a streamed segment")
+            done += n
+
+    def abort(self) -> bool:
+        """Close and unlink (idempotent); True if this call unlinked the file."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        return unlink_quietly(self._path)
+
+
+STREAM_GRANT_BYTES = 64 << 20  # budget a body still arriving holds beyond what it wrote
+
+
+class StreamedSegment:
+    """A one-file segment that a request body is written into, chunk by chunk.
+
+    The file I/O is :class:`StreamedFile`'s; this adds ownership: the
+    segment gets a name of this process, :meth:`finish` maps it and returns
+    the tensor, and the segment stays owned here until :func:`hand_over`
+    passes it to a peer (hop 1, by handle, no copy). It is unlinked when the
+    tensor's storage is freed before that (next safe point), by
+    :func:`release_streamed`, or by :meth:`abort`. The caller must have
+    validated ``shape`` and ``dtype`` against its own limits first.
+
+    Budget (``transfer.check_budget``): the whole size must fit when the segment
+    is made, but it is charged by what it has written plus a grant of at
+    most :data:`STREAM_GRANT_BYTES` ahead, renewed as it fills: a slow
+    upload does not hold budget for bytes it has not sent. When a renewal
+    does not fit (other segments took the room meanwhile), :meth:`write`
+    raises ``segment.BudgetExceeded`` (an ``OSError``) and writes nothing;
+    the caller goes on the stock way (the binary path reads the bytes
+    back into private memory; the JSON path gives vLLM the body) and aborts
+    this segment: nothing is left.
+
+    Args:
+        dtype: element type of the bytes that will be written.
+        shape: tensor shape, e.g. ``(num_tokens, hidden_size)``.
+    Raises:
+        OSError: the file could not be created or sized (nothing is left).
+    """
+
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        state = process.current()
+        handle = SharedTensorHandle(state.new_name(), dtype_name(dtype), tuple(shape))
+        transfer.check_budget(handle.nbytes)
+        self._file = StreamedFile(shm_dir(), handle)
+        self._file.reserved = min(handle.nbytes, STREAM_GRANT_BYTES)
+        self.handle = handle
+        self.nbytes = handle.nbytes
+        state.owned.stream_started(self._file)
+        count(Event.SEGMENTS_CREATED)
+
+    @property
+    def filled(self) -> int:
+        """Bytes written so far."""
+        return self._file.filled
+
+    def write(self, data: bytes | memoryview) -> None:
+        """Append ``data`` (see :meth:`StreamedFile.write` for the errors).
+
+        Raises:
+            segment.BudgetExceeded: the next grant does not fit the budget
+                (nothing written; see the class docstring).
+        """
+        f = self._file
+        end = f.filled + len(data)
+        if end > f.reserved and f.open:
+            grant = min(f.nbytes, max(end, f.reserved + STREAM_GRANT_BYTES)) - f.reserved
+            transfer.check_budget(grant)
+            f.reserved += grant
+        f.write(data)
+        process.current().census(shm_dir()).wrote(len(data))
+
+    def read_back(self, out: memoryview) -> None:
+        """Copy the bytes written so far into ``out`` (:meth:`StreamedFile.read_back`)."""
+        self._file.read_back(out)
+
+    def finish(self, writable: bool = True) -> torch.Tensor:
+        """Map the filled segment; returns the segment-backed tensor.
+
+        Counts the bytes written as ``copied_bytes`` (the one copy).
+        ``writable=False`` maps it read-only (a write through the tensor
+        faults): for bytes that were hashed as they were written.
+        Raises:
+            ShmEmbedsError: not every byte was written (the segment is removed).
+        """
+        try:
+            mm = self._file.finish(writable)
+        except BaseException:
+            self.abort()
+            raise
+        process.current().owned.stream_ended(self._file)
+        count(Event.COPIED_BYTES, self.nbytes)
+        tensor, anchor = seg.tensor_view(mm, self.handle)
+        state = process.current()
+        state.owned.own(Kind.STREAMED, self.handle, mm, tensor, anchor)
+        state.start_reaper()  # unlinks it soon if its storage dies unsent
+        return tensor
+
+    def abort(self) -> None:
+        """Close and unlink (idempotent); counts the bytes written so far as copied."""
+        if self._file.open and self._file.filled:
+            count(Event.COPIED_BYTES, self._file.filled)
+        process.current().owned.stream_ended(self._file)
+        if self._file.abort():
+            count(Event.SEGMENTS_UNLINKED)
+
+
+def streamed_tensor_like(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A new writable segment-backed tensor (for a dtype conversion into shm).
+
+    The caller fills it (e.g. ``out.copy_(src)``; counted here as
+    ``copied_bytes``); it is handed over or unlinked like a streamed one.
+    Raises OSError (nothing left) if the segment cannot be created.
+    """
+    streamed = StreamedSegment(dtype, shape)
+    streamed._file.assume_filled()  # filled by the caller through the mapping
+    return streamed.finish()
+
+
+def is_streamed(tensor: Any) -> bool:
+    """True if ``tensor`` covers exactly a streamed segment not yet handed over."""
+    return isinstance(tensor, torch.Tensor) and process.current().owned.is_streamed(tensor)
+
+
+def hand_over(tensor: Any) -> SharedTensorHandle | None:
+    """Hop 1 sender: the handle of ``tensor``'s streamed segment, ownership passed on.
+
+    If ``tensor`` (same data pointer, dtype and shape) is a streamed segment
+    this process owns, it leaves this process's books (the peer adopts it by
+    ``rename``, exactly as a ``transfer.share_tensor`` segment) and its handle is
+    returned: no copy. Otherwise None (the caller copies as usual).
+    """
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    handle = process.current().owned.hand_over(tensor)
+    if handle is not None:
+        count(Event.HOP1_HANDOVER_TENSORS)
+    return handle
+
+
+def release_streamed(tensor: Any) -> bool:
+    """This process is done with ``tensor``'s streamed segment (its request ended).
+
+    Unlinks it now if hop 1 did not hand it over (rejected, failed,
+    disconnected), and lets go of this process's pages of it either way
+    (``OwnedSegments.release_streamed``): the tensor stays valid but reads zeros, and
+    the memory is back once the EngineCore and TP workers are done with it,
+    even if something here keeps the tensor object alive. True if ``tensor``
+    was a streamed segment of this process.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        return False
+    return process.current().owned.release_streamed(tensor)
+
+
+def streamed_pending() -> int:
+    """Streamed segments this process still owns (not handed over, not released)."""
+    return process.current().owned.pending(streamed_only=True)
+
