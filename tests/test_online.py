@@ -20,14 +20,9 @@ from helpers import (
     ours_in,
 )
 
-from vllm._shm_embeds import segment
+from vllm._shm_embeds import segment_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.online]
-
-
-@pytest.fixture
-def server(main_server):
-    return main_server
 
 
 def _client(server):
@@ -109,7 +104,7 @@ def test_segment_counts_while_its_request_runs(server):
         assert next(line for line in lines if line.startswith(b"data: {"))  # a token
         engine.send_signal(signal.SIGSTOP)
         try:
-            budget_sees = segment.held_bytes(server["seg_dir"])
+            budget_sees = segment_dir.held_bytes(server["seg_dir"])
             during = ours_in(server["seg_dir"])
             during_bytes = held()
         finally:
