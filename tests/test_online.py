@@ -9,8 +9,6 @@ without hurting later requests or leaking a segment.
 """
 
 
-import threading
-
 import pytest
 import requests
 import torch
@@ -86,54 +84,40 @@ def test_segment_counts_while_its_request_runs(server):
     (the whole decode), and ``/metrics`` shows it held; it goes when vLLM
     frees the request.
 
-    A sampler thread looks for the name while this thread reads the stream
-    and counts its tokens; a name seen after 50 tokens had reached this
-    client was there while the engine decoded (on the old lifetime it went
-    at the first step). No clock and no server-side counter is trusted: a
-    loaded CI machine once let the whole decode finish before the reader
-    saw its first token, and vLLM's token counters lag under load.
+    No clock: once a token of the answer has arrived (prefill done, the first
+    steps run: on the old lifetime the name went then), the EngineCore is
+    stopped (SIGSTOP), so the request cannot end while the names, what the
+    budget counts and ``/metrics`` are read; then it goes on.
     """
+    import signal
+
+    import psutil
     from helpers import METRICS_PREFIX, parse_metrics
 
     def held() -> float:
         r = requests.get(server["url"] + "/metrics", timeout=60)
         return parse_metrics(r.text)[(METRICS_PREFIX + "dir_held_bytes", frozenset())]
 
+    [engine] = [p for p in psutil.Process(server["proc"].pid).children(recursive=True)
+                if "EngineCore" in p.name() + " ".join(p.cmdline())]
     embeds = embed_weights(server["model"])[torch.arange(3, 303)].contiguous()
-    read = [0]  # tokens this client has read so far
-    seen: list[tuple[int, int]] = []  # (tokens read, what the budget counts) while named
-    scraped: list[float] = []  # /metrics while named, late in the decode
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            tokens = read[0]
+    with requests.post(server["url"] + "/v1/completions", stream=True, timeout=300, json={
+            "model": "tiny", "max_tokens": 1500, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "prompt_embeds": encode_embeds(embeds)}) as r:
+        assert r.status_code == 200, r.text
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith(b"data: {"))  # a token
+        engine.send_signal(signal.SIGSTOP)
+        try:
             budget_sees = segment.held_bytes(server["seg_dir"])
-            if not ours_in(server["seg_dir"]):
-                continue
-            seen.append((tokens, budget_sees))
-            if tokens >= 50 and not scraped:
-                dir_held = held()
-                if ours_in(server["seg_dir"]):  # named after the scrape: held during it
-                    scraped.append(dir_held)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        with requests.post(server["url"] + "/v1/completions", stream=True, timeout=300, json={
-                "model": "tiny", "max_tokens": 1500, "temperature": 0.0, "ignore_eos": True,
-                "stream": True, "prompt_embeds": encode_embeds(embeds)}) as r:
-            assert r.status_code == 200, r.text
-            for line in r.iter_lines():
-                read[0] += line.startswith(b"data: {")
-    finally:
-        stop.set()
-        sampler.join()
-    assert read[0] > 100
-    late = [s for s in seen if s[0] >= 50]
-    assert late, f"the segment's name went while its request ran (named at {seen[:20]})"
-    assert all(budget >= embeds.nbytes for _, budget in late)
-    assert all(dir_held >= embeds.nbytes for dir_held in scraped)
+            during = ours_in(server["seg_dir"])
+            during_bytes = held()
+        finally:
+            engine.send_signal(signal.SIGCONT)
+        chunks = 1 + sum(line.startswith(b"data: {") for line in lines)
+    assert chunks > 100
+    assert during, "the segment's name went while its request ran"
+    assert budget_sees >= embeds.nbytes and during_bytes >= embeds.nbytes
     assert ours_in(server["seg_dir"]) == [] and held() == 0
 
 
