@@ -9,6 +9,8 @@ without hurting later requests or leaking a segment.
 """
 
 
+import time
+
 import pytest
 import requests
 import torch
@@ -84,38 +86,58 @@ def test_segment_counts_while_its_request_runs(server):
     (the whole decode), and ``/metrics`` shows it held; it goes when vLLM
     frees the request.
 
-    No clock: once a token of the answer has arrived (prefill done, the first
-    steps run: on the old lifetime the name went then), the EngineCore is
-    stopped (SIGSTOP), so the request cannot end while the names, what the
-    budget counts and ``/metrics`` are read; then it goes on.
+    Once both TP workers have counted the request's segment mapped (its
+    first step ran: on the old lifetime the name went at the EngineCore's next
+    safe point) and a few safe points later, the EngineCore is stopped
+    (SIGSTOP), so the request cannot end while the names, what the budget
+    counts and ``/metrics`` are read; then it goes on. (Waiting for a token
+    to reach this client instead failed in CI: a starved API server
+    forwarded the first token after the decode ended.)
     """
     import signal
+    import threading
 
     import psutil
-    from helpers import METRICS_PREFIX, parse_metrics
+    from helpers import METRICS_PREFIX, by_role, parse_metrics
 
     def held() -> float:
         r = requests.get(server["url"] + "/metrics", timeout=60)
         return parse_metrics(r.text)[(METRICS_PREFIX + "dir_held_bytes", frozenset())]
 
+    def mapped() -> int:  # segments the TP workers mapped (both ranks count)
+        return sum(c.get("hop2_shm_tensors", 0) for c in by_role(server.read_stats(), "worker"))
+
     [engine] = [p for p in psutil.Process(server["proc"].pid).children(recursive=True)
                 if "EngineCore" in p.name() + " ".join(p.cmdline())]
     embeds = embed_weights(server["model"])[torch.arange(3, 303)].contiguous()
-    with requests.post(server["url"] + "/v1/completions", stream=True, timeout=300, json={
-            "model": "tiny", "max_tokens": 1500, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "prompt_embeds": encode_embeds(embeds)}) as r:
-        assert r.status_code == 200, r.text
-        lines = r.iter_lines()
-        assert next(line for line in lines if line.startswith(b"data: {"))  # a token
-        engine.send_signal(signal.SIGSTOP)
-        try:
-            budget_sees = segment.held_bytes(server["seg_dir"])
-            during = ours_in(server["seg_dir"])
-            during_bytes = held()
-        finally:
-            engine.send_signal(signal.SIGCONT)
-        chunks = 1 + sum(line.startswith(b"data: {") for line in lines)
-    assert chunks > 100
+    before = mapped()
+    out: dict = {}
+
+    def request() -> None:
+        r = requests.post(server["url"] + "/v1/completions", timeout=300, json={
+            "model": "tiny", "max_tokens": 1700, "temperature": 0.0, "ignore_eos": True,
+            "prompt_embeds": encode_embeds(embeds)})
+        out["status"], out["text"] = r.status_code, r.text
+
+    thread = threading.Thread(target=request, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while mapped() < before + 2 and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    # a few of the EngineCore's safe points (every 0.1 s), where the old lifetime
+    # unlinked a name once every rank had mapped it; the decode takes seconds
+    time.sleep(0.5)
+    engine.send_signal(signal.SIGSTOP)
+    try:
+        budget_sees = segment.held_bytes(server["seg_dir"])
+        during = ours_in(server["seg_dir"])
+        during_bytes = held()
+        running = thread.is_alive()
+    finally:
+        engine.send_signal(signal.SIGCONT)
+    thread.join(300)
+    assert out.get("status") == 200, out
+    assert running, "the request ended before both TP workers counted its segment"
     assert during, "the segment's name went while its request ran"
     assert budget_sees >= embeds.nbytes and during_bytes >= embeds.nbytes
     assert ours_in(server["seg_dir"]) == [] and held() == 0
