@@ -23,6 +23,7 @@ import time
 
 import pytest
 import torch
+from helpers import open_fds
 
 from vllm._shm_embeds import counters
 from vllm._shm_embeds import region_server as rs
@@ -35,13 +36,7 @@ FULL_FP32 = MAX_T * H * 4  # 32 KiB
 
 
 def _fds() -> dict[int, str]:
-    out = {}
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:  # the listing's own fd, already closed
-            pass
-    return out
+    return open_fds()
 
 
 def _is_memfd(fd: int) -> bool:
