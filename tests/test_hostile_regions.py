@@ -280,7 +280,7 @@ def test_producer_checks_the_servers_uid(tmp_path):
     os.chmod(d, 0o777)
     path = os.path.join(d, "regions.sock")
     code = textwrap.dedent(f"""
-        import os, socket
+        import os, socket, time
         os.setgid({NOBODY}); os.setuid({NOBODY})
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         s.bind({path!r}); os.chmod({path!r}, 0o666); s.listen(1)
@@ -291,6 +291,7 @@ def test_producer_checks_the_servers_uid(tmp_path):
         except OSError:
             anc = []
         print("fds", sum(len(a[2]) // 4 for a in anc), flush=True)
+        time.sleep(60)  # still listening for the second client (killed below)
     """)
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
