@@ -125,7 +125,9 @@ def test_sigterm_with_requests_in_flight(dp_server):
     bodies = _embeds_bodies(dp_server["model"], 16)
     proc = dp_server["proc"]
     with ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(post_completion, dp_server["url"], b, 60) for b in bodies]
+        # long decodes (1024 tokens each): requests stay in flight while polled
+        futures = [pool.submit(post_completion, dp_server["url"], {**b, "ignore_eos": True},
+                               120, 1024) for b in bodies]
         # SIGTERM to the whole server while one of its processes maps or
         # opens a request's segment (asserted); it handles the signal once
         # it runs again, at the state that was read.
@@ -265,9 +267,10 @@ def _soak(server, n: int, shm_on: bool) -> dict:
         body = ({"prompt": ids} if i % 2 else
                 {"prompt": "", "prompt_embeds": encode_embeds(weights[ids])})
         abort = not reject and rng.random() < 0.25
-        try:  # an abort is an HTTP disconnect before the answer
-            r = post_completion(server["url"], {**body, "max_tokens": 64 if abort else 4},
-                      timeout=0.05 if abort else 300)
+        try:  # an abort: an HTTP disconnect 50 ms in, long before 700 tokens can decode
+            r = post_completion(server["url"], {**body, "max_tokens": 700 if abort else 4,
+                                                "ignore_eos": abort},
+                                timeout=0.05 if abort else 300)
         except requests.Timeout:
             return "aborted"
         assert r.status_code == (400 if reject else 200), r.text[:300]

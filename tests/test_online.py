@@ -58,7 +58,7 @@ def test_embeds_equal_text_and_use_shm(server):
     for text in TEXTS:
         embeds = _same_tokens_as_embeds(server, text)
         total += embeds.nbytes
-        kw = dict(model="tiny", max_tokens=8, temperature=0.0)
+        kw = {"model": "tiny", "max_tokens": 8, "temperature": 0.0}
         by_text = client.completions.create(prompt=text, **kw)
         by_embeds = client.completions.create(
             prompt="", extra_body={"prompt_embeds": encode_embeds(embeds)}, **kw
@@ -87,18 +87,18 @@ def test_segment_counts_while_its_request_runs(server):
     frees the request.
 
     Once both TP workers have counted the request's segment mapped (its
-    first step ran: on the old lifetime the name went at the EngineCore's next
-    safe point) and a few safe points later, the EngineCore is stopped
-    (SIGSTOP), so the request cannot end while the names, what the budget
-    counts and ``/metrics`` are read; then it goes on. (Waiting for a token
-    to reach this client instead failed in CI: a starved API server
-    forwarded the first token after the decode ended.)
+    first step ran), both are stopped (SIGSTOP): the step cannot finish, so
+    the request cannot end, while the EngineCore runs on and its reaper
+    passes safe points every 0.1 s (on the old lifetime the name went at the
+    first of them). Then the names, what the budget counts and ``/metrics``
+    are read, and the workers go on. (A stop after a fixed sleep failed in
+    CI: the 1700-token decode could end within it. Waiting for a token to
+    reach this client failed too: a starved API server forwarded the first
+    token after the decode ended.)
     """
-    import signal
     import threading
 
-    import psutil
-    from helpers import METRICS_PREFIX, by_role, parse_metrics
+    from helpers import METRICS_PREFIX, by_role, descendants, parse_metrics, stopped
 
     def held() -> float:
         r = requests.get(server["url"] + "/metrics", timeout=60)
@@ -107,8 +107,8 @@ def test_segment_counts_while_its_request_runs(server):
     def mapped() -> int:  # segments the TP workers mapped (both ranks count)
         return sum(c.get("hop2_shm_tensors", 0) for c in by_role(server.read_stats(), "worker"))
 
-    [engine] = [p for p in psutil.Process(server["proc"].pid).children(recursive=True)
-                if "EngineCore" in p.name() + " ".join(p.cmdline())]
+    workers = descendants(server["proc"], "Worker_TP")
+    assert len(workers) == 2, workers
     embeds = embed_weights(server["model"])[torch.arange(3, 303)].contiguous()
     tries = []
     for _ in range(3):  # a run where the request ended before it could be seen proves nothing
@@ -116,7 +116,7 @@ def test_segment_counts_while_its_request_runs(server):
         t0 = time.monotonic()
         out: dict = {}
 
-        def request() -> None:
+        def request(out: dict = out) -> None:
             r = requests.post(server["url"] + "/v1/completions", timeout=300, json={
                 "model": "tiny", "max_tokens": 1700, "temperature": 0.0, "ignore_eos": True,
                 "prompt_embeds": encode_embeds(embeds)})
@@ -127,26 +127,24 @@ def test_segment_counts_while_its_request_runs(server):
         deadline = time.monotonic() + 120
         while mapped() < before + 2 and thread.is_alive() and time.monotonic() < deadline:
             time.sleep(0.001)
-        seen = (mapped() - before, thread.is_alive(), round(time.monotonic() - t0, 3))
-        # a few of the EngineCore's safe points (every 0.1 s), where the old lifetime
-        # unlinked a name once every rank had mapped it; the decode takes seconds
-        time.sleep(0.5)
-        engine.send_signal(signal.SIGSTOP)
-        try:
+        with stopped([w.pid for w in workers]):
+            running = thread.is_alive()
+            seen = (mapped() - before, round(time.monotonic() - t0, 3))
+            # the EngineCore's reaper passes 5 safe points, where the old lifetime
+            # unlinked a name once every rank had mapped it
+            time.sleep(0.5)
             budget_sees = segment_dir.held_bytes(server["seg_dir"])
             during = ours_in(server["seg_dir"])
             during_bytes = held()
-            running = thread.is_alive()
-        finally:
-            engine.send_signal(signal.SIGCONT)
+            running = running and thread.is_alive()
         thread.join(300)
         tries.append((*seen, round(time.monotonic() - t0, 3)))
         if running:
             break
     assert out.get("status") == 200, out
-    if not running:  # inconclusive (seen in CI: the workers' counts came after the answer)
+    if not running:  # inconclusive: the request ended before the workers were stopped
         pytest.skip("three requests ended before both TP workers counted their segment "
-                    f"(mapped, alive, at s, ended s: {tries})")
+                    f"(mapped, at s, ended s: {tries})")
     assert during, "the segment's name went while its request ran"
     assert budget_sees >= embeds.nbytes and during_bytes >= embeds.nbytes
     assert ours_in(server["seg_dir"]) == [] and held() == 0

@@ -1,30 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 """The Unix socket over which same-host producers register memfd regions.
 
-Protocol (pinned; producers in any language speak it): an ``AF_UNIX``,
-``SOCK_SEQPACKET`` socket; each message is one UTF-8 JSON object of at most
-64 KiB, answered by one message:
-
-* ``{"op": "register", "datatype": "FP32"|"FP16"|"BF16", "shape": [T, H]}``
-  with exactly one fd attached (``SCM_RIGHTS``; the server makes room for
-  one: the kernel drops any further ones unopened), a memfd sealed with at least
-  ``F_SEAL_WRITE|F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL`` of exactly
-  ``T * H * itemsize`` bytes -> ``{"region": "<id>", "byte_size": N}``;
-* ``{"op": "unregister", "region": "<id>"}`` -> ``{"ok": true}``;
-* anything refused -> ``{"error": "<message>"}`` (no path, no internal name);
-  every fd received with it is closed and the connection stays usable,
-  unless the fd attached is not a memfd: the connection is then closed after
-  the answer (as it is for a message sent while the server takes no fds,
-  its closer thread being behind: ``sockets.closer_busy``).
-
-Internal, between the API servers of one ``vllm serve`` (``--api-server-count``
-> 1; they are siblings, children of the same process): one of them serves the
-socket, the others look regions up in it (``regions/mirror.py``):
-``{"op": "lookup", "region": "<id>"}`` -> ``{"datatype": ..., "shape": [T, H],
-"byte_size": N, ...}`` with the region's fd attached, or an error. Only a peer
-with this process's uid and parent may look up. Which API server serves the
-socket is decided by an abstract-namespace socket named after the path
-(atomic, and gone with its process), so two starting at once never both bind.
+The protocol is pinned (producers in any language speak it; ``docs/regions.md``
+spells it out): an ``AF_UNIX``, ``SOCK_SEQPACKET`` socket, one UTF-8 JSON object
+of at most 64 KiB per message, one answer each: ``register`` (one sealed memfd
+attached: the server makes room for one fd, the kernel drops more unopened),
+``unregister``, and the siblings' internal ``lookup`` (``regions/mirror.py``;
+only a peer with this process's uid and parent). A refusal is ``{"error": ...}``
+with no path or internal name; its fds are closed and the connection stays
+usable, unless the fd was not a memfd or the closer thread is behind
+(``sockets.closer_busy``): then it is closed after the answer. Which of the API
+servers of one ``vllm serve`` serves the socket is decided by an
+abstract-namespace socket named after the path (atomic, gone with its process).
 
 A connection may register many regions; when it closes (the producer exits
 or dies) they are all unregistered. The peer's uid (``SO_PEERCRED``) must be
