@@ -19,14 +19,11 @@ Knows files and tensors, not vLLM and not HTTP. Thread-safe (one lock).
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import mmap
 import os
 import secrets
-import stat
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -34,26 +31,15 @@ import torch
 from vllm.logger import init_logger
 
 from vllm._shm_embeds import config
-from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.counters import Event, count, count_many, count_reason
-from vllm._shm_embeds.regions.sockets import discard_fd, is_memfd
+from vllm._shm_embeds.regions import memfd
+from vllm._shm_embeds.regions.memfd import NOT_MEMFD, RegionError  # noqa: F401 (the API)
+from vllm._shm_embeds.regions.sockets import discard_fd
 
 logger = init_logger(__name__)
 
 DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
-REQUIRED_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 UNKNOWN_REGION = "unknown shared_memory_region"  # never the id: it is a capability
-NOT_MEMFD = "the file descriptor is not a memfd (os.memfd_create with MFD_ALLOW_SEALING)"
-
-
-class RegionError(ValueError):
-    """A refused registration, unregistration or region reference: a
-    client-safe message (no path, no fd, no internal name); ``reason`` is its
-    counter label (e.g. ``seals``, ``size``)."""
-
-    def __init__(self, message: str, reason: str = "invalid") -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,53 +133,6 @@ class Lease:
         self._registry._release(self)
 
 
-def _check_fd(fd: int, nbytes: int) -> int:
-    """The inode of ``fd`` if it is a sealed memfd of ``nbytes`` bytes,
-    written in full; else RegionError. Nothing a file system could block
-    (``fstat`` is GETATTR on FUSE) before it is known to be a memfd."""
-    try:
-        if not is_memfd(fd):
-            raise OSError
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)  # without MFD_ALLOW_SEALING: F_SEAL_SEAL
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError
-    except OSError as e:
-        raise RegionError(NOT_MEMFD, "not_memfd") from e
-    if seals & REQUIRED_SEALS != REQUIRED_SEALS:
-        raise RegionError("the memfd must be sealed with F_SEAL_WRITE, F_SEAL_SHRINK, "
-                          f"F_SEAL_GROW and F_SEAL_SEAL (it has seals {seals:#x}, needs "
-                          f"{REQUIRED_SEALS:#x})", "seals")
-    if st.st_size != nbytes:
-        raise RegionError(f"the memfd holds {st.st_size} bytes; datatype and shape need "
-                          f"{nbytes}", "size")
-    if st.st_blocks * 512 < st.st_size:  # hashing it would allocate the holes here
-        raise RegionError("the memfd must be written in full before it is sealed (it has "
-                          "holes)", "sparse")
-    return st.st_ino
-
-
-def _map(fd: int, dtype: torch.dtype, shape: tuple[int, int]) -> tuple[mmap.mmap, torch.Tensor]:
-    """Read-only shared mapping of ``fd`` (no dup kept) and the tensor over it."""
-    mm = seg.map_files([fd], [shape[0] * shape[1] * dtype.itemsize], mmap.PROT_READ)
-    with warnings.catch_warnings():  # mapped read-only on purpose; torch warns about that
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        tensor = torch.frombuffer(memoryview(mm), dtype=dtype, count=shape[0] * shape[1])
-    return mm, tensor.view(shape)
-
-
-def _unmap(mm: mmap.mmap) -> None:
-    """Unmap ``mm``; if a tensor over it is still alive, drop its pages instead
-    (the tensor then reads zeros; the range goes with the last tensor)."""
-    try:
-        mm.close()
-    except BufferError:
-        try:
-            seg.drop_pages(mm)
-        except OSError as e:  # the file's pages then stay until the tensor dies
-            logger.warning("shm-embeds: dropping a region's pages failed: %s", e)
-
-
 class RegionRegistry:
     """The regions of one API server. ``on_registered(tensor)`` runs for each
     new region before its id is returned (the integration computes prefix-cache
@@ -271,11 +210,11 @@ class RegionRegistry:
         try:
             dtype, t, h = self._check_meta(uid, datatype, shape)
             nbytes = t * h * dtype.itemsize
-            inode = _check_fd(fd, nbytes)
+            inode = memfd.check_sealed(fd, nbytes)
             self._reserve(uid, nbytes)
             reserved = nbytes
             try:
-                mm, tensor = _map(fd, dtype, (t, h))
+                mm, tensor = memfd.map_readonly(fd, dtype, (t, h))
             except OSError as e:
                 logger.warning("shm-embeds: mapping a region failed: %s", e)
                 raise RegionError("the memfd could not be mapped", "map_failed") from e
@@ -297,7 +236,7 @@ class RegionRegistry:
         except BaseException as e:
             tensor = region = None
             if mm is not None:
-                _unmap(mm)
+                memfd.unmap(mm)
             if reserved:
                 with self._lock:
                     self._unreserve(uid, reserved)
@@ -325,7 +264,7 @@ class RegionRegistry:
     @staticmethod
     def _free(region: Region) -> None:
         """Drop the mapping's pages and close the fd (lock not held)."""
-        _unmap(region.mm)  # region.tensor is alive: drops the pages
+        memfd.unmap(region.mm)  # region.tensor is alive: drops the pages
         os.close(region.fd)
         count(Event.REGIONS_FREED)
 

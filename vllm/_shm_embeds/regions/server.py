@@ -46,19 +46,20 @@ from vllm.logger import init_logger
 
 from vllm._shm_embeds import config
 from vllm._shm_embeds.counters import Event, count, count_reason
-from vllm._shm_embeds.regions.registry import NOT_MEMFD, RegionError, RegionRegistry
+from vllm._shm_embeds.regions.memfd import NOT_MEMFD, RegionError
+from vllm._shm_embeds.regions.registry import RegionRegistry
 from vllm._shm_embeds.regions.sockets import (  # peer_is_sibling: public here too
-    clear_path,
     closer_busy,
     discard_fd,
     group_id,
     is_memfd,
     is_sibling,
+    listen_at,
     owner_lock,
     peer_cred,
     peer_is_sibling,  # noqa: F401
     received_fds,
-    set_mode,
+    remove_if_ours,
 )
 
 logger = init_logger(__name__)
@@ -142,7 +143,7 @@ class RegionServer:
         mode = 0o660 if gid is not None else 0o600
         lock = owner_lock(self.path)
         try:
-            self._bind(gid, mode)
+            self._listener, self._inode = listen_at(self.path, mode, gid)
         except BaseException:
             lock.close()
             raise
@@ -155,24 +156,6 @@ class RegionServer:
         self._thread.start()
         logger.info("shm-embeds: regions socket %s (mode %o%s)", self.path, mode,
                     f", group {self.group}" if gid is not None else "")
-
-    def _bind(self, gid: int | None, mode: int) -> None:
-        clear_path(self.path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            os.fchmod(sock.fileno(), 0o600)  # bind() creates the file with this mode
-            sock.bind(self.path)
-            try:
-                self._inode = set_mode(self.path, mode, gid)  # never through a link
-                sock.listen(16)
-                sock.setblocking(False)
-            except BaseException:
-                os.unlink(self.path)
-                raise
-        except BaseException:
-            sock.close()
-            raise
-        self._listener = sock
 
     def close(self) -> None:
         """Stop the thread (after the registrations running; those not started
@@ -189,11 +172,7 @@ class RegionServer:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-            try:
-                if os.lstat(self.path).st_ino == self._inode:  # still ours
-                    os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            remove_if_ours(self.path, self._inode)
         if self._lock_sock is not None:
             self._lock_sock.close()
             self._lock_sock = None

@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """The regions socket's plumbing: its file, its peers, the descriptors they send.
 
-* :func:`owner_lock`, :func:`clear_path`, :func:`group_id`,
-  :func:`set_mode`: one process per host serves a path (an abstract-namespace
-  name decides; one held by another uid, or by a socket that does not listen,
-  is a squatter's and skipped); a stale socket file is replaced, anything
+* :func:`owner_lock`, :func:`listen_at` (:func:`clear_path`, :func:`set_mode`),
+  :func:`remove_if_ours`, :func:`group_id`: one process per host serves a path
+  (an abstract-namespace name decides; one held by another uid, or by a
+  socket that does not listen, is a squatter's and skipped); a stale socket file is replaced, anything
   else never; mode and group are set on the socket file itself (``O_PATH``),
   never through a link someone put at the path.
 * :func:`peer_is_sibling`: the peer is another API server of this ``vllm
@@ -175,6 +175,39 @@ def set_mode(path: str, mode: int, gid: int | None) -> int:
         return st.st_ino
     finally:
         os.close(fd)
+
+
+def listen_at(path: str, mode: int, gid: int | None) -> tuple[socket.socket, int]:
+    """A non-blocking ``SOCK_SEQPACKET`` socket listening at ``path`` (a stale
+    socket file replaced: :func:`clear_path`) with ``mode`` and group ``gid``
+    (:func:`set_mode`), and the socket file's inode. Raises what
+    :func:`clear_path`, ``bind`` and :func:`set_mode` raise; leaves nothing
+    behind then."""
+    clear_path(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        os.fchmod(sock.fileno(), 0o600)  # bind() creates the file with this mode
+        sock.bind(path)
+        try:
+            inode = set_mode(path, mode, gid)  # never through a link
+            sock.listen(16)
+            sock.setblocking(False)
+        except BaseException:
+            os.unlink(path)
+            raise
+    except BaseException:
+        sock.close()
+        raise
+    return sock, inode
+
+
+def remove_if_ours(path: str, inode: int | None) -> None:
+    """Unlink the socket file at ``path`` if it is still the one of ``inode``."""
+    try:
+        if os.lstat(path).st_ino == inode:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def closer_busy() -> bool:
