@@ -85,16 +85,8 @@ from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.config import min_bytes
 from vllm._shm_embeds.counters import Event, count_many, count_reason
 from vllm._shm_embeds.http.body_limits import IN_FLIGHT, Stalled, byte_count, deadline_for
-from vllm._shm_embeds.http.common import (
-    Receive,
-    Send,
-    ServerContext,
-    content_type,
-    embeds_slots,
-    headers,
-    route,
-    send_error,
-)
+from vllm._shm_embeds.http.common import (Receive, Send, ServerContext, content_type,
+                                          embeds_slots, headers, route, send_error)
 from vllm._shm_embeds.http.json_read import body_buffer, read_body  # noqa: F401
 from vllm._shm_embeds.http.placeholders import Upload, call_with_body, new_token, placeholder
 from vllm._shm_embeds.streamed import release_streamed

@@ -49,16 +49,8 @@ from vllm._shm_embeds import process
 from vllm._shm_embeds.config import regions_path, regions_refs_max
 from vllm._shm_embeds.counters import Event, count_many, count_reason
 from vllm._shm_embeds.http.body_limits import Stalled, receive_body_message
-from vllm._shm_embeds.http.common import (
-    Receive,
-    Send,
-    ServerContext,
-    content_type,
-    embeds_slots,
-    headers,
-    route,
-    send_error,
-)
+from vllm._shm_embeds.http.common import (Receive, Send, ServerContext, content_type,
+                                          embeds_slots, headers, route, send_error)
 from vllm._shm_embeds.http.placeholders import Upload, call_with_body, new_token, placeholder
 from vllm._shm_embeds.regions.registry import RegionError
 from vllm._shm_embeds.regions.service import start_regions, stop_regions
