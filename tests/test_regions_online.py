@@ -167,11 +167,12 @@ def test_producer_killed_while_its_region_is_in_use(server, tmp_path):
     """A producer SIGKILLed while requests use its region: those requests end
     well, later ones get 400, and nothing of the region is left anywhere.
 
-    The region is in use at the kill (asserted): once the API server counted
-    a lease for each of the three requests, the EngineCore is stopped
-    (SIGSTOP) until the registry has unregistered the dead producer's
-    region, so none of them can end meanwhile; the region must then be
-    draining, unregistered but not freed (counters)."""
+    The region is in use at the kill (asserted): the EngineCore is stopped
+    (SIGSTOP) before the three requests are sent and until the registry has
+    unregistered the dead producer's region, so none of them can end
+    meanwhile (in CI a version that stopped it only once the leases were
+    counted saw all three end first: ``regions_freed`` 1); the region must
+    then be draining, unregistered but not freed (counters)."""
     url, w = server["url"], server["weights"]
     embeds = w[_ids(1500, 23)].contiguous()
     torch.save(embeds, tmp_path / "e.pt")
@@ -187,23 +188,23 @@ def test_producer_killed_while_its_region_is_in_use(server, tmp_path):
                 "temperature": 0.0}
         before = server.totals()
         [engine] = descendants(server["proc"], "EngineCore")
-        with ThreadPoolExecutor(3) as pool:
+        # (the pool is left after the EngineCore runs again: it waits for the requests)
+        with ThreadPoolExecutor(3) as pool, stopped([engine.pid]):
             futures = [pool.submit(requests.post, url + "/v1/completions", json=body,
                                    timeout=300) for _ in range(3)]
             wait_until(lambda: delta(before, server.totals()).get("region_leases", 0) >= 3,
                        60, lambda: f"a lease for each request: {delta(before, server.totals())}")
-            with stopped([engine.pid]):
-                proc.send_signal(signal.SIGKILL)
-                proc.wait(30)
-                wait_until(lambda: delta(before, server.totals()).get(
-                    "region_unregistered.disconnect", 0) >= 1, 30,
-                    "the registry to unregister the dead producer's region")
-                # read after the unregistration was counted (a region freed
-                # at its unregistration is counted freed before that)
-                d = delta(before, server.totals())
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+            wait_until(lambda: delta(before, server.totals()).get(
+                "region_unregistered.disconnect", 0) >= 1, 30,
+                "the registry to unregister the dead producer's region")
+            # read after the unregistration was counted (a region freed
+            # at its unregistration is counted freed before that)
+            d = delta(before, server.totals())
             assert d.get("region_leases") == 3 and d.get("regions_freed", 0) == 0, \
                 f"no lease of the region was live when its producer died: {d}"
-            answers = [f.result() for f in futures]
+        answers = [f.result() for f in futures]  # the EngineCore ran again: they ended
         assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
         assert len({r.json()["choices"][0]["text"] for r in answers}) == 1
         wait_until(lambda: requests.post(url + "/v1/completions", json=body,
