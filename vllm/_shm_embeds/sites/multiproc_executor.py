@@ -20,7 +20,7 @@ from vllm._shm_embeds.handle import ShmEmbedsError
 from vllm._shm_embeds.sites import prompt_embeds as prompt_embeds_sites
 from vllm._shm_embeds.sites.core_client import wrap_shutdown
 from vllm._shm_embeds.sites.site import STATUS, Site
-from vllm._shm_embeds.transfer import dense_nbytes
+from vllm._shm_embeds.transfer import dense_nbytes, eligible
 
 logger = init_logger(__name__)
 
@@ -82,14 +82,15 @@ def _rpc_args(args: tuple, kwargs: dict) -> tuple:
 
 
 def _count_stock_remote(rpc_args: tuple) -> None:
-    """Tensors that go stock because readers are remote and the split is off."""
+    """Tensors that go stock because readers are remote and the split is off
+    (reason ``remote``; a tensor that would go stock anyway keeps its reason)."""
     for arg in rpc_args:
         for req in getattr(arg, "scheduled_new_reqs", None) or ():
             tensor = getattr(req, "prompt_embeds", None)
             if isinstance(tensor, torch.Tensor):
                 count_many({Event.HOP2_STOCK_TENSORS: 1,
                             Event.HOP2_STOCK_BYTES: dense_nbytes(tensor)})
-                count_reason(Event.FALLBACK, "remote", hop="2")
+                count_reason(Event.FALLBACK, eligible(tensor) or "remote", hop="2")
 
 
 def wrap_executor_rpc(orig: Callable) -> Callable:
