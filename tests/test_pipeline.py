@@ -433,3 +433,35 @@ def test_pp2_later_stage_maps_nothing_and_counts_placeholders(offline_pp):
     [engine] = by_role(stats, "engine")
     assert engine["hop2_reader_tensors.hop2.local_handle"] == n
     assert engine["hop2_reader_tensors.hop2.local_placeholder"] == n
+
+
+@pp_integration
+@pytest.mark.skipif(not os.environ.get("SHM_EMBEDS_TEST_PP_TP2"),
+                    reason="PP=2 x TP=2 runs 4 workers on 2 cores: about 110 s for one "
+                    "engine here (measured), over the suite's budget; set "
+                    "SHM_EMBEDS_TEST_PP_TP2=1 to run it")
+def test_pp2_tp2_later_stage_maps_nothing(tmp_path):
+    """Plugin on only (stock's outputs are the token-ids run's, as above):
+    both stage-1 TP workers get placeholders and map nothing, both stage-0
+    ones map; flags for the two first-stage readers only."""
+    from helpers import run_offline, tiny_model
+
+    out, stats, _ = run_offline(
+        tmp_path, True, tiny_model(), None,
+        ["--tp", "2", "--pp", "2", "--lengths", "40,300,700", "--max-model-len", "768",
+         "--watch-maps"], env={"VLLM_CPU_OMP_THREADS_BIND": "0|1|0|1"})
+    n = len(out["embeds"])
+    assert out["embeds"] == out["token_ids"] and out["left_after_generate"] == []
+    maps = out["worker_maps"]
+    assert sorted(maps) == [f"VLLM::Worker_PP{p}_TP{t}" for p in (0, 1) for t in (0, 1)]
+    per_pid = {s["pid"]: s["counters"] for s in stats}
+    for title, rec in maps.items():
+        c = per_pid[rec["pid"]]
+        if "PP0" in title:
+            assert rec["held"] and c.get("hop2_shm_tensors") == n, (title, rec, c)
+        else:
+            assert rec["held"] == [] and rec["samples"] > 0, (title, rec)
+            assert c.get("hop2_placeholder_tensors") == n and "hop2_shm_tensors" not in c
+    [engine] = by_role(stats, "engine")
+    assert engine["hop2_reader_tensors.hop2.local_handle"] == 2 * n
+    assert engine["hop2_reader_tensors.hop2.local_placeholder"] == 2 * n
