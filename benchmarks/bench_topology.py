@@ -217,6 +217,19 @@ def wide2() -> str:
     return out
 
 
+def git_state() -> dict:
+    """The commit measured, and whether ``vllm/`` differed from it (another
+    change in the same tree while the benchmark ran would not be that commit)."""
+    import subprocess
+
+    def git(*a):
+        return subprocess.run(["git", "-C", ROOT, *a], check=False, capture_output=True,
+                              text=True)
+
+    return {"head": git("rev-parse", "HEAD").stdout.strip(),
+            "vllm_dirty": git("diff", "--quiet", "HEAD", "--", "vllm").returncode != 0}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="wide2",
@@ -239,6 +252,9 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown topologies {sorted(unknown)}")
     t0 = time.monotonic()
+    git_before = git_state()
+    if git_before["vllm_dirty"]:
+        print("warning: vllm/ differs from HEAD: the figures are not HEAD's", flush=True)
     rows = []
     for name in names:
         for on in (False, True):
@@ -252,6 +268,7 @@ def main() -> None:
     for r in rows:
         r["rss"], r["pss"] = _peaks(r, "rss"), _peaks(r, "pss")
     payload = {"machine": C.machine_info(), "wall_s": time.monotonic() - t0,
+               "git": {"before": git_before, "after": git_state()},
                "config": {"model": args.model, "tokens": args.tokens, "repeats": args.repeats,
                           "hidden": weights.shape[1], "dtype": str(weights.dtype)},
                "rows": rows}

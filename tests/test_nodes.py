@@ -24,9 +24,9 @@ What each topology must show (issue 24, "Done when"):
   either ``/dev/shm`` after the requests, nothing of the engine's after it
   stops; SIGKILL of the follower ends the head's requests within a bound.
 
-Cost: about 4 engine pairs' start and stop (a minute each on two busy cores),
-in one pytest-xdist group (``nodes``): the engines of this module never run
-beside another engine of the suite's.
+Cost: 4 engine pairs started and stopped, 240-260 s in all on 2 cores (each
+pair 30-60 s to start; the PP kill waits for vLLM's step timeout, cut to
+:data:`STEP_TIMEOUT_S`), in one pytest-xdist group (``nodes``, one worker).
 """
 
 from __future__ import annotations
@@ -49,9 +49,10 @@ PAIRS = 2
 # prompt as ids when it gets no embeds bytes: the two broadcasts differ by the
 # request's own description (1024 token ids vs a placeholder's shape and
 # dtype: a few KiB pickled), and the rest of the traffic (gloo's and vLLM's
-# control messages, ZMQ framing) by a few KiB between two requests (measured:
-# 5.7 KiB on stock with the bytes subtracted). 64 KiB is an eighth of the
-# embeds: a later stage that still receives them fails by 448 KiB.
+# control messages, ZMQ framing) by a few KiB between two requests (measured
+# on 2 cores: PP 2.3 KiB with the plugin on, -0.5 to +3 KiB on stock with the
+# embeds subtracted; TP 16-20 KiB, on and stock alike). 64 KiB is an eighth of
+# the embeds: a later stage that still receives them fails by 448 KiB.
 SLACK = 64 << 10
 # The kill: vLLM's own bound on a step (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS,
 # 300 s by default) cut to 30 s for these engines, and the most the head may
@@ -179,16 +180,17 @@ def _extra(rec) -> list[int]:
 
 def test_the_follower_socket_counters_see_the_embeds(runs):
     """The measure itself, on stock. PP: the broadcast every stage reads
-    carries the embeds, so the follower receives at least their bytes more
-    for the embeds prompt (a measure that missed them would pass the PP test
-    below for nothing). TP: the ids prompt costs one all-reduce across the
+    carries the embeds, so the follower receives their bytes more for the
+    embeds prompt, less the ids the other prompt's broadcast carries (1024
+    pickled ints) within :data:`SLACK` (measured: -0.5 KiB to +3 KiB; a
+    measure that missed them would pass the PP test below for nothing). TP: the ids prompt costs one all-reduce across the
     nodes that the embeds prompt does not (``VocabParallelEmbedding``'s, of
     tokens x hidden fp32: exactly the embeds' size), and the embeds prompt
     costs the remote reader's copy: the two cancel, within :data:`SLACK`
     (a remote reader without the bytes would be an embeds' size below)."""
     for extra in _extra(runs["stock"]):
         if runs["topology"] == "pp2":
-            assert extra >= EMBEDS_BYTES, extra
+            assert extra >= EMBEDS_BYTES - SLACK, extra
         else:
             assert abs(extra) <= SLACK, extra
 
