@@ -261,7 +261,14 @@ def test_nothing_left_in_either_dev_shm(runs):
 def test_killing_the_follower_ends_cleanly(runs):
     """SIGKILL of the follower node with the plugin on: the head's next
     request fails (not 200, no hang past :data:`KILL_BOUND_S`), and the head
-    then exits or reports unhealthy; then nothing is left (above)."""
+    then exits or reports unhealthy; then nothing is left (above).
+
+    Measured: TP fails at once (0.2 s: the head worker's all-reduce with the
+    dead peer errors); PP fails when vLLM's step timeout ends (the EngineCore
+    waits for the last stage's output on that rank's response queue,
+    ``MultiprocExecutor.collective_rpc`` with
+    ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``: 300 s by default, 30 s here), then
+    500 and ``/health`` not 200."""
     kill = runs["on"]["kill"]
     assert kill["follower_gone"], kill
     assert not kill["request"].get("hung"), kill
