@@ -31,8 +31,10 @@ def wrap_enqueue(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def enqueue(self, obj, *args, **kwargs):
         plan = self.__dict__.get(PLAN_ATTR)
+        if not plan:  # every other enqueue of every queue: vLLM's, untouched
+            return orig(self, obj, *args, **kwargs)
         n_local, n_remote = self.n_local_reader, self.n_remote_reader
-        if not plan or n_local <= 0 or n_remote <= 0:
+        if n_local <= 0 or n_remote <= 0:
             return orig(self, obj, *args, **kwargs)
         handles = [(req, req.prompt_embeds) for req, _ in plan]
         try:
