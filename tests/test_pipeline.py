@@ -84,12 +84,19 @@ def _executor(n_local, n_remote, tp=1, pp=2):
     return types.SimpleNamespace(rpc_broadcast_mq=mq, vllm_config=cfg)
 
 
-def _send(executor, tensor):
-    """One ``execute_model`` through the wrapper: what the broadcast carried."""
+def _send(executor, tensor, answers=(True, True)):
+    """One ``execute_model`` through the wrapper: what the broadcast carried.
+    ``answers``: what the workers answer the wrapper's probe (readers on other
+    nodes), or an exception it raises."""
     so = types.SimpleNamespace(scheduled_new_reqs=[_Req(tensor)])
     seen = {}
 
     def orig(self, method, timeout=None, args=(), kwargs=None, **kw):
+        if callable(method):  # the probe: does every worker run hop 2?
+            seen["probed"] = method
+            if isinstance(answers, Exception):
+                raise answers
+            return list(answers)
         seen["form"] = args[0].scheduled_new_reqs[0].prompt_embeds
         seen["remote"] = self.rpc_broadcast_mq.__dict__.get(shm_broadcast.PLAN_ATTR)
         return "ok"
@@ -154,6 +161,34 @@ def test_remote_readers_without_the_split_go_stock(shm_env, monkeypatch):
     assert counters.stats() == {"fallback.hop2.remote": 1, "hop2_stock_tensors": 1,
                                 "hop2_stock_bytes": embeds.nbytes}
     assert os.listdir(shm_env) == []
+
+
+@pytest.mark.parametrize("answers", [(True, False), RuntimeError("Worker failed")],
+                         ids=["a_worker_without_hop2", "a_worker_cannot_answer"])
+def test_remote_workers_without_the_plugin_keep_hop2_stock(shm_env, monkeypatch, answers):
+    """A follower node started without ``VLLM_SHM_EMBEDS=1`` (or without
+    shm-embeds) cannot take our forms nor join the agreement: the wrapper asks
+    every worker once, and one that says no, or fails to answer, keeps hop 2
+    stock for every reader (as before this issue) instead of failing the engine."""
+    monkeypatch.setitem(multiproc_executor.STATUS, "remote", [])
+    embeds = torch.randn(100, 64)
+    executor = _executor(1, 1)
+    seen = _send(executor, embeds, answers)
+    assert seen["probed"] is multiproc_executor.worker_joins_hop2
+    assert seen["form"] is embeds and seen["remote"] is None
+    assert counters.stats() == {"fallback.hop2.remote": 1, "hop2_stock_tensors": 1,
+                                "hop2_stock_bytes": embeds.nbytes}
+    assert "probed" not in _send(executor, embeds, answers)  # asked once per executor
+    assert os.listdir(shm_env) == []
+
+
+def test_worker_joins_hop2_when_its_sites_are_patched(monkeypatch):
+    monkeypatch.setitem(multiproc_executor.STATUS, "hop2", [])
+    assert multiproc_executor.worker_joins_hop2(None) is True
+    monkeypatch.setitem(multiproc_executor.STATUS, "hop2", ["off"])
+    assert multiproc_executor.worker_joins_hop2(None) is False
+    monkeypatch.delitem(multiproc_executor.STATUS, "hop2")
+    assert multiproc_executor.worker_joins_hop2(None) is False
 
 
 # --------------------------------------------------------------------------

@@ -38,9 +38,42 @@ def _first_stage_ranks(executor: Any) -> int:
             * getattr(pc, "prefill_context_parallel_size", 1))
 
 
-def _hop2_plan(executor: Any) -> hop2.ReaderPlan | None:
+REMOTE_PROBE_TIMEOUT_S = 60.0
+
+
+def worker_joins_hop2(worker: Any = None) -> bool:
+    """Runs in each worker (``collective_rpc`` with a callable): True if this
+    worker maps handles, builds placeholders and joins the per-step agreement,
+    i.e. its ``hop2`` sites are patched (``VLLM_SHM_EMBEDS=1`` on its node)."""
+    return STATUS.get("hop2") == []
+
+
+def _remote_workers_join(executor: Any, rpc: Callable) -> str | None:
+    """None if every worker, on every node, runs hop 2 of this plugin; else why not.
+
+    Asked once, with vLLM's own ``collective_rpc`` (``rpc``, unwrapped) and a
+    callable (``WorkerProc._execute_worker_rpc`` unpickles it with cloudpickle
+    and answers a failure if it cannot, e.g. no shm-embeds on that node;
+    ``multiproc_executor.py`` 0.32/0.33). Readers on other nodes get our forms
+    (``EmbedsPlaceholder``, ``InlineEmbeds``) and every rank must join the
+    agreement, so a follower started without ``VLLM_SHM_EMBEDS=1`` would fail
+    the engine at its first embeds step: with one, hop 2 stays stock instead.
+    """
+    try:
+        answers = rpc(executor, worker_joins_hop2, timeout=REMOTE_PROBE_TIMEOUT_S)
+    except Exception as e:  # a worker could not run it: no plugin there
+        return f"a worker could not answer whether it runs shm-embeds ({type(e).__name__})"
+    if not isinstance(answers, list) or not answers or not all(a is True for a in answers):
+        return ("a worker does not run shm-embeds hop 2 (set VLLM_SHM_EMBEDS=1 on every "
+                "node)")
+    return None
+
+
+def _hop2_plan(executor: Any, rpc: Callable | None = None) -> hop2.ReaderPlan | None:
     """What each reader gets (``hop2.reader_plan``), or None for the stock path
-    (the reason logged once, kept in ``_shm_embeds_stock``)."""
+    (the reason logged once, kept in ``_shm_embeds_stock``). With readers on
+    other nodes, ``rpc`` (vLLM's ``collective_rpc``) asks every worker first
+    (:func:`_remote_workers_join`)."""
     d = executor.__dict__
     if "_shm_embeds_plan" in d:
         return d["_shm_embeds_plan"]
@@ -61,6 +94,11 @@ def _hop2_plan(executor: Any) -> hop2.ReaderPlan | None:
                                     getattr(mq, "n_remote_reader", 0))
         except (ValueError, TypeError, AttributeError) as e:
             reason = f"no reader plan: {e}"
+        if plan is not None and plan.remote and rpc is not None:
+            reason = _remote_workers_join(executor, rpc)
+            if reason is not None:
+                plan = None
+                d["_shm_embeds_stock"] = "remote"
     if plan is None:
         logger.info("shm-embeds: hop 2 uses the stock path: %s", reason)
     else:
@@ -96,7 +134,7 @@ def _count_stock_remote(rpc_args: tuple) -> None:
 def wrap_executor_rpc(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def collective_rpc(self, method, *args, **kwargs):
-        plan = _hop2_plan(self)
+        plan = _hop2_plan(self, orig)
         if plan is None:
             if self.__dict__.get("_shm_embeds_stock") == "remote":
                 try:
