@@ -75,7 +75,8 @@ TOPOLOGIES = {
 def _ss_rx_by_socket() -> dict[tuple[str, str], tuple[int, set[int]]]:
     """Every TCP socket's ``bytes_received`` and the pids using it:
     ``{(local, peer): (bytes, {pid, ...})}`` (``ss -tinpH``; a socket is one
-    entry however many processes share its descriptor)."""
+    entry however many processes share its descriptor; a loopback
+    connection is two entries, one per end)."""
     out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, check=True).stdout
     socks: dict[tuple[str, str], tuple[int, set[int]]] = {}
     key = None
@@ -318,13 +319,35 @@ class Nodes:
 
     # -- measures
 
-    def follower_rx_bytes(self) -> int:
+    def follower_rx_bytes(self, from_pids: set[int] | None = None) -> int:
         """TCP bytes received so far by the sockets the follower's processes
-        hold open (each socket once)."""
+        hold open (each socket once); with ``from_pids``, only by those whose
+        other end one of ``from_pids`` holds (e.g. :meth:`engine_core_pids`:
+        the broadcast's remote socket, vLLM's ``MessageQueue`` XPUB in the
+        head's EngineCore, which the remote readers' SUB sockets connect to)."""
         pids = self.follower_pids()
         if not pids:
             return 0
-        return sum(n for n, users in _ss_rx_by_socket().values() if users & pids)
+        socks = _ss_rx_by_socket()
+        total = 0
+        for (local, peer), (n, users) in socks.items():
+            if not users & pids:
+                continue
+            if from_pids is not None and not socks.get((peer, local), (0, set()))[1] & from_pids:
+                continue
+            total += n
+        return total
+
+    def engine_core_pids(self) -> set[int]:
+        """The head's EngineCore process(es) (``VLLM::EngineCore``)."""
+        import psutil
+
+        out = set()
+        for pid in self.head_pids():
+            with contextlib.suppress(psutil.Error):
+                if psutil.Process(pid).name().startswith("VLLM::EngineCore"):
+                    out.add(pid)
+        return out
 
     def follower_shm(self) -> list[str]:
         """What is in the follower's ``/dev/shm`` (recursively, relative
@@ -372,9 +395,12 @@ class Nodes:
 
     def measured(self, body: dict, max_tokens: int = 4) -> dict:
         """Run one request and measure around it: ``{"text": output text,
-        "status": HTTP status, "ms": wall time, "rx": follower bytes received,
-        "counters": {node:role: summed counter deltas}}``."""
+        "status": HTTP status, "ms": wall time, "rx": bytes the follower
+        received, "rx_bcast": those of them from the head's EngineCore (the
+        broadcast), "counters": {node:role: summed counter deltas}}``."""
+        core = self.engine_core_pids()
         before_c, before_rx = summed(self.counters()), self.follower_rx_bytes()
+        before_bcast = self.follower_rx_bytes(core)
         t0 = time.monotonic()
         r = self.complete(body, max_tokens=max_tokens)
         ms = (time.monotonic() - t0) * 1e3
@@ -382,10 +408,11 @@ class Nodes:
         # the follower's last receives of the step may trail the HTTP answer
         time.sleep(0.2)
         rx = self.follower_rx_bytes() - before_rx
+        rx_bcast = self.follower_rx_bytes(core) - before_bcast
         after_c = summed(self.counters())
         moved = {k: {n: v - before_c.get(k, {}).get(n, 0) for n, v in c.items()
                      if v != before_c.get(k, {}).get(n, 0)} for k, c in after_c.items()}
-        return {"status": r.status_code, "ms": ms, "rx": rx,
+        return {"status": r.status_code, "ms": ms, "rx": rx, "rx_bcast": rx_bcast,
                 "text": r.json()["choices"][0]["text"] if r.status_code == 200 else r.text,
                 "counters": {k: v for k, v in moved.items() if v}}
 
