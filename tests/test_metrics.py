@@ -75,6 +75,8 @@ def expected_from_files(stats: list[dict]) -> dict[tuple[str, frozenset], float]
             add("bytes", 0, hop=hop, path=path)
         add("received_tensors", 0, hop=hop)
         add("reused_tensors", 0, hop=hop)
+    add("remote_bytes", 0, hop="2")
+    add("placeholder_tensors", 0, hop="2")
     plain = ("copied_bytes", "segments_created", "segments_unlinked", "segments_swept",
              "adopt_names_taken", "binary_bodies", "binary_bytes", "regions_registered",
              "region_bytes",
@@ -96,12 +98,17 @@ def expected_from_files(stats: list[dict]) -> dict[tuple[str, frozenset], float]
         add("reused_tensors", c.get("hop1_handover_tensors", 0), hop="1")
         add("reused_tensors", c.get("hop1_region_tensors", 0), hop="1")
         add("reused_tensors", c.get("hop2_reused_tensors", 0), hop="2")
+        add("remote_bytes", c.get("hop2_remote_bytes", 0), hop="2")
+        add("placeholder_tensors", c.get("hop2_placeholder_tensors", 0), hop="2")
         for name in plain:
             add(name, c.get(name, 0))
         for k, v in c.items():
             if k.startswith("fallback."):
                 _, hop, reason = k.split(".")
                 add("fallbacks", v, hop=hop.removeprefix("hop"), reason=reason)
+            elif k.startswith("hop2_reader_tensors."):
+                _, hop, kind = k.split(".")
+                add("reader_tensors", v, hop=hop.removeprefix("hop"), kind=kind)
             elif k.startswith("binary_rejected."):
                 add("binary_rejected", v, reason=k.split(".")[1])
             elif k.startswith("binary_fallback."):

@@ -128,7 +128,8 @@ def test_each_event_reaches_metrics_as_declared(tmp_path):
 
 
 def test_metrics_maps_only_declared_events():
-    tables = [*metrics._HOP_EVENTS, *metrics._REUSED, *metrics._REASONS, *metrics._PLAIN]
+    tables = [*metrics._HOP_EVENTS, *metrics._REUSED, *metrics._REASONS, *metrics._PLAIN,
+              *metrics._HOP2_PLAIN]
     assert tables and all(isinstance(e, Event) for e in tables)
 
 

@@ -35,7 +35,7 @@ def _request(embeds):
 
 
 def test_every_site_resolves_in_installed_vllm():
-    assert len(sites.SITES) == 23 and len({s.key for s in sites.SITES}) == 23
+    assert len(sites.SITES) == 26 and len({s.key for s in sites.SITES}) == 26
     for group in sites.GROUPS:
         assert sites.check(group)[0] == [], group
 
@@ -91,12 +91,18 @@ class _NewReq:
 
 def _fake_executor(n_local, n_remote):
     mq = types.SimpleNamespace(n_local_reader=n_local, n_remote_reader=n_remote)
-    cfg = types.SimpleNamespace(model_config=types.SimpleNamespace(enable_prompt_embeds=True))
+    cfg = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(enable_prompt_embeds=True),
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=n_local + n_remote))
     return types.SimpleNamespace(rpc_broadcast_mq=mq, vllm_config=cfg)
 
 
 @pytest.mark.parametrize("n_remote", [0, 1])
-def test_hop2_wrapper_local_vs_remote_readers(shm_env, n_remote):
+def test_hop2_wrapper_local_vs_remote_readers(shm_env, monkeypatch, n_remote):
+    """TP=2 (+1 on another node). Without the enqueue split (the ``remote``
+    group off) a remote reader makes hop 2 stock for every reader;
+    tests/test_pipeline.py covers the split."""
+    monkeypatch.setitem(multiproc_executor.STATUS, "remote", ["enqueue: missing"])
     embeds = torch.randn(100, 64)
     so = types.SimpleNamespace(scheduled_new_reqs=[_NewReq(embeds)])
     seen = []
@@ -113,8 +119,9 @@ def test_hop2_wrapper_local_vs_remote_readers(shm_env, n_remote):
     if n_remote:
         # A reader on another node cannot map a local file: stock path.
         assert seen == [torch.Tensor]
-        assert executor._shm_embeds_readers == 0
-        assert counters.stats() == before
+        assert executor._shm_embeds_plan is None
+        assert counters.stats() == {**before, "fallback.hop2.remote": 1,
+                                    "hop2_stock_tensors": 1, "hop2_stock_bytes": embeds.nbytes}
     else:
         assert seen == [handle.SharedTensorHandle]
         [name] = os.listdir(shm_env)

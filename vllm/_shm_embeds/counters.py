@@ -90,6 +90,16 @@ class Event(enum.StrEnum):
                            "registered regions the EngineCore opened")
     HOP2_REUSED_TENSORS = ("hop2_reused_tensors", "reused_tensors",
                            "hop-2 tensors sent without a copy (segments adopted at hop 1)")
+    HOP2_PLACEHOLDER_TENSORS = ("hop2_placeholder_tensors", "placeholder_tensors",
+                                "hop-2 tensors a worker of a later pipeline stage replaced "
+                                "by a placeholder without mapping anything")
+    HOP2_READER_TENSORS = ("hop2_reader_tensors", "reader_tensors",
+                           "hop-2 tensors per reader of the broadcast, by what the reader "
+                           "got (reason: local_handle, local_placeholder, "
+                           "remote_placeholder, remote_bytes; EngineCore)", ("hop", "reason"))
+    HOP2_REMOTE_BYTES = ("hop2_remote_bytes", "remote_bytes",
+                         "embeds bytes hop 2 sent to readers on other nodes (tensor bytes "
+                         "x remote readers that got the bytes; EngineCore)")
     FALLBACK = ("fallback", "fallbacks", "tensors that took the stock path (or failed)",
                 ("hop", "reason"))
     # segments

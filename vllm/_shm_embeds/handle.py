@@ -129,6 +129,8 @@ class SharedTensorHandle:
         owner_files: hop 2: ``(fd, inode)`` per file, so that readers open
             ``/proc/<owner_pid>/fd/<fd>``: that works even if something else
             unlinked the name, and the inode check rules out a reused fd.
+        readers: hop 2: how many readers this broadcast has flags for (reader
+            indices ``[0, readers)``); 0: not a broadcast (hop 1), unchecked.
         region: a registered region (``regions/registry.py``): ``(pid, fd, inode)`` of
             the API server's descriptor of the producer's sealed memfd, which
             holds the tensor's bytes from offset 0. File 0 is then the header
@@ -145,6 +147,7 @@ class SharedTensorHandle:
     owner_pid: int = 0
     owner_files: tuple[tuple[int, int], ...] = ()
     region: tuple[int, int, int] = ()
+    readers: int = 0
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -221,6 +224,58 @@ class SharedTensorHandle:
         ) or (split and split[-1] >= nbytes):
             raise ShmEmbedsError(f"malformed shm-embeds handle split {reprlib.repr(split)}")
         return handle
+
+
+# --------------------------------------------------------------------------
+# what hop-2 readers that map nothing receive instead of a handle
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbedsPlaceholder:
+    """Stands for a ``prompt_embeds`` tensor a reader never reads: a few dozen
+    bytes pickled, no tensor bytes.
+
+    Sent (hop 2) to broadcast readers on other nodes when none of them is on
+    the first pipeline stage; each one builds :func:`placeholder_tensor` of
+    this dtype and shape (later stages read only the length).
+
+    Attributes:
+        dtype: torch dtype name without the ``torch.`` prefix, e.g. ``"bfloat16"``.
+        shape: tensor shape, e.g. ``(num_tokens, hidden_size)``.
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dt = getattr(torch, self.dtype, None)
+        if not isinstance(dt, torch.dtype):
+            raise ShmEmbedsError(f"placeholder names an unknown dtype {self.dtype!r}")
+        return dt
+
+
+@dataclasses.dataclass(frozen=True)
+class InlineEmbeds:
+    """A ``prompt_embeds`` tensor sent by value (hop 2) to broadcast readers on
+    other nodes when one of them is on the first pipeline stage (TP spanning
+    nodes): the wrapper tells the receiving worker that the step carries
+    embeds (every rank then joins the same agreement), which unwraps it.
+
+    Attributes:
+        tensor: the tensor itself (vLLM's broadcast pickles its bytes out of band).
+    """
+
+    tensor: torch.Tensor
+
+
+def placeholder_tensor(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of ``shape`` and ``dtype`` that costs one element: every
+    element is the same NaN (zero strides), a tripwire: if a later pipeline
+    stage ever read the values, its outputs would differ from stock's.
+    Integer dtypes (never prompt_embeds) get 0."""
+    fill = float("nan") if (dtype.is_floating_point or dtype.is_complex) else 0
+    return torch.full((), fill, dtype=dtype).expand(tuple(shape))
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -6,7 +6,13 @@ Around the ``SchedulerOutput`` broadcast (``sites/multiproc_executor.py``),
 ``NewRequestData.prompt_embeds`` for a :class:`SharedTensorHandle` while the
 message is enqueued (:func:`restore_prompt_embeds` puts the tensors back);
 each worker maps them again with :func:`internalize_prompt_embeds` before
-its model runner sees the step. :func:`externalize` sends a tensor that
+its model runner sees the step; a worker that is not on the first pipeline
+stage maps nothing and gets :func:`handle.placeholder_tensor` instead (later
+stages read only the length). :func:`reader_plan` says what each kind of
+reader gets: the local readers handles (flags for the first-stage ones
+only), readers on other nodes an :class:`EmbedsPlaceholder` or, when one of
+them is on the first stage, the tensor in an :class:`InlineEmbeds`
+(:func:`remote_form`). :func:`externalize` sends a tensor that
 already lives in a segment this process owns (adopted at hop 1) without a
 copy; any other tensor is copied once. Each broadcast gets reader flags of
 its own and the owner holds the files open until every reader of it has
@@ -20,6 +26,7 @@ vLLM's classes or of HTTP.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 from collections.abc import Iterable
@@ -32,9 +39,23 @@ from vllm._shm_embeds import process
 from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.config import shm_dir
 from vllm._shm_embeds.counters import Event, count, count_many, count_reason
-from vllm._shm_embeds.handle import HEADER_BYTES, MAX_READERS, SharedTensorHandle, ShmEmbedsError
+from vllm._shm_embeds.handle import (
+    HEADER_BYTES,
+    MAX_READERS,
+    EmbedsPlaceholder,
+    InlineEmbeds,
+    SharedTensorHandle,
+    ShmEmbedsError,
+    dtype_name,
+    placeholder_tensor,
+)
 from vllm._shm_embeds.lifecycle import Kind
-from vllm._shm_embeds.transfer import create_segment, dense_nbytes, eligible, open_tensor
+from vllm._shm_embeds.transfer import (
+    create_segment,
+    dense_nbytes,
+    eligible,
+    open_tensor,
+)
 
 logger = init_logger(__name__)
 
@@ -62,7 +83,7 @@ def externalize(tensor: torch.Tensor, readers: int) -> SharedTensorHandle:
     handle = owned.broadcast(entry, readers) if entry is not None else None
     if handle is not None:
         count(Event.HOP2_REUSED_TENSORS)
-        return handle
+        return dataclasses.replace(handle, readers=readers)
     new, fds = create_segment(tensor)
     try:
         # (no dup of the fd, unlike mmap.mmap(fd): the fds close once the
@@ -78,7 +99,87 @@ def externalize(tensor: torch.Tensor, readers: int) -> SharedTensorHandle:
     assert entry is not None
     handle = owned.broadcast(entry, readers)
     assert handle is not None
-    return handle
+    return dataclasses.replace(handle, readers=readers)
+
+
+# --------------------------------------------------------------------------
+# who reads the broadcast
+
+
+@dataclasses.dataclass(frozen=True)
+class ReaderPlan:
+    """What each reader of one engine's broadcast gets (hop 2).
+
+    Attributes:
+        handle_readers: local readers on the first pipeline stage: they map
+            the handles, and each broadcast has flags for them alone.
+        local_later: local readers on later stages: they get the same
+            handles (one ring message for all local readers) and map nothing.
+        remote: readers on other nodes (one socket, one message for all).
+        remote_bytes: True if some remote reader is on the first stage: the
+            remote readers get the tensor (:class:`InlineEmbeds`), else an
+            :class:`EmbedsPlaceholder`.
+    """
+
+    handle_readers: int
+    local_later: int
+    remote: int
+    remote_bytes: bool
+
+    def reader_kinds(self) -> dict[str, int]:
+        """Readers per kind (the ``reason`` label of ``hop2_reader_tensors``)."""
+        kinds = {"local_handle": self.handle_readers, "local_placeholder": self.local_later,
+                 "remote_bytes" if self.remote_bytes else "remote_placeholder": self.remote}
+        return {k: n for k, n in kinds.items() if n}
+
+
+def reader_plan(first_stage: int, n_local: int, n_remote: int) -> ReaderPlan:
+    """The :class:`ReaderPlan` of a broadcast queue.
+
+    Args:
+        first_stage: ranks on the first pipeline stage (TP x PCP): ranks
+            ``[0, first_stage)`` (``rank = pp_rank * tp * pcp + ...``,
+            ``vllm/distributed/parallel_state.py`` 0.32).
+        n_local: local readers: ranks ``[0, n_local)`` (a local reader's
+            index is its rank: ``MessageQueue(world_size, local_world_size)``
+            in ``v1/executor/multiproc_executor.py`` 0.32).
+        n_remote: readers on other nodes (all other ranks).
+    Raises:
+        ValueError: no local reader, or more first-stage readers than
+            :data:`MAX_READERS`.
+    """
+    if n_local < 1 or first_stage < 1 or n_remote < 0:
+        raise ValueError(f"no reader plan for {first_stage=} {n_local=} {n_remote=}")
+    handle_readers = min(first_stage, n_local)
+    if handle_readers > MAX_READERS:
+        raise ValueError(f"{handle_readers} readers is over {MAX_READERS}")
+    return ReaderPlan(handle_readers, n_local - handle_readers, n_remote,
+                      n_remote > 0 and first_stage > n_local)
+
+
+def remote_form(tensor: torch.Tensor, plan: ReaderPlan) -> EmbedsPlaceholder | InlineEmbeds:
+    """What the remote readers of ``plan`` get instead of ``tensor``'s handle."""
+    if plan.remote_bytes:
+        return InlineEmbeds(tensor)
+    return EmbedsPlaceholder(dtype_name(tensor.dtype), tuple(tensor.shape))
+
+
+def count_readers(plan: ReaderPlan, nbytes: int) -> None:
+    """Count one broadcast tensor of ``nbytes`` per reader kind (EngineCore)."""
+    for kind, n in plan.reader_kinds().items():
+        count_reason(Event.HOP2_READER_TENSORS, kind, hop="2", n=n)
+    if plan.remote_bytes:
+        count(Event.HOP2_REMOTE_BYTES, nbytes * plan.remote)
+
+
+EMBEDS_FORMS = (SharedTensorHandle, EmbedsPlaceholder, InlineEmbeds)
+
+
+def carries_embeds(new_reqs: Iterable[Any] | None) -> bool:
+    """True if some ``prompt_embeds`` of ``new_reqs`` is one of ours
+    (:data:`EMBEDS_FORMS`): then every rank must join :func:`all_ranks_ok`."""
+    return any(isinstance(getattr(r, "prompt_embeds", None), EMBEDS_FORMS)
+               for r in new_reqs or ())
 
 
 
@@ -127,35 +228,60 @@ def restore_prompt_embeds(swapped: list[tuple[Any, torch.Tensor]]) -> None:
         req.prompt_embeds = tensor
 
 
-def internalize_prompt_embeds(new_reqs: Iterable[Any], reader_index: int | None) -> int:
-    """Replace each ``SharedTensorHandle`` in ``new_reqs[i].prompt_embeds`` by its tensor.
+def internalize_prompt_embeds(new_reqs: Iterable[Any], reader_index: int | None,
+                              first_stage: bool = True) -> int:
+    """Replace each of our forms in ``new_reqs[i].prompt_embeds`` by a tensor.
 
-    Runs in each TP worker before the model runner sees the step. Every
-    handle is tried; returns the number of tensors mapped.
+    Runs in each worker before the model runner sees the step. On the first
+    pipeline stage (``first_stage``) a :class:`SharedTensorHandle` is mapped
+    and an :class:`InlineEmbeds` unwrapped; on a later stage every form
+    becomes :func:`handle.placeholder_tensor` of its dtype and shape, and
+    nothing is mapped or flagged (counted ``hop2_placeholder_tensors``).
+    Every form is tried; returns the number of tensors mapped.
 
     Raises:
-        ShmEmbedsError: a segment could not be mapped (the first error);
-            the other handles were still mapped and flagged, so the owner's
+        ShmEmbedsError: a segment could not be mapped, a handle names a
+            reader index beyond its broadcast's readers, or a first-stage
+            reader got an :class:`EmbedsPlaceholder` (the first error); the
+            other handles were still mapped and flagged, so the owner's
             bookkeeping stays consistent.
     """
-    n = 0
+    n = placeholders = 0
     first: ShmEmbedsError | None = None
     for req in new_reqs:
-        handle = getattr(req, "prompt_embeds", None)
-        if isinstance(handle, SharedTensorHandle):
-            try:
-                req.prompt_embeds = open_tensor(handle, reader_index)
-            except (ShmEmbedsError, OSError) as e:
-                count_reason(Event.FALLBACK, "map_failed", hop="2")
-                if first is None:
-                    first = e if isinstance(e, ShmEmbedsError) else ShmEmbedsError(str(e))
-                continue
-            count_many({Event.HOP2_SHM_TENSORS: 1, Event.HOP2_SHM_BYTES: handle.nbytes})
-            n += 1
+        form = getattr(req, "prompt_embeds", None)
+        if not isinstance(form, EMBEDS_FORMS):
+            continue
+        if not first_stage:
+            tensor = form.tensor if isinstance(form, InlineEmbeds) else None
+            dtype = tensor.dtype if tensor is not None else form.torch_dtype
+            shape = tuple(tensor.shape) if tensor is not None else form.shape
+            req.prompt_embeds = placeholder_tensor(dtype, shape)
+            placeholders += 1
+            continue
+        if isinstance(form, InlineEmbeds):
+            req.prompt_embeds = form.tensor
+            continue
+        try:
+            if isinstance(form, EmbedsPlaceholder):
+                raise ShmEmbedsError("a first-stage reader got a placeholder")
+            if (reader_index is not None and form.readers
+                    and not 0 <= reader_index < form.readers):
+                raise ShmEmbedsError(f"reader index {reader_index} is beyond the "
+                                     f"{form.readers} readers of this broadcast")
+            req.prompt_embeds = open_tensor(form, reader_index)
+        except (ShmEmbedsError, OSError) as e:
+            count_reason(Event.FALLBACK, "map_failed", hop="2")
+            if first is None:
+                first = e if isinstance(e, ShmEmbedsError) else ShmEmbedsError(str(e))
+            continue
+        count_many({Event.HOP2_SHM_TENSORS: 1, Event.HOP2_SHM_BYTES: form.nbytes})
+        n += 1
+    if placeholders:
+        count(Event.HOP2_PLACEHOLDER_TENSORS, placeholders)
     if first is not None:
         raise first
     return n
-
 
 
 def internalize(handle: SharedTensorHandle, reader_index: int | None = None) -> torch.Tensor:

@@ -61,6 +61,17 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                        "a copy (hop 1: binary and JSON bodies written into shared memory, "
                        "and registered regions; hop 2: segments adopted at hop 1)",
                        ("hop",)),
+    "reader_tensors": ("counter", "prompt_embeds tensors per reader of the hop-2 broadcast, "
+                       "by what the reader got (local_handle: a handle it maps; "
+                       "local_placeholder, remote_placeholder: a later pipeline stage, "
+                       "nothing to map, no tensor bytes; remote_bytes: a reader on another "
+                       "node with a first-stage reader among them, the tensor's bytes)",
+                       ("hop", "kind")),
+    "remote_bytes": ("counter", "prompt_embeds bytes sent to readers on other nodes (tensor "
+                     "bytes x remote readers that got them)", ("hop",)),
+    "placeholder_tensors": ("counter", "prompt_embeds tensors that workers of later pipeline "
+                            "stages replaced by a placeholder without mapping or receiving "
+                            "their bytes", ("hop",)),
     "fallbacks": ("counter", "prompt_embeds tensors that took the stock path, by hop "
                   "and reason", ("hop", "reason")),
     "copied_bytes": ("counter", "Bytes copied into shared-memory segments", ()),
@@ -186,6 +197,8 @@ _REASONS = {E.FALLBACK: "fallbacks", E.BINARY_REJECTED: "binary_rejected",
             E.JSON_DIRECT_DECLINED: "json_direct_declined",
             E.REGION_REFUSED: "region_refused", E.REGION_LEASE_REFUSED: "region_lease_refused",
             E.REGION_UNREGISTERED: "region_unregistered"}
+_HOP2_PLAIN = {E.HOP2_REMOTE_BYTES: "remote_bytes",
+               E.HOP2_PLACEHOLDER_TENSORS: "placeholder_tensors"}
 _PLAIN = (E.COPIED_BYTES, E.SEGMENTS_CREATED, E.SEGMENTS_UNLINKED, E.SEGMENTS_SWEPT,
           E.ADOPT_NAMES_TAKEN,
           E.BINARY_BODIES, E.BINARY_BYTES, E.REGIONS_REGISTERED, E.REGION_BYTES,
@@ -211,6 +224,8 @@ def aggregate(values: dict[tuple[counters.Key, str], float], pids: set[int],
             out["bytes"][(hop, path)] = 0
         out["received_tensors"][(hop,)] = 0
         out["reused_tensors"][(hop,)] = 0
+    out["remote_bytes"][("2",)] = 0
+    out["placeholder_tensors"][("2",)] = 0
     for how in ("direct", "loader"):
         out["json_tensors"][(how,)] = 0
     for name in _PLAIN:
@@ -223,6 +238,10 @@ def aggregate(values: dict[tuple[counters.Key, str], float], pids: set[int],
         event = key.event
         if event == E.FALLBACK:
             add("fallbacks", (key.hop, key.reason), value)
+        elif event == E.HOP2_READER_TENSORS:
+            add("reader_tensors", (key.hop, key.reason), value)
+        elif event in _HOP2_PLAIN:
+            add(_HOP2_PLAIN[event], ("2",), value)
         elif event in _REASONS:
             add(_REASONS[event], (key.reason,), value)
         elif event == E.JSON_TENSORS:

@@ -33,8 +33,10 @@ from vllm._shm_embeds.sites import (
     entrypoints,
     kv_cache_utils,
     multiproc_executor,
+    prompt_embeds,
     renderers,
     scheduler,
+    shm_broadcast,
 )
 from vllm._shm_embeds.sites.site import STATUS, Site
 
@@ -42,7 +44,7 @@ logger = init_logger(__name__)
 
 # The modules that declare sites, one per vLLM module patched.
 SITE_MODULES = (core_client, engine_core, multiproc_executor, renderers, kv_cache_utils,
-                entrypoints, scheduler)
+                entrypoints, scheduler, shm_broadcast, prompt_embeds)
 SITES: tuple[Site, ...] = tuple(site for module in SITE_MODULES for site in module.SITES)
 
 
@@ -71,6 +73,16 @@ GROUPS: dict[str, Group] = {
                   "API server -> EngineCore"),
     "hop2": Group((), False, "shm-embeds: hop2 left stock in pid %d, vLLM sites missing: %s",
                   "EngineCore -> TP workers"),
+    "remote": Group(("hop2",), False, "shm-embeds: hop 2 goes stock for every reader when "
+                    "a reader is on another node, in pid %d: %s",
+                    "hop 2 with readers on other nodes: the local readers keep their handles, "
+                    "the remote ones get a placeholder (no later stage needs the values) or, "
+                    "with a first-stage reader among them, the bytes"),
+    "pp_upload": Group((), False, "shm-embeds: later pipeline stages of the newer model "
+                       "runner upload prompt_embeds as stock does, in pid %d: %s",
+                       "the newer model runner's per-request upload, skipped on later "
+                       "pipeline stages; considered only in a worker that loaded that runner",
+                       prompt_embeds.wanted),
     "binary": Group(("hop1",), True, "shm-embeds: binary request bodies off in pid %d: %s",
                     "our middlewares in vLLM's app, binary bodies, and the placeholders "
                     "every body path resolves"),

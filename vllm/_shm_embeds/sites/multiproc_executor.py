@@ -11,46 +11,105 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+import torch
 from vllm.logger import init_logger
 
 from vllm._shm_embeds import hop2, process
-from vllm._shm_embeds.counters import set_role
-from vllm._shm_embeds.handle import MAX_READERS, SharedTensorHandle, ShmEmbedsError
+from vllm._shm_embeds.counters import Event, count_many, count_reason, set_role
+from vllm._shm_embeds.handle import ShmEmbedsError
+from vllm._shm_embeds.sites import prompt_embeds as prompt_embeds_sites
 from vllm._shm_embeds.sites.core_client import wrap_shutdown
-from vllm._shm_embeds.sites.site import Site
+from vllm._shm_embeds.sites.site import STATUS, Site
+from vllm._shm_embeds.transfer import dense_nbytes, eligible
 
 logger = init_logger(__name__)
 
 MODULE = "vllm.v1.executor.multiproc_executor"
 
 
-def _hop2_readers(executor: Any) -> int:
-    """Local readers to broadcast handles to, or 0 for the stock path (logged once)."""
-    readers = executor.__dict__.get("_shm_embeds_readers")
-    if readers is not None:
-        return readers
+REMOTE_GROUP = "remote"  # sites/shm_broadcast.py: the enqueue split
+
+
+def _first_stage_ranks(executor: Any) -> int:
+    """Ranks on the first pipeline stage: TP x PCP (``parallel_config``,
+    ``vllm/config/parallel.py`` 0.32; ranks are laid out (dp, pp, pcp, tp))."""
+    pc = executor.vllm_config.parallel_config
+    return (getattr(pc, "tensor_parallel_size", 1)
+            * getattr(pc, "prefill_context_parallel_size", 1))
+
+
+REMOTE_PROBE_TIMEOUT_S = 60.0
+
+
+def worker_joins_hop2(worker: Any = None) -> bool:
+    """Runs in each worker (``collective_rpc`` with a callable): True if this
+    worker maps handles, builds placeholders and joins the per-step agreement,
+    i.e. its ``hop2`` sites are patched (``VLLM_SHM_EMBEDS=1`` on its node)."""
+    return STATUS.get("hop2") == []
+
+
+def _remote_workers_join(executor: Any, rpc: Callable) -> str | None:
+    """None if every worker, on every node, runs hop 2 of this plugin; else why not.
+
+    Asked once, with vLLM's own ``collective_rpc`` (``rpc``, unwrapped) and a
+    callable (``WorkerProc._execute_worker_rpc`` unpickles it with cloudpickle
+    and answers a failure if it cannot, e.g. no shm-embeds on that node;
+    ``multiproc_executor.py`` 0.32/0.33). Readers on other nodes get our forms
+    (``EmbedsPlaceholder``, ``InlineEmbeds``) and every rank must join the
+    agreement, so a follower started without ``VLLM_SHM_EMBEDS=1`` would fail
+    the engine at its first embeds step: with one, hop 2 stays stock instead.
+    """
+    try:
+        answers = rpc(executor, worker_joins_hop2, timeout=REMOTE_PROBE_TIMEOUT_S)
+    except Exception as e:  # a worker could not run it: no plugin there
+        return f"a worker could not answer whether it runs shm-embeds ({type(e).__name__})"
+    if not isinstance(answers, list) or not answers or not all(a is True for a in answers):
+        return ("a worker does not run shm-embeds hop 2 (set VLLM_SHM_EMBEDS=1 on every "
+                "node)")
+    return None
+
+
+def _hop2_plan(executor: Any, rpc: Callable | None = None) -> hop2.ReaderPlan | None:
+    """What each reader gets (``hop2.reader_plan``), or None for the stock path
+    (the reason logged once, kept in ``_shm_embeds_stock``). With readers on
+    other nodes, ``rpc`` (vLLM's ``collective_rpc``) asks every worker first
+    (:func:`_remote_workers_join`)."""
+    d = executor.__dict__
+    if "_shm_embeds_plan" in d:
+        return d["_shm_embeds_plan"]
     mq = getattr(executor, "rpc_broadcast_mq", None)
     model_config = getattr(executor.vllm_config, "model_config", None)
-    reason = None
+    reason = plan = None
     if not getattr(model_config, "enable_prompt_embeds", False):
         reason = "--enable-prompt-embeds is off"
     elif mq is None:
         reason = "no broadcast queue in this executor"
-    elif getattr(mq, "n_remote_reader", 0) > 0:
-        reason = f"{mq.n_remote_reader} reader(s) on other nodes cannot map local files"
-    elif not 0 < mq.n_local_reader <= MAX_READERS:
-        reason = f"{mq.n_local_reader} local readers is out of range"
-    readers = 0 if reason else mq.n_local_reader
-    if reason:
+    elif getattr(mq, "n_remote_reader", 0) > 0 and STATUS.get(REMOTE_GROUP) != []:
+        reason = (f"{mq.n_remote_reader} reader(s) on other nodes and no split of the "
+                  "broadcast (the remote sites are off)")
+        d["_shm_embeds_stock"] = "remote"
+    else:
+        try:
+            plan = hop2.reader_plan(_first_stage_ranks(executor), mq.n_local_reader,
+                                    getattr(mq, "n_remote_reader", 0))
+        except (ValueError, TypeError, AttributeError) as e:
+            reason = f"no reader plan: {e}"
+        if plan is not None and plan.remote and rpc is not None:
+            reason = _remote_workers_join(executor, rpc)
+            if reason is not None:
+                plan = None
+                d["_shm_embeds_stock"] = "remote"
+    if plan is None:
         logger.info("shm-embeds: hop 2 uses the stock path: %s", reason)
     else:
         set_role("engine")
         logger.info(
-            "shm-embeds: hop 2 sends prompt_embeds as handles to %d local TP reader(s)",
-            readers,
-        )
-    executor._shm_embeds_readers = readers
-    return readers
+            "shm-embeds: hop 2 sends prompt_embeds as handles to %d local first-stage "
+            "reader(s); %d local later-stage reader(s) map nothing; %d reader(s) on other "
+            "nodes get %s", plan.handle_readers, plan.local_later, plan.remote,
+            "the bytes" if plan.remote_bytes else "a placeholder")
+    d["_shm_embeds_plan"] = plan
+    return plan
 
 
 def _rpc_args(args: tuple, kwargs: dict) -> tuple:
@@ -60,11 +119,28 @@ def _rpc_args(args: tuple, kwargs: dict) -> tuple:
     return args[1] if len(args) > 1 else ()
 
 
+def _count_stock_remote(rpc_args: tuple) -> None:
+    """Tensors that go stock because readers are remote and the split is off
+    (reason ``remote``; a tensor that would go stock anyway keeps its reason)."""
+    for arg in rpc_args:
+        for req in getattr(arg, "scheduled_new_reqs", None) or ():
+            tensor = getattr(req, "prompt_embeds", None)
+            if isinstance(tensor, torch.Tensor):
+                count_many({Event.HOP2_STOCK_TENSORS: 1,
+                            Event.HOP2_STOCK_BYTES: dense_nbytes(tensor)})
+                count_reason(Event.FALLBACK, eligible(tensor) or "remote", hop="2")
+
+
 def wrap_executor_rpc(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def collective_rpc(self, method, *args, **kwargs):
-        readers = _hop2_readers(self)
-        if not readers:
+        plan = _hop2_plan(self, orig)
+        if plan is None:
+            if self.__dict__.get("_shm_embeds_stock") == "remote":
+                try:
+                    _count_stock_remote(_rpc_args(args, kwargs))
+                except Exception:  # counting only
+                    logger.debug("shm-embeds: counting failed", exc_info=True)
             return orig(self, method, *args, **kwargs)
         swapped: list = []
         try:
@@ -72,16 +148,25 @@ def wrap_executor_rpc(orig: Callable) -> Callable:
             for arg in _rpc_args(args, kwargs):
                 new_reqs = getattr(arg, "scheduled_new_reqs", None)
                 if new_reqs:
-                    swapped += hop2.externalize_prompt_embeds(new_reqs, readers)
+                    swapped += hop2.externalize_prompt_embeds(new_reqs, plan.handle_readers)
+            for _, tensor in swapped:
+                hop2.count_readers(plan, tensor.nbytes)
+            if swapped and plan.remote:
+                # what the readers on other nodes get instead (shm_broadcast.py)
+                self.rpc_broadcast_mq._shm_embeds_remote = [
+                    (req, hop2.remote_form(tensor, plan)) for req, tensor in swapped]
         except Exception:  # never into vLLM's engine loop: this step goes stock
             logger.warning("shm-embeds: hop 2 sends this step the stock way after an "
                            "unexpected error", exc_info=True)
             hop2.restore_prompt_embeds(swapped)
             swapped = []
+            self.rpc_broadcast_mq.__dict__.pop("_shm_embeds_remote", None)
         try:
             result = orig(self, method, *args, **kwargs)
         finally:
             hop2.restore_prompt_embeds(swapped)
+            if swapped and plan.remote:
+                self.rpc_broadcast_mq.__dict__.pop("_shm_embeds_remote", None)
         if swapped:
             # Once the reply arrives every TP rank has dequeued (and mapped)
             # the step: the broadcasts are settled (names of freed requests go).
@@ -116,20 +201,21 @@ def _all_ranks_ok(ok: bool) -> bool:
 def wrap_worker_rpc(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def _execute_worker_rpc(self, rpc_request, *args, **kwargs):
+        prompt_embeds_sites.maybe_patch()
         method, rpc_args, _, output_rank = rpc_request
-        carried = [
-            arg.scheduled_new_reqs for arg in rpc_args
-            if any(isinstance(getattr(r, "prompt_embeds", None), SharedTensorHandle)
-                   for r in getattr(arg, "scheduled_new_reqs", None) or ())
-        ]
+        carried = [arg.scheduled_new_reqs for arg in rpc_args
+                   if hop2.carries_embeds(getattr(arg, "scheduled_new_reqs", None))]
         if not carried:
             return orig(self, rpc_request, *args, **kwargs)
         set_role("worker")
+        first = self.__dict__.get("_shm_embeds_first_stage")
+        if first is None:
+            first = self._shm_embeds_first_stage = prompt_embeds_sites.first_pp_stage()
         index = getattr(self.rpc_broadcast_mq, "local_reader_rank", -1)
         error: Exception | None = None
         for new_reqs in carried:
             try:
-                hop2.internalize_prompt_embeds(new_reqs, index if index >= 0 else None)
+                hop2.internalize_prompt_embeds(new_reqs, index if index >= 0 else None, first)
             except Exception as e:
                 error = error or e
         if error is not None:
@@ -157,15 +243,20 @@ SITES = (
     Site("executor_rpc", "hop2", MODULE, "MultiprocExecutor.collective_rpc",
          ("method", "args", "kwargs"), ("self.rpc_broadcast_mq.enqueue(",), wrap_executor_rpc,
          what="NewRequestData.prompt_embeds in a SchedulerOutput argument is swapped for a "
-              "handle while the message is enqueued, then restored; skipped when the queue "
-              "has remote readers",
+              "handle while the message is enqueued, then restored; reader flags for the "
+              "local first-stage readers only; with readers on other nodes, the enqueue "
+              "split (shm_broadcast.py) sends those a placeholder or the bytes",
          why="above 16 MiB the broadcast sends each TP reader its own copy over ZMQ",
          retire=HOP2_RETIRE),
     Site("worker_rpc", "hop2", MODULE, "WorkerProc._execute_worker_rpc", ("rpc_request",),
          wrap=wrap_worker_rpc,
-         what="handles are mapped back to tensors before the worker method runs; all ranks "
-              "agree (all-reduce over TP, then PP) whether every rank mapped them",
-         why="a rank that could not map must fail the step on every rank, none left waiting",
+         what="handles are mapped back to tensors before the worker method runs (a worker "
+              "of a later pipeline stage maps nothing: it builds a NaN placeholder of the "
+              "shape and dtype for every form it got); all ranks agree (all-reduce over TP, "
+              "then PP) whether every rank mapped them",
+         why="a rank that could not map must fail the step on every rank, none left "
+             "waiting; later stages read only the length (gpu_model_runner._preprocess: "
+             "`elif self.enable_prompt_embeds and is_first_rank`)",
          retire=HOP2_RETIRE),
     Site("executor_shutdown", "hop2", MODULE, "MultiprocExecutor.shutdown", wrap=wrap_shutdown,
          what="unlink what is left, log the summary",

@@ -1,0 +1,71 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Site in ``vllm/distributed/device_communicators/shm_broadcast.py``: hop 2 with
+readers on other nodes (group ``remote``).
+
+``MessageQueue.enqueue`` (0.32/0.33) pickles a message once and sends the same
+buffers to its local readers (the shared-memory ring, or its local socket on
+overflow) and to its remote readers (one XPUB socket, one subscription per
+remote rank). While the ``collective_rpc`` wrapper (``multiproc_executor.py``)
+has a plan for a queue (``_shm_embeds_remote``: ``(request, remote form)``
+pairs), :func:`wrap_enqueue` calls vLLM's ``enqueue`` twice: once with the
+remote readers hidden (``n_remote_reader = 0``), the requests carrying the
+handles the local readers map, then once with the local readers hidden
+(``n_local_reader = 0``), the requests carrying what the remote readers get
+instead (``hop2.remote_form``: a placeholder, or the bytes when a remote
+reader is on the first stage). Both attributes and the requests are restored
+whatever happens. Without a plan it is vLLM's ``enqueue`` unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from vllm._shm_embeds.sites.site import Site
+
+MODULE = "vllm.distributed.device_communicators.shm_broadcast"
+PLAN_ATTR = "_shm_embeds_remote"
+
+
+def wrap_enqueue(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def enqueue(self, obj, *args, **kwargs):
+        plan = self.__dict__.get(PLAN_ATTR)
+        if not plan:  # every other enqueue of every queue: vLLM's, untouched
+            return orig(self, obj, *args, **kwargs)
+        n_local, n_remote = self.n_local_reader, self.n_remote_reader
+        if n_local <= 0 or n_remote <= 0:
+            return orig(self, obj, *args, **kwargs)
+        handles = [(req, req.prompt_embeds) for req, _ in plan]
+        try:
+            self.n_remote_reader = 0
+            orig(self, obj, *args, **kwargs)  # local readers: the handles
+            self.n_remote_reader, self.n_local_reader = n_remote, 0
+            for req, form in plan:
+                req.prompt_embeds = form
+            return orig(self, obj, *args, **kwargs)  # remote readers: their form
+        finally:
+            self.n_local_reader, self.n_remote_reader = n_local, n_remote
+            for req, handle in handles:
+                req.prompt_embeds = handle
+
+    return enqueue
+
+
+SITES = (
+    Site("mq_enqueue", "remote", MODULE, "MessageQueue.enqueue", ("obj",),
+         ("if self.n_local_reader > 0:", "if self.n_remote_reader > 0:",
+          "self.remote_socket.send_multipart("), wrap_enqueue,
+         what="while collective_rpc has a plan for the queue: enqueue once to the local "
+              "readers alone (n_remote_reader = 0), the requests carrying handles, then once "
+              "to the remote readers alone (n_local_reader = 0), carrying a placeholder (no "
+              "tensor bytes) or, with a first-stage reader among them, the tensor; "
+              "attributes and requests restored in finally",
+         why="enqueue pickles once and sends the same buffers to the ring and to the remote "
+             "socket: a reader on another node cannot map a local file, so without the "
+             "split hop 2 goes stock for every reader and each remote rank receives the "
+             "full tensor over TCP, later pipeline stages included",
+         retire="a per-reader-kind serialization hook in MessageQueue, or vLLM stripping "
+                "prompt_embeds for non-first PP ranks itself (as the legacy Ray path does "
+                "with mm_features)"),
+)
