@@ -162,13 +162,22 @@ def fetch(version: str, sites=None) -> str | None:
     """The vLLM package dir of the ``vllm==version`` wheel, site files only.
 
     Downloaded once (``pip download``) into ``.cache/vllm-<version>/``; later
-    calls return the cached tree. None if the wheel cannot be downloaded.
+    calls return the cached tree, unless a site was added whose file it does
+    not hold (the ``complete`` marker lists the files kept). None if the
+    wheel cannot be downloaded.
     """
     sites = sites if sites is not None else _all_sites()
     root = os.path.join(CACHE, f"vllm-{version}")
     tree = os.path.join(root, "vllm")
-    if os.path.exists(os.path.join(root, "complete")):
-        return tree
+    wanted = {f"vllm/{rel}" for s in sites
+              for m in (s.module, *s.alt_modules, *([s.patch_in] if s.patch_in else []))
+              for rel in site_files(m)}
+    try:
+        with open(os.path.join(root, "complete")) as f:
+            if wanted <= set(f.read().split()):
+                return tree
+    except FileNotFoundError:
+        pass
     with tempfile.TemporaryDirectory() as tmp:
         dl = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
                              f"vllm=={version}", "-d", tmp],
@@ -176,14 +185,12 @@ def fetch(version: str, sites=None) -> str | None:
         wheels = [f for f in os.listdir(tmp) if f.startswith(f"vllm-{version}-")]
         if dl.returncode != 0 or not wheels:
             return None
-        wanted = {f"vllm/{rel}" for s in sites
-                  for m in (s.module, *s.alt_modules, *([s.patch_in] if s.patch_in else []))
-                  for rel in site_files(m)}
         shutil.rmtree(root, ignore_errors=True)
         with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as z:
             for name in wanted & set(z.namelist()):
                 z.extract(name, root)
-    open(os.path.join(root, "complete"), "w").close()
+    with open(os.path.join(root, "complete"), "w") as f:
+        f.write("\n".join(sorted(wanted)) + "\n")
     return tree
 
 
