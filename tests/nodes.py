@@ -129,6 +129,9 @@ class Nodes:
         model: model directory (default: the tiny model).
         max_model_len: ``--max-model-len``.
         env_extra: more environment for both nodes.
+        follower_env: more environment for the follower alone (after
+            ``env_extra``), e.g. ``{"VLLM_SHM_EMBEDS": "0"}``: a follower node
+            started without the plugin.
         min_bytes: ``VLLM_SHM_EMBEDS_MIN_BYTES`` (default: ``engine_env``'s 1 KiB).
         nnodes: 2 (head and follower) or 1 (the head alone, both workers on
             this node, bound to cores 0 and 1: the same topology on one host;
@@ -137,7 +140,8 @@ class Nodes:
 
     def __init__(self, tmp: Path, topology: str, shm_on: bool, model: str | None = None,
                  max_model_len: int = 2048, env_extra: dict | None = None,
-                 min_bytes: int | None = None, nnodes: int = 2):
+                 min_bytes: int | None = None, nnodes: int = 2,
+                 follower_env: dict | None = None):
         from helpers import tiny_model
 
         self.tmp = Path(tmp)
@@ -158,6 +162,7 @@ class Nodes:
         self.env = {**engine_env(shm_on, self.seg_dir, self.stats), **(env_extra or {})}
         if min_bytes is not None:
             self.env["VLLM_SHM_EMBEDS_MIN_BYTES"] = str(min_bytes)
+        self.follower_env = dict(follower_env or {})
         self.head = self.follower = None
         self.head_log = self.tmp / "head.log"
         self.follower_log = self.tmp / "follower.log"
@@ -220,7 +225,7 @@ class Nodes:
                  + " ".join(map(shlex.quote, self._engine_args(1))))
         self.follower = subprocess.Popen(
             ["unshare", "-m", "sh", "-c", inner],
-            env={**self.env, "VLLM_CPU_OMP_THREADS_BIND": "1"},
+            env={**self.env, **self.follower_env, "VLLM_CPU_OMP_THREADS_BIND": "1"},
             stdout=self._log_file(self.follower_log), stderr=subprocess.STDOUT,
             start_new_session=True)
 

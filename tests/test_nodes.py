@@ -287,3 +287,42 @@ def test_killing_the_follower_ends_cleanly(runs):
     assert kill["request"].get("status") != 200, kill
     assert kill["request"]["s"] <= KILL_BOUND_S, kill
     assert "head_exit" in kill or kill.get("head_unhealthy"), kill
+
+
+@pytest.fixture(scope="module")
+def follower_without_plugin(tmp_path_factory):
+    """PP=2 across the nodes with the plugin on the head only (the follower
+    started with ``VLLM_SHM_EMBEDS=0``): one pair of requests."""
+    from helpers import embed_weights, encode_embeds
+    from nodes import Nodes
+
+    nodes = Nodes(tmp_path_factory.mktemp("nodes-mixed"), "pp2", True,
+                  env_extra={"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(STEP_TIMEOUT_S)},
+                  follower_env={"VLLM_SHM_EMBEDS": "0"})
+    try:
+        nodes.start()
+        w = embed_weights(nodes.model)
+        ids = _ids(200, w.shape[0])
+        rec = {"ids": nodes.measured({"prompt": ids}),
+               "embeds": nodes.measured({"prompt": "", "prompt_embeds":
+                                         encode_embeds(w[ids].contiguous())}),
+               "log": nodes.log()}
+    finally:
+        rec_close = nodes.close()
+    rec["close"] = rec_close
+    return rec
+
+
+def test_a_follower_without_the_plugin_keeps_hop2_stock(follower_without_plugin):
+    """The head asks every worker once whether it runs hop 2
+    (``worker_joins_hop2``); the follower's says no, so hop 2 stays stock for
+    every reader (counted ``fallback{hop="2",reason="remote"}``, logged),
+    instead of sending that node forms it cannot use and failing the engine.
+    The answer equals the same prompt as ids'."""
+    rec = follower_without_plugin
+    assert rec["ids"]["status"] == rec["embeds"]["status"] == 200, rec["embeds"]["text"]
+    assert rec["embeds"]["text"] == rec["ids"]["text"]
+    engine = rec["embeds"]["counters"].get("head:engine", {})
+    assert engine.get("fallback.hop2.remote") == 1, rec["embeds"]["counters"]
+    assert not any(k.startswith("hop2_reader_tensors") for k in engine), engine
+    assert "does not run shm-embeds hop 2" in rec["log"]
