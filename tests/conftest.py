@@ -208,6 +208,11 @@ def tp4_server(tmp_path_factory):
 
 
 ENGINES = ("offline_tiny", "offline_pp", "main_server", "dp_server", "small_shm_server", "tp4_server")
+# Engine groups that a module names with an explicit xdist_group mark (it
+# starts its engines itself: test_nodes.py's node pairs, about 4 min).
+MARKED_GROUPS = ("nodes",)
+# The order groups start in: the longest first.
+ORDER = ("offline_tiny", "nodes", *ENGINES[1:])
 
 
 def _vllm_shm_files() -> set[str]:
@@ -248,6 +253,9 @@ def _engine_group(item) -> str | None:
     used = [e for e in ENGINES if e in names]
     if used:
         return used[0]
+    mark = item.get_closest_marker("xdist_group")
+    if mark is not None and mark.args and mark.args[0] in MARKED_GROUPS:
+        return mark.args[0]
     return "wide" if item.get_closest_marker("wide") else None
 
 
@@ -262,8 +270,8 @@ def pytest_collection_modifyitems(session, config, items):
     deselects anything, so it sees every test collected."""
     def key(item):
         group = _engine_group(item)
-        rank = ENGINES.index(group) if group in ENGINES else (
-            len(ENGINES) if group else len(ENGINES) + 1)
+        rank = ORDER.index(group) if group in ORDER else (
+            len(ORDER) if group else len(ORDER) + 1)
         return rank, item.get_closest_marker("ends_engine") is not None
 
     items[:] = [item for _, item in sorted(enumerate(items), key=lambda p: (key(p[1]), p[0]))]
