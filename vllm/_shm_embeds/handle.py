@@ -110,6 +110,18 @@ def part_name(name: str, index: int) -> str:
 # handles
 
 
+def torch_dtype(name: str, what: str = "handle") -> torch.dtype:
+    """The torch dtype called ``name`` (``"bfloat16"``, no ``torch.`` prefix).
+
+    Raises:
+        ShmEmbedsError: no such dtype (``what`` names the object in the message).
+    """
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ShmEmbedsError(f"{what} names an unknown dtype {name!r}")
+    return dt
+
+
 @dataclasses.dataclass(frozen=True)
 class SharedTensorHandle:
     """Names a tensor stored in a shared-memory segment; a few hundred bytes pickled.
@@ -151,10 +163,7 @@ class SharedTensorHandle:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        dt = getattr(torch, self.dtype, None)
-        if not isinstance(dt, torch.dtype):
-            raise ShmEmbedsError(f"handle names an unknown dtype {self.dtype!r}")
-        return dt
+        return torch_dtype(self.dtype, "handle")
 
     @property
     def nbytes(self) -> int:
@@ -249,10 +258,7 @@ class EmbedsPlaceholder:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        dt = getattr(torch, self.dtype, None)
-        if not isinstance(dt, torch.dtype):
-            raise ShmEmbedsError(f"placeholder names an unknown dtype {self.dtype!r}")
-        return dt
+        return torch_dtype(self.dtype, "placeholder")
 
 
 @dataclasses.dataclass(frozen=True)

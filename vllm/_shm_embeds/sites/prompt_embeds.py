@@ -39,6 +39,9 @@ from vllm._shm_embeds.sites.site import Site
 logger = init_logger(__name__)
 
 MODULE = "vllm.v1.worker.gpu.model_states.prompt_embeds"
+# What upstream change would retire these sites.
+_RETIRE = ("vLLM skipping the upload on non-first PP ranks itself (or stripping "
+           "prompt_embeds for them, as the legacy Ray path does with mm_features)")
 _decided = False
 
 
@@ -85,9 +88,6 @@ def wrap_add_request(orig: Callable) -> Callable:
 
     return add_request
 
-
-_RETIRE = ("vLLM skipping the upload on non-first PP ranks itself (or stripping "
-           "prompt_embeds for them, as the legacy Ray path does with mm_features)")
 
 SITES = (
     Site("v2_embeds_upload", "pp_upload", MODULE, "PromptEmbedsState.add_request",

@@ -19,6 +19,10 @@ from vllm._shm_embeds.sites.site import Site
 from vllm._shm_embeds.streamed import is_streamed
 
 BASE = "vllm.renderers.base"
+# What upstream change would retire the placeholder sites.
+RENDER_RETIRE = ("a renderer hook for pre-decoded prompt_embeds (e.g. vllm#51472: upload "
+                 "once, reference by id)")
+_RESOLVE = "a placeholder of the request being served resolves to its segment-backed tensor"
 
 
 def wrap_render_prompt(orig: Callable) -> Callable:
@@ -176,11 +180,6 @@ def wrap_render_messages_async(orig: Callable) -> Callable:
 
     return render_messages_async
 
-
-# What upstream change would retire the placeholder sites.
-RENDER_RETIRE = ("a renderer hook for pre-decoded prompt_embeds (e.g. vllm#51472: upload "
-                 "once, reference by id)")
-_RESOLVE = "a placeholder of the request being served resolves to its segment-backed tensor"
 
 SITES = (
     Site("render_prompt", "binary", BASE, "BaseRenderer.render_prompt", ("prompt",),
