@@ -127,6 +127,7 @@ _RANK_SCRIPT = textwrap.dedent("""
     pp = types.SimpleNamespace(world_size=1, cpu_group=None)
     parallel_state.get_tp_group = lambda: tp
     parallel_state.get_pp_group = lambda: pp
+    parallel_state.get_pcp_group = lambda: pp
     from vllm._shm_embeds import hop2
     from vllm._shm_embeds.handle import ShmEmbedsError
     from vllm._shm_embeds.sites import multiproc_executor

@@ -163,8 +163,7 @@ def test_remote_readers_without_the_split_go_stock(shm_env, monkeypatch):
     assert os.listdir(shm_env) == []
 
 
-@pytest.mark.parametrize("answers", [(True, False), RuntimeError("Worker failed")],
-                         ids=["a_worker_without_hop2", "a_worker_cannot_answer"])
+@pytest.mark.parametrize("answers", [(True, False)], ids=["a_worker_without_hop2"])
 def test_remote_workers_without_the_plugin_keep_hop2_stock(shm_env, monkeypatch, answers):
     """A follower node started without ``VLLM_SHM_EMBEDS=1`` (or without
     shm-embeds) cannot take our forms nor join the agreement: the wrapper asks
@@ -174,12 +173,40 @@ def test_remote_workers_without_the_plugin_keep_hop2_stock(shm_env, monkeypatch,
     embeds = torch.randn(100, 64)
     executor = _executor(1, 1)
     seen = _send(executor, embeds, answers)
-    assert seen["probed"] is multiproc_executor.worker_joins_hop2
+    assert callable(seen["probed"])
     assert seen["form"] is embeds and seen["remote"] is None
     assert counters.stats() == {"fallback.hop2.remote": 1, "hop2_stock_tensors": 1,
                                 "hop2_stock_bytes": embeds.nbytes}
     assert "probed" not in _send(executor, embeds, answers)  # asked once per executor
     assert os.listdir(shm_env) == []
+
+
+def test_probe_errors_are_not_swallowed(shm_env, monkeypatch):
+    """A failed or timed-out probe leaves vLLM's reply queues out of step (the
+    later ranks' replies stay queued): the error reaches vLLM, as at its next
+    RPC, instead of a fallback on broken queues."""
+    monkeypatch.setitem(multiproc_executor.STATUS, "remote", [])
+    with pytest.raises(RuntimeError, match="Worker failed"):
+        _send(_executor(1, 1), torch.randn(100, 64), RuntimeError("Worker failed"))
+
+
+def test_probe_answers_false_where_shm_embeds_is_missing(tmp_path):
+    """The probe travels by value (a closure, no reference to our module) and
+    imports inside ``try``: in a process where ``vllm._shm_embeds`` cannot be
+    imported it answers False instead of failing (a failure would leave
+    vLLM's reply queues out of step)."""
+    import subprocess
+    import sys
+
+    import cloudpickle
+
+    (tmp_path / "probe.pkl").write_bytes(cloudpickle.dumps(multiproc_executor._probe()))
+    code = ("import pickle, sys; sys.modules['vllm._shm_embeds'] = None; "
+            f"f = pickle.loads(open({str(tmp_path / 'probe.pkl')!r}, 'rb').read()); "
+            "print(f(None))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
 
 
 def test_worker_joins_hop2_when_its_sites_are_patched(monkeypatch):
@@ -346,7 +373,7 @@ class _Worker:
 @pytest.mark.parametrize("first", [True, False])
 def test_every_rank_joins_the_agreement_for_every_form(shm_env, monkeypatch, form, first):
     """A step carrying embeds in any form makes the worker join one all-reduce
-    per group (TP, then PP), whatever its stage: the first stage's ranks wait
+    per group (TP, PCP, then PP), whatever its stage: the first stage's ranks wait
     in the PP group's all-reduce for the later stage's. A step without
     embeds joins none."""
     import torch.distributed as dist
@@ -354,6 +381,7 @@ def test_every_rank_joins_the_agreement_for_every_form(shm_env, monkeypatch, for
 
     calls = []
     monkeypatch.setattr(parallel_state, "get_tp_group", lambda: _Group("tp", 2))
+    monkeypatch.setattr(parallel_state, "get_pcp_group", lambda: _Group("pcp", 2))
     monkeypatch.setattr(parallel_state, "get_pp_group", lambda: _Group("pp", 2))
     monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: calls.append(group))
     monkeypatch.setattr(prompt_embeds_sites, "first_pp_stage", lambda: first)
@@ -373,7 +401,7 @@ def test_every_rank_joins_the_agreement_for_every_form(shm_env, monkeypatch, for
     if form == "handle":  # the reader index of a first-stage local reader
         worker.rpc_broadcast_mq.local_reader_rank = 0
     multiproc_executor.wrap_worker_rpc(orig)(worker, ("execute_model", (so,), {}, None))
-    assert calls == ([] if form == "none" else ["tp", "pp"])
+    assert calls == ([] if form == "none" else ["tp", "pcp", "pp"])
     [t] = ran
     assert isinstance(t, torch.Tensor) and worker.outputs == []
     assert torch.isnan(t).all() if not first and form != "none" else torch.equal(t, embeds)

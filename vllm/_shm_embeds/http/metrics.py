@@ -70,8 +70,9 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "remote_bytes": ("counter", "prompt_embeds bytes sent to readers on other nodes (tensor "
                      "bytes x remote readers that got them)", ("hop",)),
     "placeholder_tensors": ("counter", "prompt_embeds tensors that workers of later pipeline "
-                            "stages replaced by a placeholder without mapping or receiving "
-                            "their bytes", ("hop",)),
+                            "stages replaced by a placeholder, mapping nothing (workers "
+                            "on this node; with TP across nodes a later stage there may "
+                            "have received the bytes, and dropped them)", ("hop",)),
     "fallbacks": ("counter", "prompt_embeds tensors that took the stock path, by hop "
                   "and reason", ("hop", "reason")),
     "copied_bytes": ("counter", "Bytes copied into shared-memory segments", ()),

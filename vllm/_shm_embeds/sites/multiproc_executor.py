@@ -38,31 +38,47 @@ def _first_stage_ranks(executor: Any) -> int:
             * getattr(pc, "prefill_context_parallel_size", 1))
 
 
-REMOTE_PROBE_TIMEOUT_S = 60.0
-
-
 def worker_joins_hop2(worker: Any = None) -> bool:
-    """Runs in each worker (``collective_rpc`` with a callable): True if this
-    worker maps handles, builds placeholders and joins the per-step agreement,
-    i.e. its ``hop2`` sites are patched (``VLLM_SHM_EMBEDS=1`` on its node)."""
+    """True if this worker maps handles, builds placeholders and joins the
+    per-step agreement, i.e. its ``hop2`` sites are patched (``VLLM_SHM_EMBEDS=1``
+    on its node). What :func:`_probe` asks each worker."""
     return STATUS.get("hop2") == []
 
 
-def _remote_workers_join(executor: Any, rpc: Callable) -> str | None:
-    """None if every worker, on every node, runs hop 2 of this plugin; else why not.
+def _probe() -> Callable:
+    """The callable sent to every worker: a closure (cloudpickle sends it by
+    value, not as a reference to this module) that imports inside ``try``, so
+    it answers False where shm-embeds is missing or older instead of failing.
+    A failure would leave vLLM's reply queues out of step: ``collective_rpc``
+    raises at the first failed rank and the later ranks' replies stay queued
+    for the next call (``multiproc_executor.py`` 0.32/0.33 ``get_response``)."""
+    def joins(worker: Any = None) -> bool:
+        try:
+            from vllm._shm_embeds.sites.multiproc_executor import worker_joins_hop2
+            return worker_joins_hop2(worker) is True
+        except Exception:
+            return False
 
-    Asked once, with vLLM's own ``collective_rpc`` (``rpc``, unwrapped) and a
-    callable (``WorkerProc._execute_worker_rpc`` unpickles it with cloudpickle
-    and answers a failure if it cannot, e.g. no shm-embeds on that node;
-    ``multiproc_executor.py`` 0.32/0.33). Readers on other nodes get our forms
-    (``EmbedsPlaceholder``, ``InlineEmbeds``) and every rank must join the
-    agreement, so a follower started without ``VLLM_SHM_EMBEDS=1`` would fail
-    the engine at its first embeds step: with one, hop 2 stays stock instead.
+    return joins
+
+
+def _workers_join(executor: Any, rpc: Callable) -> str | None:
+    """None if every worker of this engine, on every node, runs hop 2 of this
+    plugin; else why not.
+
+    Asked once, before the first RPC, with vLLM's own ``collective_rpc``
+    (``rpc``, unwrapped) and :func:`_probe` (``WorkerProc._execute_worker_rpc``
+    runs a callable with the worker). Workers of another node (or Ray actors,
+    whose environment is their node's) may run without ``VLLM_SHM_EMBEDS=1``:
+    they would get forms they cannot use and skip the agreement, failing the
+    engine at its first embeds step; with one of them, hop 2 stays stock.
+
+    Raises:
+        whatever vLLM's ``collective_rpc`` raises (a worker died or hung: its
+        reply queues cannot be trusted any more, so the engine fails as it
+        would at its next RPC).
     """
-    try:
-        answers = rpc(executor, worker_joins_hop2, timeout=REMOTE_PROBE_TIMEOUT_S)
-    except Exception as e:  # a worker could not run it: no plugin there
-        return f"a worker could not answer whether it runs shm-embeds ({type(e).__name__})"
+    answers = rpc(executor, _probe())
     if not isinstance(answers, list) or not answers or not all(a is True for a in answers):
         return ("a worker does not run shm-embeds hop 2 (set VLLM_SHM_EMBEDS=1 on every "
                 "node)")
@@ -71,9 +87,8 @@ def _remote_workers_join(executor: Any, rpc: Callable) -> str | None:
 
 def _hop2_plan(executor: Any, rpc: Callable | None = None) -> hop2.ReaderPlan | None:
     """What each reader gets (``hop2.reader_plan``), or None for the stock path
-    (the reason logged once, kept in ``_shm_embeds_stock``). With readers on
-    other nodes, ``rpc`` (vLLM's ``collective_rpc``) asks every worker first
-    (:func:`_remote_workers_join`)."""
+    (the reason logged once, kept in ``_shm_embeds_stock``). ``rpc`` (vLLM's
+    ``collective_rpc``) asks every worker first (:func:`_workers_join`)."""
     d = executor.__dict__
     if "_shm_embeds_plan" in d:
         return d["_shm_embeds_plan"]
@@ -94,11 +109,12 @@ def _hop2_plan(executor: Any, rpc: Callable | None = None) -> hop2.ReaderPlan | 
                                     getattr(mq, "n_remote_reader", 0))
         except (ValueError, TypeError, AttributeError) as e:
             reason = f"no reader plan: {e}"
-        if plan is not None and plan.remote and rpc is not None:
-            reason = _remote_workers_join(executor, rpc)
+        if plan is not None and rpc is not None:
+            reason = _workers_join(executor, rpc)
             if reason is not None:
                 plan = None
-                d["_shm_embeds_stock"] = "remote"
+        if plan is None and getattr(mq, "n_remote_reader", 0) > 0:
+            d["_shm_embeds_stock"] = "remote"  # counted per tensor
     if plan is None:
         logger.info("shm-embeds: hop 2 uses the stock path: %s", reason)
     else:
@@ -149,8 +165,6 @@ def wrap_executor_rpc(orig: Callable) -> Callable:
                 new_reqs = getattr(arg, "scheduled_new_reqs", None)
                 if new_reqs:
                     swapped += hop2.externalize_prompt_embeds(new_reqs, plan.handle_readers)
-            for _, tensor in swapped:
-                hop2.count_readers(plan, tensor.nbytes)
             if swapped and plan.remote:
                 # what the readers on other nodes get instead (shm_broadcast.py)
                 self.rpc_broadcast_mq._shm_embeds_remote = [
@@ -168,6 +182,11 @@ def wrap_executor_rpc(orig: Callable) -> Callable:
             if swapped and plan.remote:
                 self.rpc_broadcast_mq.__dict__.pop("_shm_embeds_remote", None)
         if swapped:
+            try:  # what each reader got, once the step was sent
+                for _, tensor in swapped:
+                    hop2.count_readers(plan, tensor.nbytes)
+            except Exception:  # counting only
+                logger.debug("shm-embeds: counting failed", exc_info=True)
             # Once the reply arrives every TP rank has dequeued (and mapped)
             # the step: the broadcasts are settled (names of freed requests go).
             if isinstance(result, Future):
@@ -188,14 +207,21 @@ def _collect_quietly() -> None:
 
 
 def _all_ranks_ok(ok: bool) -> bool:
-    """True if every worker of this engine says ``ok`` (TP group, then PP group).
+    """True if every worker of this engine says ``ok`` (TP, PCP, then PP group).
 
-    The broadcast's readers are this engine's TP x PP workers; vLLM's world
-    group may span DP ranks too (``world_size_across_dp``), so it is not used.
+    The broadcast's readers are this engine's TP x PCP x PP workers (ranks laid
+    out dp, pp, pcp, tp); vLLM's world group may span DP ranks too
+    (``world_size_across_dp``), so it is not used. The PCP group
+    (``get_pcp_group``, ``vllm/distributed/parallel_state.py`` 0.32/0.33) is
+    joined where this vLLM has one; groups of one rank cost nothing.
     """
-    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+    from vllm.distributed import parallel_state as ps
 
-    return hop2.all_ranks_ok(ok, (get_tp_group(), get_pp_group()))
+    groups = [ps.get_tp_group()]
+    if hasattr(ps, "get_pcp_group"):
+        groups.append(ps.get_pcp_group())
+    groups.append(ps.get_pp_group())
+    return hop2.all_ranks_ok(ok, groups)
 
 
 def wrap_worker_rpc(orig: Callable) -> Callable:
