@@ -12,6 +12,7 @@
   name real sites; a group that needs a group that is off is off;
 * modules: every module of the package is in ``docs/design.md``'s layout
   table, and the table names no module that does not exist.
+* imports: no module of the package reaches itself through its imports.
 """
 
 import ast
@@ -240,3 +241,57 @@ def test_every_module_is_in_the_design_doc_layout():
     files = set(_package_files())
     assert not files - listed, f"modules not in docs/design.md: {sorted(files - listed)}"
     assert not listed - files, f"docs/design.md names no module: {sorted(listed - files)}"
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, anywhere in its body (a
+    lazy import inside a function counts). ``from X import Y`` imports X
+    (a package's ``__init__`` runs), and X.Y too when that is a module."""
+    def name(rel: str) -> str:  # "sites/__init__.py" -> "vllm._shm_embeds.sites"
+        return ".".join(["vllm._shm_embeds", *rel[:-3].split(os.sep)]).removesuffix(
+            ".__init__")
+
+    names = {name(rel) for rel in _package_files()}
+    graph: dict[str, set[str]] = {}
+    for rel in _package_files():
+        mod = name(rel)
+        package = mod if rel.endswith("__init__.py") else mod.rsplit(".", 1)[0]
+        edges = graph.setdefault(mod, set())
+        for node in ast.walk(ast.parse(_read("vllm", "_shm_embeds", rel))):
+            if isinstance(node, ast.Import):
+                edges.update(a.name for a in node.names if a.name in names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the module's package
+                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
+                                    + ([base] if base else []))
+                if base in names:
+                    edges.add(base)
+                edges.update(f"{base}.{a.name}" for a in node.names
+                             if f"{base}.{a.name}" in names)
+        edges.discard(mod)
+    return graph
+
+
+def test_no_import_cycle():
+    """A reader knows from a module's imports what it may touch: no module of
+    the package reaches itself through its imports (``sites/`` modules that
+    need the registry's ``apply`` call ``site.apply_again``)."""
+    graph = _import_graph()
+    assert "vllm._shm_embeds.sites.multiproc_executor" in graph  # the walk saw the package
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(mod: str, path: list[str]) -> None:
+        state[mod] = 1
+        for dep in sorted(graph.get(mod, ())):
+            if state.get(dep) == 1:
+                cycles.append(path[path.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[mod] = 2
+
+    for mod in sorted(graph):
+        if mod not in state:
+            visit(mod, [mod])
+    assert not cycles, " ; ".join(" -> ".join(c) for c in cycles)

@@ -38,7 +38,7 @@ from vllm._shm_embeds.sites import (
     scheduler,
     shm_broadcast,
 )
-from vllm._shm_embeds.sites.site import STATUS, Site
+from vllm._shm_embeds.sites.site import APPLY, STATUS, Site
 
 logger = init_logger(__name__)
 
@@ -149,6 +149,9 @@ def apply(before_patch: dict | None = None) -> dict[str, list[str]]:
     # Without free_request, a segment's name goes once every TP rank mapped it.
     process.current().release_known = not STATUS.get("release")
     return STATUS
+
+
+APPLY.append(lambda: apply())  # for groups decided late (site.apply_again)
 
 
 def get(key: str) -> Site:

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from vllm.logger import init_logger
 
+import vllm._shm_embeds.sites.prompt_embeds as prompt_embeds_sites
 from vllm._shm_embeds import hop2, process
 from vllm._shm_embeds.counters import Event, count_many, count_reason, set_role
 from vllm._shm_embeds.handle import ShmEmbedsError
-from vllm._shm_embeds.sites import prompt_embeds as prompt_embeds_sites
 from vllm._shm_embeds.sites.core_client import wrap_shutdown
 from vllm._shm_embeds.sites.site import STATUS, Site
 from vllm._shm_embeds.transfer import dense_nbytes, eligible

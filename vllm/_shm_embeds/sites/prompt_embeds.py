@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 from vllm.logger import init_logger
 
-from vllm._shm_embeds.sites.site import Site
+from vllm._shm_embeds.sites.site import Site, apply_again
 
 logger = init_logger(__name__)
 
@@ -68,9 +68,7 @@ def maybe_patch() -> None:
     if _decided or MODULE not in sys.modules:
         return
     _decided = True
-    from vllm._shm_embeds import sites
-
-    sites.apply()
+    apply_again()
 
 
 def wrap_add_request(orig: Callable) -> Callable:

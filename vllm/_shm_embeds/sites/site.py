@@ -15,6 +15,17 @@ WRAPPED = "__shm_embeds_wrapped__"
 # group -> problems (empty list: patched) in this process; filled by
 # ``sites.apply``. A group not considered in this process has no entry.
 STATUS: dict[str, list[str]] = {}
+# ``sites.apply``, registered by ``sites/__init__.py``: a site module that
+# decides its group late (``prompt_embeds.maybe_patch``, once its vLLM module
+# is imported) calls :func:`apply_again`, never the registry package itself
+# (which imports every site module: no import cycle).
+APPLY: list[Callable[[], Any]] = []
+
+
+def apply_again() -> None:
+    """Run the registry's ``apply`` again (groups already decided are skipped)."""
+    for apply in APPLY:
+        apply()
 
 
 def is_wrapped(fn: Any) -> bool:
