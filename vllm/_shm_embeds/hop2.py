@@ -83,7 +83,7 @@ def externalize(tensor: torch.Tensor, readers: int) -> SharedTensorHandle:
     handle = owned.broadcast(entry, readers) if entry is not None else None
     if handle is not None:
         count(Event.HOP2_REUSED_TENSORS)
-        return dataclasses.replace(handle, readers=readers)
+        return handle
     new, fds = create_segment(tensor)
     try:
         # (no dup of the fd, unlike mmap.mmap(fd): the fds close once the
@@ -99,7 +99,7 @@ def externalize(tensor: torch.Tensor, readers: int) -> SharedTensorHandle:
     assert entry is not None
     handle = owned.broadcast(entry, readers)
     assert handle is not None
-    return dataclasses.replace(handle, readers=readers)
+    return handle
 
 
 # --------------------------------------------------------------------------

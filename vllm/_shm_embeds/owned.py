@@ -262,9 +262,8 @@ class OwnedSegments:
             count_reason(Event.FALLBACK, "vanished", hop="2")
             self._unlink([entry])
             return None
-        return dataclasses.replace(
-            entry.handle, flag_base=base, owner_pid=os.getpid(), owner_files=files
-        )
+        return dataclasses.replace(entry.handle, flag_base=base, readers=readers,
+                                   owner_pid=os.getpid(), owner_files=files)
 
     # -- hop 1 (streamed segments)
 
