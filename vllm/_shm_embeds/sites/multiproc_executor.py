@@ -19,6 +19,7 @@ from vllm._shm_embeds import hop2, process
 from vllm._shm_embeds.counters import Event, count_many, count_reason, set_role
 from vllm._shm_embeds.handle import ShmEmbedsError
 from vllm._shm_embeds.sites.core_client import wrap_shutdown
+from vllm._shm_embeds.sites.shm_broadcast import PLAN_ATTR
 from vllm._shm_embeds.sites.site import STATUS, Site
 from vllm._shm_embeds.transfer import dense_nbytes, eligible
 
@@ -167,20 +168,18 @@ def wrap_executor_rpc(orig: Callable) -> Callable:
                     swapped += hop2.externalize_prompt_embeds(new_reqs, plan.handle_readers)
             if swapped and plan.remote:
                 # what the readers on other nodes get instead (shm_broadcast.py)
-                self.rpc_broadcast_mq._shm_embeds_remote = [
-                    (req, hop2.remote_form(tensor, plan)) for req, tensor in swapped]
+                setattr(self.rpc_broadcast_mq, PLAN_ATTR,
+                        [(req, hop2.remote_form(tensor, plan)) for req, tensor in swapped])
         except Exception:  # never into vLLM's engine loop: this step goes stock
             logger.warning("shm-embeds: hop 2 sends this step the stock way after an "
                            "unexpected error", exc_info=True)
             hop2.restore_prompt_embeds(swapped)
             swapped = []
-            self.rpc_broadcast_mq.__dict__.pop("_shm_embeds_remote", None)
         try:
             result = orig(self, method, *args, **kwargs)
         finally:
             hop2.restore_prompt_embeds(swapped)
-            if swapped and plan.remote:
-                self.rpc_broadcast_mq.__dict__.pop("_shm_embeds_remote", None)
+            self.rpc_broadcast_mq.__dict__.pop(PLAN_ATTR, None)  # set last in the try
         if swapped:
             try:  # what each reader got, once the step was sent
                 for _, tensor in swapped:
