@@ -36,8 +36,18 @@ def mine(name: str) -> bool:
 
 
 def ours_in(seg_dir: str) -> list[str]:
-    """Our segment file names in ``seg_dir`` (every file of every segment)."""
-    return sorted(n for n in os.listdir(seg_dir) if SegmentName.parse(n) is not None)
+    """Our segment file names in ``seg_dir`` and beneath it (every file of every
+    segment; a shared mount holds them in the server's private directory)."""
+    return sorted(n for _, _, files in os.walk(seg_dir) for n in files
+                  if SegmentName.parse(n) is not None)
+
+
+def private_dirs_in(mount: str) -> list[str]:
+    """The private segment directories in ``mount`` (``private_dir.PREFIX``): none
+    may be left once the server that made it has stopped."""
+    from vllm._shm_embeds.private_dir import PREFIX
+
+    return sorted(n for n in os.listdir(mount) if n.startswith(PREFIX))
 
 
 def held_by(pid: int, directory: str) -> list[str]:
@@ -165,7 +175,9 @@ def new_seg_dir() -> str:
     Tests point ``VLLM_SHM_EMBEDS_DIR`` at it so concurrent jobs on the same
     machine cannot make a leak check pass or fail.
     """
-    return tempfile.mkdtemp(prefix="shm-embeds-it-", dir="/dev/shm")
+    d = tempfile.mkdtemp(prefix="shm-embeds-it-", dir="/dev/shm")
+    os.chmod(d, 0o1777)  # shared like /dev/shm: the server makes its private directory in it
+    return d
 
 
 # Loaded by every Python process of a test engine (``PYTHONPATH``, when
@@ -480,7 +492,7 @@ class Server:
             self.stop()
         finally:
             remove_vllm_leftovers(getattr(self, "_vllm_files", set()))  # after a SIGKILL
-            left = ours_in(self.seg_dir)
+            left = ours_in(self.seg_dir) + private_dirs_in(self.seg_dir)
             if self.own_seg_dir:
                 shutil.rmtree(self.seg_dir, ignore_errors=True)  # even when a test failed
         if self.check_clean:
@@ -589,7 +601,7 @@ def run_offline(tmp_path, shm_on: bool, model: str, lengths=None, extra=(), seg_
              *(["--lengths", ",".join(map(str, lengths))] if lengths else []), *extra],
             env=env, capture_output=True, text=True, timeout=900,
         )
-        left = ours_in(seg_dir)
+        left = ours_in(seg_dir) + private_dirs_in(seg_dir)
     finally:
         if own_dir:
             shutil.rmtree(seg_dir, ignore_errors=True)  # even when the run failed

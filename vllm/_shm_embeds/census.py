@@ -1,32 +1,33 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What our segment files hold in the segment directory, counted off the caller's thread.
+"""What our segment files hold in the segment directory, counted off every caller's thread.
 
 The budget (``transfer.check_budget``) needs the bytes that the server's
-segment files hold in the directory: a walk of the directory plus an
-``lstat`` per name like ours (``segment_dir.held_bytes``). That is cheap for the
-names we make, but the directory is usually ``/dev/shm`` (mode 1777): any
-local user may plant names like ours by the million, and the budget is asked
-on the API server's event loop (a binary body's segment and each of its
-grants). So :class:`Census` never walks on a thread that runs an asyncio
-event loop once it has a first count: such a caller gets the last walk's
-total plus the bytes this process wrote into segments since that walk began
-(kept in memory), and a walk older than :data:`MIN_INTERVAL_S` starts a new
-one on a thread of its own (one at a time; the next waits twice as long as
-the last one took, so a directory of planted names costs at most a third of
-a core). Any other thread walks, as before, and gets the exact count.
+segment files hold: every process of the server writes some (the API server
+its hop-1 segments, the EngineCore its hop-2 copies). What this process wrote
+is its own bookkeeping, counted at once (:meth:`Census.wrote`); what the other
+processes hold is reconciled by a walk of the directory
+(``segment_dir.held_bytes``) that never runs on a caller's thread: not on the
+API server's event loop, not on the executor threads its request paths share,
+not on the EngineCore's busy loop. A count older than :data:`MIN_INTERVAL_S`
+starts a walk on a thread of its own (one at a time; the next waits twice as
+long as the last one took, so a walk costs at most a third of a core); the
+first walk starts when the census is made (``plugin.register`` makes it at
+start-up, before any request).
 
-On the event loop, what other processes wrote or removed since the last
-walk is seen at the next one (within :data:`MIN_INTERVAL_S` plus a walk),
-and so is what this process removed; bytes this process wrote during a walk
-may count twice until the next. Every error but the other processes' new
-files is on the safe side (more counted, the stock path sooner).
+The directory is the server's private one (``private_dir``): only this uid
+can enter it, so a walk steps over our own names, bounded by
+``VLLM_SHM_EMBEDS_MAX_SEGMENTS`` per process, never over names others planted.
+What other processes wrote or removed since the last walk is seen at the next
+one (within :data:`MIN_INTERVAL_S` plus a walk), and so is what this process
+removed; bytes this process wrote during a walk may count twice until the
+next. Every error but the other processes' newest files is on the safe side
+(more counted, the stock path sooner).
 
 Knows segment files, not vLLM and not HTTP.
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
@@ -49,37 +50,39 @@ class Census:
         self._held: int | None = None  # the last walk's total (bytes)
         self._written = 0  # bytes this process wrote since the last walk began
         self._next_at = 0.0  # monotonic time before which no walk starts
-        self._walking = False
+        self._walking = True
+        self._start_walk()  # the first count, off the caller's thread
 
     def wrote(self, nbytes: int) -> None:
         """This process wrote ``nbytes`` more into segment files in the directory."""
         with self._lock:
             self._written += nbytes
 
+    def unlinked(self, nbytes: int) -> None:
+        """This process unlinked a segment file of ``nbytes`` in the directory
+        (counted off at once; a walk under way that missed the file undercounts
+        until the next)."""
+        with self._lock:
+            self._written -= nbytes
+
     def held(self) -> int:
-        """Bytes held (see the module docstring). On an event loop's thread
-        only the first call walks (there is no count yet)."""
+        """Bytes held (see the module docstring): the last walk's total plus
+        what this process wrote since; never walks on the caller's thread."""
+        with self._lock:
+            start = not self._walking and time.monotonic() >= self._next_at
+            if start:
+                self._walking = True
+            held = max(0, (self._held or 0) + self._written)
+        if start:
+            self._start_walk()
+        return held
+
+    def _start_walk(self) -> None:
         try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # not an event loop's thread: walk, exactly
+            threading.Thread(target=self._walk, name="shm-embeds-census", daemon=True).start()
+        except RuntimeError:  # interpreter shutting down: keep the last count
             with self._lock:
-                self._walking = True
-            self._walk()
-            with self._lock:
-                return (self._held or 0) + self._written
-        with self._lock:
-            first = self._held is None
-            start = (not first and not self._walking
-                     and time.monotonic() >= self._next_at)
-            if first or start:
-                self._walking = True
-        if first:
-            self._walk()
-        elif start:
-            threading.Thread(target=self._walk, name="shm-embeds-census",
-                             daemon=True).start()
-        with self._lock:
-            return (self._held or 0) + self._written
+                self._walking = False
 
     def _walk(self) -> None:
         began = time.monotonic()

@@ -29,6 +29,8 @@ from typing import Annotated, Any
 
 import pydantic
 
+from vllm._shm_embeds import private_dir
+
 MAX_WRITERS = 16  # files a segment may be striped over (handles refuse more)
 DEFAULT_MIN_BYTES = 1 << 20
 DEFAULT_REGIONS_LEASES_MAX = 1024
@@ -316,7 +318,7 @@ def _getter(field: str) -> Callable[[], Any]:
 # The getters the package imports, one per variable that is used as it is.
 enabled = _getter("enabled")
 min_bytes = _getter("min_bytes")
-shm_dir = _getter("dir")
+mount_dir = _getter("dir")
 stats_dir = _getter("stats_dir")
 writers = _getter("writers")
 max_segments = _getter("max_segments")
@@ -330,6 +332,14 @@ regions_ttl_s = _getter("regions_ttl_s")
 regions_idle_s = _getter("regions_idle_s")
 regions_refs_max = _getter("regions_refs_max")
 regions_leases_max = _getter("regions_leases_max")
+
+
+def shm_dir() -> str:
+    """The segment directory: ``VLLM_SHM_EMBEDS_DIR`` itself when only this uid
+    can enter it, else this server's private directory in it
+    (``private_dir.resolve``: made by the first process that asks, inherited by
+    the rest). Raises OSError if no private directory can be made there."""
+    return private_dir.resolve(settings().dir)
 
 
 def set_stats_dir(path: str) -> None:

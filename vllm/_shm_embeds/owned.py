@@ -156,9 +156,18 @@ class OwnedSegments:
         n = 0
         for entry in gone:
             entry.close_fds()
-            n += seg.unlink_segment(shm_dir(), entry.handle.name, len(entry.handle.parts()))
+            n += self._unlink_one(entry)
         if n:
             count(Event.SEGMENTS_UNLINKED, n)
+
+    def _unlink_one(self, entry: OwnedSegment) -> bool:
+        """Unlink ``entry``'s files; the budget's census learns it at once. True
+        if file 0 was still there."""
+        directory = shm_dir()
+        gone = seg.unlink_segment(directory, entry.handle.name, len(entry.handle.parts()))
+        if gone and entry.kind is not Kind.REGION:
+            self._state.census(directory).unlinked(entry.handle.nbytes)
+        return gone
 
     def _drop(self, entry: OwnedSegment) -> bool:
         """Drop this process's pages of ``entry``'s mapping (lock not held);
@@ -395,7 +404,7 @@ class OwnedSegments:
         n = 0
         for entry in gone:
             entry.close_fds()
-            n += seg.unlink_segment(shm_dir(), entry.handle.name, len(entry.handle.parts()))
+            n += self._unlink_one(entry)
         for name, parsed in segment_dir.list_segments(shm_dir()):
             if not self._state.owns_name(parsed):
                 continue

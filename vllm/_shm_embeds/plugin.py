@@ -15,7 +15,7 @@ import os
 
 from vllm.logger import init_logger
 
-from vllm._shm_embeds import config, process, sites
+from vllm._shm_embeds import config, private_dir, process, sites
 from vllm._shm_embeds.sites.site import STATUS
 
 logger = init_logger(__name__)
@@ -33,6 +33,8 @@ def _declare_env_vars() -> None:
     if isinstance(table, dict):
         for name, getter in config.ENV_VARS.items():
             table.setdefault(name, getter)
+        # internal: the private segment directory, which the server's processes inherit
+        table.setdefault(private_dir.ENV, lambda: os.environ.get(private_dir.ENV))
 
 
 def register() -> None:
@@ -68,9 +70,19 @@ def _register() -> None:
         STATUS.update({"hop1": list(settings.fatal), "hop2": list(settings.fatal)})
         logger.warning("shm-embeds: off in pid %d; vLLM left untouched", pid)
         return
+    try:  # process 0 makes the private segment directory before vLLM starts the engines
+        config.shm_dir()
+    except OSError as e:
+        reason = f"no private segment directory in {settings.dir}: {e}"
+        logger.warning("shm-embeds: %s; off in pid %d, vLLM left untouched", reason, pid)
+        STATUS.update({"hop1": [reason], "hop2": [reason]})
+        return
     sites.apply(before_patch={"metrics": _ensure_stats_dir})
     try:  # the patches are in: a failure here must not be logged as "not enabled"
         process.sweep_stale_segments()
+        if private_dir.made_here() and private_dir.sweep_dead(settings.dir):
+            logger.warning("shm-embeds: removed the segment directories of dead servers "
+                           "from %s", settings.dir)
     except Exception:
         logger.warning("shm-embeds: start-up sweep of dead processes' segments failed",
                        exc_info=True)

@@ -30,7 +30,7 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm._shm_embeds import counters, segment_dir
+from vllm._shm_embeds import counters, private_dir, segment_dir
 from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.census import Census
 from vllm._shm_embeds.config import (
@@ -358,6 +358,7 @@ def _at_exit() -> None:
                 sweep_stale_segments(expected=True)
         except (OSError, ValueError):
             pass
+    private_dir.remove_made()  # the maker (process 0): the directory goes with the server
 
 
 def _children_holding_segments() -> set[int]:

@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -312,6 +314,32 @@ def exposition() -> bytes:
     return generate_latest(registry)
 
 
+CACHE_S = 0.2  # scrapes within this many seconds of a computation share it
+_scrape_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_cached: tuple[float, bytes] | None = None  # (monotonic time computed, exposition)
+
+
+def _cached_exposition() -> bytes:
+    """:func:`exposition`, computed at most once per :data:`CACHE_S` (runs on
+    the one scrape thread, so concurrent scrapes queue there and share it)."""
+    global _cached
+    now = time.monotonic()
+    if _cached is None or now - _cached[0] > CACHE_S:
+        _cached = (now, exposition())
+    return _cached[1]
+
+
+async def scrape() -> bytes:
+    """The exposition for one scrape, computed on a thread of its own: never on
+    the event loop, never on the executor that request paths share (a scrape
+    reads the counter files and the segment directory)."""
+    global _scrape_pool
+    if _scrape_pool is None:
+        _scrape_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="shm-embeds-metrics")
+    return await asyncio.get_running_loop().run_in_executor(_scrape_pool, _cached_exposition)
+
+
 class MetricsMiddleware:
     """ASGI middleware: appends :func:`exposition` to vLLM's ``GET /metrics``.
 
@@ -356,8 +384,8 @@ class MetricsMiddleware:
         names = {k.lower(): v for k, v in resp_headers}
         if (start.get("status") == 200 and b"content-encoding" not in names
                 and names.get(b"content-type", b"").startswith(b"text/plain")):
-            try:  # off the event loop: it reads files and lists the segment directory
-                out += await asyncio.get_running_loop().run_in_executor(None, exposition)
+            try:  # off the event loop and off the request paths' executor
+                out += await scrape()
             except Exception:  # never fail vLLM's own metrics
                 logger.exception("shm-embeds: metrics not appended to /metrics")
         resp_headers = [(k, v) for k, v in resp_headers if k.lower() != b"content-length"]

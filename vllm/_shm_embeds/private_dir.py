@@ -1,0 +1,226 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The server's private segment directory: made once, found by its processes, gone at exit.
+
+Segments must not live where other users can list, plant or race: ``/dev/shm``
+is mode 1777, so any local user could read our names and sizes (a prompt's
+length) and plant names by the million for our walks to step over. So when
+the configured directory (``VLLM_SHM_EMBEDS_DIR``, the *mount*) is shared, the
+first process of a server that asks makes a directory of its own in it::
+
+    <mount>/vllm-shm-embeds-<random>/     mode 0700: one entry, size constant
+        owner                             "<pidns> <pid> <start>" of the maker
+        segments/                         mode 0700: every segment file
+
+Only this uid can enter it; the segment files sit one level further down, so
+even the outer directory's size (tmpfs counts entries in it) and times say
+nothing about how many segments there are. The path is exported as
+:data:`ENV` before vLLM starts the EngineCore and its workers, which inherit
+it; a process accepts an inherited path only after :func:`_check_dir`. The
+maker removes the directory at exit (:func:`remove_made`); a directory whose
+maker is certainly dead is removed by the next server's start-up sweep
+(:func:`sweep_dead`), the one walk of the mount, once per start.
+
+A mount that is already private (this uid's, no access for group or others,
+its parent not a directory where others could swap it) is used as it is.
+
+Knows directories and ``/proc`` only: no segment format, not vLLM, not HTTP.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import shutil
+import stat
+import threading
+
+from vllm._shm_embeds.procfs import owner_is_dead, pid_namespace, proc_start_time
+
+PREFIX = "vllm-shm-embeds-"  # the one name of ours at the top of a shared mount
+INNER = "segments"
+OWNER_FILE = "owner"
+ENV = "VLLM_SHM_EMBEDS_PRIVATE_DIR"  # internal: the path, inherited by the server's processes
+_TRIES = 16
+
+_lock = threading.Lock()
+_resolved: dict[str, str] = {}  # mount -> segment directory (this process)
+_made: dict[str, int] = {}  # outer directory -> pid that made it
+
+
+class UnsafeDirectory(OSError):
+    """The mount, or a directory at our path, is not safe for segments."""
+
+
+def _is_private(st: os.stat_result) -> bool:
+    """A directory of this uid with no access for group or others (``lstat``)."""
+    return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+            and st.st_mode & 0o077 == 0)
+
+
+def _parent_is_safe(path: str) -> bool:
+    """True if no other uid can rename or replace ``path`` in its parent:
+    the parent is sticky (``/dev/shm``, ``/tmp``), or writable only by its
+    owner, who is this uid or root."""
+    try:
+        st = os.stat(os.path.dirname(os.path.abspath(path)) or "/")
+    except OSError:
+        return False
+    if st.st_mode & stat.S_ISVTX:
+        return True
+    return st.st_mode & 0o022 == 0 and st.st_uid in (0, os.geteuid())
+
+
+def _check_dir(path: str) -> None:
+    """Raise :class:`UnsafeDirectory` unless ``path`` is a private directory of
+    ours that no other uid can swap: ``lstat`` (a symlink is refused), then an
+    ``O_NOFOLLOW | O_DIRECTORY`` open whose ``fstat`` must be the same inode."""
+    st = os.lstat(path)
+    if not _is_private(st):
+        raise UnsafeDirectory(errno.EPERM, "not a private directory of this user")
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fst = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino) or not _is_private(fst):
+        raise UnsafeDirectory(errno.EPERM, "the directory changed while it was checked")
+
+
+def _mkdir_private(path: str) -> None:
+    """``mkdir`` with mode 0700, then :func:`_check_dir`. Raises FileExistsError
+    if ``path`` is taken (by anything: the caller picks a fresh name)."""
+    os.mkdir(path, 0o700)
+    os.chmod(path, 0o700, follow_symlinks=False)  # a umask may only take bits away
+    _check_dir(path)
+
+
+def _make(mount: str) -> str:
+    """Make ``<mount>/<PREFIX><random>/segments`` (see the module docstring).
+
+    Returns the outer directory. Raises OSError (:class:`UnsafeDirectory`,
+    EEXIST after :data:`_TRIES` taken names, ENOSPC ...).
+    """
+    if not _parent_is_safe(os.path.join(mount, "x")):
+        raise UnsafeDirectory(errno.EPERM, "other users may rename entries of the directory "
+                              "(writable by them and not sticky)")
+    for _ in range(_TRIES):
+        outer = os.path.join(mount, PREFIX + secrets.token_hex(8))
+        try:
+            _mkdir_private(outer)
+        except FileExistsError:
+            continue  # squatted or a collision: another random name
+        try:
+            _mkdir_private(os.path.join(outer, INNER))
+            me = os.getpid()
+            fd = os.open(os.path.join(outer, OWNER_FILE),
+                         os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(f"{pid_namespace()} {me} {proc_start_time(me) or 0}\n")
+        except BaseException:
+            shutil.rmtree(outer, ignore_errors=True)
+            raise
+        _made[outer] = os.getpid()
+        return outer
+    raise FileExistsError(errno.EEXIST, "no free name for a private segment directory")
+
+
+def resolve(mount: str) -> str:
+    """The segment directory to use under ``mount`` (made on first use; see
+    the module docstring). Raises OSError if the mount is shared and no
+    private directory can be made or checked in it."""
+    with _lock:
+        found = _resolved.get(mount)
+        if found is not None and os.path.isdir(found):
+            return found
+        try:
+            st = os.lstat(mount)
+        except OSError:
+            raise
+        if _is_private(st) and _parent_is_safe(mount):
+            _resolved[mount] = mount
+            return mount
+        inherited = os.environ.get(ENV, "")
+        if inherited and os.path.dirname(inherited) == os.path.abspath(mount):
+            try:
+                _check_dir(inherited)
+                _check_dir(os.path.join(inherited, INNER))
+                found = os.path.join(inherited, INNER)
+            except OSError:
+                found = None  # not ours (or gone): make our own
+        if found is None:
+            outer = _make(mount)
+            os.environ[ENV] = outer  # the EngineCore and workers vLLM starts inherit it
+            found = os.path.join(outer, INNER)
+        _resolved[mount] = found
+        return found
+
+
+def made_here() -> bool:
+    """True if this process made a private directory (it is process 0 of its server)."""
+    return os.getpid() in _made.values()
+
+
+def remove_made() -> int:
+    """Remove the private directories this process made (at exit, after its
+    children are gone or were waited for). Returns the number removed. Never raises."""
+    removed = 0
+    with _lock:
+        for outer, pid in list(_made.items()):
+            if pid != os.getpid():
+                continue  # a forked child: the maker removes it
+            shutil.rmtree(outer, ignore_errors=True)
+            removed += not os.path.lexists(outer)
+            _made.pop(outer, None)
+            for mount, found in list(_resolved.items()):
+                if found.startswith(outer + os.sep):
+                    del _resolved[mount]
+        if os.environ.get(ENV) and not os.path.lexists(os.environ[ENV]):
+            os.environ.pop(ENV, None)
+    return removed
+
+
+def _read_owner(outer: str) -> tuple[int, int, int] | None:
+    """The maker recorded in ``outer``'s owner file, or None if unreadable."""
+    try:
+        fd = os.open(os.path.join(outer, OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            pidns, pid, start = (int(x) for x in f.read(64).split())
+    except (OSError, ValueError):
+        return None
+    return pidns, pid, start
+
+
+def sweep_dead(mount: str) -> int:
+    """Remove private directories in ``mount`` whose maker is certainly dead
+    (``procfs.owner_is_dead``, this PID namespace only): what a killed server
+    left. Only this uid's private directories count; anything else at a name
+    like ours is left alone. Never raises. Returns the number removed."""
+    removed = 0
+    ns = pid_namespace()
+    try:
+        with os.scandir(mount) as it:
+            names = [e.name for e in it if e.name.startswith(PREFIX)]
+    except OSError:
+        return 0
+    for name in names:
+        outer = os.path.join(mount, name)
+        try:
+            _check_dir(outer)
+        except OSError:
+            continue
+        owner = _read_owner(outer)
+        if owner is None or owner[0] != ns or not owner_is_dead(owner[1], owner[2]):
+            continue
+        shutil.rmtree(outer, ignore_errors=True)
+        removed += not os.path.lexists(outer)
+    return removed
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # another thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
