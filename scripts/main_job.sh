@@ -238,27 +238,39 @@ for m in "${MODELS[@]}"; do
       "shows on the wide model (the default, up to 256 MiB per request)."
   fi
 done
-# A segment counts as ours unless its name carries the pid of a live process
-# that none of our servers logged (another job running on the same machine).
+# Left behind counts as ours unless it carries the pid of a live process that
+# none of our servers logged (another job on the same machine): a private segment
+# directory (its owner file names its maker) or a segment file at the top.
 our_pids=" $(cat "$OUT"/server_*.log 2>/dev/null | grep -o 'pid=[0-9]*' | cut -d= -f2 | sort -u | tr '\n' ' ') "
-# Names are parsed by the mechanism's own SegmentName (one place for the format).
-leftover=$("$PY" - "$our_pids" <<'PYEOF'
+# Names come from the mechanism's own modules (one place for each format); a
+# crash of this check is a failure of the job, never a pass.
+if ! leftover=$("$PY" - "$our_pids" <<'PYEOF'
 import os, sys
+from vllm._shm_embeds import private_dir
 from vllm._shm_embeds.handle import SegmentName
-from vllm._shm_embeds.segment import list_segments
 ours = {int(p) for p in sys.argv[1].split()}
-for name, parsed in list_segments("/dev/shm"):
-    if parsed.pid not in ours and os.path.exists(f"/proc/{parsed.pid}"):
-        print(f"/dev/shm/{name} belongs to live pid {parsed.pid} (not one of our "
-              "servers); ignored", file=sys.stderr)
+def report(what, pid):
+    if pid not in ours and os.path.exists(f"/proc/{pid}"):
+        print(f"{what} belongs to live pid {pid} (not one of our servers); ignored",
+              file=sys.stderr)
     else:
-        print(name)
+        print(what)
+for name in sorted(os.listdir("/dev/shm")):
+    path = os.path.join("/dev/shm", name)
+    parsed = SegmentName.parse(name)
+    if parsed is not None:
+        report(path, parsed.pid)
+    elif name.startswith(private_dir.PREFIX):
+        owner = private_dir.read_owner(path)
+        report(path, owner[1] if owner else -1)
 PYEOF
-)
-if [ -n "$leftover" ]; then
-  fail "/dev/shm still holds our segments:"; echo $leftover | tr ' ' '\n' | head -20
+); then
+  fail "the /dev/shm leftover check could not run"
+elif [ -n "$leftover" ]; then
+  fail "/dev/shm still holds our segments or segment directories:"
+  echo "$leftover" | head -20
 else
-  log "/dev/shm: no vllm-shm-embeds* segments of ours left"
+  log "/dev/shm: no segment or segment directory of ours left"
 fi
 [ "$FAILED" = 0 ] && log "OK" || log "FAILED (see above and $OUT/)"
 exit "$FAILED"

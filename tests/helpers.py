@@ -42,6 +42,16 @@ def ours_in(seg_dir: str) -> list[str]:
                   if SegmentName.parse(n) is not None)
 
 
+def held_beneath(mount: str) -> int:
+    """What the budget's walk counts (``segment_dir.held_bytes``) in every private
+    segment directory of ``mount``, or in ``mount`` itself if it has none."""
+    from vllm._shm_embeds import segment_dir
+    from vllm._shm_embeds.private_dir import INNER
+
+    dirs = [os.path.join(mount, d, INNER) for d in private_dirs_in(mount)] or [mount]
+    return sum(segment_dir.held_bytes(d) for d in dirs)
+
+
 def private_dirs_in(mount: str) -> list[str]:
     """The private segment directories in ``mount`` (``private_dir.PREFIX``): none
     may be left once the server that made it has stopped."""

@@ -22,7 +22,6 @@ from helpers import (
     ours_in,
 )
 
-from vllm._shm_embeds import segment_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.online]
 
@@ -98,7 +97,8 @@ def test_segment_counts_while_its_request_runs(server):
     """
     import threading
 
-    from helpers import METRICS_PREFIX, by_role, descendants, parse_metrics, stopped
+    from helpers import (METRICS_PREFIX, by_role, descendants, held_beneath, parse_metrics,
+                         stopped)
 
     def held() -> float:
         r = requests.get(server["url"] + "/metrics", timeout=60)
@@ -133,7 +133,7 @@ def test_segment_counts_while_its_request_runs(server):
             # the EngineCore's reaper passes 5 safe points, where the old lifetime
             # unlinked a name once every rank had mapped it
             time.sleep(0.5)
-            budget_sees = segment_dir.held_bytes(server["seg_dir"])
+            budget_sees = held_beneath(server["seg_dir"])
             during = ours_in(server["seg_dir"])
             during_bytes = held()
             running = running and thread.is_alive()

@@ -157,8 +157,11 @@ SETTINGS: tuple[Setting, ...] = (
         "JSON bodies smaller than this go to vLLM's own decode; a binary body's tensor goes by "
         "shared memory whatever its size."),
     Setting("VLLM_SHM_EMBEDS_DIR", PATH, "/dev/shm", "path",
-        "where segments live (a tmpfs). If it is missing or not writable, the plugin stays off "
-        "and says why."),
+        "the tmpfs where segments live. When other users may write there (`/dev/shm`), the server"
+        " keeps its segments in a directory of its own inside, mode 0700, removed at exit "
+        "([security.md](security.md#the-private-segment-directory)). If it is missing, not "
+        "writable, or lets other users rename entries (writable by them and not sticky), the "
+        "plugin stays off and says why."),
     Setting("VLLM_SHM_EMBEDS_STATS_DIR", PATH, None, "path",
         "the per-server directory in which every process keeps its counters "
         "([metrics.md](metrics.md#how-the-values-are-collected)). Unset: the OpenAI server uses a"
@@ -177,8 +180,7 @@ SETTINGS: tuple[Setting, ...] = (
         "off leaves JSON bodies to vLLM's own decode (the [JSON path](json-path.md) off; the "
         "EngineCore computes the prefix-cache digests again)."),
     Setting("VLLM_SHM_EMBEDS_MAX_BYTES", BYTES, None, "bytes",
-        "a cap on the shm-embeds segments in the directory (every process and every server using "
-        "it; a body still arriving counts by what it has written, plus what this process's bodies"
+        "a cap on this server's shm-embeds segments (every process of the server; a body still arriving counts by what it has written, plus what this process's bodies"
         " will still write). A segment keeps its name until vLLM frees its request, so the named "
         "segments are what running requests hold, on `/dev/shm` as on a file system of its own. "
         "It is checked before each new segment; a tensor that would go over takes the stock path,"

@@ -71,7 +71,7 @@ def _register() -> None:
         logger.warning("shm-embeds: off in pid %d; vLLM left untouched", pid)
         return
     try:  # process 0 makes the private segment directory before vLLM starts the engines
-        config.shm_dir()
+        process.current().census(config.shm_dir())  # the budget's first count starts now
     except OSError as e:
         reason = f"no private segment directory in {settings.dir}: {e}"
         logger.warning("shm-embeds: %s; off in pid %d, vLLM left untouched", reason, pid)

@@ -181,7 +181,7 @@ def remove_made() -> int:
     return removed
 
 
-def _read_owner(outer: str) -> tuple[int, int, int] | None:
+def read_owner(outer: str) -> tuple[int, int, int] | None:
     """The maker recorded in ``outer``'s owner file, or None if unreadable."""
     try:
         fd = os.open(os.path.join(outer, OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -210,7 +210,7 @@ def sweep_dead(mount: str) -> int:
             _check_dir(outer)
         except OSError:
             continue
-        owner = _read_owner(outer)
+        owner = read_owner(outer)
         if owner is None or owner[0] != ns or not owner_is_dead(owner[1], owner[2]):
             continue
         shutil.rmtree(outer, ignore_errors=True)
