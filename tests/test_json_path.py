@@ -125,6 +125,21 @@ def test_prepare_gives_bad_payloads_back_unchanged(shm_env, name):
     assert os.listdir(shm_env) == []
 
 
+def test_a_large_skeleton_is_parsed_once_by_vllm_not_by_us(shm_env, monkeypatch):
+    """A body of embeds plus more than ``JSON_SLACK_BYTES`` of other JSON (e.g. a
+    ``[{}, {}, ...]`` skeleton): ``json.loads`` never runs on it here, the
+    original body goes to vLLM (which parses it once, as stock does)."""
+    loads = []
+    monkeypatch.setattr(json_body.json, "loads", lambda *a, **k: loads.append(1) or {})
+    t = torch.randn(40, HIDDEN)
+    skeleton = [{}] * ((json_body.JSON_SLACK_BYTES // 4) + 1)
+    body = _body(prompt="", prompt_embeds=encode_embeds(t), extra=skeleton)
+    out = json_body.prepare(body, "/v1/completions", _ctx())
+    assert out.reason == "skeleton" and out.upload is None and out.body == body
+    assert loads == []
+    assert os.listdir(shm_env) == []
+
+
 def test_prepare_leaves_other_long_strings_and_non_json_alone(shm_env):
     body = _body(prompt="p" * 9000)
     assert json_body.prepare(body, "/v1/completions", _ctx()).reason == "no_embeds"

@@ -247,6 +247,10 @@ def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext) -> Prepared:
         spans = find_long_strings(raw)
         if not spans:
             raise Fallback("no_embeds")
+        if len(raw) - sum(b - a for a, b in spans) > JSON_SLACK_BYTES:
+            # Parse once: a skeleton this large (what clients send is a few
+            # fields) is vLLM's to parse, not ours and then vLLM's again.
+            raise Fallback("skeleton")
         token = new_token()
         names = [placeholder(token, i) for i in range(len(spans))]
         try:
