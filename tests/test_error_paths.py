@@ -25,9 +25,9 @@ import torch
 from helpers import run_child, wait_until
 
 from vllm._shm_embeds import counters, handle, hop1, hop2, process, segment, transfer
-from vllm._shm_embeds.handle import SegmentName
+from vllm._shm_embeds.handle import InlineEmbeds, SegmentName, ShmEmbedsError
 from vllm._shm_embeds.procfs import pid_namespace
-from vllm._shm_embeds.sites import core_client
+from vllm._shm_embeds.sites import core_client, multiproc_executor
 
 # -- 1. every writer finishes before any fd is closed ------------------------
 
@@ -390,3 +390,51 @@ def test_engine_reaper_sweeps_dead_owners(shm_env, monkeypatch):
                lambda: f"the reaper to sweep {os.listdir(shm_env)}", interval=0.1)
     assert counters.stats()["segments_swept"] == 1
     process._state.shutdown_done = True  # stop the reaper
+
+
+def test_vllms_error_is_not_replaced_when_its_shutdown_dropped_the_queue(shm_env):
+    """vLLM's shutdown sets ``rpc_broadcast_mq = None`` while a step is in
+    ``collective_rpc``: the step's own error comes out, not an AttributeError
+    of the wrapper's clean-up."""
+    from test_sites import _fake_executor, _NewReq
+
+    embeds = torch.randn(100, 64)
+    so = types.SimpleNamespace(scheduled_new_reqs=[_NewReq(embeds)])
+
+    def orig(self, method, timeout=None, args=(), kwargs=None, **kw):
+        if callable(method):  # the wrapper's probe: every worker runs hop 2
+            return [True, True]
+        self.rpc_broadcast_mq = None
+        raise RuntimeError("vLLM: executor is shut down")
+
+    executor = _fake_executor(2, 0)
+    with pytest.raises(RuntimeError, match="shut down"):
+        multiproc_executor.wrap_executor_rpc(orig)(executor, "execute_model", args=(so,))
+    assert so.scheduled_new_reqs[0].prompt_embeds is embeds
+    transfer.release_adopted(embeds)
+    h = [n for n in os.listdir(shm_env)]
+    for name in h:  # no reader will map it: drop the step's copy
+        os.unlink(os.path.join(shm_env, name))
+    process.collect()
+
+
+def test_a_failed_agreement_answers_as_a_worker_error(shm_env, monkeypatch):
+    """The ranks' all-reduce raises (a peer died): the worker answers the step
+    with an error, as vLLM's loop does for any worker error, instead of dying
+    without a reply."""
+    from test_pipeline import _Req, _Worker
+
+    def died(ok):
+        raise RuntimeError("gloo: connection closed by peer")
+
+    monkeypatch.setattr(multiproc_executor, "_all_ranks_ok", died)
+    monkeypatch.setattr(multiproc_executor.prompt_embeds_sites, "first_pp_stage", lambda: True)
+    embeds = torch.randn(100, 64)
+    so = types.SimpleNamespace(scheduled_new_reqs=[_Req(InlineEmbeds(embeds))])
+    worker = _Worker()
+    ran = []
+    out = multiproc_executor.wrap_worker_rpc(lambda self, req: ran.append(req))(
+        worker, ("execute_model", (so,), {}, 1))
+    assert out is None and ran == []
+    [err] = worker.outputs
+    assert isinstance(err, ShmEmbedsError) and "connection closed by peer" in str(err)

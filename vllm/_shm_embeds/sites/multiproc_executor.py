@@ -160,6 +160,7 @@ def wrap_executor_rpc(orig: Callable) -> Callable:
                     logger.debug("shm-embeds: counting failed", exc_info=True)
             return orig(self, method, *args, **kwargs)
         swapped: list = []
+        mq = self.rpc_broadcast_mq  # vLLM's shutdown may set the attribute to None meanwhile
         try:
             process.collect()
             for arg in _rpc_args(args, kwargs):
@@ -168,7 +169,7 @@ def wrap_executor_rpc(orig: Callable) -> Callable:
                     swapped += hop2.externalize_prompt_embeds(new_reqs, plan.handle_readers)
             if swapped and plan.remote:
                 # what the readers on other nodes get instead (shm_broadcast.py)
-                setattr(self.rpc_broadcast_mq, PLAN_ATTR,
+                setattr(mq, PLAN_ATTR,
                         [(req, hop2.remote_form(tensor, plan)) for req, tensor in swapped])
         except Exception:  # never into vLLM's engine loop: this step goes stock
             logger.warning("shm-embeds: hop 2 sends this step the stock way after an "
@@ -179,7 +180,8 @@ def wrap_executor_rpc(orig: Callable) -> Callable:
             result = orig(self, method, *args, **kwargs)
         finally:
             hop2.restore_prompt_embeds(swapped)
-            self.rpc_broadcast_mq.__dict__.pop(PLAN_ATTR, None)  # set last in the try
+            # set last in the try; never an error of ours in place of vLLM's
+            getattr(mq, "__dict__", {}).pop(PLAN_ATTR, None)
         if swapped:
             try:  # what each reader got, once the step was sent
                 for _, tensor in swapped:
@@ -245,7 +247,12 @@ def wrap_worker_rpc(orig: Callable) -> Callable:
                 error = error or e
         if error is not None:
             logger.error("shm-embeds: could not map prompt_embeds for %s: %s", method, error)
-        if not _all_ranks_ok(error is None):
+        try:
+            agreed = _all_ranks_ok(error is None)
+        except Exception as e:  # a peer died mid all-reduce: vLLM's error reply, not a crash
+            logger.error("shm-embeds: the ranks' agreement on prompt_embeds failed: %s", e)
+            agreed, error = False, error or e
+        if not agreed:
             # Every rank ends this step the same way: the output rank reports
             # the failure, vLLM fails the engine as on any worker error.
             if error is None:
