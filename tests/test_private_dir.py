@@ -25,6 +25,7 @@ def mount(tmp_path, monkeypatch):
     monkeypatch.delenv(private_dir.ENV, raising=False)
     monkeypatch.setattr(private_dir, "_resolved", {})
     monkeypatch.setattr(private_dir, "_made", {})
+    monkeypatch.setattr(private_dir, "_state", {"closed": False})
     yield str(m)
     private_dir.remove_made()
 
@@ -42,6 +43,8 @@ def test_made_private_with_one_name_at_the_top(mount):
     assert os.environ[private_dir.ENV] == outer
     assert private_dir.resolve(mount) == seg_dir
     assert private_dir.remove_made() == 1
+    assert os.listdir(mount) == []
+    assert private_dir.resolve(mount) == seg_dir  # after the exit's removal: never made again
     assert os.listdir(mount) == []
 
 
@@ -143,6 +146,7 @@ def shm_mount(monkeypatch):
     monkeypatch.delenv(private_dir.ENV, raising=False)
     monkeypatch.setattr(private_dir, "_resolved", {})
     monkeypatch.setattr(private_dir, "_made", {})
+    monkeypatch.setattr(private_dir, "_state", {"closed": False})
     yield m
     private_dir.remove_made()
     shutil.rmtree(m, ignore_errors=True)

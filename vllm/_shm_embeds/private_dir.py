@@ -46,6 +46,7 @@ _TRIES = 16
 _lock = threading.Lock()
 _resolved: dict[str, str] = {}  # mount -> segment directory (this process)
 _made: dict[str, int] = {}  # outer directory -> pid that made it
+_state = {"closed": False}  # True once this process removed what it made (exit)
 
 
 class UnsafeDirectory(OSError):
@@ -132,8 +133,8 @@ def resolve(mount: str) -> str:
     private directory can be made or checked in it."""
     with _lock:
         found = _resolved.get(mount)
-        if found is not None and os.path.isdir(found):
-            return found
+        if found is not None and (_state["closed"] or os.path.isdir(found)):
+            return found  # once removed at exit, never made again (it would be left behind)
         try:
             st = os.lstat(mount)
         except OSError:
@@ -173,9 +174,7 @@ def remove_made() -> int:
             shutil.rmtree(outer, ignore_errors=True)
             removed += not os.path.lexists(outer)
             _made.pop(outer, None)
-            for mount, found in list(_resolved.items()):
-                if found.startswith(outer + os.sep):
-                    del _resolved[mount]
+            _state["closed"] = True
         if os.environ.get(ENV) and not os.path.lexists(os.environ[ENV]):
             os.environ.pop(ENV, None)
     return removed
