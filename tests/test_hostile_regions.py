@@ -8,10 +8,14 @@ holding its connection, no idle timeout, chmod through a link, a squatted
 start-up lock that blocks start-up for 30 s, regions on without
 ``--enable-prompt-embeds``, no cap on references per request or leases per
 process, a producer that hands its memfd to whoever serves the socket.
+Issue 28 item 4 (each fails on 0fa137c): a peer's fds released by the kernel
+on the regions thread (the extras of a message, the unread messages of a
+closed connection), where a lingering socket's close blocks everyone.
 No vLLM engine.
 """
 
 import asyncio
+import errno
 import json
 import os
 import queue
@@ -25,6 +29,7 @@ import time
 
 import pytest
 import torch
+from helpers import new_fds, open_fds, wait_until
 from test_regions import GOOD, MAX_T, REG, H, _limits, env, memfd  # noqa: F401
 
 import shm_embeds_client as sec
@@ -45,14 +50,36 @@ def _pipe_fd():
     return r
 
 
-def test_at_most_one_fd_installed_per_message(env, monkeypatch):
-    got = []
-    real = rs.received_fds
+@pytest.mark.parametrize("n", [2, 40, rsock.SCM_MAX_FD])
+def test_every_fd_of_a_message_installed_and_closed_off_thread(env, monkeypatch, n):
+    """Issue 28: room for every fd a message can carry (on 0fa137c, room for
+    one: the kernel closed the others on the regions thread); those not asked
+    for are closed on the closer thread, memfds too, and none leaks."""
+    got, closed_later = [], []
+    real, real_later = rs.received_fds, process.Process.close_later
     monkeypatch.setattr(rs, "received_fds", lambda anc: got.append(real(anc)) or got[-1])
+    monkeypatch.setattr(process.Process, "close_later",
+                        lambda self, fd: closed_later.append(fd) or real_later(self, fd))
     env.start()
     sock = env.connect()
-    env.refused(env.request(sock, REG, [memfd(GOOD) for _ in range(40)]), "too many")
-    assert [len(fds) for fds in got] == [1]  # the kernel dropped the other 39 unopened
+    env.refused(env.request(sock, {"op": "unregister", "region": "x"}), "unknown")
+    before = open_fds()  # the server's own: selector, this connection
+    got.clear()
+    env.refused(env.request(sock, REG, [memfd(GOOD) for _ in range(n)]),
+                "too many file descriptors", f"got {n}")
+    assert [len(fds) for fds in got] == [n]  # all installed here
+    assert sorted(closed_later) == sorted(got[0])  # and closed there
+    wait_until(lambda: not new_fds(before), 2, lambda: f"every fd closed: {new_fds(before)}")
+    env.check_good_registration(sock)  # a plain refusal: the connection stays
+
+
+def test_more_fds_than_a_message_can_carry(env):
+    """254 fds: the producer's ``sendmsg`` fails (EINVAL), nothing is sent."""
+    env.start()
+    sock = env.connect()
+    with pytest.raises(OSError) as e:
+        env.send(sock, REG, [memfd(GOOD) for _ in range(rsock.SCM_MAX_FD + 1)])
+    assert e.value.errno == errno.EINVAL
     env.check_good_registration(sock)
 
 
@@ -69,7 +96,9 @@ def test_peer_sending_a_non_memfd_is_closed(env, op):
 
 def test_closer_backlog_is_bounded(env, monkeypatch):
     """A closer stuck on a FUSE close: once its backlog is full, no fd is
-    installed (the kernel drops them) and the peer that sent one is closed."""
+    installed and the peer that sent one is answered and closed; its message
+    stays unread (the kernel would release its fds here) and its socket waits,
+    shut down, until the closer takes it (here: when the server closes)."""
     stuck = queue.Queue()  # nobody takes from it: a closer blocked forever
     held = [_pipe_fd() for _ in range(2)]
     for fd in held:
@@ -85,10 +114,15 @@ def test_closer_backlog_is_bounded(env, monkeypatch):
             assert "error" in reply and "region" not in reply
             assert sock.recv(10) == b""
         assert stuck.qsize() == 2  # nothing more queued: the backlog stays bounded
+        wait_until(lambda: len(env.server._unread) == 3, 2, "three connections unread")
         assert counters.stats()["region_refused.closer_busy"] == 3
         sock = env.connect()  # messages without fds are still served
         env.refused(env.request(sock, {"op": "unregister", "region": "x"}), "unknown")
+        env.server.close()
+        assert stuck.qsize() == 2 + 3  # the three connections, closed by the closer
     finally:
+        if env.server is not None:
+            env.server.close()
         while not stuck.empty():
             os.close(stuck.get())
 
@@ -308,3 +342,106 @@ def test_producer_checks_the_servers_uid(tmp_path):
         p.wait()
         p.stdout.close()
         shutil.rmtree(d)
+
+
+# ------------------------------------------- issue 28 item 4: no foreign close here
+
+class _LingeringSockets:
+    """TCP sockets whose last ``close`` blocks for ``SO_LINGER`` seconds: each
+    is connected to a local listener that never accepts nor reads, with its
+    send buffer full (unsent data). :meth:`release` resets them (the listener
+    closes), so a close still waiting returns at once."""
+
+    def __init__(self, n: int, linger_s: int = 8) -> None:
+        import struct
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(n)
+        self.fds = []
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            s.connect(self.listener.getsockname())
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, linger_s))
+            s.setblocking(False)
+            try:
+                while True:
+                    s.send(b"x" * 65536)
+            except BlockingIOError:
+                pass
+            self.fds.append(s.detach())
+
+    def release(self) -> None:
+        self.listener.close()  # resets the connections waiting in its queue
+
+
+def _close_blocks(linger_s: int) -> float:
+    """Seconds the last ``close`` of a :class:`_LingeringSockets` socket took."""
+    lingering = _LingeringSockets(1, linger_s)
+    start = time.monotonic()
+    os.close(lingering.fds[0])
+    took = time.monotonic() - start
+    lingering.release()
+    return took
+
+
+def test_lingering_sockets_block_their_close():
+    """The attack's premise: such a close blocks for its linger time."""
+    assert _close_blocks(1) > 0.8
+
+
+def test_extra_fds_never_closed_on_the_regions_thread(env):
+    """A producer sends one memfd and two lingering TCP sockets with a
+    registration: on 0fa137c the server's room for one fd made the kernel
+    close the sockets on the regions thread (2 x 8 s), and another
+    producer's registration got no answer within 2 s."""
+    env.start()
+    victim = env.connect()
+    lingering = _LingeringSockets(2)
+    try:
+        attacker = env.connect()
+        attacker.settimeout(20)
+        env.send(attacker, REG, [memfd(GOOD), *lingering.fds])
+        time.sleep(0.3)  # the server has read it (and, on 0fa137c, blocks)
+        victim.settimeout(2)
+        start = time.monotonic()
+        reply = env.register(victim, torch.randn(2, H))
+        assert "region" in reply and time.monotonic() - start < 2, reply
+        env.refused(env.reply(attacker), "not a memfd")  # answered, then closed
+        assert attacker.recv(10) == b""
+    finally:
+        lingering.release()  # the closer's waits end
+
+
+def test_connection_closed_with_unread_fds_stalls_nobody(env, monkeypatch):
+    """A disallowed peer queues messages with lingering sockets before it is
+    accepted: the server closes its connection unread (at accept), and the
+    kernel releases those sockets in that ``close``: on 0fa137c on the regions
+    thread (2 x 8 s), now on the closer thread."""
+    import threading
+    queued, real_cred = threading.Event(), rs.peer_cred
+    monkeypatch.setattr(rs, "peer_cred", lambda s: (queued.wait(5), real_cred(s))[1])
+    env.start(allowed_uids=frozenset({os.getuid() + 4242}))
+    lingering = _LingeringSockets(2)
+    try:
+        attacker = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env.socks.append(attacker)
+        attacker.connect(env.path)
+        for fd in lingering.fds:
+            env.send(attacker, REG, [fd])
+        queued.set()  # now the server accepts it
+        attacker.settimeout(20)
+        try:  # answered, then closed with what it sent unread: maybe reset
+            env.refused(env.reply(attacker), "may not register")
+            assert attacker.recv(10) == b""
+        except ConnectionResetError:
+            pass
+        env.registry.limits = _limits()  # this uid allowed from now on
+        victim = env.connect()
+        victim.settimeout(2)
+        start = time.monotonic()
+        assert "region" in env.register(victim, torch.randn(2, H))
+        assert time.monotonic() - start < 2
+    finally:
+        lingering.release()

@@ -4,12 +4,12 @@
 The protocol is pinned (producers in any language speak it; ``docs/regions.md``
 spells it out): an ``AF_UNIX``, ``SOCK_SEQPACKET`` socket, one UTF-8 JSON object
 of at most 64 KiB per message, one answer each: ``register`` (one sealed memfd
-attached: the server makes room for one fd, the kernel drops more unopened),
-``unregister``, and the siblings' internal ``lookup`` (``regions/mirror.py``;
-only a peer with this process's uid and parent). A refusal is ``{"error": ...}``
-with no path or internal name; its fds are closed and the connection stays
-usable, unless the fd was not a memfd or the closer thread is behind
-(``sockets.closer_busy``): then it is closed after the answer. Which of the API
+attached), ``unregister``, and the siblings' internal ``lookup``
+(``regions/mirror.py``; only a peer with this process's uid and parent). A
+refusal is ``{"error": ...}`` with no path or internal name; its fds are closed
+and the connection stays usable, unless an fd was not a memfd or the closer
+thread is behind (``sockets.closer_busy``; the message is then answered
+unread): then it is closed after the answer. Which of the API
 servers of one ``vllm serve`` serves the socket is decided by an
 abstract-namespace socket named after the path (atomic, gone with its process).
 
@@ -24,6 +24,15 @@ One daemon thread serves every connection (``selectors``) and runs the
 registry's idle expiry about once a second; registrations (hashing the
 tensor: seconds for GiBs) run on two workers, and a connection is not read
 while its registration runs, so answers stay in order.
+
+No ``close`` of a peer's fd happens on that thread, not even one the kernel
+does for it (the last close of a TCP socket with ``SO_LINGER`` and unsent data
+blocks for the linger time): a receive has room for every fd a message can
+carry (``sockets.ANC_BYTES``), those nobody asked for go to the closer thread,
+and a connection closed with messages unread (the kernel releases their fds
+in that ``close``) is closed on the closer thread too; while that thread is
+behind, such connections wait, shut down (at most ``MAX_UNREAD_CLOSES``; no
+connection is accepted while that many wait).
 
 Knows sockets and the registry (``regions/registry.py``), not vLLM and not HTTP.
 """
@@ -49,6 +58,11 @@ from vllm._shm_embeds.counters import Event, count, count_reason
 from vllm._shm_embeds.regions.memfd import NOT_MEMFD, RegionError
 from vllm._shm_embeds.regions.registry import RegionRegistry
 from vllm._shm_embeds.regions.sockets import (  # peer_is_sibling: public here too
+    ANC_BYTES,
+    carries_fds,
+    close_if_drained,
+    close_later,
+    close_unasked,
     closer_busy,
     discard_fd,
     group_id,
@@ -69,8 +83,7 @@ MAX_LOOKUP_REPLY = 128 << 10  # SEQPACKET: a message over SO_SNDBUF fails (EMSGS
 MAX_CONNECTIONS = 64  # producers' (siblings' do not count)
 REGISTER_WORKERS = 2
 EXPIRE_EVERY_S = 1.0
-# Room for one fd: the kernel installs no more (MSG_CTRUNC) and drops the rest unopened.
-_ANC_BYTES = socket.CMSG_LEN(array.array("i").itemsize)  # not CMSG_SPACE: padded to 2
+MAX_UNREAD_CLOSES = 64  # connections with unread messages waiting for the closer thread
 _LEASE = "\0lease"  # reply key of a lookup's lease (never sent)
 
 
@@ -125,6 +138,8 @@ class RegionServer:
         self._done: collections.deque[tuple[_Conn, bool]] = collections.deque()
         self._stop = False
         self._conns: set[_Conn] = set()
+        # shut down, with messages unread: closed on the closer thread once it is not behind
+        self._unread: list[socket.socket] = []
 
     def start(self) -> None:
         """Create the socket file, listen, start the thread.
@@ -210,8 +225,11 @@ class RegionServer:
                     elif conn in self._conns:
                         conn.busy = False
                         sel.register(conn.sock, selectors.EVENT_READ, conn)
+                if self._unread and not closer_busy():
+                    self._close_unread()
                 if time.monotonic() >= next_expire:
-                    if not accepting:  # paused after an accept error (EMFILE)
+                    # paused after an accept error (EMFILE), or while too many wait to close
+                    if not accepting and len(self._unread) < MAX_UNREAD_CLOSES:
                         sel.register(self._listener, selectors.EVENT_READ, None)
                         accepting = True
                     try:
@@ -227,6 +245,7 @@ class RegionServer:
             self._pool.shutdown(wait=True)
             for conn in list(self._conns):
                 self._close_conn(sel, conn, "close")
+            self._close_unread()  # even while the closer is behind: nobody waits on it now
             self._done.clear()
             sel.close()
             with self._wake_lock:
@@ -253,8 +272,36 @@ class RegionServer:
         except BlockingIOError:
             pass
 
+    def _retire(self, sock: socket.socket) -> None:
+        """Close the connection socket ``sock`` (shut down here): at once if no
+        message is queued on it, else on the closer thread (closing it releases
+        the fds of its unread messages), or, while that is behind, later
+        (``_unread``). Never raises."""
+        try:
+            if close_if_drained(sock):
+                return
+            if closer_busy():
+                self._unread.append(sock)
+            else:
+                close_later(sock)
+        except Exception:
+            logger.exception("shm-embeds: closing a regions connection failed")
+
+    def _close_unread(self) -> None:
+        """Hand every connection of ``_unread`` to the closer thread."""
+        unread, self._unread = self._unread, []
+        for sock in unread:
+            try:
+                close_later(sock)
+            except Exception:
+                logger.exception("shm-embeds: closing a regions connection failed")
+
     def _accept(self, sel: selectors.BaseSelector) -> bool:
-        """Accept one connection; False if accepting is paused (an error)."""
+        """Accept one connection; False if accepting is paused (an error, or
+        ``MAX_UNREAD_CLOSES`` connections wait for the closer thread)."""
+        if len(self._unread) >= MAX_UNREAD_CLOSES:  # each accepted one may add one more
+            sel.unregister(self._listener)
+            return False
         try:
             sock, _ = self._listener.accept()
         except (BlockingIOError, InterruptedError):
@@ -273,18 +320,18 @@ class RegionServer:
                                pid)
                 count_reason(Event.REGION_REFUSED, "uid")
                 self._send(sock, {"error": "this user may not register regions"})
-                sock.close()
+                self._retire(sock)  # what it queued is released off this thread
                 return True
             if not conn.sibling and sum(
                     not c.sibling for c in self._conns) >= self.max_connections:
                 count_reason(Event.REGION_REFUSED, "connections")
                 self._send(sock, {"error": "too many connections"})
-                sock.close()
+                self._retire(sock)
                 return True
             sel.register(sock, selectors.EVENT_READ, conn)
         except OSError as e:
             logger.warning("shm-embeds: a regions connection failed: %s", e)
-            sock.close()
+            self._retire(sock)
             return True
         self._conns.add(conn)
         return True
@@ -305,16 +352,25 @@ class RegionServer:
             sel.unregister(conn.sock)
         except (KeyError, ValueError):
             pass
-        conn.sock.close()
+        self._retire(conn.sock)
         if conn.regions:
             self.registry.unregister_ids(conn.regions, reason)
 
     def _serve(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
-        # While the closer thread is behind (a FUSE close may never return),
-        # no fd is installed here: the kernel drops them unopened.
-        busy = closer_busy()
+        """Read and answer one message of ``conn``. Every fd it carries is
+        installed (room for ``SCM_MAX_FD``: none is released by the kernel
+        here), but while the closer thread is behind (a FUSE close may never
+        return): then a message with fds is answered unread (peeked) and its
+        connection closed, its fds still queued (released on the closer thread)."""
         try:
-            data, ancdata, flags, _ = conn.sock.recvmsg(MAX_MESSAGE, 0 if busy else _ANC_BYTES)
+            if closer_busy() and carries_fds(conn.sock):
+                count_reason(Event.REGION_REFUSED, "closer_busy")
+                self._send(conn.sock, {"error": "the server takes no file descriptors now; "
+                                                "retry later"})
+                self._close_conn(sel, conn, "disconnect")
+                return
+            data, ancdata, flags, _ = conn.sock.recvmsg(MAX_MESSAGE, ANC_BYTES,
+                                                        socket.MSG_CMSG_CLOEXEC)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -328,18 +384,14 @@ class RegionServer:
         # A peer that sends anything but a memfd (or any fd while none is taken) is
         # answered and closed: each such fd costs the closer thread a close.
         hostile = True
-        if busy and flags & socket.MSG_CTRUNC:
-            count_reason(Event.REGION_REFUSED, "closer_busy")
-            reply = {"error": "the server takes no file descriptors now; retry later"}
-        elif not all(map(is_memfd, fds)):
+        if not all(map(is_memfd, fds)):
             count_reason(Event.REGION_REFUSED, "not_memfd")
             reply = {"error": NOT_MEMFD}
         else:
             hostile = False
             reply = self._handle(sel, conn, data, fds, flags)
         if hostile:
-            for fd in fds:
-                discard_fd(fd)
+            close_unasked(fds)
         if reply is None:  # a registration: its worker answers
             return
         lease = reply.pop(_LEASE, None)
@@ -378,8 +430,10 @@ class RegionServer:
     def _handle(self, sel: selectors.BaseSelector, conn: _Conn, data: bytes, fds: list[int],
                 flags: int) -> dict[str, Any] | None:
         """The reply to one message, or None: a registration handed to a
-        worker (``conn`` is out of ``sel`` until it answered). Discards
-        every fd in ``fds`` but one handed on."""
+        worker (``conn`` is out of ``sel`` until it answered). Every fd in
+        ``fds`` but one handed on goes to the closer thread (nobody asked for
+        it); ``MSG_CTRUNC`` in ``flags`` (room for every fd, so: this process
+        is out of fds) refuses the message."""
         try:
             if not conn.allowed:
                 raise RegionError("this user may not register regions", "uid")
@@ -396,9 +450,12 @@ class RegionServer:
                                   "malformed")
             op = msg.get("op")
             if op == "register":
-                if len(fds) != 1:
+                if len(fds) > 1:
+                    raise RegionError("too many file descriptors: register takes exactly "
+                                      f"one (SCM_RIGHTS), got {len(fds)}", "fds")
+                if not fds:
                     raise RegionError("register takes exactly one file descriptor "
-                                      f"(SCM_RIGHTS), got {len(fds)}", "fds")
+                                      "(SCM_RIGHTS), got 0", "fds")
                 fd = fds.pop()
                 sel.unregister(conn.sock)  # its next message: once this one is answered
                 try:
@@ -447,5 +504,4 @@ class RegionServer:
             logger.exception("shm-embeds: a regions message failed")
             return {"error": "internal error"}
         finally:
-            for fd in fds:
-                discard_fd(fd)
+            close_unasked(fds)

@@ -9,14 +9,21 @@
   never through a link someone put at the path.
 * :func:`peer_is_sibling`: the peer is another API server of this ``vllm
   serve`` (same uid, another process, the same parent).
-* :func:`received_fds` and :func:`discard_fd`: a descriptor a peer sent may
-  be anything, a FUSE file's too, whose ``fstat`` (GETATTR) and ``close``
-  (FLUSH) wait for its file system's server, maybe forever. So nothing but
-  ``readlink`` of ``/proc/self/fd`` and ``F_GET_SEALS`` (no I/O) touches one
-  before it is known to be a memfd, and one that is not is closed on a
-  daemon thread of its own, never on a thread that serves anyone. That
+* :func:`received_fds`, :func:`discard_fd`, :func:`close_unasked`: a
+  descriptor a peer sent may be anything, a FUSE file's too, whose ``fstat``
+  (GETATTR) and ``close`` (FLUSH) wait for its file system's server, maybe
+  forever, or a TCP socket with ``SO_LINGER`` and unsent data, whose last
+  ``close`` waits for the linger time. So nothing but ``readlink`` of
+  ``/proc/self/fd`` and ``F_GET_SEALS`` (no I/O) touches one before it is
+  known to be a memfd, and one that is not (or that nobody asked for) is
+  closed on a daemon thread of its own, never on a thread that serves anyone.
+  Nor may the kernel release one there: a receive has room for every fd a
+  message can carry (:data:`ANC_BYTES`), and a connection closed with
+  messages unread (their fds are released in that ``close``) is closed on
+  that thread too (:func:`close_if_drained`, :func:`close_later`). That
   thread's backlog is bounded (:func:`closer_busy`): while it is full, the
-  server receives no descriptors at all (the kernel drops them unopened).
+  server installs no descriptors (:func:`carries_fds` peeks, which neither
+  installs nor releases any).
 
 Knows sockets and descriptors, not regions.
 """
@@ -42,6 +49,11 @@ logger = init_logger(__name__)
 
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 CLOSER_BACKLOG = 64  # fds waiting for the closer thread, above which none is received
+SCM_MAX_FD = 253  # the most fds one message carries (the kernel's, include/net/scm.h)
+# Room for every fd a message carries: with less, the kernel releases the rest on the
+# receiving thread (its last close of a lingering socket blocks), flagging MSG_CTRUNC.
+ANC_BYTES = socket.CMSG_SPACE(SCM_MAX_FD * array.array("i").itemsize)
+_CRED_SPACE = socket.CMSG_SPACE(_CRED.size)
 LOCK_NAMES = 8  # abstract lock names tried past squatters before going without one
 _LOCK_PROBE_S = 0.2
 
@@ -220,12 +232,66 @@ def closer_busy() -> bool:
 def discard_fd(fd: int) -> None:
     """Close ``fd``, received from a peer (the caller owns it): here if it is a
     memfd, else on the daemon closer thread (a FUSE ``close`` may never return).
-    Callers receive no fd while :func:`closer_busy`, so the backlog stays
-    within :data:`CLOSER_BACKLOG` plus the fds in their hands."""
+    Callers install no fd while :func:`closer_busy`, so the backlog stays
+    within :data:`CLOSER_BACKLOG` plus one message's fds (:data:`SCM_MAX_FD`)
+    plus the fds and sockets in their hands."""
     if is_memfd(fd):
         os.close(fd)
         return
     process.current().close_later(fd)
+
+
+def close_unasked(fds: list[int]) -> None:
+    """Close ``fds`` (received, owned by the caller, nobody asked for them) on
+    the closer thread, memfds too: whatever they are, no ``close`` here (a
+    memfd's last one frees its pages). They count in its backlog."""
+    for fd in fds:
+        process.current().close_later(fd)
+
+
+def close_later(sock: socket.socket) -> None:
+    """Close ``sock`` on the closer thread (``sock`` is detached: unusable here)."""
+    process.current().close_later(sock.detach())
+
+
+def carries_fds(sock: socket.socket) -> bool:
+    """The next message queued on ``sock`` (an ``AF_UNIX`` socket without
+    ``SO_PASSCRED``) carries fds. Peeked without room for any: the kernel
+    installs none and drops only its own extra references (the message keeps
+    them), so no fd is released here. False at EOF.
+
+    Raises:
+        BlockingIOError: no message queued.
+        OSError: the socket failed.
+    """
+    _, _, flags, _ = sock.recvmsg(1, 0, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    return bool(flags & socket.MSG_CTRUNC)
+
+
+def close_if_drained(sock: socket.socket) -> bool:
+    """Shut ``sock`` (a connected ``AF_UNIX`` socket) down and close it if no
+    message is queued on it; returns whether it was closed. Otherwise it stays
+    open (shut down: no message can arrive any more) for the caller to close
+    elsewhere (:func:`close_later`): closing it releases the fds of its unread
+    messages, each maybe a blocking ``close``.
+
+    ``SO_PASSCRED`` then a peek: every queued message, a zero-length one
+    too, brings ``SCM_CREDENTIALS``; an empty queue returns nothing. Never
+    raises; where it cannot tell, the socket is left open (False).
+    """
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # the peer has closed: nothing can arrive either
+        pass
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        data, anc, flags, _ = sock.recvmsg(1, _CRED_SPACE, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except OSError:
+        return False
+    if data or anc or flags:
+        return False
+    sock.close()
+    return True
 
 
 def received_fds(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
