@@ -14,11 +14,13 @@ import pytest
 import torch
 
 from vllm._shm_embeds import (
+    config,
     counters,
     digests,
     handle,
     hop1,
     hop2,
+    private_dir,
     process,
     segment,
     streamed,
@@ -83,6 +85,35 @@ def test_bad_headers(name):
         binary.parse_header(hdr(body), "/v1/completions", LIMITS, None)
     assert (e.value.reason, e.value.status) == (name, status)
     assert "/dev/shm" not in e.value.message and "vllm-shm-embeds" not in e.value.message
+
+
+# Issue 28 item 5: every descriptor field of a type the module does not expect
+# is a 400 naming the field, never a TypeError (``"datatype": ["FP32"]`` reached
+# ``in DATATYPES`` unhashable, a 500 and a traceback).
+FIELD_TYPES = {
+    "datatype": [["FP32"], {"FP32": 1}, 1, 1.5, True, None, [], {}],
+    "shape": [{"0": 4}, "4,8", 4, 4.0, None, [4.0, 8], [[4], [8]], [4, None],
+              [10 ** 30, 8], [4, -(10 ** 30)], [float("inf"), 8]],
+    "parameters": [[128], "128", 128, None, {"binary_data_size": [128]},
+                   {"binary_data_size": 128.0}, {"binary_data_size": True},
+                   {"binary_data_size": {"n": 128}}, {"binary_data_size": 10 ** 40},
+                   {"binary_data_size": float("nan")}],
+}
+
+
+@pytest.mark.parametrize("field,value", [(f, v) for f, vs in FIELD_TYPES.items()
+                                         for v in vs])
+@pytest.mark.parametrize("route", [common.COMPLETIONS, common.CHAT])
+def test_descriptor_field_of_any_type_is_400(field, value, route):
+    d = desc() | {field: value}
+    body = ({"prompt_embeds": [desc(), d]} if route == common.COMPLETIONS else
+            {"messages": [{"role": "user", "content": [
+                {"type": "prompt_embeds", "data": d}]}]})
+    with pytest.raises(binary.BinaryBodyError) as e:
+        binary.parse_header(hdr(body), route, LIMITS, None)
+    assert e.value.status == 400 and e.value.reason in (
+        field, "size", "not_2d", "hidden_size", "too_long", "empty"), e.value.reason
+    assert len(e.value.message) < 300
 
 
 def test_content_length_checked_before_allocating():
@@ -391,7 +422,7 @@ def test_over_budget_takes_the_stock_way(shm_env, monkeypatch):
 
 @pytest.mark.parametrize("fs", ["dev_shm", "own_tmpfs"])
 def test_budget_counts_what_requests_hold(shm_env, monkeypatch, tmp_path, fs):
-    """Issue 16: the budget counts every segment a request holds, also after
+    """The budget counts every segment a request holds, also after
     every TP rank mapped it. Its name stays until vLLM frees the request (so
     on ``/dev/shm``, shared with everything else, the names are the count);
     on a file system of its own everything in use counts, which also covers
@@ -404,15 +435,16 @@ def test_budget_counts_what_requests_hold(shm_env, monkeypatch, tmp_path, fs):
           else contextlib.nullcontext(shm_env)) as directory:
         monkeypatch.setenv("VLLM_SHM_EMBEDS_DIR", directory)
         monkeypatch.setenv("VLLM_SHM_EMBEDS_MAX_BYTES", str(1 << 20))
+        seg_dir = config.shm_dir()  # a fresh tmpfs is mode 1777: a private directory in it
         held = transfer.adopt_tensor(transfer.share_tensor(torch.randn(512, 256)))  # 512 KiB
         h = hop2.externalize(held, readers=1)
         reader = transfer.open_tensor(h, 0)  # a TP rank's mapping
-        assert process.collect() == 0 and len(os.listdir(directory)) == 1  # still named
+        assert process.collect() == 0 and len(os.listdir(seg_dir)) == 1  # still named
         with pytest.raises(OSError) as e:  # 512 KiB more would pass the 1 MiB budget
             transfer.share_tensor(torch.randn(640, 256))
         assert segment.fallback_reason(e.value) == "budget"
         assert transfer.release_adopted(held)  # vLLM freed the request: the name goes
-        assert os.listdir(directory) == []
+        assert os.listdir(seg_dir) == []
         if fs == "own_tmpfs":  # the TP rank has not dropped it yet: still counted
             with pytest.raises(OSError) as e:
                 transfer.share_tensor(torch.randn(640, 256))
@@ -421,6 +453,7 @@ def test_budget_counts_what_requests_hold(shm_env, monkeypatch, tmp_path, fs):
         transfer.discard_shared(transfer.share_tensor(torch.randn(640, 256)))
         del held, h
         process.collect()
+        private_dir.remove_made()
 
 
 def test_stalled_body_gets_408_and_frees_its_segment(shm_env, monkeypatch):

@@ -8,7 +8,12 @@
 * the JSON scanner: its view equals ``json.loads``' and its Python steps are
   bounded by the body's length (CPU per byte);
 * the small parsers ``frame_header_length`` and ``parse_header``: only
-  their declared error.
+  their declared error;
+* every descriptor field (and the places descriptors sit in) holding any
+  JSON value (lists, objects, floats, huge integers, booleans, null, nested):
+  ``parse_header`` raises only ``BinaryBodyError`` (or succeeds), and the
+  middleware answers 4xx (or calls vLLM once) with no exception escaping it
+  (one that does is uvicorn's "Exception in ASGI application" traceback).
 
 Profile "ci" (tests/conftest.py) bounds the examples; ``SHM_EMBEDS_FUZZ=long``
 is the long run.
@@ -24,13 +29,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_binary_framing import LIMITS, _framed, _scope, desc, hdr
 
-from vllm._shm_embeds.http import binary, json_body
+from vllm._shm_embeds.http import binary, common, json_body
 
 
-def _drive(headers, chunks, end: str):
-    """Run the binary middleware; ``end``: "done", "disconnect" or "eof"
-    (the client sends nothing more, the body ends short). Returns
-    (responses, downstream calls)."""
+def _drive(headers, chunks, end: str, path: str = "/v1/completions"):
+    """Run the binary middleware on a POST to ``path``; ``end``: "done",
+    "disconnect" or "eof" (the client sends nothing more, the body ends
+    short). Returns (responses, downstream calls); an exception the
+    middleware lets out propagates."""
     calls, out = [], []
 
     async def app(scope, receive, send):
@@ -53,7 +59,8 @@ def _drive(headers, chunks, end: str):
     async def send(m):
         out.append(m)
 
-    asyncio.run(binary.BinaryBodyMiddleware(app)(_scope(headers), receive, send))
+    scope = _scope(headers) | {"path": path}
+    asyncio.run(binary.BinaryBodyMiddleware(app)(scope, receive, send))
     return [m["status"] for m in out if m["type"] == "http.response.start"], calls
 
 
@@ -197,3 +204,89 @@ def test_fuzz_parse_header(body, route, clen):
         assert e.status in (400, 413)
         return
     assert parsed.specs and sum(s.nbytes for s in parsed.specs) <= LIMITS.max_body_bytes
+
+
+# Any JSON value (issue 28 item 5): also floats (NaN, infinities), integers
+# far past int64 and below zero, and containers of them.
+_ANY = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.integers(-(10 ** 60), 10 ** 60),
+              st.floats(), st.sampled_from(["FP32", "BF16", "", "fp32"]), _STR),
+    lambda c: st.one_of(st.lists(c, max_size=4), st.dictionaries(_KEY, c, max_size=4)),
+    max_leaves=12)
+
+
+_FIELDS = ("datatype", "shape", "shape[0]", "shape[1]", "parameters", "binary_data_size",
+           "no datatype", "no shape", "no parameters", "descriptor")
+_PLACES = ("prompt_embeds", "messages", "message", "content", "part", "type")
+
+
+@st.composite
+def _descriptor(draw):
+    """A valid descriptor with a few (often no) fields replaced by any JSON
+    value or removed, or the descriptor itself any value."""
+    d = desc(draw(st.integers(1, 4)), 8, draw(st.sampled_from(["FP32", "FP16", "BF16"])))
+    for field in draw(st.sets(st.sampled_from(_FIELDS), max_size=3)):
+        if field.startswith("no "):
+            d.pop(field[3:], None)
+        elif field.startswith("shape["):
+            shape = d.get("shape")
+            if isinstance(shape, list) and len(shape) > int(field[6]):
+                shape[int(field[6])] = draw(_ANY)
+        elif field == "binary_data_size" and isinstance(d.get("parameters"), dict):
+            d["parameters"][field] = draw(_ANY)
+        elif field == "descriptor":
+            return draw(_ANY)
+        elif field in d:
+            d[field] = draw(_ANY)
+    return d
+
+
+@st.composite
+def _descriptor_bodies(draw):
+    """``(route, header body)`` with descriptors where vLLM reads them, and a
+    few (often none) of the containers around them any JSON value."""
+    descs = draw(st.lists(_descriptor(), min_size=1, max_size=3))
+    places = draw(st.sets(st.sampled_from(_PLACES), max_size=2))
+
+    def at(place, value):
+        return draw(_ANY) if place in places else value
+    if draw(st.booleans()):
+        embeds = descs if len(descs) > 1 or draw(st.booleans()) else descs[0]
+        return common.COMPLETIONS, {"model": "m", "prompt_embeds": at("prompt_embeds", embeds)}
+    parts = [at("part", {"type": at("type", "prompt_embeds"), "data": d}) for d in descs]
+    message = at("message", {"role": "user", "content": at("content", parts)})
+    return common.CHAT, {"model": "m", "messages": at("messages", [message])}
+
+
+@given(req=_descriptor_bodies(), clen=st.one_of(st.none(), st.integers(0, 2000)))
+def test_fuzz_descriptor_fields(req, clen):
+    """Any JSON value in any descriptor field: the module's own error, or success."""
+    route, body = req
+    try:
+        parsed = binary.parse_header(hdr(body), route, LIMITS, clen)
+    except binary.BinaryBodyError as e:
+        assert 400 <= e.status < 500 and len(e.message) < 400
+        return
+    assert parsed.specs and all(s.shape[1] == LIMITS.hidden_size for s in parsed.specs)
+
+
+@given(req=_descriptor_bodies(), data=st.data(), end=st.sampled_from(["done", "eof"]))
+def test_fuzz_middleware_descriptor_fields(shm_env, req, data, end):
+    """The middleware on those headers: a 4xx, or one call of vLLM's app;
+    nothing escapes it, nothing is left in the segment directory."""
+    route, body = req
+    h = hdr(body)
+    try:  # the tensor bytes the header asks for, if it is valid
+        need = sum(s.nbytes for s in binary.parse_header(h, route, LIMITS, None).specs)
+    except binary.BinaryBodyError:
+        need = 0
+    tail = data.draw(st.sampled_from([need, need, max(0, need - 1), need + 1])
+                     | st.integers(0, 600))
+    headers = [(b"content-type", b"application/octet-stream"),
+               (b"inference-header-content-length", str(len(h)).encode())]
+    statuses, calls = _drive(headers, [h, bytes(tail)], end, path=route)
+    if calls:
+        assert len(calls) == 1 and statuses == [200] and tail == need
+    else:
+        assert len(statuses) == 1 and 400 <= statuses[0] < 500, statuses
+    assert os.listdir(shm_env) == []

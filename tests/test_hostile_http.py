@@ -7,12 +7,16 @@ declared sizes and bytes in flight are capped (above: the stock path), a
 body that trickles gets 408 in bounded time, the segment budget charges an
 upload by what it wrote, tensors per binary body are capped, and the small
 parser cases (deep nesting, non-ASCII digits, escape-heavy JSON) are bounded.
+Issue 28 item 3: what ``json.loads`` builds from a binary body's JSON header
+is bounded before it runs, and binary headers count as bytes in flight.
 """
 
 import asyncio
+import dataclasses
 import json
 import os
 import time
+import tracemalloc
 import types
 
 import pytest
@@ -295,3 +299,144 @@ def test_escapes_next_to_embeds_scan_in_bounded_time():
     spans = json_body.find_long_strings(raw)
     assert [raw[a:b].decode() for a, b in spans] == [emb]
     assert best(json_body.find_long_strings) < 10 * best(json.loads) + 0.02
+
+
+def _peak_bytes(f, *args):
+    """(the ``BinaryBodyError`` ``f(*args)`` raised or None, peak bytes of Python
+    allocations during the call)."""
+    tracemalloc.start()
+    try:
+        f(*args)
+        raised = None
+    except binary.BinaryBodyError as e:
+        raised = e
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return raised, peak
+
+
+@pytest.mark.parametrize("filler", [b"{}", b"[]", b"0", b'""', b'{"":0}'])
+def test_header_values_bounded_before_json_loads(shm_env, filler):
+    """A 4 MiB header of tiny values (``[{},{},...]``: a million dicts, ~100 MB):
+    400 (``json``) from the pre-scan, holding about the header's bytes, not
+    what ``json.loads`` would build."""
+    n = (4 << 20) // (len(filler) + 1)
+    h = b'{"prompt_embeds": ' + hdr(desc()) + b', "x": [' + b",".join([filler] * n) + b"]}"
+    raised, peak = _peak_bytes(binary.parse_header, h, "/v1/completions", LIMITS, None)
+    assert isinstance(raised, binary.BinaryBodyError), raised
+    assert (raised.status, raised.reason) == (400, "json") and "values" in raised.message
+    assert peak < 3 * len(h), peak
+    headers = [(b"content-type", b"application/octet-stream"),
+               (b"inference-header-content-length", str(len(h)).encode())]
+    status, msg, _ = _run_middleware(headers, [h])
+    assert status == 400 and b"values" in msg
+
+
+def test_header_bound_counts_structure_not_text(shm_env):
+    """Commas, colons and brackets inside strings (a long text part next to the
+    embeds) are not values: such a header is served; the same count of
+    values outside strings is not."""
+    limit = binary.max_json_values()
+    text = "a, b: [c], {d}, " * (limit // 4)
+    body = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": text}, {"type": "prompt_embeds", "data": desc()}]}]}
+    p = binary.parse_header(hdr(body), "/v1/chat/completions", LIMITS, None)
+    assert p.body["messages"][0]["content"][0]["text"] == text
+    body["stop"] = [0] * limit
+    with pytest.raises(binary.BinaryBodyError) as e:
+        binary.parse_header(hdr(body), "/v1/chat/completions", LIMITS, None)
+    assert (e.value.status, e.value.reason) == (400, "json")
+
+
+def test_header_bound_grows_with_the_tensor_cap(shm_env, monkeypatch):
+    """``VLLM_SHM_EMBEDS_BINARY_MAX_TENSORS`` chat messages of a text part and a
+    descriptor each are within the bound; one more tensor is ``too_many``."""
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_BINARY_MAX_TENSORS", "4000")
+    big = dataclasses.replace(LIMITS, max_body_bytes=1 << 30)
+    message = {"role": "user", "content": [{"type": "text", "text": "a, b"},
+                                           {"type": "prompt_embeds", "data": desc(1)}]}
+    body = {"model": "m", "max_tokens": 8, "messages": [message] * 4000}
+    assert len(binary.parse_header(hdr(body), "/v1/chat/completions", big, None).specs) == 4000
+    body["messages"].append(message)
+    with pytest.raises(binary.BinaryBodyError) as e:
+        binary.parse_header(hdr(body), "/v1/chat/completions", big, None)
+    assert e.value.reason == "too_many"
+
+
+@pytest.mark.parametrize("depth", [binary.MAX_JSON_DEPTH + 1, 900])
+def test_header_depth_bounded(shm_env, depth):
+    """Nesting past ``MAX_JSON_DEPTH`` is 400 before parsing (below the
+    recursion limit ``json.loads`` took it, and the JSON handed to vLLM
+    was as deep); ``MAX_JSON_DEPTH`` itself is served."""
+    def nested(d):  # d containers open at once: the body's object and d - 1 in "y"
+        return (b'{"prompt_embeds": ' + hdr(desc()) + b', "y": ' + b'{"a": ' * (d - 1)
+                + b"0" + b"}" * (d - 1) + b"}")
+    ok = nested(binary.MAX_JSON_DEPTH)
+    assert len(binary.parse_header(ok, "/v1/completions", LIMITS, None).specs) == 1
+    with pytest.raises(binary.BinaryBodyError) as e:
+        binary.parse_header(nested(depth), "/v1/completions", LIMITS, None)
+    assert (e.value.status, e.value.reason) == (400, "json") and "deep" in e.value.message
+
+
+@pytest.mark.parametrize("h", [b"]" * 100_000, b'{"a": ' + b"}" * 100_000,
+                               b'"' + b"\\" * 100_000, b'["' + b",:" * 100_000])
+def test_header_prescan_on_garbage(h):
+    """Unbalanced brackets, unterminated strings: 400, the pre-scan's or the parser's."""
+    with pytest.raises(binary.BinaryBodyError) as e:
+        binary.parse_header(h, "/v1/completions", LIMITS, None)
+    assert (e.value.status, e.value.reason) == (400, "json")
+
+
+def test_binary_headers_count_in_flight(shm_env, monkeypatch):
+    """A binary body's JSON header counts against ``VLLM_SHM_EMBEDS_INFLIGHT_BYTES``
+    from before it is read until the body has arrived (as a JSON body's
+    declared bytes do): over the cap a body gets 503 (``busy``) with nothing
+    read; the count is back to zero after every kind of end."""
+    headers, body = _framed([torch.randn(8, 8)])
+    json_len = int(headers[1][1])
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_INFLIGHT_BYTES", str(json_len))
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_BODY_TIMEOUT_S", "0.5")
+    state = {}
+
+    async def run():
+        sent, second = [], []
+        msgs = [{"type": "http.request", "body": body[:-100], "more_body": True}]
+
+        async def receive():
+            if msgs:
+                return msgs.pop(0)
+            state["held"] = body_limits.IN_FLIGHT.bytes
+            # meanwhile a second body: over the cap, refused before reading it
+            await binary.BinaryBodyMiddleware(None)(_scope(headers), _no_receive,
+                                                    _appender(second))
+            await asyncio.sleep(3600)  # the first client stalls
+
+        async def send(m):
+            sent.append(m)
+
+        await binary.BinaryBodyMiddleware(None)(_scope(headers), receive, send)
+        return sent, second
+
+    sent, second = asyncio.run(run())
+    assert state["held"] == json_len and body_limits.IN_FLIGHT.bytes == 0
+    assert sent[0]["status"] == 408 and second[0]["status"] == 503
+    assert json.loads(second[1]["body"])["error"]["type"] == "ServiceUnavailable"
+    assert counters.stats()["binary_rejected.busy"] == 1
+    for case in ("ok", "bad", "short"):  # served, rejected by the header, cut short
+        b = body if case == "ok" else body[:-1]
+        hs = headers if case != "bad" else [headers[0], (headers[1][0], b"5")]
+        status, _, _ = _run_middleware(hs, [b])
+        assert status == (200 if case == "ok" else 400)
+        assert body_limits.IN_FLIGHT.bytes == 0
+    assert os.listdir(shm_env) == []
+
+
+async def _no_receive():
+    raise AssertionError("a body over the in-flight cap must not be read")
+
+
+def _appender(out):
+    async def send(m):
+        out.append(m)
+    return send

@@ -48,7 +48,13 @@ A middleware, not an endpoint plugin: docs/binary-protocol.md says why.
 
 Environment: ``VLLM_SHM_EMBEDS_BINARY_MAX_BYTES``: cap on the tensor bytes of
 one body (default ``max_model_len * hidden_size * 4``); a larger body gets 413
-before anything is read past the JSON header.
+before anything is read past the JSON header. ``VLLM_SHM_EMBEDS_INFLIGHT_BYTES``:
+a body's JSON header (the part held in this process's memory; the tensors go
+to segments, charged to the segment budget by the bytes written) counts as
+bytes in flight, with the JSON path's bodies (``body_limits.IN_FLIGHT``), from
+before it is read until the whole body has arrived; a body over the cap gets
+503 (``busy``) with nothing read. ``binary_header.check_json_bounds`` bounds
+what parsing a header builds.
 
 Counters: ``binary_bodies``, ``binary_tensors``, ``binary_bytes``,
 ``binary_converted_bytes``, ``binary_rejected.<reason>`` (docs/metrics.md).
@@ -74,15 +80,23 @@ from vllm._shm_embeds.http.binary_header import (  # noqa: F401 (re-exported)
     DATATYPES,
     HEADER_NAME,
     MAX_JSON_BYTES,
+    MAX_JSON_DEPTH,
     BinaryBodyError,
     ParsedHeader,
     TensorSpec,
     _bad,
+    check_json_bounds,
     frame_header_length,
+    max_json_values,
     parse_header,
     parse_spec,
 )
-from vllm._shm_embeds.http.body_limits import Stalled, deadline_for, receive_body_message
+from vllm._shm_embeds.http.body_limits import (
+    IN_FLIGHT,
+    Stalled,
+    deadline_for,
+    receive_body_message,
+)
 from vllm._shm_embeds.http.common import (
     COMPLETIONS,
     Receive,
@@ -92,7 +106,11 @@ from vllm._shm_embeds.http.common import (
     send_error,
 )
 from vllm._shm_embeds.http.placeholders import Upload, call_with_body
-from vllm._shm_embeds.streamed import StreamedSegment, release_streamed, streamed_tensor_like
+from vllm._shm_embeds.streamed import (
+    StreamedSegment,
+    release_streamed,
+    streamed_tensor_like,
+)
 
 logger = init_logger(__name__)
 
@@ -245,6 +263,7 @@ class BinaryBodyMiddleware:
         segs: list[StreamedSegment | _Private] = []
         hashers: list[digests.StreamHasher | None] = []
         upload: Upload | None = None
+        in_flight = 0  # bytes of IN_FLIGHT this body holds
         try:
             limits = ServerContext.of_app(scope)
             if limits is None:
@@ -252,6 +271,10 @@ class BinaryBodyMiddleware:
             if not limits.enable_prompt_embeds:  # nothing read: refused as stock refuses it
                 raise _bad("disabled", "You must set `--enable-prompt-embeds` to input "
                            "`prompt_embeds`.")
+            if not IN_FLIGHT.take(json_len):  # nothing read: the header is held in memory
+                raise _bad("busy", "the server is receiving too many request bodies at "
+                           "once; retry later", 503)
+            in_flight = json_len
             # A deadline for the whole body (timeout + size / minimum rate): by
             # Content-Length, or once the header says how many bytes follow.
             reader = _BodyReader(receive, json_len if content_length is None
@@ -304,6 +327,7 @@ class BinaryBodyMiddleware:
             for h in hashers:
                 if h is not None:
                     h.abort()
+            IN_FLIGHT.give_back(in_flight)  # the body has arrived (or never will)
         try:
             await self._downstream(scope, receive, send, parsed.body, upload)
         finally:

@@ -5,14 +5,24 @@ parsed and validated against the served model before anything is allocated.
 Wire format: ``http/binary.py``'s docstring and docs/binary-protocol.md. Knows
 nothing of segments: the middleware (``http/binary.py``) decides where the
 bytes go.
+
+Bounds on the JSON header, all checked before ``json.loads`` builds anything
+(:func:`check_json_bounds`, a pre-scan in C): at most :data:`MAX_JSON_BYTES`
+bytes, :func:`max_json_values` values and keys (grows with
+``VLLM_SHM_EMBEDS_BINARY_MAX_TENSORS``), :data:`MAX_JSON_DEPTH` containers
+open at once. Every descriptor field is type-checked before it is used
+(:func:`parse_spec`): any malformed header is a :class:`BinaryBodyError`,
+never another exception.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any
 
+import numpy as np
 import torch
 from starlette.datastructures import Headers
 
@@ -29,6 +39,15 @@ DATATYPES: dict[str, torch.dtype] = {
     "BF16": torch.bfloat16,
 }
 MAX_JSON_BYTES = 16 << 20  # the JSON header is read into memory; bounded
+MAX_JSON_DEPTH = 128  # containers (objects, arrays) open at once in the JSON header
+MAX_JSON_BASE_VALUES = 1 << 16  # values and keys of a JSON header besides its descriptors
+MAX_JSON_VALUES_PER_TENSOR = 32  # ... and per tensor (a chat part and its descriptor: ~20)
+
+# One JSON string (escapes included), or an unterminated one to the end (a match
+# never fails); possessive: linear time, no backtracking (as ``json_body._STRING``).
+_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+(?:"|\\?\Z)', re.DOTALL)
+_NOT_STRUCTURE = bytes(sorted(set(range(256)) - set(b"{}[],:")))
+_NESTING = bytes.maketrans(b"{[]}", b"\x01\x01\xff\xff")  # +1 / -1 as int8
 
 
 class BinaryBodyError(Exception):
@@ -77,19 +96,112 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _shown(x: Any) -> str:
+    """A JSON value for an error message: at most 32 characters of a scalar's
+    repr, a container only by its kind (never rendered: it may be large)."""
+    if isinstance(x, dict):
+        return "an object"
+    if isinstance(x, list):
+        return "an array"
+    return repr(x[:32] if isinstance(x, str) else x)[:32]
+
+
+def max_json_values() -> int:
+    """Values and keys a binary body's JSON header may hold (count):
+    :data:`MAX_JSON_BASE_VALUES` plus :data:`MAX_JSON_VALUES_PER_TENSOR` per
+    tensor ``VLLM_SHM_EMBEDS_BINARY_MAX_TENSORS`` allows."""
+    return MAX_JSON_BASE_VALUES + MAX_JSON_VALUES_PER_TENSOR * binary_max_tensors()
+
+
+def _outside_strings(json_bytes: bytes) -> bytes | bytearray:
+    """``json_bytes`` without its strings (quotes included), read from the start
+    (outside strings a ``"`` always opens one in valid JSON); an unterminated
+    string runs to the end. Without a backslash every ``"`` delimits a
+    string: one ``split`` (C). Else one Python step per string: ``find``
+    (``memchr``) past a string without escapes, :data:`_STRING` (C) over one
+    with them."""
+    if json_bytes.find(b"\\") < 0:
+        return b"".join(json_bytes.split(b'"')[::2])
+    out, pos, find, view = bytearray(), 0, json_bytes.find, memoryview(json_bytes)
+    while (start := find(b'"', pos)) >= 0:
+        out += view[pos:start]
+        end = find(b'"', start + 1)
+        if end < 0:
+            return out
+        if find(b"\\", start + 1, end) >= 0:  # an escape: maybe of this very quote
+            pos = _STRING.match(json_bytes, start).end()  # never fails (to the end)
+        else:
+            pos = end + 1
+    out += view[pos:]
+    return out
+
+
+def check_json_bounds(json_bytes: bytes) -> None:
+    """Bound what ``json.loads(json_bytes)`` can build, before it runs.
+
+    Outside strings, every value but the first follows a ``,``, a ``:`` or an
+    opening bracket, and every key precedes a ``:``: their count bounds the
+    values and keys ``json.loads`` makes (each object it builds then takes
+    some 100 bytes at most, a string besides its characters), and the
+    opening brackets bound the nesting. Also on input that is not JSON: the
+    count bounds what ``json.loads`` builds before it fails.
+
+    In C but for one Python step per string, in time linear in
+    ``len(json_bytes)``: ``bytes.count`` over all the bytes first (no
+    memory); if the bounds hold with the text of strings counted too, that
+    is all. Else (many containers, or commas in a long prompt) the strings
+    are dropped (:func:`_outside_strings`; only with at most twice
+    :func:`max_json_values` ``"``, as each string takes two) and the
+    structure left is counted, its nesting by a ``numpy`` cumulative sum
+    (extra memory about twice ``len(json_bytes)`` at most).
+
+    Raises:
+        BinaryBodyError: 400 (``json``) with more than :func:`max_json_values`
+            values and keys (or, when they must be told apart from text,
+            more than twice as many ``"``), more closing than opening
+            brackets, or more than :data:`MAX_JSON_DEPTH` containers open at once.
+    """
+    limit = max_json_values()
+    opens = json_bytes.count(b"{") + json_bytes.count(b"[")
+    if opens <= MAX_JSON_DEPTH and (len(json_bytes) <= limit or  # a value takes a byte
+                                    1 + opens + json_bytes.count(b",")
+                                    + json_bytes.count(b":") <= limit):
+        return  # the bounds hold with the text of strings counted too
+    too_many = _bad("json", f"the JSON header holds more than the server's limit of "
+                    f"{limit} values (send fewer values, or a JSON request body)")
+    if json_bytes.count(b'"') > 2 * limit:
+        raise too_many
+    structure = _outside_strings(json_bytes).translate(None, _NOT_STRUCTURE)
+    opens = structure.count(b"{") + structure.count(b"[")
+    separators = structure.count(b",") + structure.count(b":")
+    if 1 + opens + separators > limit:
+        raise too_many
+    if len(structure) - separators > 2 * opens:  # more closing brackets than opening ones
+        raise _bad("json", "the JSON header is not valid JSON: unbalanced brackets")
+    nesting = np.frombuffer(structure.translate(_NESTING, b",:"), dtype=np.int8)
+    if nesting.size and int(np.cumsum(nesting, dtype=np.int32).max()) > MAX_JSON_DEPTH:
+        raise _bad("json", f"the JSON header is nested too deep (more than "
+                   f"{MAX_JSON_DEPTH} levels)")
+
+
 def parse_spec(desc: Any, limits: ServerContext, where: str) -> TensorSpec:
     """Validate one descriptor (see the module docstring) against ``limits``.
 
+    ``desc`` is any JSON value: every field's type is checked before it is
+    used (``datatype`` a str, ``shape`` a list of two ints, ``parameters`` an
+    object whose ``binary_data_size`` is an int; booleans are not ints).
+
     Raises:
-        BinaryBodyError: 400 naming what is wrong (``where`` says which value).
+        BinaryBodyError: 400 naming what is wrong (``where`` says which value);
+            never another exception, whatever the value.
     """
     if not isinstance(desc, dict):
         raise _bad("descriptor", f"{where} must be an object "
                    '{"datatype", "shape", "parameters": {"binary_data_size"}} '
                    "in a binary request body")
     datatype = desc.get("datatype")
-    if datatype not in DATATYPES:
-        raise _bad("datatype", f"{where}: datatype {str(datatype)[:32]!r} is not one of "
+    if not isinstance(datatype, str) or datatype not in DATATYPES:
+        raise _bad("datatype", f"{where}: datatype {_shown(datatype)} is not one of "
                    f"{', '.join(DATATYPES)} (prompt_embeds must be floating point)")
     shape = desc.get("shape")
     if not isinstance(shape, list) or not all(_is_int(s) for s in shape):
@@ -112,7 +224,7 @@ def parse_spec(desc: Any, limits: ServerContext, where: str) -> TensorSpec:
     want = tokens * hidden * torch.empty((), dtype=dtype).element_size()
     if not _is_int(size) or size != want:
         raise _bad("size", f"{where}: parameters.binary_data_size must be {want} "
-                   f"({datatype} x {tokens} x {hidden}); got {str(size)[:32]}")
+                   f"({datatype} x {tokens} x {hidden}); got {_shown(size)}")
     return TensorSpec(dtype, (tokens, hidden), want)
 
 
@@ -129,14 +241,16 @@ def parse_header(
     Returns:
         the body with placeholders, and the specs of the tensors that follow.
     Raises:
-        BinaryBodyError: 400 (bad JSON, nested too deep, bad descriptor, more
-            than ``VLLM_SHM_EMBEDS_BINARY_MAX_TENSORS`` tensors, sizes that do not
+        BinaryBodyError: 400 (bad JSON, over the bounds of
+            :func:`check_json_bounds`, bad descriptor, more than
+            ``VLLM_SHM_EMBEDS_BINARY_MAX_TENSORS`` tensors, sizes that do not
             add up to ``Content-Length``), 413 (over
-            :attr:`ServerContext.max_body_bytes`).
+            :attr:`ServerContext.max_body_bytes`); never another exception.
     """
     if not limits.enable_prompt_embeds:
         raise _bad("disabled", "You must set `--enable-prompt-embeds` to input "
                    "`prompt_embeds`.")
+    check_json_bounds(json_bytes)
     try:
         body = json.loads(json_bytes.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
