@@ -403,7 +403,7 @@ def test_vllms_error_is_not_replaced_when_its_shutdown_dropped_the_queue(shm_env
 
     def orig(self, method, timeout=None, args=(), kwargs=None, **kw):
         if callable(method):  # the wrapper's probe: every worker runs hop 2
-            return [True, True]
+            return [handle.HOP2_WIRE] * 2
         self.rpc_broadcast_mq = None
         raise RuntimeError("vLLM: executor is shut down")
 

@@ -315,7 +315,7 @@ def follower_without_plugin(tmp_path_factory):
 
 def test_a_follower_without_the_plugin_keeps_hop2_stock(follower_without_plugin):
     """The head asks every worker once whether it runs hop 2
-    (``worker_joins_hop2``); the follower's says no, so hop 2 stays stock for
+    (``worker_hop2_wire``); the follower's says no, so hop 2 stays stock for
     every reader (counted ``fallback{hop="2",reason="remote"}``, logged),
     instead of sending that node forms it cannot use and failing the engine.
     The answer equals the same prompt as ids'."""

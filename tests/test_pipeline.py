@@ -27,7 +27,7 @@ import torch
 from helpers import by_role, held_by, new_fds, open_fds
 
 from vllm._shm_embeds import counters, handle, hop2, process, transfer
-from vllm._shm_embeds.handle import EmbedsPlaceholder, InlineEmbeds, SharedTensorHandle
+from vllm._shm_embeds.handle import HOP2_WIRE, EmbedsPlaceholder, InlineEmbeds, SharedTensorHandle
 from vllm._shm_embeds.sites import multiproc_executor, shm_broadcast
 from vllm._shm_embeds.sites import prompt_embeds as prompt_embeds_sites
 
@@ -84,7 +84,7 @@ def _executor(n_local, n_remote, tp=1, pp=2):
     return types.SimpleNamespace(rpc_broadcast_mq=mq, vllm_config=cfg)
 
 
-def _send(executor, tensor, answers=(True, True)):
+def _send(executor, tensor, answers=(HOP2_WIRE, HOP2_WIRE)):
     """One ``execute_model`` through the wrapper: what the broadcast carried.
     ``answers``: what the workers answer the wrapper's probe (readers on other
     nodes), or an exception it raises."""
@@ -163,12 +163,17 @@ def test_remote_readers_without_the_split_go_stock(shm_env, monkeypatch):
     assert os.listdir(shm_env) == []
 
 
-@pytest.mark.parametrize("answers", [(True, False)], ids=["a_worker_without_hop2"])
+@pytest.mark.parametrize("answers", [(HOP2_WIRE, None), (HOP2_WIRE, HOP2_WIRE + 1),
+                                     (HOP2_WIRE, True)],
+                         ids=["a_worker_without_hop2", "another_wire_format",
+                              "an_older_version_answering_a_bool"])
 def test_remote_workers_without_the_plugin_keep_hop2_stock(shm_env, monkeypatch, answers):
     """A follower node started without ``VLLM_SHM_EMBEDS=1`` (or without
     shm-embeds) cannot take our forms nor join the agreement: the wrapper asks
-    every worker once, and one that says no, or fails to answer, keeps hop 2
-    stock for every reader (as before this issue) instead of failing the engine."""
+    every worker once, and one that says no, answers another wire format
+    (another shm-embeds version, whose forms would not unpickle), or does not
+    answer a number, keeps hop 2 stock for every reader instead of failing
+    the engine."""
     monkeypatch.setitem(multiproc_executor.STATUS, "remote", [])
     embeds = torch.randn(100, 64)
     executor = _executor(1, 1)
@@ -190,10 +195,10 @@ def test_probe_errors_are_not_swallowed(shm_env, monkeypatch):
         _send(_executor(1, 1), torch.randn(100, 64), RuntimeError("Worker failed"))
 
 
-def test_probe_answers_false_where_shm_embeds_is_missing(tmp_path):
+def test_probe_answers_none_where_shm_embeds_is_missing(tmp_path):
     """The probe travels by value (a closure, no reference to our module) and
     imports inside ``try``: in a process where ``vllm._shm_embeds`` cannot be
-    imported it answers False instead of failing (a failure would leave
+    imported it answers None instead of failing (a failure would leave
     vLLM's reply queues out of step)."""
     import subprocess
     import sys
@@ -206,16 +211,17 @@ def test_probe_answers_false_where_shm_embeds_is_missing(tmp_path):
             "print(f(None))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
+    assert out.returncode == 0 and out.stdout.strip() == "None", out.stderr[-2000:]
 
 
-def test_worker_joins_hop2_when_its_sites_are_patched(monkeypatch):
+def test_worker_answers_its_wire_format_when_its_sites_are_patched(monkeypatch):
     monkeypatch.setitem(multiproc_executor.STATUS, "hop2", [])
-    assert multiproc_executor.worker_joins_hop2(None) is True
+    assert multiproc_executor.worker_hop2_wire(None) == HOP2_WIRE
+    assert multiproc_executor._probe()(None) == HOP2_WIRE
     monkeypatch.setitem(multiproc_executor.STATUS, "hop2", ["off"])
-    assert multiproc_executor.worker_joins_hop2(None) is False
+    assert multiproc_executor.worker_hop2_wire(None) is None
     monkeypatch.delitem(multiproc_executor.STATUS, "hop2")
-    assert multiproc_executor.worker_joins_hop2(None) is False
+    assert multiproc_executor.worker_hop2_wire(None) is None
 
 
 # --------------------------------------------------------------------------

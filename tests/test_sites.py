@@ -109,7 +109,7 @@ def test_hop2_wrapper_local_vs_remote_readers(shm_env, monkeypatch, n_remote):
 
     def orig(self, method, timeout=None, args=(), kwargs=None, **kw):
         if callable(method):  # the wrapper's probe: every worker runs hop 2
-            return [True] * (2 + n_remote)
+            return [handle.HOP2_WIRE] * (2 + n_remote)
         seen.append(type(args[0].scheduled_new_reqs[0].prompt_embeds))
         return "ok"
 

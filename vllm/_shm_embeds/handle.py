@@ -41,6 +41,11 @@ from vllm._shm_embeds.procfs import pid_namespace
 SEGMENT_PREFIX = "vllm-shm-embeds"
 HEADER_BYTES = 4096
 MAGIC = b"SHMEMB01"
+# The hop-2 wire format: the pickled forms of SharedTensorHandle, EmbedsPlaceholder
+# and InlineEmbeds, and the per-step agreement. Bump it whenever any of them
+# changes: a worker that answers another number keeps its engine's hop 2 stock
+# (``sites/multiproc_executor._workers_join``), instead of failing to unpickle.
+HOP2_WIRE = 1
 READER_FLAGS_OFFSET = 64
 MAX_READERS = HEADER_BYTES - READER_FLAGS_OFFSET  # flag bytes per segment
 PAGE_BYTES = mmap.PAGESIZE

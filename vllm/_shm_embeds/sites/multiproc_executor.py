@@ -17,7 +17,7 @@ from vllm.logger import init_logger
 import vllm._shm_embeds.sites.prompt_embeds as prompt_embeds_sites
 from vllm._shm_embeds import hop2, process
 from vllm._shm_embeds.counters import Event, count_many, count_reason, set_role
-from vllm._shm_embeds.handle import ShmEmbedsError
+from vllm._shm_embeds.handle import HOP2_WIRE, ShmEmbedsError
 from vllm._shm_embeds.sites.core_client import wrap_shutdown
 from vllm._shm_embeds.sites.shm_broadcast import PLAN_ATTR
 from vllm._shm_embeds.sites.site import STATUS, Site
@@ -39,28 +39,31 @@ def _first_stage_ranks(executor: Any) -> int:
             * getattr(pc, "prefill_context_parallel_size", 1))
 
 
-def worker_joins_hop2(worker: Any = None) -> bool:
-    """True if this worker maps handles, builds placeholders and joins the
-    per-step agreement, i.e. its ``hop2`` sites are patched (``VLLM_SHM_EMBEDS=1``
-    on its node). What :func:`_probe` asks each worker."""
-    return STATUS.get("hop2") == []
+def worker_hop2_wire(worker: Any = None) -> int | None:
+    """``handle.HOP2_WIRE`` if this worker maps handles, builds placeholders and
+    joins the per-step agreement, i.e. its ``hop2`` sites are patched
+    (``VLLM_SHM_EMBEDS=1`` on its node); else None. What :func:`_probe` asks
+    each worker: the number tells a follower of another shm-embeds version,
+    whose forms this engine's could not unpickle, from one of this version."""
+    return HOP2_WIRE if STATUS.get("hop2") == [] else None
 
 
 def _probe() -> Callable:
     """The callable sent to every worker: a closure (cloudpickle sends it by
     value, not as a reference to this module) that imports inside ``try``, so
-    it answers False where shm-embeds is missing or older instead of failing.
+    it answers None where shm-embeds is missing or older instead of failing.
     A failure would leave vLLM's reply queues out of step: ``collective_rpc``
     raises at the first failed rank and the later ranks' replies stay queued
     for the next call (``multiproc_executor.py`` 0.32/0.33 ``get_response``)."""
-    def joins(worker: Any = None) -> bool:
+    def wire(worker: Any = None) -> int | None:
         try:
-            from vllm._shm_embeds.sites.multiproc_executor import worker_joins_hop2
-            return worker_joins_hop2(worker) is True
+            from vllm._shm_embeds.sites.multiproc_executor import worker_hop2_wire
+            answer = worker_hop2_wire(worker)
+            return answer if type(answer) is int else None
         except Exception:
-            return False
+            return None
 
-    return joins
+    return wire
 
 
 def _workers_join(executor: Any, rpc: Callable) -> str | None:
@@ -80,9 +83,12 @@ def _workers_join(executor: Any, rpc: Callable) -> str | None:
         would at its next RPC).
     """
     answers = rpc(executor, _probe())
-    if not isinstance(answers, list) or not answers or not all(a is True for a in answers):
-        return ("a worker does not run shm-embeds hop 2 (set VLLM_SHM_EMBEDS=1 on every "
-                "node)")
+    if not isinstance(answers, list) or not answers:
+        return "the workers gave no answer to the hop-2 probe"
+    if not all(type(a) is int and a == HOP2_WIRE for a in answers):
+        return ("a worker does not run this shm-embeds version's hop 2 (wire format "
+                f"{HOP2_WIRE}; answers {sorted(set(map(repr, answers)))}): set "
+                "VLLM_SHM_EMBEDS=1 and install the same shm-embeds on every node")
     return None
 
 
