@@ -77,6 +77,14 @@ class Census:
             self._start_walk()
         return held
 
+    def settle(self) -> int:
+        """Walk now, on the caller's thread, and return the exact count. For
+        tests and tools only: no request path calls it."""
+        with self._lock:
+            self._walking = True
+        self._walk()
+        return self.held()
+
     def _start_walk(self) -> None:
         try:
             threading.Thread(target=self._walk, name="shm-embeds-census", daemon=True).start()

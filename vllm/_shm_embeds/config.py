@@ -209,7 +209,8 @@ SETTINGS: tuple[Setting, ...] = (
         "counted `json_fallback.busy`). JSON bodies larger than the base64 of "
         "`VLLM_SHM_EMBEDS_BINARY_MAX_BYTES` plus 1 MiB always take the stock path "
         "(`json_fallback.too_large`), and with `--enable-prompt-embeds` off no body takes our "
-        "paths.",
+        "paths. A binary body's JSON header counts here too, from before it is read until the "
+        "body has arrived; one that would go over gets HTTP 503 with nothing read.",
         shown="the segment budget (`VLLM_SHM_EMBEDS_MAX_BYTES`), at least "
               f"{MIN_INFLIGHT_BYTES >> 30} GiB"),
     Setting("VLLM_SHM_EMBEDS_BINARY_MAX_TENSORS", COUNT, 256, "tensors",
