@@ -13,18 +13,42 @@ TP=2, tests/helpers.py's launcher), the same attacks in order:
   the answers are compared with those for the same tensor saved plainly;
 * ``nested``: a binary body whose JSON header is nested 100,000 deep;
 * ``planted``: directories at the EngineCore's next 256 segment names (names
-  are ``handle.SegmentName``s: predictable from its pid), where it adopts the
-  API server's segments, then an embeds request, a text request, the
-  directories removed, and both again.
+  are ``handle.SegmentName``s: predictable from its pid) at the top of the
+  segment mount, then an embeds request, a text request, the directories
+  removed, and both again. This targets the old layout: segments now live in
+  the server's private 0700 directory ``<mount>/vllm-shm-embeds-<random>/segments``
+  (``private_dir.py``), so the directories land in the mount's top level,
+  where nothing of ours lives;
+
+and on the tiny model (hidden 128, TP=2), a server per mode of its own:
+
+* ``planted_names``: ``--planted-names`` (200,000) empty files named like
+  segments (``SegmentName`` with random fields) at the top of the mount, then
+  20 JSON embeds requests (256 rows, ``max_tokens`` 1), then the same 20 while
+  8 threads scrape ``/metrics`` in a loop and text requests run; the files
+  removed after;
+* ``listing``: while two embeds requests (300 and 77 rows, 200 tokens) run,
+  the mount listed recursively as uid 65534 (``/usr/bin/python3 -I``): the
+  names, kinds and sizes another local user can read;
+* ``binary_skeleton``: 4 connections each send a binary body whose JSON header
+  is a 16 MiB ``[{},{},...]`` (declaring 1 MiB of tensor bytes after it),
+  then stall 12 s; ``/health`` is timed meanwhile;
+* ``datatype_list``: 10 binary bodies whose descriptor has ``"datatype":
+  ["FP32"]``; statuses, and tracebacks in the server log meanwhile.
+
+Stock vLLM does not know binary bodies: what it answers is reported.
+Every mount is mode 1777 (shared, like ``/dev/shm``), for both servers.
 
 For each it prints the API server's peak RSS growth over its RSS just before
 (sampled every 20 ms), the HTTP outcomes, and whether ``/health`` answered and
 the segment directory was clean at the end. This is a measurement, not a
 test: the tests of each case are named in docs/security.md.
 
-    .venv/bin/python benchmarks/bench_hostile.py     # about 4 minutes
+    .venv/bin/python benchmarks/bench_hostile.py     # every attack: 4 servers
+    .venv/bin/python benchmarks/bench_hostile.py --only planted_names,listing
 
-Writes ``benchmarks/results/hostile.json``.
+Writes ``benchmarks/results/hostile.json`` (with ``--only``, the attacks run
+replace theirs in the file; the others' figures are kept, each with its time).
 """
 
 from __future__ import annotations
@@ -38,6 +62,7 @@ import pathlib
 import shutil
 import socket
 import struct
+import subprocess
 import sys
 import tempfile
 import threading
@@ -199,7 +224,9 @@ def attack_planted(url: str, api: psutil.Process, seg_dir: str, weights: torch.T
     embeds = {"model": "tiny", "max_tokens": 2, "temperature": 0.0,
               "prompt_embeds": base64.b64encode(plain_save(t)).decode()}
     text = {"model": "tiny", "max_tokens": 2, "temperature": 0.0, "prompt": "hello " * 20}
-    out = {"planted": len(planted)}
+    out = {"planted": len(planted),
+           "where": "top level of the mount (segments of shm-embeds now live in its private "
+                    "0700 directory beneath: nothing of ours is at these names)"}
     out["embeds_planted"] = _completion(url, embeds, 60)[0]
     out["text_planted"] = _completion(url, text, 60)[0]
     for path in planted:
@@ -209,33 +236,458 @@ def attack_planted(url: str, api: psutil.Process, seg_dir: str, weights: torch.T
     return out
 
 
-def run_mode(shm_on: bool, args, weights: torch.Tensor, tmp: pathlib.Path) -> dict:
-    from helpers import Server, ours_in
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3)
+
+
+def _timed_completion(url: str, body: dict, timeout: float = 120) -> tuple[str, float]:
+    t0 = time.monotonic()
+    code = _completion(url, body, timeout)[0]
+    return code, time.monotonic() - t0
+
+
+def attack_planted_names(url: str, seg_dir: str, weights: torch.Tensor, n: int) -> dict:
+    """``n`` empty files named like segments at the top of the mount; embeds
+    requests, then the same with 8 scrapers and text requests running."""
+    import random
+
+    from vllm._shm_embeds.handle import SegmentName
+
+    rng = random.Random(22)
+    planted = []
+    gen = torch.Generator().manual_seed(22)
+
+    def embeds_body() -> dict:
+        t = weights[torch.randint(3, weights.shape[0], (256,), generator=gen)].contiguous()
+        return {"model": "tiny", "max_tokens": 1, "temperature": 0.0,
+                "prompt_embeds": base64.b64encode(plain_save(t)).decode()}
+
+    bodies = [embeds_body() for _ in range(20)]
+    got = [_timed_completion(url, b) for b in bodies]  # the same, nothing planted yet
+    lat = [d for _, d in got]
+    before = {"codes": _codes(c for c, _ in got), "p50_s": _pct(lat, 0.5),
+              "max_s": round(max(lat), 3)}
+    t0 = time.monotonic()
+    for _ in range(n):
+        name = SegmentName(rng.randrange(1 << 32), rng.randrange(1, 1 << 22),
+                           rng.randrange(1 << 40), rng.randrange(1 << 20),
+                           rng.choice((0, 0, 0, rng.randrange(1, 64))))
+        path = os.path.join(seg_dir, str(name))
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            planted.append(path)
+        except OSError:
+            pass
+    out: dict = {"planted": len(planted), "plant_s": round(time.monotonic() - t0, 1),
+                 "embeds_before_planting": before}
+    try:
+        got = [_timed_completion(url, b) for b in bodies]
+        lat = [d for _, d in got]
+        out["embeds"] = {"codes": _codes(c for c, _ in got), "p50_s": _pct(lat, 0.5),
+                         "max_s": round(max(lat), 3)}
+        stop = threading.Event()
+        scrapes: list[float] = []
+        scrape_err: list[str] = []
+        texts: list[float] = []
+        text_codes: list[str] = []
+
+        def scraper() -> None:
+            while not stop.is_set():
+                t1 = time.monotonic()
+                try:
+                    r = requests.get(url + "/metrics", timeout=30)
+                    if r.status_code == 200:
+                        scrapes.append(time.monotonic() - t1)
+                    else:
+                        scrape_err.append(str(r.status_code))
+                except requests.RequestException as e:
+                    scrape_err.append(type(e).__name__)
+
+        def texter() -> None:
+            body = {"model": "tiny", "max_tokens": 4, "temperature": 0.0,
+                    "prompt": "hello " * 20}
+            while not stop.is_set():
+                code, d = _timed_completion(url, body, 60)
+                text_codes.append(code)
+                texts.append(d)
+
+        threads = [threading.Thread(target=scraper, daemon=True) for _ in range(8)]
+        threads.append(threading.Thread(target=texter, daemon=True))
+        for t in threads:
+            t.start()
+        try:
+            got = [_timed_completion(url, b) for b in bodies]
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(60)
+        lat = [d for _, d in got]
+        out["loaded"] = {"embeds_codes": _codes(c for c, _ in got),
+                         "embeds_p50_s": _pct(lat, 0.5), "embeds_max_s": round(max(lat), 3),
+                         "text_n": len(texts), "text_codes": _codes(text_codes),
+                         "text_p50_s": _pct(texts, 0.5), "text_p90_s": _pct(texts, 0.9),
+                         "scrapes": len(scrapes), "scrape_p50_s": _pct(scrapes, 0.5),
+                         "scrape_max_s": round(max(scrapes), 3) if scrapes else None,
+                         "scrape_errors": len(scrape_err),
+                         "scrape_error_kinds": sorted(set(scrape_err))}
+    finally:
+        for path in planted:
+            os.unlink(path)
+    return out
+
+
+def _codes(codes) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in codes:
+        out[c] = out.get(c, 0) + 1
+    return out
+
+
+# Run as uid 65534 by /usr/bin/python3 -I: lists every entry beneath argv[1]
+# it can see, one JSON line per listing, every 20 ms until its stdin closes.
+LISTER = r"""
+import json, os, stat, sys, threading, time
+done = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+def listing():
+    out = {"entries": [], "denied": []}
+    def walk(d, rel):
+        try:
+            names = sorted(os.listdir(d))
+        except OSError as e:
+            out["denied"].append([rel or ".", e.strerror])
+            return
+        for n in names:
+            p, r = os.path.join(d, n), (rel + "/" + n if rel else n)
+            try:
+                st = os.lstat(p)
+            except OSError as e:
+                out["entries"].append([r, "?", None, e.strerror])
+                continue
+            kind = "dir" if stat.S_ISDIR(st.st_mode) else "file"
+            out["entries"].append([r, kind, st.st_size, oct(st.st_mode & 0o7777)])
+            if kind == "dir":
+                walk(p, r)
+    walk(sys.argv[1], "")
+    return out
+print("ready", flush=True)
+while True:
+    print(json.dumps(listing()), flush=True)
+    if done.wait(0.02):
+        break
+"""
+
+
+def start_lister(mount: str) -> subprocess.Popen:
+    """A process of uid 65534 listing ``mount`` until its stdin is closed."""
+    proc = subprocess.Popen(["/usr/bin/python3", "-I", "-c", LISTER, mount], user=65534,
+                            group=65534, extra_groups=[], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd="/", env={"PATH": "/usr/bin:/bin"})
+    assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-500:]
+    proc.lines = []  # read as they come: a full pipe would stall its listings
+    proc.reader = threading.Thread(target=lambda: proc.lines.extend(proc.stdout), daemon=True)
+    proc.reader.start()
+    return proc
+
+
+def stop_lister(proc: subprocess.Popen) -> tuple[str, str]:
+    """Close the lister's stdin; its listings (JSON lines) and stderr."""
+    proc.stdin.close()
+    proc.reader.join(60)
+    err = proc.stderr.read()
+    proc.wait(30)
+    return "".join(proc.lines), err
+
+
+def attack_listing(url: str, seg_dir: str, weights: torch.Tensor) -> dict:
+    """What uid 65534 sees in the mount while two embeds requests run."""
+    gen = torch.Generator().manual_seed(23)
+    results: list = [None, None]
+    bodies = []
+    for rows in (300, 77):
+        t = weights[torch.randint(3, weights.shape[0], (rows,), generator=gen)].contiguous()
+        bodies.append({"model": "tiny", "max_tokens": 200, "temperature": 0.0,
+                       "ignore_eos": True,
+                       "prompt_embeds": base64.b64encode(plain_save(t)).decode()})
+
+    def send(i: int) -> None:
+        results[i] = _completion(url, bodies[i], 300)[0]
+
+    lister = start_lister(seg_dir)
+    threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(2)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    in_flight_s = time.monotonic() - t0
+    out, err = stop_lister(lister)
+    snapshots = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    seen: dict[str, tuple] = {}
+    denied: set[str] = set()
+    for s in snapshots:
+        for name, kind, size, mode in s.get("entries", []):
+            seen.setdefault(name, (kind, size, mode))
+        denied.update(d for d, _ in s.get("denied", []))
+    from vllm._shm_embeds.handle import SegmentName
+
+    segment_like = [n for n in seen if SegmentName.parse(n.rsplit("/", 1)[-1]) is not None]
+    return {"requests": results, "in_flight_s": round(in_flight_s, 1),
+            "snapshots": len(snapshots),
+            "seen": [[n, *v] for n, v in sorted(seen.items())],
+            "sizes_readable": sorted({v[1] for v in seen.values() if v[1] is not None}),
+            "segment_names_seen": len(segment_like), "denied": sorted(denied),
+            "lister_errors": err[-300:] if lister.returncode else ""}
+
+
+SKELETON_ITEMS = ((16 << 20) - 4) // 3  # "[" + "{}," * k + "{}]" is exactly 16 MiB
+
+
+def _binary_head(url_path: str, header_len: int, total: int) -> bytes:
+    return (f"POST {url_path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+            f"Inference-Header-Content-Length: {header_len}\r\n"
+            f"Content-Length: {total}\r\nConnection: close\r\n\r\n").encode()
+
+
+def attack_binary_skeleton(url: str, stall_s: float = 12.0) -> dict:
+    host, port = url.removeprefix("http://").split(":")
+    header = b"[" + b"{}," * SKELETON_ITEMS + b"{}]"
+    assert len(header) == 16 << 20
+    head = _binary_head("/v1/completions", len(header), len(header) + MIB)
+    socks: list = [None] * 4
+    sent: list[str] = ["?"] * 4
+
+    def send(i: int) -> None:
+        try:
+            s = socket.create_connection((host, int(port)), timeout=stall_s + 30)
+            socks[i] = s
+            s.sendall(head + header)
+            sent[i] = "all"
+        except OSError as e:
+            sent[i] = type(e).__name__
+
+    health: list[float] = []
+    health_err: list[str] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            try:
+                r = requests.get(url + "/health", timeout=30)
+                health.append(time.monotonic() - t0)
+                if r.status_code != 200:
+                    health_err.append(str(r.status_code))
+            except requests.RequestException as e:
+                health.append(time.monotonic() - t0)
+                health_err.append(type(e).__name__)
+            time.sleep(0.05)
+
+    prober = threading.Thread(target=probe, daemon=True)
+    prober.start()
+    senders = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(4)]
+    for t in senders:
+        t.start()
+    for t in senders:
+        t.join(stall_s + 30)
+    time.sleep(stall_s)
+    stop.set()
+    prober.join(40)
+    outcomes: dict[str, int] = {}
+    for s in socks:
+        code = "no connection"
+        if s is not None:
+            s.settimeout(0.5)
+            try:
+                reply = s.recv(64).decode(errors="replace")
+                code = reply.split(" ")[1] if reply.startswith("HTTP/") else "cut"
+            except (TimeoutError, OSError):
+                code = "waiting"
+            s.close()
+        outcomes[code] = outcomes.get(code, 0) + 1
+    return {"outcomes": outcomes, "sent": _codes(sent), "health_n": len(health),
+            "health_max_s": round(max(health), 3) if health else None,
+            "health_p50_s": _pct(health, 0.5), "health_errors": len(health_err)}
+
+
+def _log_size(path) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _log_since(path, offset: int) -> str:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
+
+
+def attack_datatype_list(url: str, log_path, hidden: int) -> dict:
+    rows = 4
+    nbytes = rows * hidden * 4
+    header = json.dumps({"model": "tiny", "max_tokens": 1, "prompt_embeds": {
+        "datatype": ["FP32"], "shape": [rows, hidden],
+        "parameters": {"binary_data_size": nbytes}}}).encode()
+    body = header + bytes(nbytes)
+    start = _log_size(log_path)
+    statuses: list[str] = []
+    for _ in range(10):
+        try:
+            r = requests.post(url + "/v1/completions", data=body, timeout=60, headers={
+                "Content-Type": "application/octet-stream",
+                "Inference-Header-Content-Length": str(len(header))})
+            statuses.append(str(r.status_code))
+            last = r.text[:200]
+        except requests.RequestException as e:
+            statuses.append(type(e).__name__)
+            last = ""
+    time.sleep(1.0)  # the log is written by the server's processes
+    log = _log_since(log_path, start)
+    return {"statuses": _codes(statuses), "last_body": last,
+            "tracebacks": log.count("Traceback"),
+            "asgi_exceptions": log.count("Exception in ASGI application")}
+
+
+WIDE = ("stalled", "memo", "nested", "planted")
+TINY = ("planted_names", "listing", "binary_skeleton", "datatype_list")
+
+
+def new_mount() -> str:
+    d = tempfile.mkdtemp(prefix="bench-hostile-", dir="/dev/shm")
+    os.chmod(d, 0o1777)  # shared like /dev/shm: the server makes its private directory in it
+    return d
+
+
+def run_server(shm_on: bool, model: str, attacks: list[str], args, weights: torch.Tensor,
+               tmp: pathlib.Path) -> dict:
+    from helpers import Server, ours_in, private_dirs_in
 
     tmp.mkdir(parents=True)
-    seg_dir = tempfile.mkdtemp(prefix="bench-hostile-", dir="/dev/shm")
+    seg_dir = new_mount()
+    mode = "shm-embeds" if shm_on else "stock"
+    out: dict = {}
     try:
+        env = {"VLLM_SHM_EMBEDS_MIN_BYTES": str(MIB)} if model == "wide" else {}
+        t0 = time.monotonic()
         server = Server(tmp, "-tp", "2", shm_on=shm_on, seg_dir=seg_dir, check_clean=False,
-                        model=os.path.join(ROOT, ".models", "wide"), max_model_len=2048,
-                        env_extra={"VLLM_SHM_EMBEDS_MIN_BYTES": str(MIB)}).start()
+                        model=os.path.join(ROOT, ".models", model), max_model_len=2048,
+                        env_extra=env).start()
+        print(f"{mode}: {model} server up in {time.monotonic() - t0:.0f} s", flush=True)
         api = psutil.Process(server.proc.pid)
-        out: dict = {"mode": "shm-embeds" if shm_on else "stock"}
-        for name, fn in (("stalled", lambda: attack_stalled(server.url, args)),
-                         ("memo", lambda: attack_memo(server.url, weights)),
-                         ("nested", lambda: attack_nested(server.url)),
-                         ("planted", lambda: attack_planted(server.url, api, seg_dir,
-                                                            weights))):
-            time.sleep(1)
-            with PeakRss(api) as rss:
-                result = fn()
-            out[name] = dict(result, api_rss_growth_mb=round(rss.growth_mb, 1))
-            print(f"{out['mode']}: {name}: {out[name]}", flush=True)
-        out["healthy_after"] = requests.get(server.url + "/health", timeout=10).status_code == 200
-        out["left"] = ours_in(seg_dir)
-        server.close()
+        hidden = weights.shape[1]
+        fns = {"stalled": lambda: attack_stalled(server.url, args),
+               "memo": lambda: attack_memo(server.url, weights),
+               "nested": lambda: attack_nested(server.url),
+               "planted": lambda: attack_planted(server.url, api, seg_dir, weights),
+               "planted_names": lambda: attack_planted_names(server.url, seg_dir, weights,
+                                                             args.planted_names),
+               "listing": lambda: attack_listing(server.url, seg_dir, weights),
+               "binary_skeleton": lambda: attack_binary_skeleton(server.url, args.skeleton_stall_s),
+               "datatype_list": lambda: attack_datatype_list(server.url, server.log_path,
+                                                             hidden)}
+        try:
+            for name in attacks:
+                time.sleep(1)
+                t1 = time.monotonic()
+                with PeakRss(api) as rss:
+                    try:
+                        result = fns[name]()
+                    except Exception as e:  # noqa: BLE001 - a measurement: report, go on
+                        result = {"error": repr(e)[:500]}
+                out[name] = dict(result, api_rss_growth_mb=round(rss.growth_mb, 1),
+                                 model=model, seconds=round(time.monotonic() - t1, 1),
+                                 time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+                print(f"{mode}: {name}: {out[name]}", flush=True)
+            try:
+                healthy = requests.get(server.url + "/health", timeout=10).status_code == 200
+            except requests.RequestException:
+                healthy = False
+            for name in attacks:
+                out[name]["healthy_after"] = healthy
+        finally:
+            server.close()
+        left = ours_in(seg_dir) + private_dirs_in(seg_dir)
+        for name in attacks:
+            out[name]["left_after_stop"] = left
     finally:
         shutil.rmtree(seg_dir, ignore_errors=True)
     return out
+
+
+def summary(name: str, r: dict) -> str:
+    """One cell: the figures of one attack's result."""
+    if "error" in r:
+        return f"error: {r['error'][:120]}"
+    if name == "planted_names":
+        e, lo = r.get("embeds", {}), r.get("loaded", {})
+        b = r.get("embeds_before_planting", {})
+        return (f"(before planting: embeds p50 {b.get('p50_s')} s max {b.get('max_s')} s) "
+                f"{r['planted']} files; embeds p50 {e.get('p50_s')} s max {e.get('max_s')} s "
+                f"{e.get('codes')}; loaded: embeds p50 {lo.get('embeds_p50_s')} max "
+                f"{lo.get('embeds_max_s')} s, text p50 {lo.get('text_p50_s')} p90 "
+                f"{lo.get('text_p90_s')} s (n {lo.get('text_n')}), scrape p50 "
+                f"{lo.get('scrape_p50_s')} s (n {lo.get('scrapes')}), scrape errors "
+                f"{lo.get('scrape_errors')}")
+    if name == "listing":
+        seen = "; ".join(f"{n} ({k}, {s} B)" for n, k, s, _ in r["seen"][:4]) or "nothing"
+        more = f" (+{len(r['seen']) - 4} more)" if len(r["seen"]) > 4 else ""
+        return (f"requests {r['requests']}, {r['snapshots']} listings: {seen}{more}; "
+                f"cannot enter: {r['denied'] or 'none'}")
+    if name == "binary_skeleton":
+        return (f"answers {r['outcomes']}, sent {r['sent']}; /health max {r['health_max_s']} s "
+                f"(n {r['health_n']}, errors {r['health_errors']})")
+    if name == "datatype_list":
+        return (f"statuses {r['statuses']}; log: {r['tracebacks']} Traceback, "
+                f"{r['asgi_exceptions']} 'Exception in ASGI application'")
+    return str({k: v for k, v in r.items() if k not in (
+        "api_rss_growth_mb", "model", "seconds", "time", "healthy_after", "left_after_stop",
+        "where")})
+
+
+def worse(stock: dict, on: dict) -> list[str]:
+    """Where shm-embeds does worse than stock (the brief's thresholds)."""
+    flags = []
+    for name, r in on.items():
+        s = stock.get(name)
+        if not isinstance(r, dict) or not isinstance(s, dict):
+            continue
+        if "error" in r:
+            flags.append(f"{name}: the attack failed on shm-embeds: {r['error'][:200]}")
+        if r.get("api_rss_growth_mb", 0) > s.get("api_rss_growth_mb", 0) + 256:
+            flags.append(f"{name}: RSS growth {r['api_rss_growth_mb']} MB vs stock "
+                         f"{s['api_rss_growth_mb']} MB")
+        lat = []
+        if name == "planted_names" and "embeds" in r and "embeds" in s:
+            b_on, b_st = r.get("embeds_before_planting"), s.get("embeds_before_planting")
+            if b_on and b_st:
+                lat = [("embeds p50 before planting (no attack)", b_on["p50_s"], b_st["p50_s"]),
+                       ("embeds max before planting (no attack)", b_on["max_s"], b_st["max_s"])]
+            lat += [("embeds p50", r["embeds"]["p50_s"], s["embeds"]["p50_s"]),
+                   ("embeds max", r["embeds"]["max_s"], s["embeds"]["max_s"])]
+            lo, ls = r["loaded"], s["loaded"]
+            lat += [(k, lo[k], ls[k]) for k in ("embeds_p50_s", "embeds_max_s", "text_p50_s",
+                                                 "text_p90_s", "scrape_p50_s")]
+            if lo["scrape_errors"] > ls["scrape_errors"]:
+                flags.append(f"{name}: scrape errors {lo['scrape_errors']} vs stock "
+                             f"{ls['scrape_errors']}")
+        if name == "binary_skeleton" and "health_max_s" in r:
+            lat = [("/health max", r["health_max_s"], s.get("health_max_s"))]
+        for what, v_on, v_st in lat:
+            if v_on is not None and v_st is not None and v_on > 1.5 * v_st + 0.25:
+                flags.append(f"{name}: {what} {v_on} s vs stock {v_st} s")
+        if r.get("tracebacks") or r.get("asgi_exceptions"):
+            flags.append(f"{name}: {r.get('tracebacks')} Traceback / {r.get('asgi_exceptions')} "
+                         "ASGI exception lines in the shm-embeds server's log")
+        if name == "listing" and r.get("segment_names_seen"):
+            flags.append(f"listing: uid 65534 saw {r['segment_names_seen']} segment names")
+        if r.get("healthy_after") is False:
+            flags.append(f"{name}: shm-embeds server not healthy after")
+    return flags
 
 
 def main() -> None:
@@ -243,29 +695,69 @@ def main() -> None:
     ap.add_argument("--stalled", type=int, default=6)
     ap.add_argument("--declare-gib", type=float, default=1.5)
     ap.add_argument("--stall-s", type=float, default=8.0)
+    ap.add_argument("--planted-names", type=int, default=200_000)
+    ap.add_argument("--skeleton-stall-s", type=float, default=12.0)
     ap.add_argument("--modes", default="stock,shm-embeds")
+    ap.add_argument("--only", default=",".join(WIDE + TINY),
+                    help="attacks to run, comma-separated: " + ",".join(WIDE + TINY))
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                   "hostile.json"))
     args = ap.parse_args()
+    only = args.only.split(",")
+    unknown = sorted(set(only) - set(WIDE + TINY))
+    if unknown:
+        ap.error(f"unknown attacks: {unknown}")
     from helpers import embed_weights
 
-    weights = embed_weights(os.path.join(ROOT, ".models", "wide"))
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench-hostile-"))
     modes = args.modes.split(",")
-    runs = [run_mode(m == "shm-embeds", args, weights, tmp / m) for m in modes]
+    runs = {m: {"mode": m} for m in modes}
+    t0 = time.monotonic()
+    for model, group in (("wide", WIDE), ("tiny", TINY)):
+        attacks = [a for a in group if a in only]
+        if not attacks:
+            continue
+        weights = embed_weights(os.path.join(ROOT, ".models", model))
+        for m in modes:
+            runs[m].update(run_server(m == "shm-embeds", model, attacks, args, weights,
+                                      tmp / f"{model}-{m}"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    total_s = round(time.monotonic() - t0)
+
+    # The file: attacks run now replace theirs; the others' figures stay.
+    old: dict = {}
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            old = json.load(f)
+    merged = {r["mode"]: r for r in old.get("runs", [])}
+    for m, r in runs.items():
+        merged.setdefault(m, {"mode": m}).update(r)
+    for r in merged.values():  # per attack now (healthy_after / left_after_stop)
+        r.pop("healthy_after", None)
+        r.pop("left", None)
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "time": time.strftime("%Y-%m-%d %H:%M UTC",
-                                                             time.gmtime()),
-                   "runs": runs}, f, indent=1)
-    print("\n| mode | attack | API server RSS growth MB | outcome |")
+        json.dump({"args": vars(args), "time": stamp, "seconds": total_s,
+                   "runs": list(merged.values())}, f, indent=1)
+
+    print(f"\nwhole run: {total_s} s\n")
+    print("| attack | mode | API server RSS growth MB | outcome |")
     print("|---|---|---:|---|")
-    for r in runs:
-        for name in ("stalled", "memo", "nested", "planted"):
-            res = {k: v for k, v in r[name].items() if k != "api_rss_growth_mb"}
-            print(f"| {r['mode']} | {name} | {r[name]['api_rss_growth_mb']:.0f} | {res} |")
-    for r in runs:
-        print(f"{r['mode']}: healthy after: {r['healthy_after']}, left: {len(r['left'])}")
+    for name in [a for a in WIDE + TINY if a in only]:
+        for m in modes:
+            r = runs[m].get(name)
+            if r is not None:
+                print(f"| {name} | {m} | {r['api_rss_growth_mb']:.0f} | {summary(name, r)} |")
+    for m in modes:
+        left = sorted({n for r in runs[m].values() if isinstance(r, dict)
+                       for n in r.get("left_after_stop", [])})
+        healthy = all(r.get("healthy_after", True) for r in runs[m].values()
+                      if isinstance(r, dict))
+        print(f"{m}: healthy after every attack: {healthy}, left after stop: {len(left)}")
+    if "stock" in runs and "shm-embeds" in runs:
+        flags = worse(runs["stock"], runs["shm-embeds"])
+        print("\nshm-embeds worse than stock: " + ("; ".join(flags) if flags else "nowhere"))
 
 
 if __name__ == "__main__":
