@@ -367,8 +367,17 @@ class Nodes:
 
     def follower_shm_not_vllm(self) -> list[str]:
         """What in the follower's ``/dev/shm`` is not one of vLLM's own files
-        (:data:`VLLM_SHM_FILES`): our segments, or anything else left there."""
-        return [n for n in self.follower_shm() if not os.path.basename(n).startswith(VLLM_SHM_FILES)]
+        (:data:`VLLM_SHM_FILES`): our segments, or anything else left there. The
+        owner file of the follower's private segment directory is expected while
+        it runs (it goes with that directory when the follower stops)."""
+        from vllm._shm_embeds.private_dir import OWNER_FILE, PREFIX
+
+        def expected(n: str) -> bool:
+            head, base = os.path.split(n)
+            return (base.startswith(VLLM_SHM_FILES)
+                    or (base == OWNER_FILE and os.path.basename(head).startswith(PREFIX)))
+
+        return [n for n in self.follower_shm() if not expected(n)]
 
     def head_shm_ours(self) -> list[str]:
         """Our segment files in the head's segment directory."""
