@@ -325,4 +325,4 @@ def test_a_follower_without_the_plugin_keeps_hop2_stock(follower_without_plugin)
     engine = rec["embeds"]["counters"].get("head:engine", {})
     assert engine.get("fallback.hop2.remote") == 1, rec["embeds"]["counters"]
     assert not any(k.startswith("hop2_reader_tensors") for k in engine), engine
-    assert "does not run shm-embeds hop 2" in rec["log"]
+    assert "does not run this shm-embeds version's hop 2" in rec["log"]
