@@ -82,8 +82,7 @@ def test_no_check_walks_on_its_callers_thread(shm_env, monkeypatch):
     async def on_loop():
         checks(threading.current_thread())
 
-    try:
-        checks(threading.current_thread())  # off the loop (the EngineCore's case)
+    def release_all():
         gate.set()
         _background_walks_end()
         for handle, fds in made:
@@ -91,17 +90,16 @@ def test_no_check_walks_on_its_callers_thread(shm_env, monkeypatch):
                 os.close(fd)
             seg.unlink_segment(shm_env, handle.name, len(handle.parts()))
         made.clear()
+
+    try:
+        checks(threading.current_thread())  # off the loop (the EngineCore's case)
+        release_all()
         gate.clear()
         walks.clear()
         process.current().censuses.clear()
         asyncio.run(on_loop())
     finally:
-        gate.set()
-        _background_walks_end()
-        for handle, fds in made:
-            for fd in fds:
-                os.close(fd)
-            seg.unlink_segment(shm_env, handle.name, len(handle.parts()))
+        release_all()
     assert not waited_out
 
 
