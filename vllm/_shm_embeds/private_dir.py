@@ -135,10 +135,7 @@ def resolve(mount: str) -> str:
         found = _resolved.get(mount)
         if found is not None and (_state["closed"] or os.path.isdir(found)):
             return found  # once removed at exit, never made again (it would be left behind)
-        try:
-            st = os.lstat(mount)
-        except OSError:
-            raise
+        st = os.lstat(mount)
         if _is_private(st) and _parent_is_safe(mount):
             _resolved[mount] = mount
             return mount
