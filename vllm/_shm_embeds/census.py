@@ -4,7 +4,8 @@
 The budget (``transfer.check_budget``) needs the bytes that the server's
 segment files hold: every process of the server writes some (the API server
 its hop-1 segments, the EngineCore its hop-2 copies). What this process wrote
-is its own bookkeeping, counted at once (:meth:`Census.wrote`); what the other
+and unlinked is its own bookkeeping, counted at once (:meth:`Census.wrote`,
+:meth:`Census.unlinked`); what the other
 processes hold is reconciled by a walk of the directory
 (``segment_dir.held_bytes``) that never runs on a caller's thread: not on the
 API server's event loop, not on the executor threads its request paths share,
@@ -18,9 +19,8 @@ The directory is the server's private one (``private_dir``): only this uid
 can enter it, so a walk steps over our own names, bounded by
 ``VLLM_SHM_EMBEDS_MAX_SEGMENTS`` per process, never over names others planted.
 What other processes wrote or removed since the last walk is seen at the next
-one (within :data:`MIN_INTERVAL_S` plus a walk), and so is what this process
-removed; bytes this process wrote during a walk may count twice until the
-next. Every error but the other processes' newest files is on the safe side
+one (within :data:`MIN_INTERVAL_S` plus a walk); bytes this process wrote
+during a walk may count twice until the next. Every error but the other processes' newest files is on the safe side
 (more counted, the stock path sooner).
 
 Knows segment files, not vLLM and not HTTP.
