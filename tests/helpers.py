@@ -676,3 +676,15 @@ def new_fds(before: dict[int, str]) -> dict[int, str]:
         if t.name == "shm-embeds-census":
             t.join(10)
     return {fd: link for fd, link in open_fds().items() if before.get(fd) != link}
+
+
+def ring_message(buf) -> list[bytes]:
+    """The buffers of one chunk of vLLM's broadcast ring, as
+    ``MessageQueue.dequeue`` (``shm_broadcast.py`` 0.32) reads them."""
+    assert buf[0] == 0
+    count, offset, out = int.from_bytes(buf[1:3], "big"), 3, []
+    for _ in range(count):
+        n = int.from_bytes(buf[offset:offset + 4], "big")
+        out.append(bytes(buf[offset + 4:offset + 4 + n]))
+        offset += 4 + n
+    return out

@@ -12,6 +12,7 @@ import torch
 from vllm._shm_embeds import hop2, lifecycle, process, streamed, transfer
 from vllm._shm_embeds.lifecycle import (
     BROADCAST,
+    DRAINING,
     FREED,
     GONE,
     HELD,
@@ -187,6 +188,95 @@ def s_streamed(d):
     assert _die(e) == [GONE] and os.listdir(d) == []  # HELD -> GONE
 
 
+def s_draining(d):
+    """A zero-copy send of the bytes (a live ``send_view``) keeps the pages
+    wherever the request's end would drop them: DRAINING, name gone, bytes
+    intact; once the send is done (the view's storage freed) the next safe
+    point drops them (sent: DRAINING -> GONE)."""
+
+    def draining(e, t):
+        assert e.state is DRAINING and os.listdir(d) == [] and t.any()
+
+    def dropped(e, t):
+        assert _die(e) == [GONE] and not t.any()
+
+    a = _adopt()
+    e, v = _entry(a), transfer.send_view(a)
+    assert v is not a and v.data_ptr() == a.data_ptr() and torch.equal(v, a)
+    assert not transfer.release_adopted(a)  # HELD -> DRAINING
+    draining(e, a)
+    del v
+    dropped(e, a)
+    a = _adopt()
+    e, h = _entry(a), hop2.externalize(a, readers=1)
+    transfer.open_tensor(h, 0)
+    v = transfer.send_view(a)
+    assert not transfer.release_adopted(a)  # BROADCAST -> DRAINING (settled there)
+    draining(e, a)
+    del v
+    dropped(e, a)
+    a = _adopt()
+    e, h = _entry(a), hop2.externalize(a, readers=1)
+    v = transfer.send_view(a)
+    assert not transfer.release_adopted(a) and e.state is FREED
+    transfer.open_tensor(h, 0)
+    process.collect()  # settle: FREED -> DRAINING
+    draining(e, a)
+    del v
+    dropped(e, a)
+    a = _adopt()
+    e, h = _entry(a), hop2.externalize(a, readers=1)
+    transfer.release_adopted(a)
+    v = transfer.send_view(a)  # (sent by a step scheduled before vLLM freed it)
+    transfer.open_tensor(h, 0)
+    assert not transfer.release_adopted(a)  # FREED -> DRAINING
+    draining(e, a)
+    del v
+    dropped(e, a)
+    a = _adopt()  # its name removed by someone: MAPPED
+    e = _entry(a)
+    _unlink_files(e, d)
+    transfer.open_tensor(hop2.externalize(a, readers=1), 0)
+    v = transfer.send_view(a)
+    assert e.state is MAPPED and not transfer.release_adopted(a)  # MAPPED -> DRAINING
+    draining(e, a)
+    del v
+    dropped(e, a)
+    t = streamed.streamed_tensor_like(torch.float32, (8, 32))
+    t.fill_(1)
+    e, v = _entry(t), transfer.send_view(t)
+    assert streamed.release_streamed(t)  # HELD -> DRAINING
+    draining(e, t)
+    del v
+    dropped(e, t)
+    t = streamed.streamed_tensor_like(torch.float32, (8, 32))
+    t.fill_(1)
+    e = _entry(t)
+    adopted = transfer.adopt_tensor(streamed.hand_over(t))
+    v = transfer.send_view(t)
+    transfer.release_adopted(adopted)  # the peer's end
+    assert streamed.release_streamed(t)  # MAPPED -> DRAINING
+    draining(e, t)
+    del v
+    dropped(e, t)
+    # a send done before the request's end changes nothing
+    a = _adopt()
+    e, v = _entry(a), transfer.send_view(a)
+    del v
+    assert _die(e) == [HELD] and e.sends == 0
+    assert transfer.release_adopted(a) and e.state is GONE
+    # only our mappings get views
+    other = torch.randn(4, 4)
+    assert transfer.send_view(other) is other and transfer.send_view(None) is None
+    a = _adopt()
+    e, v = _entry(a), transfer.send_view(a)
+    transfer.release_adopted(a)
+    _owned().unlink_all()  # DRAINING -> GONE
+    assert e.state is GONE and a.any()
+    del v
+    process.collect()
+
+
 def s_unlink_all(d):
     held = _adopt()
     broadcast = _adopt()
@@ -204,7 +294,7 @@ def s_unlink_all(d):
 
 
 SCENARIOS = [s_broadcast_and_settle, s_freed, s_die, s_copies, s_vanish,
-             s_release_unknown, s_streamed, s_unlink_all]
+             s_release_unknown, s_streamed, s_draining, s_unlink_all]
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.__name__[2:])

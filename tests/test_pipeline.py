@@ -24,7 +24,7 @@ import types
 
 import pytest
 import torch
-from helpers import by_role, held_by, new_fds, open_fds
+from helpers import by_role, held_by, new_fds, open_fds, ring_message
 
 from vllm._shm_embeds import counters, handle, hop2, process, transfer
 from vllm._shm_embeds.handle import HOP2_WIRE, EmbedsPlaceholder, InlineEmbeds, SharedTensorHandle
@@ -255,17 +255,6 @@ class _FakeQueue:
         self.local.append(buf)
 
 
-def _ring_message(buf):
-    """The buffers of one ring chunk, as ``MessageQueue.dequeue`` reads them."""
-    assert buf[0] == 0
-    count, offset, out = int.from_bytes(buf[1:3], "big"), 3, []
-    for _ in range(count):
-        n = int.from_bytes(buf[offset:offset + 4], "big")
-        out.append(bytes(buf[offset + 4:offset + 4 + n]))
-        offset += 4 + n
-    return out
-
-
 def _received(buffers):
     return pickle.loads(buffers[0], buffers=buffers[1:])
 
@@ -283,9 +272,9 @@ def test_enqueue_split_through_vllms_enqueue(remote_bytes):
     setattr(mq, shm_broadcast.PLAN_ATTR, [(req, hop2.remote_form(tensor, plan))])
     enqueue(mq, ("execute_model", (types.SimpleNamespace(scheduled_new_reqs=[req]),), {}, 0))
     [ring], [remote] = mq.local, mq.remote
-    local_msg = _received(_ring_message(ring))
+    local_msg = _received(ring_message(ring))
     assert local_msg[1][0].scheduled_new_reqs[0].prompt_embeds == h
-    assert len(_ring_message(ring)) == 1  # no tensor bytes for the local readers
+    assert len(ring_message(ring)) == 1  # no tensor bytes for the local readers
     got = _received(remote)[1][0].scheduled_new_reqs[0].prompt_embeds
     if remote_bytes:
         assert isinstance(got, InlineEmbeds) and torch.equal(got.tensor, tensor)
@@ -302,7 +291,7 @@ def test_enqueue_unchanged_without_a_plan_and_restored_on_error():
     mq = _FakeQueue(2, 1)
     enqueue(mq, ("ping", (), {}, None))
     assert len(mq.local) == 1 and len(mq.remote) == 1
-    assert _received(mq.remote[0]) == _received(_ring_message(mq.local[0]))
+    assert _received(mq.remote[0]) == _received(ring_message(mq.local[0]))
     h = SharedTensorHandle("vllm-shm-embeds.1.2.3.4", "float32", (8, 8), readers=2)
     req = _Req(h)
     mq = _FakeQueue(2, 1, fail_remote=True)

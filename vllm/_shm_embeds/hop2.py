@@ -55,6 +55,7 @@ from vllm._shm_embeds.transfer import (
     dense_nbytes,
     eligible,
     open_tensor,
+    send_view,
 )
 
 logger = init_logger(__name__)
@@ -158,9 +159,11 @@ def reader_plan(first_stage: int, n_local: int, n_remote: int) -> ReaderPlan:
 
 
 def remote_form(tensor: torch.Tensor, plan: ReaderPlan) -> EmbedsPlaceholder | InlineEmbeds:
-    """What the remote readers of ``plan`` get instead of ``tensor``'s handle."""
+    """What the remote readers of ``plan`` get instead of ``tensor``'s handle:
+    the bytes (over a ``transfer.send_view``: sent without a copy) or a
+    placeholder."""
     if plan.remote_bytes:
-        return InlineEmbeds(tensor)
+        return InlineEmbeds(send_view(tensor))
     return EmbedsPlaceholder(dtype_name(tensor.dtype), tuple(tensor.shape))
 
 
@@ -219,6 +222,25 @@ def externalize_prompt_embeds(
         req.prompt_embeds = handle
         swapped.append((req, tensor))
         count_many({Event.HOP2_SHM_TENSORS: 1, Event.HOP2_SHM_BYTES: tensor.nbytes})
+    return swapped
+
+
+def send_views(new_reqs: Iterable[Any]) -> list[tuple[Any, torch.Tensor]]:
+    """Swap each ``prompt_embeds`` tensor left on ``new_reqs`` that a mapping
+    of ours holds (hop 2 stock for it) for its ``transfer.send_view``, so that
+    its pages stay while vLLM's zero-copy send reads them.
+
+    Returns:
+        ``(obj, tensor)`` pairs for :func:`restore_prompt_embeds`.
+    """
+    swapped: list[tuple[Any, torch.Tensor]] = []
+    for req in new_reqs:
+        tensor = getattr(req, "prompt_embeds", None)
+        if isinstance(tensor, torch.Tensor):
+            view = send_view(tensor)
+            if view is not tensor:
+                req.prompt_embeds = view
+                swapped.append((req, tensor))
     return swapped
 
 

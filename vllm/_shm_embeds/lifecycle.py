@@ -29,6 +29,9 @@ books see at a safe point::
        also BROADCAST -> GONE (settle, release_adopted, once the readers
        are done and nothing maps it here); unlink_all: any state -> GONE
 
+       and wherever a move to GONE would drop pages that a zero-copy send
+       may still read (``sends`` > 0): DRAINING instead, then GONE (sent)
+
 * ``HELD``: the name is linked, the request uses the segment here (its tensor
   is mapped here, or, for a hop-2 copy, the tensor it copies is alive), no
   broadcast of it is pending.
@@ -39,6 +42,10 @@ books see at a safe point::
 * ``MAPPED``: out of the books: the name is gone or was passed to a peer
   (``hand_over``), but the pages are still mapped here as a tensor until the
   request is released or the storage dies.
+* ``DRAINING``: the request is done with it and its name is gone, but vLLM
+  may still be sending its bytes without a copy (a ZMQ frame over a
+  ``send_view``; see ``OwnedSegments.send_view``): its pages are dropped once
+  the last such send is done (``sent``), never before.
 * ``GONE``: nothing of it is left here (terminal; not kept in the index).
 
 Words: *unlink* removes names; *drop* gives back this process's pages of a
@@ -87,6 +94,7 @@ class State(enum.Enum):
     BROADCAST = "broadcast"
     FREED = "freed"
     MAPPED = "mapped"
+    DRAINING = "draining"
     GONE = "gone"
 
 
@@ -114,11 +122,18 @@ class SourceDied(NamedTuple):
     ptr: int
 
 
+class SendDone(NamedTuple):
+    """Finalizer record: a zero-copy send of a mapped segment's bytes is done
+    (the storage of its ``send_view`` was freed)."""
+
+    name: str
+
+
 class IllegalTransition(RuntimeError):
     """An event that :data:`TRANSITIONS` does not allow (a bug of shm-embeds)."""
 
 
-HELD, BROADCAST, FREED, MAPPED, GONE = State
+HELD, BROADCAST, FREED, MAPPED, DRAINING, GONE = State
 ALL = frozenset(Kind)
 SENT = frozenset({Kind.ADOPTED, Kind.REGION, Kind.COPY})  # broadcast at hop 2
 MAPS = frozenset({Kind.ADOPTED, Kind.REGION, Kind.STREAMED})  # a tensor maps it here
@@ -134,6 +149,7 @@ OBSERVED = frozenset({
     "die",  # its tensor's storage, or a copy's source, was freed (a finalizer's record)
     "settle",  # the readers of its broadcasts have set their flags (``collect``)
     "vanish",  # another process removed its name (seen by ``broadcast``)
+    "sent",  # the last zero-copy send of its bytes is done (a finalizer's record)
 })
 
 # The only moves a segment makes. Events are ``OwnedSegments`` methods, or
@@ -147,21 +163,23 @@ TRANSITIONS: tuple[Transition, ...] = (
     # the readers are done: still in use, unlinked (pages still mapped here
     # when nothing tells the end of the request), or gone
     _row("settle", BROADCAST, {HELD, MAPPED, GONE}, SENT),
-    _row("settle", FREED, {GONE}, SENT),
+    _row("settle", FREED, {GONE, DRAINING}, SENT),
     # another process removed the name before hop 2 could reuse it
     _row("vanish", HELD, {MAPPED, GONE}, SENT),
     _row("hand_over", HELD, {MAPPED}, frozenset({Kind.STREAMED})),
-    _row("release_adopted", HELD, {GONE}, SENT),
-    _row("release_adopted", BROADCAST, {FREED, GONE}, SENT),
-    _row("release_adopted", FREED, {FREED, GONE}, SENT),
-    _row("release_adopted", MAPPED, {GONE}, MAPS),
-    _row("release_streamed", HELD, {GONE}, frozenset({Kind.STREAMED})),
-    _row("release_streamed", MAPPED, {GONE}, MAPS),
+    _row("release_adopted", HELD, {GONE, DRAINING}, SENT),
+    _row("release_adopted", BROADCAST, {FREED, GONE, DRAINING}, SENT),
+    _row("release_adopted", FREED, {FREED, GONE, DRAINING}, SENT),
+    _row("release_adopted", MAPPED, {GONE, DRAINING}, MAPS),
+    _row("release_streamed", HELD, {GONE, DRAINING}, frozenset({Kind.STREAMED})),
+    _row("release_streamed", MAPPED, {GONE, DRAINING}, MAPS),
+    # the last zero-copy send of its bytes is done: its pages may go
+    _row("sent", DRAINING, {GONE}, MAPS),
     _row("die", HELD, {GONE}, ALL),
     _row("die", BROADCAST, {BROADCAST}, SENT),
     _row("die", FREED, {FREED}, SENT),
     _row("die", MAPPED, {GONE}, MAPS),
-    *(_row("unlink_all", s, {GONE}, ALL) for s in (HELD, BROADCAST, FREED, MAPPED)),
+    *(_row("unlink_all", s, {GONE}, ALL) for s in (HELD, BROADCAST, FREED, MAPPED, DRAINING)),
 )
 
 _ALLOWED: dict[tuple[str, State | None], Transition] = {
@@ -214,6 +232,8 @@ class OwnedSegment:
         broadcasts: ``(flag_base, readers)`` of broadcasts whose readers have
             not all set their flags (non-empty in ``BROADCAST`` and ``FREED``).
         next_flag: first unused flag byte.
+        sends: zero-copy sends of its bytes not done yet (live
+            ``send_view`` storages); its pages are not dropped while > 0.
     """
 
     handle: SharedTensorHandle
@@ -226,6 +246,7 @@ class OwnedSegment:
     fds: list[int] | None = None
     broadcasts: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     next_flag: int = 0
+    sends: int = 0
 
     def maps(self, tensor: torch.Tensor) -> bool:
         """True if ``tensor`` is exactly this segment's mapping here (same
@@ -286,8 +307,15 @@ class Index:
         return list(self._names.values())
 
     def linked(self) -> list[OwnedSegment]:
-        """The segments in the books (names linked, not ``MAPPED``)."""
-        return [e for e in self._names.values() if e.state is not MAPPED]
+        """The segments in the books (names linked: not ``MAPPED`` or ``DRAINING``)."""
+        return [e for e in self._names.values() if e.state not in (MAPPED, DRAINING)]
+
+    def containing(self, tensor: torch.Tensor) -> OwnedSegment | None:
+        """The segment whose mapping here holds all of ``tensor``'s storage
+        (a tensor maps it here and its request is not done), if any."""
+        return next((e for e in self._names.values()
+                     if e.data_ptr is not None and e.mm is not None
+                     and e.state not in (DRAINING, GONE) and seg.within(e.mm, tensor)), None)
 
     def mapped(self, tensor: torch.Tensor) -> OwnedSegment | None:
         """The ``MAPPED`` segment that is exactly ``tensor``, if any."""
@@ -304,7 +332,7 @@ class Index:
             self._names[name] = entry
             self._keys[entry.key] = name
         entry.state = to
-        if to is MAPPED or to is GONE:
+        if to in (MAPPED, DRAINING, GONE):
             self.unkey(entry.key, name)
         if to is GONE:
             self._names.pop(name, None)

@@ -39,6 +39,7 @@ from vllm._shm_embeds.counters import Event, count, count_reason
 from vllm._shm_embeds.handle import MAX_READERS, SegmentName, SharedTensorHandle, ShmEmbedsError
 from vllm._shm_embeds.lifecycle import (
     BROADCAST,
+    DRAINING,
     FREED,
     GONE,
     HELD,
@@ -46,7 +47,9 @@ from vllm._shm_embeds.lifecycle import (
     Index,
     Kind,
     OwnedSegment,
+    SendDone,
     SourceDied,
+    State,
     StorageDied,
 )
 
@@ -67,7 +70,7 @@ class ProcessState(Protocol):
     def owns_name(self, name: SegmentName) -> bool: ...
 
 
-def on_release(state: ProcessState, record: StorageDied | SourceDied) -> None:
+def on_release(state: ProcessState, record: StorageDied | SourceDied | SendDone) -> None:
     """Finalizer: record that a tracked object died. Only records.
 
     Runs from garbage collection, on whatever thread dropped the last
@@ -96,6 +99,8 @@ class OwnedSegments:
         self._lock = threading.Lock()
         # Files a request body is being written into (``streamed.StreamedFile``).
         self._streams: set = set()
+        # ``DRAINING`` segments whose last send is done: pages to drop (lock held).
+        self._drained: list[OwnedSegment] = []
 
     # -- own
 
@@ -131,13 +136,20 @@ class OwnedSegments:
         while records:
             record = records.popleft()
             entry = index.get(record.name)
+            if isinstance(record, SendDone):
+                if entry is not None:
+                    entry.sends -= 1
+                    if (entry.state is DRAINING and not entry.sends
+                            and index.move(entry, "sent", GONE)):
+                        self._drained.append(entry)
+                continue
             if isinstance(record, SourceDied):
                 index.unkey(record.ptr, record.name)
-                if entry is None or entry.state is MAPPED:
+                if entry is None or entry.state in (MAPPED, DRAINING):
                     continue
                 entry.source = None
-            elif entry is None:
-                continue
+            elif entry is None or entry.state is DRAINING:
+                continue  # (the send views have storages of their own)
             elif entry.state is MAPPED:
                 index.move(entry, "die", GONE)
                 continue
@@ -179,6 +191,19 @@ class OwnedSegments:
             return False
         return True
 
+    def _finish(self, entry: OwnedSegment) -> State:
+        """Where a request's end takes ``entry``, whose pages would be dropped:
+        ``GONE``, or ``DRAINING`` while a zero-copy send may still read them."""
+        return DRAINING if entry.sends else GONE
+
+    def _drop_drained(self) -> None:
+        """Drop the pages of segments whose last send is done (lock not held)."""
+        with self._lock:
+            drained, self._drained = self._drained, []
+        for entry in drained:
+            if self._drop(entry):
+                count(Event.ENGINE_PAGES_RELEASED)
+
     def collect(self) -> int:
         """Safe point (event ``settle``): unlink the names that no reader and
         no request needs any more; returns how many segments went."""
@@ -206,9 +231,10 @@ class OwnedSegments:
                 # request meanwhile, else when it is released (or dies)
                 mapped = entry.data_ptr is not None and entry.state is not FREED
                 freed = entry.data_ptr is not None and not mapped
-                if self._index.move(entry, "settle", MAPPED if mapped else GONE):
+                to = MAPPED if mapped else self._finish(entry) if freed else GONE
+                if self._index.move(entry, "settle", to):
                     gone.append(entry)
-                    if freed:
+                    if freed and to is GONE:
                         drop.append(entry)
         for fd in idle_fds:
             os.close(fd)
@@ -216,7 +242,35 @@ class OwnedSegments:
         for entry in drop:
             if self._drop(entry):
                 count(Event.ENGINE_PAGES_RELEASED)
+        self._drop_drained()
         return len(gone)
+
+    # -- zero-copy sends
+
+    def send_view(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """``tensor`` for a message vLLM may send without a copy, or None if
+        no mapping of this process's books holds it.
+
+        vLLM sends large tensors as ZMQ frames with ``copy=False``
+        (``MessageQueue.enqueue``, ``vllm/distributed/device_communicators/
+        shm_broadcast.py``; ``_send_input``, ``vllm/v1/engine/core_client.py``,
+        0.32): ZMQ reads the memory after the call returns, for as long as the
+        peer does not read, and the frame keeps the tensor's storage alive.
+        Alive is not enough here: at a request's end this process's pages of
+        its mapping are replaced by zero pages (``segment.drop_pages``). The
+        view returned has the same pages, dtype, shape and strides and a
+        storage of its own; until that storage is freed (the frames sent and
+        released), the segment's pages stay: a request freed meanwhile goes
+        ``DRAINING``, and the pages go at the first safe point after the send.
+        """
+        with self._lock:
+            entry = self._index.containing(tensor)
+            if entry is None:
+                return None
+            view, anchor = seg.view_within(entry.mm, tensor)
+            entry.sends += 1
+        weakref.finalize(anchor, on_release, self._state, SendDone(entry.handle.name))
+        return view
 
     # -- hop 2
 
@@ -322,20 +376,22 @@ class OwnedSegments:
                 if entry.kind is Kind.STREAMED or not (copy or entry.maps(tensor)):
                     continue
                 entry.settle()
+                to = GONE if copy else self._finish(entry)
                 if entry.broadcasts:
                     self._index.move(entry, "release_adopted", FREED)
-                elif self._index.move(entry, "release_adopted", GONE):
+                elif self._index.move(entry, "release_adopted", to):
                     (copies if copy else adopted).append(entry)
             view = self._index.mapped(tensor)
-            if view is not None and not self._index.move(view, "release_adopted", GONE):
+            if view is not None and not self._index.move(view, "release_adopted",
+                                                         self._finish(view)):
                 view = None
         self._unlink(copies)  # only their headers are mapped here
         self._unlink(adopted)
         dropped = False
         for entry in adopted:
-            dropped |= self._drop(entry)
+            dropped |= entry.state is GONE and self._drop(entry)
         if view is not None:
-            dropped |= self._drop(view)
+            dropped |= view.state is GONE and self._drop(view)
         return dropped
 
     def release_streamed(self, tensor: torch.Tensor) -> bool:
@@ -352,13 +408,15 @@ class OwnedSegments:
             unlink = entry is not None
             if not unlink:
                 entry = self._index.mapped(tensor)
-            if entry is not None and not self._index.move(entry, "release_streamed", GONE):
+            if entry is not None and not self._index.move(entry, "release_streamed",
+                                                          self._finish(entry)):
                 entry = None
         if entry is None:
             return False
         if unlink:
             self._unlink([entry])
-        self._drop(entry)
+        if entry.state is GONE:
+            self._drop(entry)
         return True
 
     # -- whole process

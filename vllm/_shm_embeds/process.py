@@ -198,6 +198,8 @@ def _reaper_loop(state: Process) -> None:
         time.sleep(REAP_INTERVAL_S)
         try:
             state.owned.collect()
+            if state.regions is not None:  # regions freed once their sends are done
+                state.regions.settle()
             if state.sweep_interval and time.monotonic() - last_sweep >= state.sweep_interval:
                 last_sweep = time.monotonic()
                 sweep_stale_segments(expected=True)

@@ -362,6 +362,35 @@ def tensor_view(mm: mmap.mmap, handle: SharedTensorHandle) -> tuple[torch.Tensor
     return raw.view(handle.torch_dtype).view(handle.shape), anchor
 
 
+def within(mm: mmap.mmap, tensor: torch.Tensor) -> bool:
+    """True if all of ``tensor``'s storage lies in ``mm``."""
+    if mm.closed:
+        return False
+    storage = tensor.untyped_storage()
+    start = storage.data_ptr() - _base(mm)
+    return 0 <= start and start + storage.nbytes() <= len(mm)
+
+
+def view_within(mm: mmap.mmap, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """A tensor equal to ``tensor`` (same pages, dtype, shape and strides; ``tensor``
+    lies in ``mm``: :func:`within`) whose storage has an anchor of its own.
+
+    Returns ``(view, anchor)`` as :func:`tensor_view` does: ``anchor`` dies
+    (weakref callbacks run) when the last tensor, view or exported buffer
+    (e.g. a ZMQ frame's) over ``view``'s storage is gone, whatever holds
+    ``tensor``.
+    """
+    storage = tensor.untyped_storage()
+    anchor = memoryview(mm)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        raw = torch.frombuffer(anchor, dtype=torch.uint8, count=storage.nbytes(),
+                               offset=storage.data_ptr() - _base(mm))
+    view = torch.empty(0, dtype=tensor.dtype).set_(
+        raw.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
+    return view, anchor
+
+
 def read_flags(mm: mmap.mmap, flag_base: int, readers: int) -> bytes:
     """The ``readers`` flag bytes of one broadcast."""
     start = READER_FLAGS_OFFSET + flag_base

@@ -373,6 +373,20 @@ def dense_nbytes(tensor: Any) -> int:
     return 0
 
 
+def send_view(tensor: Any) -> Any:
+    """What to put in a message vLLM may send without a copy in place of
+    ``tensor``: a view with a storage of its own if a mapping of ours holds
+    it (``OwnedSegments.send_view``, ``RegionRegistry.send_view``: its pages
+    then stay until the send is done), else ``tensor`` itself."""
+    if not isinstance(tensor, torch.Tensor):
+        return tensor
+    state = process.current()
+    view = state.owned.send_view(tensor)
+    if view is None and state.regions is not None:  # a registered region's (API server)
+        view = state.regions.send_view(tensor)
+    return tensor if view is None else view
+
+
 def release_adopted(tensor: Any) -> bool:
     """EngineCore: vLLM freed the request whose ``prompt_embeds`` is ``tensor``.
 

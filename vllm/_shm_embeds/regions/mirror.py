@@ -146,6 +146,14 @@ class RegionMirror:
     def is_region_tensor(self, tensor: Any) -> bool:
         return self._local.is_region_tensor(tensor)
 
+    def send_view(self, tensor: Any) -> torch.Tensor | None:
+        """As ``RegionRegistry.send_view``, for a region mapped here."""
+        return self._local.send_view(tensor)
+
+    def settle(self) -> int:
+        """As ``RegionRegistry.settle``."""
+        return self._local.settle()
+
     def stats(self) -> dict[str, Any]:
         return self._local.stats()
 

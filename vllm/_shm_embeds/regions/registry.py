@@ -18,12 +18,14 @@ Knows files and tensors, not vLLM and not HTTP. Thread-safe (one lock).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import mmap
 import os
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -31,6 +33,7 @@ import torch
 from vllm.logger import init_logger
 
 from vllm._shm_embeds import config
+from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.counters import Event, count, count_many, count_reason
 from vllm._shm_embeds.regions import memfd
 from vllm._shm_embeds.regions.memfd import NOT_MEMFD, RegionError  # noqa: F401 (the API)
@@ -108,7 +111,8 @@ class Region:
     tensor: torch.Tensor
     last_used: float = dataclasses.field(default_factory=time.monotonic)
     leases: int = 0
-    registered: bool = True  # False: out of lookup, freed at the last release
+    sends: int = 0  # zero-copy sends of its bytes not done (live send views)
+    registered: bool = True  # False: out of lookup, freed at the last release or send
 
     dtype = property(lambda self: self.tensor.dtype)
     nbytes = property(lambda self: self.tensor.nbytes)
@@ -149,6 +153,8 @@ class RegionRegistry:
         self._live: dict[int, Region] = {}  # data_ptr -> registered or leased
         self._held: dict[int, list[int]] = {}  # uid -> [regions, bytes], pending included
         self._leases = 0  # leases not released (requests' and lookups')
+        # Regions whose send view died (finalizers append, nothing else).
+        self._sent: collections.deque = collections.deque()
         self._closed = False
 
     # ------------------------------------------------------------ register
@@ -255,7 +261,7 @@ class RegionRegistry:
         if region.registered:
             region.registered = False
             del self._regions[region.id]
-        if region.leases:
+        if region.leases or region.sends or self._live.get(region.tensor.data_ptr()) is not region:
             return False
         self._live.pop(region.tensor.data_ptr(), None)
         self._unreserve(region.uid, region.nbytes)
@@ -301,6 +307,7 @@ class RegionRegistry:
         """Unregister regions without a lease whose ``last_used`` is more than
         ``idle_ttl_s`` seconds before ``now`` (``time.monotonic()``); returns how many."""
         now = time.monotonic() if now is None else now
+        self.settle()
         ttl = self.limits.idle_ttl_s
         return self._unregister(self._regions.values(), "idle",  # iterated under the lock
                                 lambda r: not r.leases and now - r.last_used > ttl)
@@ -371,15 +378,53 @@ class RegionRegistry:
     def _release(self, lease: Lease) -> None:
         region = lease.region
         with self._lock:
-            if lease._released:
-                return
-            lease._released = True
-            self._leases -= 1
-            region.leases -= 1
-            region.last_used = time.monotonic()
-            free = not region.registered and self._withdraw(region)
-        if free:
-            self._free(region)
+            free = self._sends_done()
+            if not lease._released:
+                lease._released = True
+                self._leases -= 1
+                region.leases -= 1
+                region.last_used = time.monotonic()
+            if not region.registered and self._withdraw(region):
+                free.append(region)
+        for r in free:
+            self._free(r)
+
+    # ------------------------------------------------------------ zero-copy sends
+
+    def send_view(self, tensor: Any) -> torch.Tensor | None:
+        """``tensor`` for a message vLLM may send without a copy, or None if it
+        is not a live region's tensor here (``owned.OwnedSegments.send_view``
+        says why): a view over the same pages with a storage of its own; the
+        region is not freed (its pages not dropped) until that storage is."""
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+            return None
+        with self._lock:
+            region = self._live.get(tensor.data_ptr())
+            if region is None or not seg.within(region.mm, tensor):
+                return None
+            view, anchor = seg.view_within(region.mm, tensor)
+            region.sends += 1
+        weakref.finalize(anchor, self._sent.append, region)  # deque.append: no lock
+        return view
+
+    def _sends_done(self) -> list[Region]:
+        """Apply the finalizers' records of sends done; the regions to free now
+        (lock held)."""
+        free = []
+        while self._sent:
+            region = self._sent.popleft()
+            region.sends -= 1
+            if not region.registered and self._withdraw(region):
+                free.append(region)
+        return free
+
+    def settle(self) -> int:
+        """Free the unregistered regions whose last send is done; how many."""
+        with self._lock:
+            free = self._sends_done()
+        for r in free:
+            self._free(r)
+        return len(free)
 
     def find(self, tensor: torch.Tensor) -> tuple[int, int, int] | None:
         """``(pid, fd, inode)`` if ``tensor`` is exactly (``data_ptr``, dtype,

@@ -13,13 +13,12 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm._shm_embeds import process, sizing
+from vllm._shm_embeds import digests, process, sizing
 from vllm._shm_embeds.config import min_bytes
 from vllm._shm_embeds.counters import set_role
-from vllm._shm_embeds.digests import block_tokens_of
 from vllm._shm_embeds.hop1 import HandleOOBConsumer
 from vllm._shm_embeds.sites.site import Site
-from vllm._shm_embeds.transfer import discard_shared
+from vllm._shm_embeds.transfer import discard_shared, send_view
 
 logger = init_logger(__name__)
 
@@ -73,31 +72,61 @@ def _discard(handles: list) -> None:
         logger.debug("shm-embeds: removed %d segment(s) of a request not sent", len(handles))
 
 
+def _send_view(request: Any) -> Any:
+    """Put the request's ``prompt_embeds`` over a ``transfer.send_view`` if a
+    mapping of ours holds it (a request body's segment, sent stock): its pages
+    stay while vLLM's zero-copy send reads them. Returns the tensor to put
+    back, or None. Never raises."""
+    try:
+        tensor = getattr(request, "prompt_embeds", None)
+        view = send_view(tensor)
+        if view is tensor:
+            return None
+        digests.attach(view, digests.attached(tensor))  # the same bytes
+        request.prompt_embeds = view
+        return tensor
+    except Exception:
+        logger.warning("shm-embeds: hop 1 could not hold a sent tensor's pages",
+                       exc_info=True)
+        return None
+
+
 def wrap_send_input(orig: Callable) -> Callable:
-    """After ``_send_input``: if encoding or sending failed (e.g. the engine is
-    dead), remove the segments made for that message; else forget them (the
-    EngineCore adopts them)."""
+    """Around ``_send_input``: the request's ``prompt_embeds`` over a
+    :func:`_send_view` while it is encoded and sent; if encoding or sending
+    failed (e.g. the engine is dead), remove the segments made for that
+    message; else forget them (the EngineCore adopts them)."""
 
     @functools.wraps(orig)
-    def _send_input(self, *args, **kwargs):
-        consumer = getattr(self, "_shm_embeds_consumer", None)
-        if consumer is None:
-            return orig(self, *args, **kwargs)
-        consumer.take_created()
+    def _send_input(self, request_type, request, *args, **kwargs):
+        held = _send_view(request)
         try:
-            result = orig(self, *args, **kwargs)
-        except BaseException:
-            _discard(consumer.take_created())
-            raise
-        created = consumer.take_created()
-        if created and hasattr(result, "add_done_callback"):
-            def _sent(fut, created=created):
-                if fut.cancelled() or fut.exception() is not None:
-                    _discard(created)
-            result.add_done_callback(_sent)
-        return result
+            return _send_tracked(self, orig, request_type, request, *args, **kwargs)
+        finally:
+            if held is not None:
+                request.prompt_embeds = held
 
     return _send_input
+
+
+def _send_tracked(self, orig: Callable, *args, **kwargs):
+    """``orig`` with the hop-1 consumer's segments removed if it fails."""
+    consumer = getattr(self, "_shm_embeds_consumer", None)
+    if consumer is None:
+        return orig(self, *args, **kwargs)
+    consumer.take_created()
+    try:
+        result = orig(self, *args, **kwargs)
+    except BaseException:
+        _discard(consumer.take_created())
+        raise
+    created = consumer.take_created()
+    if created and hasattr(result, "add_done_callback"):
+        def _sent(fut, created=created):
+            if fut.cancelled() or fut.exception() is not None:
+                _discard(created)
+        result.add_done_callback(_sent)
+    return result
 
 
 def _hop1_skip_reason(vllm_config: Any) -> str | None:
@@ -126,7 +155,7 @@ def wrap_client_init(orig: Callable) -> Callable:
             set_role("client")
             consumer = HandleOOBConsumer(
                 self.encoder.oob_tensor_consumer,
-                block_tokens_of(getattr(self.vllm_config, "cache_config", None)))
+                digests.block_tokens_of(getattr(self.vllm_config, "cache_config", None)))
             self.encoder.oob_tensor_consumer = consumer
             self.encoder = ArmingEncoder(self.encoder, consumer)
             self._shm_embeds_consumer = consumer
@@ -193,8 +222,12 @@ SITES = (
          retire=HOP1_RETIRE),
     Site("client_send_sync", "hop1", MODULE, "SyncMPClient._send_input", ("request",),
          ("self.encoder.encode(request)",), wrap_send_input,
-         what="a segment made for a message whose encode or send fails is removed at once",
-         why="nothing else would remove it before the process exits",
+         what="the request's prompt_embeds rides a send view while it is encoded and sent "
+              "when a mapping of ours holds it (pages kept until ZMQ is done); a segment "
+              "made for a message whose encode or send fails is removed at once",
+         why="send_multipart(copy=False) reads the tensor after the call returns, and we "
+             "drop a finished request's pages; nothing else would remove a segment of a "
+             "failed send before the process exits",
          retire="an encoder hook that owns the resources it makes"),
     Site("client_send_async", "hop1", MODULE, "AsyncMPClient._send_input", ("request",),
          ("self.encoder.encode(request)",), wrap_send_input,

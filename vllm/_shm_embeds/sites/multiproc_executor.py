@@ -154,6 +154,24 @@ def _count_stock_remote(rpc_args: tuple) -> None:
                 count_reason(Event.FALLBACK, eligible(tensor) or "remote", hop="2")
 
 
+def _send_views(rpc_args: tuple) -> list:
+    """``hop2.send_views`` for every ``SchedulerOutput`` argument: a tensor that
+    goes stock over a mapping of ours keeps its pages while vLLM sends it.
+    Never raises (on an error of ours, what was swapped is put back)."""
+    held: list = []
+    try:
+        for arg in rpc_args:
+            new_reqs = getattr(arg, "scheduled_new_reqs", None)
+            if new_reqs:
+                held += hop2.send_views(new_reqs)
+    except Exception:
+        logger.warning("shm-embeds: hop 2 could not hold a sent tensor's pages",
+                       exc_info=True)
+        hop2.restore_prompt_embeds(held)
+        held = []
+    return held
+
+
 def wrap_executor_rpc(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def collective_rpc(self, method, *args, **kwargs):
@@ -164,7 +182,11 @@ def wrap_executor_rpc(orig: Callable) -> Callable:
                     _count_stock_remote(_rpc_args(args, kwargs))
                 except Exception:  # counting only
                     logger.debug("shm-embeds: counting failed", exc_info=True)
-            return orig(self, method, *args, **kwargs)
+            held = _send_views(_rpc_args(args, kwargs))
+            try:
+                return orig(self, method, *args, **kwargs)
+            finally:
+                hop2.restore_prompt_embeds(held)
         swapped: list = []
         mq = self.rpc_broadcast_mq  # vLLM's shutdown may set the attribute to None meanwhile
         try:
@@ -182,9 +204,11 @@ def wrap_executor_rpc(orig: Callable) -> Callable:
                            "unexpected error", exc_info=True)
             hop2.restore_prompt_embeds(swapped)
             swapped = []
+        held = _send_views(_rpc_args(args, kwargs))  # the tensors left stock
         try:
             result = orig(self, method, *args, **kwargs)
         finally:
+            hop2.restore_prompt_embeds(held)
             hop2.restore_prompt_embeds(swapped)
             # set last in the try; never an error of ours in place of vLLM's
             getattr(mq, "__dict__", {}).pop(PLAN_ATTR, None)
@@ -283,8 +307,10 @@ SITES = (
          what="NewRequestData.prompt_embeds in a SchedulerOutput argument is swapped for a "
               "handle while the message is enqueued, then restored; reader flags for the "
               "local first-stage readers only; with readers on other nodes, the enqueue "
-              "split (shm_broadcast.py) sends those a placeholder or the bytes",
-         why="above 16 MiB the broadcast sends each TP reader its own copy over ZMQ",
+              "split (shm_broadcast.py) sends those a placeholder or the bytes; bytes of "
+              "ours that go by ZMQ (to remote readers, or stock) ride send views",
+         why="above 16 MiB the broadcast sends each TP reader its own copy over ZMQ, "
+             "without a copy (copy=False): ZMQ reads it after enqueue returns",
          retire=HOP2_RETIRE),
     Site("worker_rpc", "hop2", MODULE, "WorkerProc._execute_worker_rpc", ("rpc_request",),
          wrap=wrap_worker_rpc,
