@@ -15,7 +15,10 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 MIB = 1 << 20
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

@@ -245,9 +245,10 @@ def main() -> None:
             if ours:
                 for k, v in _json_path_round(chunks, ctx_of()).items():
                     times[k].append(v * 1e3)
-                times["stall stock"].append(_stall_ms(lambda: _stock_async(
-                    chunks, CompletionRequest, safe_load_prompt_embeds, model_config)))
-                times["stall json"].append(_stall_ms(lambda: _json_async(chunks, ctx_of())))
+                # chunks bound as a default: the loop's `del chunks` unbinds the name
+                times["stall stock"].append(_stall_ms(lambda c=chunks: _stock_async(
+                    c, CompletionRequest, safe_load_prompt_embeds, model_config)))
+                times["stall json"].append(_stall_ms(lambda c=chunks: _json_async(c, ctx_of())))
                 for k, v in _binary_round(tensor, bin_header, bin_chunks, args.block).items():
                     times[k].append(v * 1e3)
         row = {"tokens": n, "embeds_mb": tensor.nbytes / 1e6, "body_mb": len(raw) / 1e6}

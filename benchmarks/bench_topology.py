@@ -68,7 +68,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))  # tests/nodes.py, tests/helpers
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-import _common as C
+import _common as C  # noqa: E402
 
 MIB = 1 << 20
 # name -> (tests/nodes.py topology, nnodes, local readers, remote readers)

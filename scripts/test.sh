@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 #
-# The test command: set up (scripts/setup.sh) and run the test suite.
+# The test command: set up (scripts/setup.sh), lint (ruff) and run the test suite.
 #
 #   scripts/test.sh                   # the whole suite
 #   scripts/test.sh [pytest args]     # e.g. -m "not integration" for unit tests only
@@ -13,7 +13,11 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 bash scripts/setup.sh --wide
-PY=${SHM_EMBEDS_VENV:-$ROOT/.venv}/bin/python
+VENV=${SHM_EMBEDS_VENV:-$ROOT/.venv}
+PY=$VENV/bin/python
+# Lint first (pyproject.toml [tool.ruff]; ruff comes with the test extra): a
+# finding fails the run before any test starts.
+"$VENV/bin/ruff" check .
 export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-"0|1"}
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 if [ $# -gt 0 ]; then  # your selection, as given

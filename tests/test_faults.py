@@ -233,7 +233,6 @@ def test_a_rank_that_cannot_map_stops_the_engine_instead_of_hanging(main_server)
     assert ours_in(server["seg_dir"]) == []
 
 
-
 def _mapped_segments(pid: int) -> int:
     """How many of our segments ``pid`` still maps (named or already unlinked)."""
     with open(f"/proc/{pid}/maps") as f:

@@ -35,11 +35,11 @@ import types
 import pytest
 import torch
 
-hypothesis = pytest.importorskip("hypothesis")
-st = hypothesis.strategies
-
 from vllm._shm_embeds import digests, streamed, torch_save
 from vllm._shm_embeds.http import common, json_body, placeholders
+
+hypothesis = pytest.importorskip("hypothesis")
+st = hypothesis.strategies
 
 SETTINGS = hypothesis.settings(
     max_examples=50, deadline=None, derandomize=True, database=None,

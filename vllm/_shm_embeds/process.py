@@ -296,7 +296,6 @@ def _first_in_server(marker: str) -> bool:
     return True
 
 
-
 # --------------------------------------------------------------------------
 # process lifetime
 

@@ -365,7 +365,6 @@ def open_tensor(handle: SharedTensorHandle, reader_index: int | None = None) -> 
     return seg.tensor_view(mm, handle)[0]
 
 
-
 def dense_nbytes(tensor: Any) -> int:
     """Dense size in bytes (also defined for sparse tensors, unlike ``nbytes``)."""
     if isinstance(tensor, torch.Tensor):

@@ -107,7 +107,6 @@ class Fallback(Exception):
         self.reason = reason
 
 
-
 @dataclasses.dataclass
 class Prepared:
     """Outcome of :func:`prepare`.
@@ -193,7 +192,6 @@ def _skeleton(raw: bytes, spans: list[tuple[int, int]], names: list[str]) -> byt
     return b"".join(out)
 
 
-
 def _load(ctx: ServerContext, data: memoryview) -> torch.Tensor:
     """vLLM's own decode of one base64 payload (``safe_load_prompt_embeds``)."""
     from vllm.renderers.embed_utils import safe_load_prompt_embeds
@@ -204,7 +202,6 @@ def _load(ctx: ServerContext, data: memoryview) -> torch.Tensor:
         raise Fallback("memory") from None
     except Exception:
         raise Fallback("rejected") from None  # stock answers it with its message
-
 
 
 def _to_segment(ctx: ServerContext, tensor: torch.Tensor) -> torch.Tensor:

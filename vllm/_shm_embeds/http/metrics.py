@@ -185,7 +185,6 @@ def set_model_name(name: Any) -> None:
     process.current().model_name = str(name or "")
 
 
-
 # --------------------------------------------------------------------------
 # aggregation: the public families from every process's events
 
@@ -271,7 +270,6 @@ def aggregate(values: dict[tuple[counters.Key, str], float], pids: set[int],
     except OSError:
         pass
     return out
-
 
 
 class ShmEmbedsCollector:
