@@ -306,12 +306,6 @@ def internalize_prompt_embeds(new_reqs: Iterable[Any], reader_index: int | None,
     return n
 
 
-def internalize(handle: SharedTensorHandle, reader_index: int | None = None) -> torch.Tensor:
-    """The tensor a hop-2 handle names, mapped read-only (no copy); see
-    ``transfer.open_tensor``. Raises ShmEmbedsError."""
-    return open_tensor(handle, reader_index)
-
-
 def all_ranks_ok(ok: bool, groups: Iterable[Any]) -> bool:
     """True if every rank of every group in ``groups`` says ``ok``.
 

@@ -215,12 +215,6 @@ def current() -> Process:
     return _state
 
 
-def reset() -> None:
-    """Fresh state for this process (tests; a forked child gets one by itself)."""
-    global _state
-    _state = Process()
-
-
 def _after_fork_in_child() -> None:
     # A forked child (e.g. a TP worker under the fork start method) owns
     # none of its parent's segments: fresh state, no threads.

@@ -268,8 +268,3 @@ def release_streamed(tensor: Any) -> bool:
         return False
     return process.current().owned.release_streamed(tensor)
 
-
-def streamed_pending() -> int:
-    """Streamed segments this process still owns (not handed over, not released)."""
-    return process.current().owned.pending(streamed_only=True)
-
