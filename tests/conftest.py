@@ -41,6 +41,9 @@ import pytest
 # injection of the main server.
 os.environ.setdefault("SHM_EMBEDS_TEST_HOOKS", "1")
 os.environ.setdefault("SHM_EMBEDS_TEST_BUSY_LOOP_S", "0.05")
+# An illegal segment transition raises (lifecycle.strict), in the tests and in
+# the engines they start, instead of being logged and refused.
+os.environ.setdefault("VLLM_SHM_EMBEDS_STRICT", "1")
 
 # Fuzz targets (hypothesis): "ci" bounds each target to a few seconds so the
 # suite stays within its time; SHM_EMBEDS_FUZZ=long is the long run reported

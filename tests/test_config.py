@@ -83,6 +83,7 @@ def test_unset_means_the_declared_defaults():
 @pytest.mark.parametrize("name,raw,message", [
     ("VLLM_SHM_EMBEDS", "enable", "VLLM_SHM_EMBEDS='enable' is not a flag (1/0); using False"),
     ("VLLM_SHM_EMBEDS_JSON", "2", "VLLM_SHM_EMBEDS_JSON='2' is not a flag (1/0); using True"),
+    ("VLLM_SHM_EMBEDS_STRICT", "2", "VLLM_SHM_EMBEDS_STRICT='2' is not a flag (1/0); using False"),
     ("VLLM_SHM_EMBEDS_MIN_BYTES", " 1MiB ",
      "VLLM_SHM_EMBEDS_MIN_BYTES='1MiB' is not a byte count; using 1048576"),
     ("VLLM_SHM_EMBEDS_BINARY_MAX_BYTES", "-1",
@@ -142,14 +143,16 @@ def test_bad_min_bytes_defaults(monkeypatch, raw):
 
 
 @pytest.mark.parametrize("raw", ["1", "true", "T", " yes ", "y", "ON"])
-@pytest.mark.parametrize("name", ["VLLM_SHM_EMBEDS", "VLLM_SHM_EMBEDS_JSON"])
+@pytest.mark.parametrize("name", ["VLLM_SHM_EMBEDS", "VLLM_SHM_EMBEDS_JSON",
+                                  "VLLM_SHM_EMBEDS_STRICT"])
 def test_flags_on(monkeypatch, name, raw):
     monkeypatch.setenv(name, raw)
     assert getattr(config.settings(), BY_NAME[name].field) is True
 
 
 @pytest.mark.parametrize("raw", ["0", "false", "F", " no ", "n", "OFF"])
-@pytest.mark.parametrize("name", ["VLLM_SHM_EMBEDS", "VLLM_SHM_EMBEDS_JSON"])
+@pytest.mark.parametrize("name", ["VLLM_SHM_EMBEDS", "VLLM_SHM_EMBEDS_JSON",
+                                  "VLLM_SHM_EMBEDS_STRICT"])
 def test_flags_off(monkeypatch, name, raw):
     monkeypatch.setenv(name, raw)
     assert getattr(config.settings(), BY_NAME[name].field) is False

@@ -338,10 +338,16 @@ ILLEGAL = [
 
 
 @pytest.mark.parametrize("event,source,to,kind", ILLEGAL)
-def test_illegal_transition_raises_under_pytest(event, source, to, kind):
+def test_illegal_transition_raises_when_strict(event, source, to, kind):
     assert not lifecycle.allowed(kind, event, source, to)
     with pytest.raises(IllegalTransition, match=event):
         lifecycle.check(kind, event, source, to, "x")
+
+
+@pytest.mark.parametrize("value,strict", [("1", True), ("0", False), ("", False)])
+def test_strict_is_the_setting(monkeypatch, value, strict):
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_STRICT", value)
+    assert lifecycle.strict() is strict
 
 
 def test_illegal_transition_is_logged_and_refused_in_production(monkeypatch):

@@ -242,6 +242,10 @@ SETTINGS: tuple[Setting, ...] = (
         "region references one request may make; more get 400."),
     Setting("VLLM_SHM_EMBEDS_REGIONS_LEASES_MAX", COUNT, DEFAULT_REGIONS_LEASES_MAX, "references",
         "region references of requests in flight one API server may hold; more get 429."),
+    Setting("VLLM_SHM_EMBEDS_STRICT", FLAG, False, "flag",
+        "on: an illegal segment lifecycle transition (a bug of the plugin) raises "
+        "`IllegalTransition` instead of being logged and refused; for tests (`tests/conftest.py` "
+        "sets it), leave it off in production."),
 )
 VARIABLES = tuple(s.name for s in SETTINGS)
 
@@ -335,6 +339,7 @@ regions_ttl_s = _getter("regions_ttl_s")
 regions_idle_s = _getter("regions_idle_s")
 regions_refs_max = _getter("regions_refs_max")
 regions_leases_max = _getter("regions_leases_max")
+strict = _getter("strict")
 
 
 def shm_dir() -> str:

@@ -52,9 +52,9 @@ Words: *unlink* removes names; *drop* gives back this process's pages of a
 mapping (``segment.drop_pages``); *release* is the request being done with a
 segment here; *die* is its tensor storage (or a copy's source) being freed.
 
-An event not in the table is a bug of ours: :func:`check` raises
-:class:`IllegalTransition` under pytest, and elsewhere logs it and refuses
-the move (never an exception into a vLLM thread).
+An event not in the table is a bug of ours: :func:`check` logs it and
+refuses the move (never an exception into a vLLM thread), or raises
+:class:`IllegalTransition` with ``VLLM_SHM_EMBEDS_STRICT`` on (the tests).
 
 Knows segments, not vLLM and not HTTP.
 """
@@ -65,13 +65,13 @@ import dataclasses
 import enum
 import mmap
 import os
-import sys
 import weakref
 from typing import NamedTuple
 
 import torch
 from vllm.logger import init_logger
 
+from vllm._shm_embeds import config
 from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.handle import SharedTensorHandle
 
@@ -195,13 +195,14 @@ def allowed(kind: Kind, event: str, source: State | None, to: State) -> bool:
 
 
 def strict() -> bool:
-    """Raise on an illegal transition (under pytest) instead of refusing it."""
-    return "pytest" in sys.modules
+    """``VLLM_SHM_EMBEDS_STRICT``: raise on an illegal transition instead of
+    logging and refusing it (default off; tests/conftest.py turns it on)."""
+    return config.strict()
 
 
 def check(kind: Kind, event: str, source: State | None, to: State, name: str = "") -> bool:
     """Whether the move is allowed; if not, raise :class:`IllegalTransition`
-    under pytest, else log it and return False (the caller refuses the move).
+    when :func:`strict`, else log it and return False (the caller refuses the move).
     """
     if allowed(kind, event, source, to):
         return True
