@@ -78,6 +78,22 @@ def test_round_trip_across_spawned_readers(shm_env):
     assert os.listdir(shm_env) == []
 
 
+def test_the_public_names_round_trip(shm_env):
+    """``vllm._shm_embeds``'s public names (the user's design): a tensor
+    externalized for one reader, internalized there, no copy on the way back."""
+    import vllm._shm_embeds as shm_embeds
+
+    src = torch.randn(12, 16)
+    h = shm_embeds.externalize(src, readers=1)
+    assert isinstance(h, shm_embeds.SharedTensorHandle)
+    t = shm_embeds.internalize(h, 0)
+    assert torch.equal(t, src) and not t.is_set_to(src)
+    del t
+    assert not transfer.release_adopted(src)
+    assert sorted(shm_embeds.__all__) == sorted(
+        ["SharedTensorHandle", "ShmEmbedsError", "externalize", "internalize"])
+
+
 def test_reused_without_copy_and_released_on_free(shm_env):
     src = torch.arange(4096, dtype=torch.float32).view(64, 64)
     h1 = hop2.externalize(src, readers=1)

@@ -349,8 +349,15 @@ def test_first_stage_worker_maps_unwraps_and_refuses(shm_env):
 
 
 class _Group:
-    def __init__(self, name, world_size):
+    def __init__(self, name, world_size, stage=0):
         self.cpu_group, self.world_size = name, world_size
+        self.is_first_rank, self.is_last_rank = stage == 0, stage == world_size - 1
+        self.prev_rank, self.next_rank = f"stage {stage - 1}", f"stage {stage + 1}"
+
+
+class _Done:
+    def is_completed(self):
+        return True
 
 
 class _Worker:
@@ -368,17 +375,23 @@ class _Worker:
 @pytest.mark.parametrize("first", [True, False])
 def test_every_rank_joins_the_agreement_for_every_form(shm_env, monkeypatch, form, first):
     """A step carrying embeds in any form makes the worker join one all-reduce
-    per group (TP, PCP, then PP), whatever its stage: the first stage's ranks wait
-    in the PP group's all-reduce for the later stage's. A step without
-    embeds joins none."""
+    per group within its stage (TP, then PCP), whatever its stage; then the
+    first stage sends its outcome to the next (``isend``: it waits for no
+    later stage), and a later stage receives the earlier stage's. No
+    all-reduce spans stages. A step without embeds joins none."""
     import torch.distributed as dist
     from vllm.distributed import parallel_state
 
     calls = []
     monkeypatch.setattr(parallel_state, "get_tp_group", lambda: _Group("tp", 2))
     monkeypatch.setattr(parallel_state, "get_pcp_group", lambda: _Group("pcp", 2))
-    monkeypatch.setattr(parallel_state, "get_pp_group", lambda: _Group("pp", 2))
+    monkeypatch.setattr(parallel_state, "get_pp_group",
+                        lambda: _Group("pp", 2, stage=0 if first else 1))
     monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: calls.append(group))
+    monkeypatch.setattr(dist, "isend", lambda t, dst, group, tag: (
+        calls.append(("isend", dst, group, tag)), _Done())[1])
+    monkeypatch.setattr(dist, "recv", lambda t, src, group, tag: calls.append(
+        ("recv", src, group, tag)))
     monkeypatch.setattr(prompt_embeds_sites, "first_pp_stage", lambda: first)
     embeds = torch.randn(100, 64)
     h = hop2.externalize(embeds, 1)
@@ -396,7 +409,9 @@ def test_every_rank_joins_the_agreement_for_every_form(shm_env, monkeypatch, for
     if form == "handle":  # the reader index of a first-stage local reader
         worker.rpc_broadcast_mq.local_reader_rank = 0
     multiproc_executor.wrap_worker_rpc(orig)(worker, ("execute_model", (so,), {}, None))
-    assert calls == ([] if form == "none" else ["tp", "pcp", "pp"])
+    tag = hop2.STAGE_TAG
+    chain = [("isend", "stage 1", "pp", tag)] if first else [("recv", "stage 0", "pp", tag)]
+    assert calls == ([] if form == "none" else ["tp", "pcp", *chain])
     [t] = ran
     assert isinstance(t, torch.Tensor) and worker.outputs == []
     assert torch.isnan(t).all() if not first and form != "none" else torch.equal(t, embeds)
@@ -406,6 +421,34 @@ def test_every_rank_joins_the_agreement_for_every_form(shm_env, monkeypatch, for
         transfer.open_tensor(h, 0)  # the first-stage reader that settles the broadcast
     transfer.release_adopted(embeds)
     process.collect()
+
+
+@pytest.mark.parametrize("failing_stage", [None, 0, 1])
+def test_an_earlier_stage_failure_ends_the_step_on_every_stage(monkeypatch, failing_stage):
+    """Three stages, one rank each, over a fake point-to-point link: a stage that
+    could not map makes itself and every later stage end the step; an earlier
+    stage never learns of a later one's outcome (it never waits for it)."""
+    import torch.distributed as dist
+
+    wire = []
+    monkeypatch.setattr(dist, "isend", lambda t, dst, group, tag: (
+        wire.append(int(t.item())), _Done())[1])
+    monkeypatch.setattr(dist, "recv", lambda t, src, group, tag: t.fill_(wire.pop(0)))
+    outcomes = []
+    for stage in range(3):
+        chain = hop2.StageChain()
+        outcomes.append(chain.agree(stage != failing_stage, _Group("pp", 3, stage)))
+    want = [failing_stage is None or stage < failing_stage for stage in range(3)]
+    assert outcomes == want and wire == []
+
+
+def test_a_stage_chain_of_one_stage_sends_nothing(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "isend", None)
+    monkeypatch.setattr(dist, "recv", None)
+    chain = hop2.StageChain()
+    assert chain.agree(True, _Group("pp", 1)) and not chain.agree(False, _Group("pp", 1))
 
 
 # --------------------------------------------------------------------------
@@ -523,3 +566,37 @@ def test_pp2_tp2_later_stage_maps_nothing(tmp_path):
     [engine] = by_role(stats, "engine")
     assert engine["hop2_reader_tensors.hop2.local_handle"] == 2 * n
     assert engine["hop2_reader_tensors.hop2.local_placeholder"] == 2 * n
+
+
+def test_a_rebuilt_broadcast_queue_gets_a_plan_of_its_own(shm_env, monkeypatch):
+    """The plan belongs to one broadcast queue: after vLLM replaces
+    ``rpc_broadcast_mq`` (here: readers moved to another node), the next RPC
+    plans again and asks the workers again."""
+    monkeypatch.setitem(multiproc_executor.STATUS, "remote", [])
+    executor = _executor(2, 0, tp=2, pp=1)
+    embeds = torch.randn(100, 64)
+    seen = _send(executor, embeds)
+    assert isinstance(seen["form"], SharedTensorHandle) and seen["remote"] is None
+    transfer.open_tensor(seen["form"], 0)
+    transfer.open_tensor(seen["form"], 1)
+    executor.rpc_broadcast_mq = types.SimpleNamespace(n_local_reader=1, n_remote_reader=1)
+    seen = _send(executor, embeds)
+    assert "probed" in seen
+    [(_, remote)] = seen["remote"]
+    assert isinstance(remote, InlineEmbeds) and seen["form"].readers == 1
+    transfer.open_tensor(seen["form"], 0)
+    transfer.release_adopted(embeds)
+    process.collect()
+
+
+def test_rays_v2_executor_keeps_hop2_stock(shm_env):
+    """``RayExecutorV2`` subclasses ``MultiprocExecutor`` and inherits both
+    hop-2 sites; untested with shm-embeds, it keeps hop 2 stock (the
+    workers then get tensors, none of our forms, and join no agreement)."""
+    RayExecutorV2 = type("RayExecutorV2", (types.SimpleNamespace,),
+                         {"__module__": "vllm.v1.executor.ray_executor_v2"})
+    executor = RayExecutorV2(**vars(_executor(2, 0, tp=2, pp=1)))
+    embeds = torch.randn(100, 64)
+    seen = _send(executor, embeds)
+    assert seen["form"] is embeds and "probed" not in seen
+    assert "RayExecutorV2" in multiproc_executor._stock_executor(executor)

@@ -134,7 +134,7 @@ def test_hop2_wrapper_local_vs_remote_readers(shm_env, monkeypatch, n_remote):
     if n_remote:
         # A reader on another node cannot map a local file: stock path.
         assert seen == [torch.Tensor]
-        assert executor._shm_embeds_plan is None
+        assert getattr(executor, multiproc_executor.RECORD_ATTR).plan is None
         assert counters.stats() == {**before, "fallback.hop2.remote": 1,
                                     "hop2_stock_tensors": 1, "hop2_stock_bytes": embeds.nbytes}
     else:

@@ -31,7 +31,7 @@ import torch
 import zmq
 from helpers import ring_message
 
-from vllm._shm_embeds import counters, hop2, process, transfer
+from vllm._shm_embeds import counters, process, transfer
 from vllm._shm_embeds.handle import InlineEmbeds, SharedTensorHandle
 from vllm._shm_embeds.sites import multiproc_executor, shm_broadcast
 from vllm._shm_embeds.streamed import StreamedSegment, release_streamed

@@ -17,15 +17,17 @@ and its job, the one such list (a test fails when a module is missing):
 * every patched vLLM site, in one registry: ``sites/``; the entry point
   vLLM loads: ``plugin.register``.
 
-Public names: :class:`SharedTensorHandle`, :class:`ShmEmbedsError` and
-:func:`externalize` (hop 2 sender: a tensor -> its handle).
+Public names (the user's design names them): :class:`SharedTensorHandle`,
+:class:`ShmEmbedsError`, :func:`externalize` (hop 2 sender: a tensor -> its
+handle) and :func:`internalize` (hop 2 reader: a handle -> the mapped tensor).
 """
 
 from typing import Any
 
-__all__ = ["SharedTensorHandle", "ShmEmbedsError", "externalize"]
+__all__ = ["SharedTensorHandle", "ShmEmbedsError", "externalize", "internalize"]
 
-_HOME = {"SharedTensorHandle": "handle", "ShmEmbedsError": "handle", "externalize": "hop2"}
+_HOME = {"SharedTensorHandle": "handle", "ShmEmbedsError": "handle",
+         "externalize": "hop2", "internalize": "hop2"}
 
 
 def __getattr__(name: str) -> Any:

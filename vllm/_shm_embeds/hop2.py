@@ -17,8 +17,9 @@ already lives in a segment this process owns (adopted at hop 1) without a
 copy; any other tensor is copied once. Each broadcast gets reader flags of
 its own and the owner holds the files open until every reader of it has
 mapped them (readers open them through ``/proc/<owner>/fd``).
-:func:`all_ranks_ok` makes every rank end a step the same way when one
-rank could not map.
+:func:`all_ranks_ok` (within a stage) and :class:`StageChain` (down the
+pipeline) make every rank end a step the same way when one rank could not
+map.
 
 Works on any objects with a ``prompt_embeds`` attribute; knows nothing of
 vLLM's classes or of HTTP.
@@ -26,6 +27,7 @@ vLLM's classes or of HTTP.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import mmap
 import os
@@ -304,6 +306,62 @@ def internalize_prompt_embeds(new_reqs: Iterable[Any], reader_index: int | None,
     if first is not None:
         raise first
     return n
+
+
+def internalize(handle: SharedTensorHandle, reader_index: int | None = None) -> torch.Tensor:
+    """The tensor a hop-2 handle names, mapped read-only, no copy (the public
+    reader side of :func:`externalize`; ``transfer.open_tensor``).
+
+    Raises:
+        ShmEmbedsError: the segment is gone, or does not match the handle.
+    """
+    return open_tensor(handle, reader_index)
+
+
+# The tag of our messages on vLLM's PP ``cpu_group`` (vLLM's own point-to-point
+# sends there use tag 0: ``GroupCoordinator.send_object``, 0.32).
+STAGE_TAG = 0x53484D45
+
+
+class StageChain:
+    """Carries each embeds step's outcome down the pipeline stages (hop 2).
+
+    Each stage's ranks agree among themselves first (:func:`all_ranks_ok`
+    over TP and PCP, groups within one stage). Then a later stage waits for
+    the outcome of the stage before it (``recv`` from ``prev_rank``), which
+    it would wait for anyway: that stage's intermediate tensors of the same
+    step come after it. A stage never waits for a later one: it sends its
+    outcome with ``isend`` and goes on. So the first stage starts step N
+    while the last is still in N-1, as in stock; a rank that could not map
+    still ends the step the same way on every rank of every stage.
+
+    ``pp`` is vLLM's PP ``GroupCoordinator`` (``world_size``,
+    ``is_first_rank``, ``is_last_rank``, ``prev_rank``, ``next_rank``
+    (global ranks), ``cpu_group``: ``vllm/distributed/parallel_state.py``
+    0.32/0.33). Every rank calls :meth:`agree` once per step carrying
+    embeds, in the same order.
+    """
+
+    def __init__(self) -> None:
+        self._sent: collections.deque = collections.deque()  # (work, tensor)
+
+    def agree(self, ok: bool, pp: Any) -> bool:
+        """True if this stage's ranks and every earlier stage's say ``ok``."""
+        import torch.distributed as dist
+
+        flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
+        if pp.world_size <= 1:
+            return ok
+        if not pp.is_first_rank:
+            upstream = torch.zeros(1, dtype=torch.int32)
+            dist.recv(upstream, src=pp.prev_rank, group=pp.cpu_group, tag=STAGE_TAG)
+            flag = torch.maximum(flag, upstream)
+        if not pp.is_last_rank:
+            while self._sent and self._sent[0][0].is_completed():
+                self._sent.popleft()
+            self._sent.append((dist.isend(flag, dst=pp.next_rank, group=pp.cpu_group,
+                                          tag=STAGE_TAG), flag))
+        return int(flag.item()) == 0
 
 
 def all_ranks_ok(ok: bool, groups: Iterable[Any]) -> bool:

@@ -6,6 +6,7 @@ Each site below says what it does, why, and what upstream change would retire it
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -92,24 +93,62 @@ def _workers_join(executor: Any, rpc: Callable) -> str | None:
     return None
 
 
-def _hop2_plan(executor: Any, rpc: Callable | None = None) -> hop2.ReaderPlan | None:
-    """What each reader gets (``hop2.reader_plan``), or None for the stock path
-    (the reason logged once, kept in ``_shm_embeds_stock``). ``rpc`` (vLLM's
-    ``collective_rpc``) asks every worker first (:func:`_workers_join`)."""
+@dataclasses.dataclass
+class ExecutorRecord:
+    """What the hop-2 sites keep on one executor (attribute :data:`RECORD_ATTR`).
+
+    Attributes:
+        mq: the broadcast queue the plan was made for; a queue rebuilt since
+            (another object at ``rpc_broadcast_mq``) gets a plan of its own.
+        plan: what each reader gets, or None for the stock path.
+        stock_remote: the stock path because readers are on other nodes
+            (tensors are then counted stock with reason ``remote``).
+    """
+
+    mq: Any
+    plan: hop2.ReaderPlan | None
+    stock_remote: bool = False
+
+
+RECORD_ATTR = "_shm_embeds_hop2"
+
+
+def _stock_executor(executor: Any) -> str | None:
+    """Why this ``MultiprocExecutor`` subclass keeps hop 2 stock, or None.
+
+    Ray's V2 executor (``vllm/v1/executor/ray_executor_v2.py`` 0.32:
+    ``RayExecutorV2(MultiprocExecutor)``, workers ``RayWorkerProc(WorkerProc)``)
+    inherits both hop-2 sites but launches, places and shuts down its workers
+    its own way (its ``shutdown`` does not call ours); it is not tested here.
+    """
+    if type(executor).__module__.startswith("vllm.v1.executor.ray"):
+        return f"{type(executor).__name__} is not tested with shm-embeds"
+    return None
+
+
+def _hop2_plan(executor: Any, rpc: Callable | None = None) -> ExecutorRecord:
+    """What each reader of the executor's broadcast queue gets
+    (``hop2.reader_plan``; ``plan`` None for the stock path, the reason logged
+    once per queue). ``rpc`` (vLLM's ``collective_rpc``) asks every worker
+    first (:func:`_workers_join`)."""
     d = executor.__dict__
-    if "_shm_embeds_plan" in d:
-        return d["_shm_embeds_plan"]
     mq = getattr(executor, "rpc_broadcast_mq", None)
+    record = d.get(RECORD_ATTR)
+    if record is not None and record.mq is mq:
+        return record
+    record = ExecutorRecord(mq, None)
     model_config = getattr(executor.vllm_config, "model_config", None)
     reason = plan = None
     if not getattr(model_config, "enable_prompt_embeds", False):
         reason = "--enable-prompt-embeds is off"
     elif mq is None:
         reason = "no broadcast queue in this executor"
+    elif _stock_executor(executor) is not None:
+        reason = _stock_executor(executor)
     elif getattr(mq, "n_remote_reader", 0) > 0 and STATUS.get(REMOTE_GROUP) != []:
         reason = (f"{mq.n_remote_reader} reader(s) on other nodes and no split of the "
                   "broadcast (the remote sites are off)")
-        d["_shm_embeds_stock"] = "remote"
+        record.stock_remote = True
     else:
         try:
             plan = hop2.reader_plan(_first_stage_ranks(executor), mq.n_local_reader,
@@ -121,7 +160,7 @@ def _hop2_plan(executor: Any, rpc: Callable | None = None) -> hop2.ReaderPlan | 
             if reason is not None:
                 plan = None
         if plan is None and getattr(mq, "n_remote_reader", 0) > 0:
-            d["_shm_embeds_stock"] = "remote"  # counted per tensor
+            record.stock_remote = True  # counted per tensor
     if plan is None:
         logger.info("shm-embeds: hop 2 uses the stock path: %s", reason)
     else:
@@ -131,8 +170,9 @@ def _hop2_plan(executor: Any, rpc: Callable | None = None) -> hop2.ReaderPlan | 
             "reader(s); %d local later-stage reader(s) map nothing; %d reader(s) on other "
             "nodes get %s", plan.handle_readers, plan.local_later, plan.remote,
             "the bytes" if plan.remote_bytes else "a placeholder")
-    d["_shm_embeds_plan"] = plan
-    return plan
+    record.plan = plan
+    d[RECORD_ATTR] = record
+    return record
 
 
 def _rpc_args(args: tuple, kwargs: dict) -> tuple:
@@ -175,9 +215,10 @@ def _send_views(rpc_args: tuple) -> list:
 def wrap_executor_rpc(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def collective_rpc(self, method, *args, **kwargs):
-        plan = _hop2_plan(self, orig)
+        record = _hop2_plan(self, orig)
+        plan = record.plan
         if plan is None:
-            if self.__dict__.get("_shm_embeds_stock") == "remote":
+            if record.stock_remote:
                 try:
                     _count_stock_remote(_rpc_args(args, kwargs))
                 except Exception:  # counting only
@@ -237,8 +278,13 @@ def _collect_quietly() -> None:
         logger.debug("shm-embeds: safe point failed", exc_info=True)
 
 
+_STAGES = hop2.StageChain()  # one worker per process
+
+
 def _all_ranks_ok(ok: bool) -> bool:
-    """True if every worker of this engine says ``ok`` (TP, PCP, then PP group).
+    """True if every worker of this engine says ``ok``: an all-reduce within
+    this pipeline stage (TP, then PCP group), then the outcome of the earlier
+    stages (``hop2.StageChain``: no stage waits for a later one).
 
     The broadcast's readers are this engine's TP x PCP x PP workers (ranks laid
     out dp, pp, pcp, tp); vLLM's world group may span DP ranks too
@@ -251,8 +297,7 @@ def _all_ranks_ok(ok: bool) -> bool:
     groups = [ps.get_tp_group()]
     if hasattr(ps, "get_pcp_group"):
         groups.append(ps.get_pcp_group())
-    groups.append(ps.get_pp_group())
-    return hop2.all_ranks_ok(ok, groups)
+    return _STAGES.agree(hop2.all_ranks_ok(ok, groups), ps.get_pp_group())
 
 
 def wrap_worker_rpc(orig: Callable) -> Callable:
@@ -316,8 +361,9 @@ SITES = (
          wrap=wrap_worker_rpc,
          what="handles are mapped back to tensors before the worker method runs (a worker "
               "of a later pipeline stage maps nothing: it builds a NaN placeholder of the "
-              "shape and dtype for every form it got); all ranks agree (all-reduce over TP, "
-              "then PP) whether every rank mapped them",
+              "shape and dtype for every form it got); all ranks agree whether every rank "
+              "mapped them (all-reduce within the stage, then each stage's outcome sent "
+              "down the pipeline: no stage waits for a later one)",
          why="a rank that could not map must fail the step on every rank, none left "
              "waiting; later stages read only the length (gpu_model_runner._preprocess: "
              "`elif self.enable_prompt_embeds and is_first_rank`)",
