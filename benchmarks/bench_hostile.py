@@ -34,7 +34,14 @@ and on the tiny model (hidden 128, TP=2), a server per mode of its own:
   is a 16 MiB ``[{},{},...]`` (declaring 1 MiB of tensor bytes after it),
   then stall 12 s; ``/health`` is timed meanwhile;
 * ``datatype_list``: 10 binary bodies whose descriptor has ``"datatype":
-  ["FP32"]``; statuses, and tracebacks in the server log meanwhile.
+  ["FP32"]``; statuses, and tracebacks in the server log meanwhile;
+* ``json_skeleton``: 4 concurrent JSON bodies of 16 MiB each: a short prompt,
+  then ``prompt_embeds`` holding a ``[{},{},...]`` skeleton (not a base64
+  string: 400 from both); statuses, and ``/health`` timed meanwhile;
+* ``regions_linger`` (shm-embeds only: stock has no regions socket): a
+  producer's registration carries one memfd and two TCP sockets whose last
+  ``close`` blocks 8 s (``SO_LINGER``, unsent data); then another producer
+  registers a tensor: how long its answer takes.
 
 Stock vLLM does not know binary bodies: what it answers is reported.
 Every mount is mode 1777 (shared, like ``/dev/shm``), for both servers.
@@ -54,7 +61,9 @@ replace theirs in the file; the others' figures are kept, each with its time).
 from __future__ import annotations
 
 import argparse
+import array
 import base64
+import fcntl
 import io
 import json
 import os
@@ -278,7 +287,8 @@ def attack_planted_names(url: str, seg_dir: str, weights: torch.Tensor, n: int) 
     got = [_timed_completion(url, b) for b in bodies]  # the same, nothing planted yet
     lat = [d for _, d in got]
     before = {"codes": _codes(c for c, _ in got), "p50_s": _pct(lat, 0.5),
-              "max_s": round(max(lat), 3)}
+              "max_s": round(max(lat), 3), "first_s": round(lat[0], 3),
+              "max_after_first_s": round(max(lat[1:]), 3)}
     t0 = time.monotonic()
     for _ in range(n):
         name = SegmentName(rng.randrange(1 << 32), rng.randrange(1, 1 << 22),
@@ -456,6 +466,40 @@ def attack_listing(url: str, seg_dir: str, weights: torch.Tensor) -> dict:
 SKELETON_ITEMS = ((16 << 20) - 4) // 3  # "[" + "{}," * k + "{}]" is exactly 16 MiB
 
 
+class HealthProbe:
+    """Times ``GET /health`` every 50 ms while its ``with`` block runs."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.took, self.errors = url, [], []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            try:
+                r = requests.get(self.url + "/health", timeout=30)
+                if r.status_code != 200:
+                    self.errors.append(str(r.status_code))
+            except requests.RequestException as e:
+                self.errors.append(type(e).__name__)
+            self.took.append(time.monotonic() - t0)
+            time.sleep(0.05)
+
+    def __enter__(self) -> HealthProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(40)
+
+    def figures(self) -> dict:
+        return {"health_n": len(self.took),
+                "health_max_s": round(max(self.took), 3) if self.took else None,
+                "health_p50_s": _pct(self.took, 0.5), "health_errors": len(self.errors)}
+
+
 def _binary_head(url_path: str, header_len: int, total: int) -> bytes:
     return (f"POST {url_path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
             f"Inference-Header-Content-Length: {header_len}\r\n"
@@ -479,37 +523,14 @@ def attack_binary_skeleton(url: str, stall_s: float = 12.0) -> dict:
         except OSError as e:
             sent[i] = type(e).__name__
 
-    health: list[float] = []
-    health_err: list[str] = []
-    stop = threading.Event()
-
-    def probe() -> None:
-        while not stop.is_set():
-            t0 = time.monotonic()
-            try:
-                r = requests.get(url + "/health", timeout=30)
-                health.append(time.monotonic() - t0)
-                if r.status_code != 200:
-                    health_err.append(str(r.status_code))
-            except requests.RequestException as e:
-                health.append(time.monotonic() - t0)
-                health_err.append(type(e).__name__)
-            time.sleep(0.05)
-
-    prober = threading.Thread(target=probe, daemon=True)
-    prober.start()
-    senders = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(4)]
-    for t in senders:
-        t.start()
-    for t in senders:
-        t.join(stall_s + 30)
-    time.sleep(stall_s)
-    stop.set()
-    prober.join(40)
-    outcomes = _outcomes(socks)
-    return {"outcomes": outcomes, "sent": _codes(sent), "health_n": len(health),
-            "health_max_s": round(max(health), 3) if health else None,
-            "health_p50_s": _pct(health, 0.5), "health_errors": len(health_err)}
+    with HealthProbe(url) as health:
+        senders = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(4)]
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join(stall_s + 30)
+        time.sleep(stall_s)
+    return {"outcomes": _outcomes(socks), "sent": _codes(sent), **health.figures()}
 
 
 def _log_size(path) -> int:
@@ -551,8 +572,75 @@ def attack_datatype_list(url: str, log_path, hidden: int) -> dict:
             "asgi_exceptions": log.count("Exception in ASGI application")}
 
 
+def attack_json_skeleton(url: str) -> dict:
+    """4 concurrent 16 MiB JSON bodies: a short prompt, then ``prompt_embeds``
+    holding ``[{},{},...]``."""
+    items = ((16 << 20) - 64) // 3
+    body = b'{"model": "tiny", "prompt": "hi", "prompt_embeds": [' + b"{}," * items + b'{}]}'
+    def post(_: int) -> str:
+        try:
+            return str(requests.post(url + "/v1/completions", data=body, timeout=120,
+                                     headers={"Content-Type": "application/json"}).status_code)
+        except requests.RequestException as e:
+            return type(e).__name__
+
+    t0 = time.monotonic()
+    with HealthProbe(url) as health, ThreadPoolExecutor(4) as pool:
+        statuses = list(pool.map(post, range(4)))
+    wall = time.monotonic() - t0
+    return {"statuses": _codes(statuses), "body_mib": round(len(body) / MIB, 1),
+            "wall_s": round(wall, 2), **health.figures()}
+
+
+def attack_regions_linger(regions_path: str | None) -> dict:
+    """Another producer's registration while the regions server holds two
+    lingering sockets that an attacker sent beside a memfd."""
+    if regions_path is None:
+        return {"skipped": "no regions socket (stock)"}
+    from helpers import LingeringSockets
+    from shm_embeds_client import RegionClient
+
+    hidden, rows = 128, 4
+    victim = RegionClient(regions_path, timeout=30)
+    lingering = LingeringSockets(2)
+    attacker = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        attacker.connect(regions_path)
+        fd = os.memfd_create("bench", os.MFD_ALLOW_SEALING)
+        os.write(fd, bytes(rows * hidden * 4))
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK
+                    | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        fds = [fd, *lingering.fds]
+        attacker.sendmsg([json.dumps({"op": "register", "datatype": "FP32",
+                                      "shape": [rows, hidden]}).encode()],
+                         [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                           array.array("i", fds).tobytes())])
+        for f in fds:
+            os.close(f)  # the server's copies are the last ones
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        try:
+            region = victim.register(torch.randn(rows, hidden))
+            answered, ok = time.monotonic() - t0, True
+            region.unregister()
+        except (TimeoutError, ConnectionError, RuntimeError) as e:
+            answered, ok = time.monotonic() - t0, type(e).__name__
+        attacker.settimeout(20)
+        try:
+            reply = attacker.recv(1 << 16).decode(errors="replace")[:120]
+        except OSError as e:
+            reply = type(e).__name__
+        return {"victim_registered": ok, "victim_answer_s": round(answered, 3),
+                "attacker_reply": reply}
+    finally:
+        attacker.close()
+        victim.close()
+        lingering.release()
+
+
 WIDE = ("stalled", "memo", "nested", "planted")
-TINY = ("planted_names", "listing", "binary_skeleton", "datatype_list")
+TINY = ("planted_names", "listing", "binary_skeleton", "datatype_list", "json_skeleton",
+        "regions_linger")
 
 
 def new_mount() -> str:
@@ -571,6 +659,9 @@ def run_server(shm_on: bool, model: str, attacks: list[str], args, weights: torc
     out: dict = {}
     try:
         env = {"VLLM_SHM_EMBEDS_MIN_BYTES": str(MIB)} if model == "wide" else {}
+        regions_path = str(tmp / "regions.sock") if shm_on and model == "tiny" else None
+        if regions_path is not None:
+            env["VLLM_SHM_EMBEDS_REGIONS"] = regions_path
         t0 = time.monotonic()
         server = Server(tmp, "-tp", "2", shm_on=shm_on, seg_dir=seg_dir, check_clean=False,
                         model=os.path.join(ROOT, ".models", model), max_model_len=2048,
@@ -587,7 +678,9 @@ def run_server(shm_on: bool, model: str, attacks: list[str], args, weights: torc
                "listing": lambda: attack_listing(server.url, seg_dir, weights),
                "binary_skeleton": lambda: attack_binary_skeleton(server.url, args.skeleton_stall_s),
                "datatype_list": lambda: attack_datatype_list(server.url, server.log_path,
-                                                             hidden)}
+                                                             hidden),
+               "json_skeleton": lambda: attack_json_skeleton(server.url),
+               "regions_linger": lambda: attack_regions_linger(regions_path)}
         try:
             for name in attacks:
                 time.sleep(1)
@@ -624,7 +717,8 @@ def summary(name: str, r: dict) -> str:
     if name == "planted_names":
         e, lo = r.get("embeds", {}), r.get("loaded", {})
         b = r.get("embeds_before_planting", {})
-        return (f"(before planting: embeds p50 {b.get('p50_s')} s max {b.get('max_s')} s) "
+        return (f"(before planting: embeds p50 {b.get('p50_s')} s max {b.get('max_s')} s, "
+                f"first {b.get('first_s')} s, max after it {b.get('max_after_first_s')} s) "
                 f"{r['planted']} files; embeds p50 {e.get('p50_s')} s max {e.get('max_s')} s "
                 f"{e.get('codes')}; loaded: embeds p50 {lo.get('embeds_p50_s')} max "
                 f"{lo.get('embeds_max_s')} s, text p50 {lo.get('text_p50_s')} p90 "
@@ -642,6 +736,14 @@ def summary(name: str, r: dict) -> str:
     if name == "datatype_list":
         return (f"statuses {r['statuses']}; log: {r['tracebacks']} Traceback, "
                 f"{r['asgi_exceptions']} 'Exception in ASGI application'")
+    if name == "json_skeleton":
+        return (f"statuses {r['statuses']} in {r['wall_s']} s; /health max "
+                f"{r['health_max_s']} s (n {r['health_n']})")
+    if name == "regions_linger":
+        if "skipped" in r:
+            return r["skipped"]
+        return (f"another producer registered: {r['victim_registered']} in "
+                f"{r['victim_answer_s']} s; the attacker got {r['attacker_reply']!r}")
     return str({k: v for k, v in r.items() if k not in (
         "api_rss_growth_mb", "model", "seconds", "time", "healthy_after", "left_after_stop",
         "where")})
@@ -673,7 +775,10 @@ def worse(stock: dict, on: dict) -> list[str]:
             if lo["scrape_errors"] > ls["scrape_errors"]:
                 flags.append(f"{name}: scrape errors {lo['scrape_errors']} vs stock "
                              f"{ls['scrape_errors']}")
-        if name == "binary_skeleton" and "health_max_s" in r:
+        if name == "regions_linger" and r.get("victim_registered") is not True:
+            flags.append(f"regions_linger: the other producer's registration: "
+                         f"{r.get('victim_registered')} after {r.get('victim_answer_s')} s")
+        if name in ("binary_skeleton", "json_skeleton") and "health_max_s" in r:
             lat = [("/health max", r["health_max_s"], s.get("health_max_s"))]
         for what, v_on, v_st in lat:
             if v_on is not None and v_st is not None and v_on > 1.5 * v_st + 0.25:

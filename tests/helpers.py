@@ -13,6 +13,7 @@ import random
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -688,3 +689,32 @@ def ring_message(buf) -> list[bytes]:
         out.append(bytes(buf[offset + 4:offset + 4 + n]))
         offset += 4 + n
     return out
+
+
+class LingeringSockets:
+    """TCP sockets whose last ``close`` blocks for ``SO_LINGER`` seconds: each
+    is connected to a local listener that never accepts nor reads, with its
+    send buffer full (unsent data). :meth:`release` resets them (the listener
+    closes), so a close still waiting returns at once."""
+
+    def __init__(self, n: int, linger_s: int = 8) -> None:
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(n)
+        self.fds = []
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            s.connect(self.listener.getsockname())
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, linger_s))
+            s.setblocking(False)
+            try:
+                while True:
+                    s.send(b"x" * 65536)
+            except BlockingIOError:
+                pass
+            self.fds.append(s.detach())
+
+    def release(self) -> None:
+        self.listener.close()  # resets the connections waiting in its queue

@@ -29,7 +29,7 @@ import time
 
 import pytest
 import torch
-from helpers import new_fds, open_fds, wait_until
+from helpers import LingeringSockets, new_fds, open_fds, wait_until
 from test_regions import GOOD, MAX_T, REG, H, _limits, env, memfd  # noqa: F401
 
 import shm_embeds_client as sec
@@ -346,39 +346,9 @@ def test_producer_checks_the_servers_uid(tmp_path):
 
 # ------------------------------------------- issue 28 item 4: no foreign close here
 
-class _LingeringSockets:
-    """TCP sockets whose last ``close`` blocks for ``SO_LINGER`` seconds: each
-    is connected to a local listener that never accepts nor reads, with its
-    send buffer full (unsent data). :meth:`release` resets them (the listener
-    closes), so a close still waiting returns at once."""
-
-    def __init__(self, n: int, linger_s: int = 8) -> None:
-        import struct
-        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen(n)
-        self.fds = []
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-            s.connect(self.listener.getsockname())
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, linger_s))
-            s.setblocking(False)
-            try:
-                while True:
-                    s.send(b"x" * 65536)
-            except BlockingIOError:
-                pass
-            self.fds.append(s.detach())
-
-    def release(self) -> None:
-        self.listener.close()  # resets the connections waiting in its queue
-
-
 def _close_blocks(linger_s: int) -> float:
-    """Seconds the last ``close`` of a :class:`_LingeringSockets` socket took."""
-    lingering = _LingeringSockets(1, linger_s)
+    """Seconds the last ``close`` of a :class:`LingeringSockets` socket took."""
+    lingering = LingeringSockets(1, linger_s)
     start = time.monotonic()
     os.close(lingering.fds[0])
     took = time.monotonic() - start
@@ -398,7 +368,7 @@ def test_extra_fds_never_closed_on_the_regions_thread(env):
     producer's registration got no answer within 2 s."""
     env.start()
     victim = env.connect()
-    lingering = _LingeringSockets(2)
+    lingering = LingeringSockets(2)
     try:
         attacker = env.connect()
         attacker.settimeout(20)
@@ -423,7 +393,7 @@ def test_connection_closed_with_unread_fds_stalls_nobody(env, monkeypatch):
     queued, real_cred = threading.Event(), rs.peer_cred
     monkeypatch.setattr(rs, "peer_cred", lambda s: (queued.wait(5), real_cred(s))[1])
     env.start(allowed_uids=frozenset({os.getuid() + 4242}))
-    lingering = _LingeringSockets(2)
+    lingering = LingeringSockets(2)
     try:
         attacker = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env.socks.append(attacker)
