@@ -69,6 +69,9 @@ TOPOLOGIES = {
     "pp2": ("--pipeline-parallel-size", "2", "--compilation-config",
             '{"mode": 2, "backend": "eager"}'),
     "tp2": ("--tensor-parallel-size", "2", "--enforce-eager"),
+    # one EngineCore (TP=1) per node: DP rank 0 on the head, 1 on the follower
+    "dp2": ("--data-parallel-size", "2", "--data-parallel-size-local", "1",
+            "--enforce-eager"),
 }
 
 
@@ -124,7 +127,7 @@ class Nodes:
 
     Args:
         tmp: a directory (``pathlib.Path``) for the logs and the stats directory.
-        topology: a key of :data:`TOPOLOGIES` (``"pp2"`` or ``"tp2"``).
+        topology: a key of :data:`TOPOLOGIES` (``"pp2"``, ``"tp2"`` or ``"dp2"``).
         shm_on: ``VLLM_SHM_EMBEDS`` on both nodes.
         model: model directory (default: the tiny model).
         max_model_len: ``--max-model-len``.
@@ -174,11 +177,18 @@ class Nodes:
     # -- life
 
     def _engine_args(self, rank: int) -> list[str]:
+        if self.nnodes == 1:
+            nodes = []
+        elif self.topology.startswith("dp"):  # DP's own multi-node arguments
+            nodes = ["--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port",
+                     str(self.master_port), *(["--data-parallel-start-rank", str(rank)]
+                                              if rank else [])]
+        else:
+            nodes = ["--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
+                     "--master-port", str(self.master_port)]
         return ["--model", self.model, "--served-model-name", "tiny", "--dtype", "float32",
                 "--enable-prompt-embeds", "--max-model-len", str(self.max_model_len),
-                *TOPOLOGIES[self.topology],
-                *(["--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
-                   "--master-port", str(self.master_port)] if self.nnodes == 2 else [])]
+                *TOPOLOGIES[self.topology], *nodes]
 
     def _log_file(self, path: Path):
         f = path.open("w")

@@ -601,3 +601,41 @@ def test_bad_split_is_rejected(split):
             "shape": [4, 4096], "split": split}
     with pytest.raises(handle.ShmEmbedsError, match="malformed"):
         handle.SharedTensorHandle.from_meta(meta)
+
+
+def _parallel(size, local, index=0, local_only=False):
+    import types
+
+    return types.SimpleNamespace(model_config=types.SimpleNamespace(enable_prompt_embeds=True),
+                                 parallel_config=types.SimpleNamespace(
+                                     data_parallel_size=size, data_parallel_size_local=local,
+                                     data_parallel_index=index, local_engines_only=local_only))
+
+
+def test_hop1_is_decided_per_engine_with_dp_engines_on_other_nodes(shm_env):
+    """DP=2 with one EngineCore on this node (DP rank 0) and one on another:
+    a request for the local one goes as a handle, one for the other gets
+    the bytes (counted ``fallback.hop1.remote_engine``, no segment made)."""
+    from vllm._shm_embeds.sites import core_client
+
+    assert core_client.local_engines(_parallel(2, 2)) is None
+    assert core_client.local_engines(_parallel(2, 1, local_only=True)) is None
+    assert core_client.local_engines(_parallel(4, 2, index=2)) == {b"\x02\x00", b"\x03\x00"}
+    assert core_client._hop1_skip_reason(_parallel(2, 0)) == "every EngineCore is on another node"
+    assert core_client._hop1_skip_reason(_parallel(2, 1)) is None
+    local = core_client.local_engines(_parallel(2, 1))
+    assert local == {b"\x00\x00"}
+    consumer = hop1.HandleOOBConsumer(local_engines=local)
+    t = torch.randn(64, 32)
+    before = counters.stats()
+    consumer.send_to(b"\x01\x00")
+    consumer.arm(t)
+    assert consumer(t) is None and os.listdir(shm_env) == []  # inline
+    assert delta(before, counters.stats()) == {
+        "fallback.hop1.remote_engine": 1, "hop1_stock_tensors": 1, "hop1_stock_bytes": t.nbytes}
+    consumer.send_to(b"\x00\x00")
+    consumer.arm(t)
+    meta = consumer(t)
+    assert isinstance(meta, dict) and hop1.META_KEY in meta
+    [created] = consumer.take_created()
+    assert transfer.discard_shared(created) and os.listdir(shm_env) == []

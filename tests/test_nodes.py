@@ -326,3 +326,66 @@ def test_a_follower_without_the_plugin_keeps_hop2_stock(follower_without_plugin)
     assert engine.get("fallback.hop2.remote") == 1, rec["embeds"]["counters"]
     assert not any(k.startswith("hop2_reader_tensors") for k in engine), engine
     assert "does not run this shm-embeds version's hop 2" in rec["log"]
+
+
+# -------------------------------------------------------------------- DP=2
+
+@pytest.fixture(scope="module")
+def dp_run(tmp_path_factory):
+    """DP=2 across the two nodes, plugin on: DP rank 0's EngineCore on the
+    head, rank 1's on the follower (its own ``/dev/shm``). The same two
+    prompts as ids and as embeds, each embeds prompt sent twice in a row (the
+    client's balancer takes the engines in turn when they are idle: one of
+    the two lands on each engine); what each process counted per request."""
+    from helpers import embed_weights, encode_embeds
+    from nodes import Nodes
+
+    rec: dict = {"requests": []}
+    nodes = Nodes(tmp_path_factory.mktemp("nodes-dp2"), "dp2", True)
+    try:
+        nodes.start()
+        w = embed_weights(nodes.model)
+        for k in range(2):
+            ids = _ids(300 + k, w.shape[0])
+            rec["requests"].append(("ids", k, nodes.measured({"prompt": ids})))
+            for _ in range(2):
+                rec["requests"].append(("embeds", k, nodes.measured(
+                    {"prompt": "", "prompt_embeds": encode_embeds(w[ids].contiguous())})))
+        rec["head_segments"] = nodes.head_shm_ours()
+        rec["follower_shm_not_vllm"] = nodes.follower_shm_not_vllm()
+    finally:
+        rec["close"] = nodes.close()
+        rec["head_log_tail"] = nodes.log()[-3000:]
+    return rec
+
+
+def test_dp_engines_on_both_nodes_hop1_per_engine(dp_run):
+    """Hop 1 decided per EngineCore: a request for the head's engine goes by
+    shared memory (the API server counts ``hop1_shm_tensors``, the head's
+    EngineCore adopts the segment), one for the follower's engine gets the
+    bytes (``fallback.hop1.remote_engine``: no segment, nothing adopted there);
+    every embeds answer equals its ids prompt's; nothing of ours left."""
+    texts = {(kind, k): [] for kind in ("ids", "embeds") for k in range(2)}
+    by_shm = by_bytes = 0
+    for kind, k, r in dp_run["requests"]:
+        assert r["status"] == 200, r
+        texts[kind, k].append(r["text"])
+        if kind != "embeds":
+            continue
+        c = r["counters"]
+        api, head_engine = c.get("head:client", {}), c.get("head:engine", {})
+        follower = {n: v for key, cs in c.items() if key.startswith("follower")
+                    for n, v in cs.items()}
+        if api.get("hop1_shm_tensors") == 1:
+            by_shm += 1
+            assert head_engine.get("hop1_adopted_tensors") == 1, c
+        else:
+            by_bytes += 1
+            assert api.get("fallback.hop1.remote_engine") == 1, c
+            assert "hop1_adopted_tensors" not in follower and not head_engine, c
+    assert by_shm >= 1 and by_bytes >= 1, dp_run["requests"]
+    for k in range(2):
+        assert set(texts["embeds", k]) == set(texts["ids", k]), texts
+    assert dp_run["head_segments"] == [] and dp_run["follower_shm_not_vllm"] == []
+    assert dp_run["close"]["segments_left"] == [], dp_run["close"]
+

@@ -52,14 +52,31 @@ class HandleOOBConsumer:
     so that the caller can remove them if encoding or sending fails.
     """
 
-    def __init__(self, inner: Any = None, block_tokens: int | None = None) -> None:
+    def __init__(self, inner: Any = None, block_tokens: int | None = None,
+                 local_engines: frozenset[bytes] | None = None) -> None:
         self.inner = inner
         self.block_tokens = block_tokens  # prefix-cache rows per digest, None: off
+        # EngineCores that share this host's segments (ZMQ identities), None: all.
+        self.local_engines = local_engines
         self._armed: torch.Tensor | None = None
         self._created: list[SharedTensorHandle] = []
+        self._to_local = True
+
+    def send_to(self, engine: bytes | None) -> None:
+        """The next messages go to ``engine`` (a ZMQ identity; None: this
+        client's only or first one): one on another node gets the bytes."""
+        self._to_local = (self.local_engines is None or engine is None
+                          or engine in self.local_engines)
 
     def arm(self, tensor: torch.Tensor | None) -> None:
-        """Mark the tensor to send through shm in the next encoded message."""
+        """Mark the tensor to send through shm in the next encoded message
+        (not for an EngineCore on another node: counted stock, ``remote_engine``)."""
+        if tensor is not None and not self._to_local:
+            if isinstance(tensor, torch.Tensor):
+                count_many({Event.HOP1_STOCK_TENSORS: 1,
+                            Event.HOP1_STOCK_BYTES: dense_nbytes(tensor)})
+                count_reason(Event.FALLBACK, "remote_engine", hop="1")
+            tensor = None
         self._armed = tensor
 
     def take_created(self) -> list[SharedTensorHandle]:

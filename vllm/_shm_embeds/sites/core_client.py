@@ -99,6 +99,9 @@ def wrap_send_input(orig: Callable) -> Callable:
 
     @functools.wraps(orig)
     def _send_input(self, request_type, request, *args, **kwargs):
+        consumer = getattr(self, "_shm_embeds_consumer", None)
+        if consumer is not None:  # (engine: AsyncMPClient._send_input's third parameter)
+            consumer.send_to(args[0] if args else kwargs.get("engine"))
         held = _send_view(request)
         try:
             return _send_tracked(self, orig, request_type, request, *args, **kwargs)
@@ -134,13 +137,29 @@ def _hop1_skip_reason(vllm_config: Any) -> str | None:
     model_config = getattr(vllm_config, "model_config", None)
     if not getattr(model_config, "enable_prompt_embeds", False):
         return "--enable-prompt-embeds is off"
-    pc = vllm_config.parallel_config
-    remote_engines = pc.data_parallel_size_local < pc.data_parallel_size and not getattr(
-        pc, "local_engines_only", False
-    )
-    if remote_engines:
-        return "some EngineCores are on other nodes"
+    local = local_engines(vllm_config)
+    if local is not None and not local:
+        return "every EngineCore is on another node"
     return None
+
+
+def local_engines(vllm_config: Any) -> frozenset[bytes] | None:
+    """The ZMQ identities of the EngineCores on this node when some are on
+    other nodes, else None (all local).
+
+    A client talks to DP ranks ``[data_parallel_index, + data_parallel_size)``
+    (``local_engines_only``: the local ones alone), identity
+    ``rank.to_bytes(2, "little")``; this node launched ranks
+    ``[data_parallel_index, + data_parallel_size_local)`` (``MPClient.__init__``
+    in ``vllm/v1/engine/core_client.py``, ``launch_core_engines`` in
+    ``vllm/v1/engine/utils.py``, 0.32).
+    """
+    pc = vllm_config.parallel_config
+    size, local = pc.data_parallel_size, pc.data_parallel_size_local
+    if local >= size or getattr(pc, "local_engines_only", False):
+        return None
+    start = getattr(pc, "data_parallel_index", 0) or 0
+    return frozenset(r.to_bytes(2, "little") for r in range(start, start + local))
 
 
 def wrap_client_init(orig: Callable) -> Callable:
@@ -153,18 +172,19 @@ def wrap_client_init(orig: Callable) -> Callable:
                 logger.info("shm-embeds: hop 1 uses the stock path: %s", reason)
                 return
             set_role("client")
+            local = local_engines(self.vllm_config)
             consumer = HandleOOBConsumer(
                 self.encoder.oob_tensor_consumer,
-                digests.block_tokens_of(getattr(self.vllm_config, "cache_config", None)))
+                digests.block_tokens_of(getattr(self.vllm_config, "cache_config", None)),
+                local)
             self.encoder.oob_tensor_consumer = consumer
             self.encoder = ArmingEncoder(self.encoder, consumer)
             self._shm_embeds_consumer = consumer
             logger.info(
                 "shm-embeds: hop 1 on in pid %d: prompt_embeds >= %d bytes go to "
-                "the EngineCore as shared-memory handles",
-                os.getpid(),
-                min_bytes(),
-            )
+                "the EngineCore%s as shared-memory handles", os.getpid(), min_bytes(),
+                "" if local is None else
+                f"s on this node ({len(local)}; those on other nodes get the bytes)")
             _on_client_init(self)  # model name for /metrics, /dev/shm size check
         except Exception:
             logger.exception("shm-embeds: hop 1 sender not installed; stock path")
@@ -217,7 +237,8 @@ SITES = (
          ("vllm_config",), ("self.encoder = MsgpackEncoder(",), wrap_client_init,
          what="after it, the request encoder offers the request's prompt_embeds to the hop-1 "
               "consumer (MsgpackEncoder.oob_tensor_consumer); other tensors keep theirs "
-              "(e.g. the multimodal TensorIpcSender); logs `hop 1 on`",
+              "(e.g. the multimodal TensorIpcSender); with DP engines on other nodes, only "
+              "requests for this node's EngineCores get handles; logs `hop 1 on`",
          why="vLLM sends prompt_embeds as ZMQ frames: copied into and out of the socket",
          retire=HOP1_RETIRE),
     Site("client_send_sync", "hop1", MODULE, "SyncMPClient._send_input", ("request",),
@@ -231,7 +252,8 @@ SITES = (
          retire="an encoder hook that owns the resources it makes"),
     Site("client_send_async", "hop1", MODULE, "AsyncMPClient._send_input", ("request",),
          ("self.encoder.encode(request)",), wrap_send_input,
-         what="the same for the async client", why="the same",
+         what="the same for the async client, told which EngineCore the message is for "
+              "(DP: one on another node gets the bytes)", why="the same",
          retire="an encoder hook that owns the resources it makes"),
     Site("client_shutdown", "hop1", MODULE, "MPClient.shutdown",
          wrap=functools.partial(wrap_shutdown, sweep=True),
