@@ -233,16 +233,20 @@ HOP1_RETIRE = ("vLLM routing prompt_embeds through its tensor IPC whenever "
                "design)")
 
 SITES = (
-    Site("client_init", "hop1", MODULE, "MPClient.__init__",
-         ("vllm_config",), ("self.encoder = MsgpackEncoder(",), wrap_client_init,
+    Site(key="client_init", group="hop1", module=MODULE, qualname="MPClient.__init__",
+         params=("vllm_config",),
+         marks=("self.encoder = MsgpackEncoder(",),
+         wrap=wrap_client_init,
          what="after it, the request encoder offers the request's prompt_embeds to the hop-1 "
               "consumer (MsgpackEncoder.oob_tensor_consumer); other tensors keep theirs "
               "(e.g. the multimodal TensorIpcSender); with DP engines on other nodes, only "
               "requests for this node's EngineCores get handles; logs `hop 1 on`",
          why="vLLM sends prompt_embeds as ZMQ frames: copied into and out of the socket",
          retire=HOP1_RETIRE),
-    Site("client_send_sync", "hop1", MODULE, "SyncMPClient._send_input", ("request",),
-         ("self.encoder.encode(request)",), wrap_send_input,
+    Site(key="client_send_sync", group="hop1", module=MODULE, qualname="SyncMPClient._send_input",
+         params=("request",),
+         marks=("self.encoder.encode(request)",),
+         wrap=wrap_send_input,
          what="the request's prompt_embeds rides a send view while it is encoded and sent "
               "when a mapping of ours holds it (pages kept until ZMQ is done); a segment "
               "made for a message whose encode or send fails is removed at once",
@@ -250,12 +254,15 @@ SITES = (
              "drop a finished request's pages; nothing else would remove a segment of a "
              "failed send before the process exits",
          retire="an encoder hook that owns the resources it makes"),
-    Site("client_send_async", "hop1", MODULE, "AsyncMPClient._send_input", ("request",),
-         ("self.encoder.encode(request)",), wrap_send_input,
+    Site(key="client_send_async", group="hop1", module=MODULE, qualname="AsyncMPClient._send_input",
+         params=("request",),
+         marks=("self.encoder.encode(request)",),
+         wrap=wrap_send_input,
          what="the same for the async client, told which EngineCore the message is for "
-              "(DP: one on another node gets the bytes)", why="the same",
+              "(DP: one on another node gets the bytes)",
+         why="the same",
          retire="an encoder hook that owns the resources it makes"),
-    Site("client_shutdown", "hop1", MODULE, "MPClient.shutdown",
+    Site(key="client_shutdown", group="hop1", module=MODULE, qualname="MPClient.shutdown",
          wrap=functools.partial(wrap_shutdown, sweep=True),
          what="unlink segments never adopted and those of EngineCores vLLM force-killed; "
               "log the summary",

@@ -52,14 +52,19 @@ def wrap_engine_preprocess(orig: Callable) -> Callable:
 
 
 SITES = (
-    Site("engine_input", "hop1", MODULE, "EngineCoreProc.process_input_sockets",
-         (), ("oob_tensor_provider=self.tensor_ipc_receiver",), wrap_engine_input,
+    Site(key="engine_input", group="hop1", module=MODULE,
+         qualname="EngineCoreProc.process_input_sockets",
+         params=(),
+         marks=("oob_tensor_provider=self.tensor_ipc_receiver",),
+         wrap=wrap_engine_input,
          what="before it builds its decoders, self.tensor_ipc_receiver is wrapped by the "
               "hop-1 provider, which adopts segments",
          why="the decoders take their tensor provider from that attribute at start",
          retire=HOP1_RETIRE),
-    Site("engine_preprocess", "hop1", MODULE, "EngineCore.preprocess_add_request",
-         ("request",), wrap=wrap_engine_preprocess,
+    Site(key="engine_preprocess", group="hop1", module=MODULE,
+         qualname="EngineCore.preprocess_add_request",
+         params=("request",),
+         wrap=wrap_engine_preprocess,
          what="a request whose segment could not be adopted is rejected",
          why="a request-scoped error, not a dead input thread",
          retire="a provider error path in vLLM's decoder"),

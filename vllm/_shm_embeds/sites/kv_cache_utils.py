@@ -53,18 +53,21 @@ HASH_RETIRE = ("vLLM hashing prompt_embeds in the frontend, or carrying digests 
 
 SITES = (
     # generate_block_hash_extra_keys looks it up in its module's globals.
-    Site("embeds_block_hash", "json", MODULE, "_gen_prompt_embeds_extra_hash_keys",
-         ("request", "start_token_idx", "end_token_idx"),
-         ("request._prompt_embeds_per_block_hashes.get(block_range)",
-          "hashlib.sha256(tensor_data(block_prompt_embeds)).digest()"),
-         wrap_gen_prompt_embeds_extra_hash_keys,
+    Site(key="embeds_block_hash", group="json", module=MODULE,
+         qualname="_gen_prompt_embeds_extra_hash_keys",
+         params=("request", "start_token_idx", "end_token_idx"),
+         marks=("request._prompt_embeds_per_block_hashes.get(block_range)",
+                "hashlib.sha256(tensor_data(block_prompt_embeds)).digest()"),
+         wrap=wrap_gen_prompt_embeds_extra_hash_keys,
          what="EngineCore: the API server's digests fill "
               "Request._prompt_embeds_per_block_hashes, so vLLM hashes nothing again",
          why="vLLM SHA-256-hashes the embeds on the EngineCore's input thread",
          retire=HASH_RETIRE),
-    Site("embeds_block_hash_caller", "json", MODULE, "generate_block_hash_extra_keys",
-         ("request", "start_token_idx", "end_token_idx"),
-         ("_gen_prompt_embeds_extra_hash_keys(",),
+    Site(key="embeds_block_hash_caller", group="json", module=MODULE,
+         qualname="generate_block_hash_extra_keys",
+         params=("request", "start_token_idx", "end_token_idx"),
+         marks=("_gen_prompt_embeds_extra_hash_keys(",),
          what="looks _gen_prompt_embeds_extra_hash_keys up in its module's globals",
-         why="so it calls the wrapper", retire=HASH_RETIRE),
+         why="so it calls the wrapper",
+         retire=HASH_RETIRE),
 )

@@ -347,8 +347,11 @@ HOP2_RETIRE = ("--enable-shm-tensor-arena without its size cap and slot limit, r
                "hop 1's segment")
 
 SITES = (
-    Site("executor_rpc", "hop2", MODULE, "MultiprocExecutor.collective_rpc",
-         ("method", "args", "kwargs"), ("self.rpc_broadcast_mq.enqueue(",), wrap_executor_rpc,
+    Site(key="executor_rpc", group="hop2", module=MODULE,
+         qualname="MultiprocExecutor.collective_rpc",
+         params=("method", "args", "kwargs"),
+         marks=("self.rpc_broadcast_mq.enqueue(",),
+         wrap=wrap_executor_rpc,
          what="NewRequestData.prompt_embeds in a SchedulerOutput argument is swapped for a "
               "handle while the message is enqueued, then restored; reader flags for the "
               "local first-stage readers only; with readers on other nodes, the enqueue "
@@ -357,7 +360,8 @@ SITES = (
          why="above 16 MiB the broadcast sends each TP reader its own copy over ZMQ, "
              "without a copy (copy=False): ZMQ reads it after enqueue returns",
          retire=HOP2_RETIRE),
-    Site("worker_rpc", "hop2", MODULE, "WorkerProc._execute_worker_rpc", ("rpc_request",),
+    Site(key="worker_rpc", group="hop2", module=MODULE, qualname="WorkerProc._execute_worker_rpc",
+         params=("rpc_request",),
          wrap=wrap_worker_rpc,
          what="handles are mapped back to tensors before the worker method runs (a worker "
               "of a later pipeline stage maps nothing: it builds a NaN placeholder of the "
@@ -368,9 +372,15 @@ SITES = (
              "waiting; later stages read only the length (gpu_model_runner._preprocess: "
              "`elif self.enable_prompt_embeds and is_first_rank`)",
          retire=HOP2_RETIRE),
-    Site("executor_shutdown", "hop2", MODULE, "MultiprocExecutor.shutdown", wrap=wrap_shutdown,
+    Site(key="executor_shutdown", group="hop2", module=MODULE,
+         qualname="MultiprocExecutor.shutdown",
+         wrap=wrap_shutdown,
          what="unlink what is left, log the summary",
-         why="segments still owned at shutdown", retire=HOP2_RETIRE),
-    Site("worker_shutdown", "hop2", MODULE, "WorkerProc.shutdown", wrap=wrap_shutdown,
-         what="log the summary", why="the worker's counts at exit", retire=HOP2_RETIRE),
+         why="segments still owned at shutdown",
+         retire=HOP2_RETIRE),
+    Site(key="worker_shutdown", group="hop2", module=MODULE, qualname="WorkerProc.shutdown",
+         wrap=wrap_shutdown,
+         what="log the summary",
+         why="the worker's counts at exit",
+         retire=HOP2_RETIRE),
 )

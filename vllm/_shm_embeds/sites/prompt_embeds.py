@@ -88,10 +88,12 @@ def wrap_add_request(orig: Callable) -> Callable:
 
 
 SITES = (
-    Site("v2_embeds_upload", "pp_upload", MODULE, "PromptEmbedsState.add_request",
-         ("req_index", "new_req_data"),
-         ("if prompt_embeds is None:", "self.embeds_lens.np[req_index] = 0",
-          "async_tensor_h2d(prompt_embeds"), wrap_add_request,
+    Site(key="v2_embeds_upload", group="pp_upload", module=MODULE,
+         qualname="PromptEmbedsState.add_request",
+         params=("req_index", "new_req_data"),
+         marks=("if prompt_embeds is None:", "self.embeds_lens.np[req_index] = 0",
+                "async_tensor_h2d(prompt_embeds"),
+         wrap=wrap_add_request,
          what="on a later pipeline stage, vLLM's add_request gets a copy of the request "
               "without prompt_embeds: nothing staged, uploaded or held on the GPU; "
               "embeds_lens is 0 for the index",
@@ -99,10 +101,11 @@ SITES = (
              "request's life (about 400 MB for 24k tokens at hidden 8192 bf16), but apply "
              "runs only on the first PP rank (checked by v2_embeds_first_rank)",
          retire=_RETIRE),
-    Site("v2_embeds_first_rank", "pp_upload", "vllm.v1.worker.gpu.model_runner",
-         "GPUModelRunner.execute_model", (),
-         ("if self.uses_inputs_embeds and self.is_first_pp_rank:",
-          'model_inputs["inputs_embeds"] = None'),
+    Site(key="v2_embeds_first_rank", group="pp_upload", module="vllm.v1.worker.gpu.model_runner",
+         qualname="GPUModelRunner.execute_model",
+         params=(),
+         marks=("if self.uses_inputs_embeds and self.is_first_pp_rank:",
+                'model_inputs["inputs_embeds"] = None'),
          what="relied on: the newer runner prepares inputs_embeds (PromptEmbedsState.apply) "
               "on the first PP rank only, and passes none on later ranks",
          why="what makes skipping the upload on later ranks safe",

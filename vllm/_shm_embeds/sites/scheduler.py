@@ -48,8 +48,10 @@ def wrap_free_request(orig: Callable) -> Callable:
 
 
 SITES = (
-    Site("free_request", "release", MODULE, "Scheduler._free_request", ("request",),
-         ("self.finished_req_ids.add(request_id)",), wrap_free_request,
+    Site(key="free_request", group="release", module=MODULE, qualname="Scheduler._free_request",
+         params=("request",),
+         marks=("self.finished_req_ids.add(request_id)",),
+         wrap=wrap_free_request,
          what="EngineCore: once vLLM frees a finished request, its segment's name is "
               "unlinked (a name lasts as long as its request, so the budget counts it) and "
               "its pages of an adopted segment are dropped",

@@ -53,9 +53,11 @@ def wrap_enqueue(orig: Callable) -> Callable:
 
 
 SITES = (
-    Site("mq_enqueue", "remote", MODULE, "MessageQueue.enqueue", ("obj",),
-         ("if self.n_local_reader > 0:", "if self.n_remote_reader > 0:",
-          "self.remote_socket.send_multipart("), wrap_enqueue,
+    Site(key="mq_enqueue", group="remote", module=MODULE, qualname="MessageQueue.enqueue",
+         params=("obj",),
+         marks=("if self.n_local_reader > 0:", "if self.n_remote_reader > 0:",
+                "self.remote_socket.send_multipart("),
+         wrap=wrap_enqueue,
          what="while collective_rpc has a plan for the queue: enqueue once to the local "
               "readers alone (n_remote_reader = 0), the requests carrying handles, then once "
               "to the remote readers alone (n_local_reader = 0), carrying a placeholder (no "

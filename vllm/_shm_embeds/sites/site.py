@@ -33,9 +33,9 @@ def is_wrapped(fn: Any) -> bool:
     return bool(getattr(fn, WRAPPED, False))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Site:
-    """One vLLM attribute we check, and wrap if ``wrap`` is given.
+    """One vLLM attribute we check, and wrap if ``wrap`` is given (keywords only).
 
     Attributes:
         key: short name, unique in the registry (``sites/__init__.py``).
