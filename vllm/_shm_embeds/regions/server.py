@@ -49,14 +49,14 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm.logger import init_logger
 
 from vllm._shm_embeds import config
 from vllm._shm_embeds.counters import Event, count, count_reason
 from vllm._shm_embeds.regions.memfd import NOT_MEMFD, RegionError
-from vllm._shm_embeds.regions.registry import RegionRegistry
+from vllm._shm_embeds.regions.registry import Lease, RegionRegistry
 from vllm._shm_embeds.regions.sockets import (  # peer_is_sibling: public here too
     ANC_BYTES,
     carries_fds,
@@ -84,7 +84,14 @@ MAX_CONNECTIONS = 64  # producers' (siblings' do not count)
 REGISTER_WORKERS = 2
 EXPIRE_EVERY_S = 1.0
 MAX_UNREAD_CLOSES = 64  # connections with unread messages waiting for the closer thread
-_LEASE = "\0lease"  # reply key of a lookup's lease (never sent)
+
+
+class Reply(NamedTuple):
+    """What the server answers one message: ``message`` (sent as JSON), and
+    for a lookup the ``lease`` whose fd goes with it (released once sent)."""
+
+    message: dict[str, Any]
+    lease: Lease | None = None
 
 
 class _Conn:
@@ -386,7 +393,7 @@ class RegionServer:
         hostile = True
         if not all(map(is_memfd, fds)):
             count_reason(Event.REGION_REFUSED, "not_memfd")
-            reply = {"error": NOT_MEMFD}
+            reply = Reply({"error": NOT_MEMFD})
         else:
             hostile = False
             reply = self._handle(sel, conn, data, fds, flags)
@@ -394,9 +401,9 @@ class RegionServer:
             close_unasked(fds)
         if reply is None:  # a registration: its worker answers
             return
-        lease = reply.pop(_LEASE, None)
+        lease = reply.lease
         try:
-            sent = self._send(conn.sock, reply, [lease.region.fd] if lease else [])
+            sent = self._send(conn.sock, reply.message, [lease.region.fd] if lease else [])
         finally:
             if lease is not None:  # the peer has its own reference to the memfd now
                 lease.release()
@@ -428,12 +435,13 @@ class RegionServer:
             self._poke()
 
     def _handle(self, sel: selectors.BaseSelector, conn: _Conn, data: bytes, fds: list[int],
-                flags: int) -> dict[str, Any] | None:
+                flags: int) -> Reply | None:
         """The reply to one message, or None: a registration handed to a
         worker (``conn`` is out of ``sel`` until it answered). Every fd in
         ``fds`` but one handed on goes to the closer thread (nobody asked for
         it); ``MSG_CTRUNC`` in ``flags`` (room for every fd, so: this process
-        is out of fds) refuses the message."""
+        is out of fds) refuses the message. The operation is :data:`OPS`'s
+        (``lookup`` for a sibling API server only)."""
         try:
             if not conn.allowed:
                 raise RegionError("this user may not register regions", "uid")
@@ -448,60 +456,79 @@ class RegionServer:
             if not isinstance(msg, dict):
                 raise RegionError("malformed message: expected one UTF-8 JSON object",
                                   "malformed")
-            op = msg.get("op")
-            if op == "register":
-                if len(fds) > 1:
-                    raise RegionError("too many file descriptors: register takes exactly "
-                                      f"one (SCM_RIGHTS), got {len(fds)}", "fds")
-                if not fds:
-                    raise RegionError("register takes exactly one file descriptor "
-                                      "(SCM_RIGHTS), got 0", "fds")
-                fd = fds.pop()
-                sel.unregister(conn.sock)  # its next message: once this one is answered
-                try:
-                    conn.busy = True
-                    self._pool.submit(self._register, conn, fd, msg)
-                except BaseException:
-                    conn.busy = False
-                    sel.register(conn.sock, selectors.EVENT_READ, conn)
-                    discard_fd(fd)
-                    raise
-                return None
-            if op == "unregister":
-                if fds:
-                    raise RegionError("unregister takes no file descriptor", "fds")
-                region_id = msg.get("region")
-                try:
-                    self.registry.unregister(region_id, uid=conn.uid)
-                except RegionError as e:
-                    return {"error": str(e)}
-                conn.regions.discard(region_id)
-                return {"ok": True}
-            if op == "lookup" and conn.sibling:
-                if fds:
-                    raise RegionError("lookup takes no file descriptor", "fds")
-                try:
-                    lease = self.registry.lookup(msg.get("region"))
-                except RegionError as e:
-                    return {"error": str(e)}
-                region = lease.region
-                reply = {"datatype": region.datatype, "shape": list(region.shape),
-                         "byte_size": region.nbytes}
-                try:
-                    extra = {**reply, **(self.describe(region.tensor) if self.describe else {})}
-                    if len(json.dumps(extra)) <= MAX_LOOKUP_REPLY:
-                        reply = extra
-                    else:  # the sibling does without (e.g. computes the digests)
-                        count(Event.REGION_LOOKUP_TRIMMED)
-                except Exception:
-                    logger.exception("shm-embeds: describing a region failed")
-                return {**reply, _LEASE: lease}
-            raise RegionError('unknown op: expected "register" or "unregister"', "op")
+            op = OPS.get(msg.get("op")) if isinstance(msg.get("op"), str) else None
+            if op is None or (op is RegionServer._op_lookup and not conn.sibling):
+                raise RegionError('unknown op: expected "register" or "unregister"', "op")
+            return op(self, sel, conn, msg, fds)
         except RegionError as e:
             count_reason(Event.REGION_REFUSED, e.reason)
-            return {"error": str(e)}
+            return Reply({"error": str(e)})
         except Exception:
             logger.exception("shm-embeds: a regions message failed")
-            return {"error": "internal error"}
+            return Reply({"error": "internal error"})
         finally:
             close_unasked(fds)
+
+    def _op_register(self, sel: selectors.BaseSelector, conn: _Conn, msg: dict,
+                     fds: list[int]) -> None:
+        """Hand the one fd to a worker (:meth:`_register` answers)."""
+        if len(fds) > 1:
+            raise RegionError("too many file descriptors: register takes exactly "
+                              f"one (SCM_RIGHTS), got {len(fds)}", "fds")
+        if not fds:
+            raise RegionError("register takes exactly one file descriptor "
+                              "(SCM_RIGHTS), got 0", "fds")
+        fd = fds.pop()
+        sel.unregister(conn.sock)  # its next message: once this one is answered
+        try:
+            conn.busy = True
+            self._pool.submit(self._register, conn, fd, msg)
+        except BaseException:
+            conn.busy = False
+            sel.register(conn.sock, selectors.EVENT_READ, conn)
+            discard_fd(fd)
+            raise
+        return None
+
+    def _op_unregister(self, sel: selectors.BaseSelector, conn: _Conn, msg: dict,
+                       fds: list[int]) -> Reply:
+        if fds:
+            raise RegionError("unregister takes no file descriptor", "fds")
+        region_id = msg.get("region")
+        try:
+            self.registry.unregister(region_id, uid=conn.uid)
+        except RegionError as e:
+            return Reply({"error": str(e)})
+        conn.regions.discard(region_id)
+        return Reply({"ok": True})
+
+    def _op_lookup(self, sel: selectors.BaseSelector, conn: _Conn, msg: dict,
+                   fds: list[int]) -> Reply:
+        """A sibling API server's lookup: the region's description, and its fd
+        sent with the reply (the lease held until then)."""
+        if fds:
+            raise RegionError("lookup takes no file descriptor", "fds")
+        try:
+            lease = self.registry.lookup(msg.get("region"))
+        except RegionError as e:
+            return Reply({"error": str(e)})
+        region = lease.region
+        reply = {"datatype": region.datatype, "shape": list(region.shape),
+                 "byte_size": region.nbytes}
+        try:
+            extra = {**reply, **(self.describe(region.tensor) if self.describe else {})}
+            if len(json.dumps(extra)) <= MAX_LOOKUP_REPLY:
+                reply = extra
+            else:  # the sibling does without (e.g. computes the digests)
+                count(Event.REGION_LOOKUP_TRIMMED)
+        except Exception:
+            logger.exception("shm-embeds: describing a region failed")
+        return Reply(reply, lease)
+
+
+# The operations a message may name (``op``): one method each.
+OPS: dict[str, Callable[..., Reply | None]] = {
+    "register": RegionServer._op_register,
+    "unregister": RegionServer._op_unregister,
+    "lookup": RegionServer._op_lookup,
+}
