@@ -48,7 +48,7 @@ from vllm.logger import init_logger
 from vllm._shm_embeds import process
 from vllm._shm_embeds.config import regions_path, regions_refs_max
 from vllm._shm_embeds.counters import Event, count_many, count_reason
-from vllm._shm_embeds.http.body_limits import Stalled, receive_body_message
+from vllm._shm_embeds.http.body_limits import Stalled, byte_count, receive_body_message
 from vllm._shm_embeds.http.common import (Receive, Send, ServerContext, content_type,
                                           embeds_slots, headers, route, send_error)
 from vllm._shm_embeds.http.placeholders import Upload, call_with_body, new_token, placeholder
@@ -154,10 +154,9 @@ class RegionRefsMiddleware:
         if registry is None or path is None:
             return await self.app(scope, receive, send)
         h = headers(scope)
-        length = h.get("content-length")
+        length = byte_count(h.get("content-length"))
         if (content_type(h) != b"application/json" or length is None
-                or not (length.isascii() and length.isdigit())  # "²".isdigit() too
-                or int(length) > MAX_BODY_BYTES):
+                or length > MAX_BODY_BYTES):
             return await self.app(scope, receive, send)
         chunks, more = [], True
         try:
