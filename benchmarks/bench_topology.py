@@ -41,7 +41,15 @@ Columns (per embeds request):
 * ``embeds-text ms``: median over the pairs of the embeds request's time minus
   the ids request's (hop 1 and hop 2 together).
 
+* ``text req/s``, ``embeds req/s`` (with ``--concurrency N``): ``N`` clients
+  each posting ``--per-client`` requests back to back (``max_tokens`` 8,
+  fresh ids each), ids then embeds prompts: completed requests per second.
+  With PP, a step that carries embeds must not wait for a later stage (the
+  hop-2 agreement), so stock and shm-embeds should be alike.
+
     .venv/bin/python benchmarks/bench_topology.py                 # wide2, 16 MiB, ~12 min
+    .venv/bin/python benchmarks/bench_topology.py --topologies "PP=2 two nodes" \
+        --concurrency 4 --repeats 2                               # PP throughput, ~5 min
     .venv/bin/python benchmarks/bench_topology.py --model tiny --tokens 1024   # quick
 
 Writes ``benchmarks/results/topology/topology.json`` (``--json``) and prints a
@@ -164,6 +172,30 @@ def _bodies(weights: torch.Tensor, tokens: int, seed: int, max_tokens: int = 1
     return text, embeds, ids
 
 
+def throughput(url: str, weights: torch.Tensor, tokens: int, clients: int, each: int,
+               embeds: bool) -> dict:
+    """``clients`` threads each post ``each`` requests back to back (fresh
+    ids per request, ``max_tokens`` :data:`THROUGHPUT_MAX_TOKENS`; bodies
+    encoded before the clock starts): completed requests per second."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = clients * each
+    bodies = [_bodies(weights, tokens, 1000 + i, max_tokens=THROUGHPUT_MAX_TOKENS)[
+        1 if embeds else 0] for i in range(n)]
+
+    def client(c: int) -> list[int]:
+        return [_post(url, bodies[c * each + k])[1] for k in range(each)]
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(clients) as pool:
+        statuses = [st for got in pool.map(client, range(clients)) for st in got]
+    wall = time.monotonic() - t0
+    return {"requests": n, "ok": statuses.count(200), "wall_s": wall, "req_per_s": n / wall}
+
+
+THROUGHPUT_MAX_TOKENS = 8
+
+
 def _sum(counters: dict, role: str, name: str) -> int:
     return sum(v.get(name, 0) for k, v in counters.items() if k.endswith(f":{role}"))
 
@@ -228,6 +260,13 @@ def run_one(name: str, shm_on: bool, args, weights: torch.Tensor) -> dict:
             worker_peak_mib=mem.growth_mib(), worker_peak_text_mib=text_mem.growth_mib(),
             follower_shm_not_vllm=nodes.follower_shm_not_vllm(),
         )
+        if args.concurrency:
+            _post(nodes.url, _bodies(weights, args.tokens, 4)[1])  # one embeds warm-up
+            for kind in ("text", "embeds"):
+                row[f"throughput_{kind}"] = throughput(
+                    nodes.url, weights, args.tokens, args.concurrency, args.per_client,
+                    kind == "embeds")
+                print(f"  {kind}: {row[f'throughput_{kind}']}", flush=True)
     finally:
         row["close"] = nodes.close()
         row["wall_s"] = time.monotonic() - t0
@@ -309,6 +348,10 @@ def main() -> None:
     ap.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "topology",
                                                    "topology.json"))
     ap.add_argument("--render", metavar="JSON", help="only print the table of a saved run")
+    ap.add_argument("--concurrency", type=int, default=0,
+                    help="also measure throughput: this many concurrent clients (0: off)")
+    ap.add_argument("--per-client", type=int, default=4,
+                    help="requests per client in the throughput phase (default 4)")
     args = ap.parse_args()
     if args.render:
         with open(args.render) as f:
@@ -339,6 +382,7 @@ def main() -> None:
     payload = {"machine": C.machine_info(), "wall_s": time.monotonic() - t0,
                "git": {"before": git_before, "after": git_state()},
                "config": {"model": args.model, "tokens": args.tokens, "repeats": args.repeats,
+                          "concurrency": args.concurrency, "per_client": args.per_client,
                           "hidden": weights.shape[1], "dtype": str(weights.dtype)},
                "rows": rows}
     C.write_json(args.json, payload)
@@ -348,9 +392,14 @@ def main() -> None:
 
 def render(payload: dict) -> None:
     """Print the markdown table of a run's payload."""
-    rows = [dict(r, rss=_peaks(r, "rss_median"), pss=_peaks(r, "pss_median"))
+    rows = [dict(r, rss=_peaks(r, "rss_median"), pss=_peaks(r, "pss_median"),
+                 text_rps=r.get("throughput_text", {}).get("req_per_s"),
+                 embeds_rps=r.get("throughput_embeds", {}).get("req_per_s"))
             for r in payload["rows"]]
-    print(C.markdown_table(rows, COLS))
+    cols = COLS
+    if any(r["embeds_rps"] is not None for r in rows):
+        cols = COLS + [("text_rps", "text req/s", ".2f"), ("embeds_rps", "embeds req/s", ".2f")]
+    print(C.markdown_table(rows, cols))
 
 
 if __name__ == "__main__":
