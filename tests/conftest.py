@@ -25,7 +25,9 @@ is the first to use its engine):
 * ``tp4_server``: TP=4, two API servers, async scheduling off; ended by
   SIGKILL of a TP worker -> 1.
 
-That is 10 EngineCores in a full run, at most two at a time.
+Every engine a full run starts, these and the others, is listed in
+:data:`INVENTORY` (``docs/guarantees-and-tests.md``'s table is generated from
+it and checked by ``tests/test_inventory.py``), at most two at a time.
 """
 
 import contextlib
@@ -33,8 +35,41 @@ import os
 import shutil
 import subprocess
 import tempfile
+from typing import NamedTuple
 
 import pytest
+
+
+class Engine(NamedTuple):
+    """One engine (or two-node pair) a full run starts: where, how many vLLM
+    instances and EngineCores, and what it is."""
+
+    where: str
+    instances: int
+    engine_cores: int
+    what: str
+
+
+# Every engine of a default full run (opt-in ones: OPT_IN_ENGINES).
+INVENTORY = (
+    Engine("conftest.py offline_tiny", 2, 2, "offline, TP=2, plugin on and stock"),
+    Engine("conftest.py offline_pp", 2, 2, "offline, PP=2, plugin on and stock"),
+    Engine("test_offline.py", 1, 1, "offline, TP=2, wide model, 256 MiB of embeds"),
+    Engine("conftest.py main_server", 1, 1, "vllm serve, TP=2, spawn workers"),
+    Engine("conftest.py dp_server", 1, 2, "vllm serve, DP=2, two API servers"),
+    Engine("conftest.py small_shm_server", 1, 1, "vllm serve, TP=2, 256 KiB tmpfs"),
+    Engine("conftest.py tp4_server", 1, 1, "vllm serve, TP=4, two API servers"),
+    Engine("test_nodes.py runs", 4, 4, "two nodes, PP=2 and TP=2, plugin on and stock"),
+    Engine("test_nodes.py follower_without_plugin", 1, 1, "two nodes, PP=2, plugin on the head only"),
+    Engine("test_nodes.py dp_run", 1, 2, "two nodes, DP=2, an EngineCore per node"),
+)
+# Started only when asked (an environment variable, or Ray installed).
+OPT_IN_ENGINES = (
+    Engine("test_pipeline.py pp2_tp2", 1, 1, "offline, PP=2 x TP=2 (SHM_EMBEDS_TEST_PP_TP2=1)"),
+    Engine("test_topologies.py uniproc", 1, 1, "offline, uniproc (SHM_EMBEDS_TEST_UNIPROC=1)"),
+    Engine("test_topologies.py ray", 1, 1, "offline, Ray executor (where Ray is installed)"),
+    Engine("test_faults.py soak_stock", 1, 1, "vllm serve, stock soak (SHM_EMBEDS_SOAK_COMPARE=1)"),
+)
 
 # Test engines load helpers.SITECUSTOMIZE: vLLM's readers busy-loop 50 ms after
 # a read instead of 1 s (two engines share 2 cores here); the rank-failure
