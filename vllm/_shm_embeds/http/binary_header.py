@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from shm_embeds_client import wire
 from starlette.datastructures import Headers
 
 from vllm._shm_embeds.config import binary_max_tensors
@@ -31,13 +32,11 @@ from vllm._shm_embeds.http.body_limits import byte_count
 from vllm._shm_embeds.http.common import ServerContext, content_type, embeds_slots
 from vllm._shm_embeds.http.placeholders import new_token, placeholder
 
-HEADER_NAME = "inference-header-content-length"
-CONTENT_TYPE = b"application/octet-stream"
+# The client's spellings (shm_embeds_client.wire), as the server compares them.
+HEADER_NAME = wire.HEADER_LENGTH.lower()
+CONTENT_TYPE = wire.CONTENT_TYPE.encode()
 DATATYPES: dict[str, torch.dtype] = {
-    "FP32": torch.float32,
-    "FP16": torch.float16,
-    "BF16": torch.bfloat16,
-}
+    name: getattr(torch, dt.torch) for name, dt in wire.DATATYPES.items()}
 MAX_JSON_BYTES = 16 << 20  # the JSON header is read into memory; bounded
 MAX_JSON_DEPTH = 128  # containers (objects, arrays) open at once in the JSON header
 MAX_JSON_BASE_VALUES = 1 << 16  # values and keys of a JSON header besides its descriptors
@@ -219,7 +218,7 @@ def parse_spec(desc: Any, limits: ServerContext, where: str) -> TensorSpec:
         raise _bad("too_long", f"{where}: {tokens} prompt_embeds tokens exceed the "
                    f"maximum context length of {limits.max_model_len} tokens")
     params = desc.get("parameters")
-    size = params.get("binary_data_size") if isinstance(params, dict) else None
+    size = params.get(wire.BINARY_DATA_SIZE) if isinstance(params, dict) else None
     dtype = DATATYPES[datatype]
     want = tokens * hidden * torch.empty((), dtype=dtype).element_size()
     if not _is_int(size) or size != want:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from shm_embeds_client.wire import HEADER_LENGTH
 
 from vllm._shm_embeds.digests import forget
 from vllm._shm_embeds.http.common import Receive, Send
@@ -110,7 +111,7 @@ def resolve_placeholder(data: Any) -> torch.Tensor | None:
     return upload.tensors[i] if i < len(upload.tensors) else None
 
 
-DROPPED_HEADERS = {b"content-length", b"inference-header-content-length"}
+DROPPED_HEADERS = {b"content-length", HEADER_LENGTH.lower().encode()}
 
 
 async def call_with_body(app: Callable, scope: dict, receive: Receive, send: Send,

@@ -43,6 +43,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from shm_embeds_client.wire import JSON_CONTENT_TYPE, REGION, REGION_BYTE_SIZE, REGION_OFFSET
 from vllm.logger import init_logger
 
 from vllm._shm_embeds import process
@@ -57,7 +58,8 @@ from vllm._shm_embeds.regions.service import start_regions, stop_regions
 
 logger = init_logger(__name__)
 
-REF_KEY = b'"shared_memory_region"'
+REF_KEY = f'"{REGION}"'.encode()
+JSON_TYPE = JSON_CONTENT_TYPE.encode()  # the bodies that may name regions
 MAX_BODY_BYTES = 1 << 20  # larger bodies are not searched for region references
 
 
@@ -66,7 +68,7 @@ def _region_ref(value: Any) -> dict | None:
     if not isinstance(value, dict):
         return None
     params = value.get("parameters")
-    if isinstance(params, dict) and "shared_memory_region" in params:
+    if isinstance(params, dict) and REGION in params:
         return params
     return None
 
@@ -101,10 +103,10 @@ def lease_refs(path: str, body: Any, registry: Any) -> Upload | None:
             ref = container[key]
             params = _region_ref(ref)
             try:
-                lease = registry.lease(params.get("shared_memory_region"),
+                lease = registry.lease(params.get(REGION),
                                        ref.get("datatype"), ref.get("shape"),
-                                       params.get("shared_memory_byte_size"),
-                                       params.get("shared_memory_offset", 0))
+                                       params.get(REGION_BYTE_SIZE),
+                                       params.get(REGION_OFFSET, 0))
             except RegionError as e:
                 raise RegionError(f"{where}: {e}", e.reason) from None
             leases.append(lease)
@@ -155,7 +157,7 @@ class RegionRefsMiddleware:
             return await self.app(scope, receive, send)
         h = headers(scope)
         length = byte_count(h.get("content-length"))
-        if (content_type(h) != b"application/json" or length is None
+        if (content_type(h) != JSON_TYPE or length is None
                 or length > MAX_BODY_BYTES):
             return await self.app(scope, receive, send)
         chunks, more = [], True

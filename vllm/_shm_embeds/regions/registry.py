@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from shm_embeds_client.wire import DATATYPES, REGION
 from vllm.logger import init_logger
 
 from vllm._shm_embeds import config
@@ -41,8 +42,9 @@ from vllm._shm_embeds.regions.sockets import discard_fd
 
 logger = init_logger(__name__)
 
-DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
-UNKNOWN_REGION = "unknown shared_memory_region"  # never the id: it is a capability
+# The client's table (shm_embeds_client.wire), with torch dtypes.
+DTYPES = {name: getattr(torch, dt.torch) for name, dt in DATATYPES.items()}
+UNKNOWN_REGION = f"unknown {REGION}"  # never the id: it is a capability
 
 
 @dataclasses.dataclass(frozen=True)

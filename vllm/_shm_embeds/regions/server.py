@@ -51,6 +51,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
+from shm_embeds_client import wire
 from vllm.logger import init_logger
 
 from vllm._shm_embeds import config
@@ -78,7 +79,7 @@ from vllm._shm_embeds.regions.sockets import (  # peer_is_sibling: public here t
 
 logger = init_logger(__name__)
 
-MAX_MESSAGE = 64 << 10  # bytes of one JSON message
+MAX_MESSAGE = wire.MAX_MESSAGE  # bytes of one JSON message (the client's)
 MAX_LOOKUP_REPLY = 128 << 10  # SEQPACKET: a message over SO_SNDBUF fails (EMSGSIZE)
 MAX_CONNECTIONS = 64  # producers' (siblings' do not count)
 REGISTER_WORKERS = 2

@@ -1,47 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""One-line client for binary ``prompt_embeds`` bodies.
+"""Registered regions (server: ``VLLM_SHM_EMBEDS_REGIONS``; docs/regions.md).
 
-A vLLM OpenAI server with the shm-embeds plugin (``VLLM_SHM_EMBEDS=1``,
-``--enable-prompt-embeds``) accepts the tensor as raw bytes after the JSON
-request (KServe v2 binary-data framing) instead of base64 of ``torch.save``::
-
-    import shm_embeds_client as sec
-    out = sec.complete("http://localhost:8000", "my-model", embeds, max_tokens=16)
-    out = sec.chat("http://localhost:8000", "my-model", embeds, max_tokens=16)
-    out = await sec.acomplete(...)   # and sec.achat(...)
-
-``embeds`` is a ``(num_tokens, hidden_size)`` CPU tensor of float32, float16
-or bfloat16 (other float dtypes are sent as float32); a list of tensors is a
-batch for ``complete``. Its bytes are sent from the tensor's own memory (no
-copy unless it is not contiguous). Every other keyword is the usual request
-field (``max_tokens``, ``temperature``, ``logprobs``, ``n``, ``cache_salt``,
-``stream``, ...). The result is the response JSON; with ``stream=True`` the
-list of streamed chunk objects.
-
-The same with ``curl`` (a 5 x 4096 float32 tensor in ``embeds.bin``, i.e.
-81920 raw little-endian bytes; the JSON is 120 bytes here, count yours)::
-
-    printf '%s' '{"model":"m","max_tokens":8,"prompt_embeds":{"datatype":"FP32",'\
-    '"shape":[5,4096],"parameters":{"binary_data_size":81920}}}' > header.json
-    cat header.json embeds.bin > body.bin
-    curl http://localhost:8000/v1/completions \\
-      -H 'Content-Type: application/octet-stream' \\
-      -H "Inference-Header-Content-Length: $(stat -c %s header.json)" \\
-      --data-binary @body.bin
-
-Same-host producers can instead register their tensors once as sealed memfds
-with the server (``VLLM_SHM_EMBEDS_REGIONS=<socket path>`` on the server) and
-send plain JSON requests that reference them: no byte of the tensor is copied
-by the server or sent over HTTP (``docs/regions.md``)::
-
-    with sec.connect_regions("/run/vllm/regions.sock") as rc:
-        region = rc.register(embeds)          # one copy, into the memfd
-        out = sec.complete("http://localhost:8000", "my-model", region, max_tokens=16)
-
-        t = rc.empty((num_tokens, hidden_size))   # or fill the memfd in place:
-        produce_into(t)                           # zero copies
-        with rc.seal(t) as region2:               # unregistered on exit
-            out = sec.chat("http://localhost:8000", "my-model", region2, max_tokens=16)
+A same-host producer registers its tensors as sealed memfds over the
+server's Unix socket (:class:`RegionClient`); requests then name them
+(:class:`Region`, :meth:`Region.to_json`) instead of carrying the bytes.
+torch only (no httpx).
 """
 
 from __future__ import annotations
@@ -55,233 +18,18 @@ import struct
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator
 from typing import Any
 
-import httpx
 import torch
 
-__all__ = ["Region", "RegionClient", "RegionRefused", "achat", "acomplete", "chat",
-           "complete", "connect_regions", "frame"]
+from shm_embeds_client._tensors import _DATATYPES, _wire
+from shm_embeds_client.wire import (MAX_MESSAGE, MEMFD_NAME, REGION, REGION_BYTE_SIZE,
+                                    REGION_OFFSET, REGIONS_ENV)
 
-_DATATYPES = {torch.float32: "FP32", torch.float16: "FP16", torch.bfloat16: "BF16"}
+__all__ = ["MAX_MESSAGE", "MEMFD_NAME", "Region", "RegionClient", "RegionRefused",
+           "connect_regions"]
+
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
-_CHUNK = 1 << 20
-
-
-def _wire(tensor: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """The tensor as sent (CPU, contiguous, FP32/FP16/BF16) and its descriptor."""
-    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2:
-        raise ValueError("prompt_embeds must be a 2-D torch.Tensor (num_tokens, hidden_size)")
-    t = tensor.detach().cpu()
-    if t.dtype not in _DATATYPES:
-        if not t.is_floating_point():
-            raise ValueError(f"prompt_embeds must be floating point, got {t.dtype}")
-        t = t.to(torch.float32)
-    t = t.contiguous()
-    desc = {"datatype": _DATATYPES[t.dtype], "shape": list(t.shape),
-            "parameters": {"binary_data_size": t.nbytes}}
-    return t, desc
-
-
-def frame(body: dict, route: str = "completions") -> tuple[dict[str, str], list, int]:
-    """Frame a request whose ``prompt_embeds`` values are tensors.
-
-    Args:
-        body: the request; tensors in ``body["prompt_embeds"]`` (completions: a
-            tensor or a list) or as ``data`` of ``{"type": "prompt_embeds"}``
-            content parts (chat) are replaced by descriptors.
-        route: ``"completions"`` or ``"chat"``.
-    Returns:
-        ``(headers, pieces, length)``: the body is the concatenation of
-        ``pieces`` (the JSON bytes, then each tensor's bytes as a memoryview
-        over the tensor's own memory), ``length`` bytes in all.
-    Raises:
-        ValueError: no tensor, or a tensor that is not 2-D floating point.
-    """
-    tensors: list[torch.Tensor] = []
-
-    def take(t: Any) -> dict:
-        wire, desc = _wire(t)
-        tensors.append(wire)
-        return desc
-
-    body = _map_embeds(body, route, take)
-    if not tensors:
-        raise ValueError("no prompt_embeds tensor in the request")
-    header = json.dumps(body).encode()
-    pieces: list = [header]
-    for t in tensors:
-        if t.nbytes:
-            pieces.append(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
-    length = len(header) + sum(t.nbytes for t in tensors)
-    headers = {"Content-Type": "application/octet-stream",
-               "Inference-Header-Content-Length": str(len(header)),
-               "Content-Length": str(length)}
-    return headers, pieces, length
-
-
-def _map_embeds(body: dict, route: str, fn: Callable[[Any], Any]) -> dict:
-    """A copy of ``body`` with each ``prompt_embeds`` value ``v`` replaced by
-    ``fn(v)``, in body order. Completions: the ``prompt_embeds`` field, or each
-    item of a list (or tuple) of them; chat: the ``data`` of each
-    ``{"type": "prompt_embeds"}`` content part. ``body`` is not changed."""
-    body = dict(body)
-    if route == "completions":
-        pe = body.get("prompt_embeds")
-        body["prompt_embeds"] = [fn(t) for t in pe] if isinstance(pe, (list, tuple)) else fn(pe)
-    else:
-        messages = []
-        for msg in body.get("messages", []):
-            msg = dict(msg)
-            if isinstance(msg.get("content"), list):
-                msg["content"] = [
-                    dict(p, data=fn(p["data"])) if isinstance(p, dict)
-                    and p.get("type") == "prompt_embeds" else p
-                    for p in msg["content"]]
-            messages.append(msg)
-        body["messages"] = messages
-    return body
-
-
-def _region_body(body: dict, route: str) -> dict | None:
-    """``body`` with each :class:`Region` replaced by its reference
-    (:meth:`Region.to_json`), or None if no ``prompt_embeds`` value is a Region.
-
-    Raises:
-        ValueError: some values are Regions and others are not (tensors go
-            in a binary body, references in a JSON one: send them apart).
-    """
-    values: list[Any] = []
-    _map_embeds(body, route, values.append)
-    regions = sum(isinstance(v, Region) for v in values)
-    if not regions:
-        return None
-    if regions != len(values):
-        raise ValueError("prompt_embeds mixes Region references and tensors in one request; "
-                         "send them in separate requests (or register every tensor)")
-    return _map_embeds(body, route, Region.to_json)
-
-
-def _chunks(pieces: list) -> Iterator[memoryview | bytes]:
-    for p in pieces:
-        for i in range(0, len(p), _CHUNK):
-            yield p[i : i + _CHUNK]
-
-
-async def _achunks(pieces: list):
-    for c in _chunks(pieces):
-        yield c
-
-
-def _url(url: str, route: str) -> str:
-    base = url.rstrip("/").removesuffix("/v1")
-    return f"{base}/v1/{'completions' if route == 'completions' else 'chat/completions'}"
-
-
-def _request(route: str, model: str, tensor: Any, kwargs: dict) -> dict:
-    body = {"model": model, **kwargs}
-    if route == "completions":
-        # No "prompt": vLLM would answer an empty text prompt as one more choice.
-        body["prompt_embeds"] = tensor
-    elif "messages" not in body:
-        body["messages"] = [{"role": "user",
-                             "content": [{"type": "prompt_embeds", "data": tensor}]}]
-    return body
-
-
-def _result(r: httpx.Response, stream: bool) -> Any:
-    if r.status_code >= 400:
-        raise httpx.HTTPStatusError(f"{r.status_code}: {r.text[:2000]}", request=r.request,
-                                    response=r)
-    if not stream:
-        return r.json()
-    return [json.loads(line[6:]) for line in r.text.splitlines()
-            if line.startswith("data: ") and line != "data: [DONE]"]
-
-
-def _body(route: str, model: str, tensor: Any, kwargs: dict, headers: dict | None,
-          is_async: bool) -> tuple[dict[str, str], Any]:
-    """Headers and content of the request: a plain JSON body if its
-    ``prompt_embeds`` are :class:`Region` references, else a binary body."""
-    body = _request(route, model, tensor, kwargs)
-    refs = _region_body(body, route)
-    if refs is not None:
-        content: Any = json.dumps(refs).encode()
-        h = {"Content-Type": "application/json", "Content-Length": str(len(content))}
-    else:
-        h, pieces, _ = frame(body, route)
-        content = _achunks(pieces) if is_async else _chunks(pieces)
-    h.update(headers or {})
-    return h, content
-
-
-def _send(route, url, model, tensor, timeout, headers, kwargs):
-    h, content = _body(route, model, tensor, kwargs, headers, False)
-    with httpx.Client(timeout=timeout) as c:
-        r = c.post(_url(url, route), content=content, headers=h)
-    return _result(r, bool(kwargs.get("stream")))
-
-
-async def _asend(route, url, model, tensor, timeout, headers, kwargs):
-    h, content = _body(route, model, tensor, kwargs, headers, True)
-    async with httpx.AsyncClient(timeout=timeout) as c:
-        r = await c.post(_url(url, route), content=content, headers=h)
-    return _result(r, bool(kwargs.get("stream")))
-
-
-def complete(url: str, model: str, tensor: Any, *, timeout: float | None = 600,
-             headers: dict | None = None, **completion_args: Any) -> Any:
-    """``POST /v1/completions`` with ``prompt_embeds`` as a binary body, or as
-    references to registered regions in a plain JSON body.
-
-    Args:
-        url: server base URL (``http://host:port``, ``/v1`` optional).
-        tensor: ``(T, H)`` tensor, or a list of them (one choice set per
-            prompt); or a :class:`Region`, or a list of Regions (sent as
-            references, ``application/json``; no tensor byte is sent).
-        completion_args: the usual fields (``max_tokens``, ``temperature``, ...).
-    Returns:
-        the response JSON (a dict), or with ``stream=True`` the list of chunks.
-    Raises:
-        ValueError: no tensor, a tensor that is not 2-D floating point, or
-            Regions mixed with tensors in one request.
-        httpx.HTTPStatusError: a 4xx/5xx, with vLLM's error message (e.g. 400
-            for a region that is not registered, or whose producer died).
-    """
-    return _send("completions", url, model, tensor, timeout, headers, completion_args)
-
-
-def chat(url: str, model: str, tensor: Any = None, *, timeout: float | None = 600,
-         headers: dict | None = None, **chat_args: Any) -> Any:
-    """``POST /v1/chat/completions`` with ``prompt_embeds`` content parts as binary.
-
-    Without ``messages``, sends one user message whose content is ``tensor``;
-    with ``messages``, each ``{"type": "prompt_embeds", "data": <tensor>}``
-    part is sent binary (``tensor`` is then ignored). If every such value is a
-    :class:`Region`, the request is plain JSON with the references instead.
-    Same returns and errors as :func:`complete`.
-    """
-    return _send("chat", url, model, tensor, timeout, headers, chat_args)
-
-
-async def acomplete(url: str, model: str, tensor: Any, *, timeout: float | None = 600,
-                    headers: dict | None = None, **completion_args: Any) -> Any:
-    """Async :func:`complete`."""
-    return await _asend("completions", url, model, tensor, timeout, headers,
-                        completion_args)
-
-
-async def achat(url: str, model: str, tensor: Any = None, *, timeout: float | None = 600,
-                headers: dict | None = None, **chat_args: Any) -> Any:
-    """Async :func:`chat`."""
-    return await _asend("chat", url, model, tensor, timeout, headers, chat_args)
-
-
-# --- Registered regions (server: VLLM_SHM_EMBEDS_REGIONS; docs/regions.md) -----------
-
-MAX_MESSAGE = 64 * 1024          # bytes of one JSON message, either way
-MEMFD_NAME = "shm-embeds-region"
 _WRITE_CHUNK = 1 << 30           # Linux writes at most 0x7ffff000 bytes per call
 # mmap(2) flags the stdlib does not name (values of every Linux architecture).
 _PROT_NONE, _MAP_FIXED, _MAP_NORESERVE = 0, 0x10, 0x4000
@@ -330,9 +78,8 @@ class Region:
         """The reference to put where a ``prompt_embeds`` tensor goes in a plain
         JSON request (Triton's system shared-memory parameter names)."""
         return {"datatype": self.datatype, "shape": list(self.shape),
-                "parameters": {"shared_memory_region": self.id,
-                               "shared_memory_byte_size": self.byte_size,
-                               "shared_memory_offset": 0}}
+                "parameters": {REGION: self.id, REGION_BYTE_SIZE: self.byte_size,
+                               REGION_OFFSET: 0}}
 
     @property
     def registered(self) -> bool:
@@ -732,7 +479,7 @@ def connect_regions(path: str | None = None, *, timeout: float | None = 300.0,
         ValueError: no ``path`` and the variable is unset.
         and the errors of :class:`RegionClient`.
     """
-    path = path or os.environ.get("VLLM_SHM_EMBEDS_REGIONS")
+    path = path or os.environ.get(REGIONS_ENV)
     if not path:
         raise ValueError("no region socket path (and VLLM_SHM_EMBEDS_REGIONS is unset)")
     return RegionClient(path, timeout=timeout, server_uid=server_uid)

@@ -1,0 +1,83 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One-line client for binary ``prompt_embeds`` bodies.
+
+A vLLM OpenAI server with the shm-embeds plugin (``VLLM_SHM_EMBEDS=1``,
+``--enable-prompt-embeds``) accepts the tensor as raw bytes after the JSON
+request (KServe v2 binary-data framing) instead of base64 of ``torch.save``::
+
+    import shm_embeds_client as sec
+    out = sec.complete("http://localhost:8000", "my-model", embeds, max_tokens=16)
+    out = sec.chat("http://localhost:8000", "my-model", embeds, max_tokens=16)
+    out = await sec.acomplete(...)   # and sec.achat(...)
+
+``embeds`` is a ``(num_tokens, hidden_size)`` CPU tensor of float32, float16
+or bfloat16 (other float dtypes are sent as float32); a list of tensors is a
+batch for ``complete``. Its bytes are sent from the tensor's own memory (no
+copy unless it is not contiguous). Every other keyword is the usual request
+field (``max_tokens``, ``temperature``, ``logprobs``, ``n``, ``cache_salt``,
+``stream``, ...). The result is the response JSON; with ``stream=True`` the
+list of streamed chunk objects.
+
+The same with ``curl`` (a 5 x 4096 float32 tensor in ``embeds.bin``, i.e.
+81920 raw little-endian bytes; the JSON is 120 bytes here, count yours)::
+
+    printf '%s' '{"model":"m","max_tokens":8,"prompt_embeds":{"datatype":"FP32",'\
+    '"shape":[5,4096],"parameters":{"binary_data_size":81920}}}' > header.json
+    cat header.json embeds.bin > body.bin
+    curl http://localhost:8000/v1/completions \\
+      -H 'Content-Type: application/octet-stream' \\
+      -H "Inference-Header-Content-Length: $(stat -c %s header.json)" \\
+      --data-binary @body.bin
+
+Same-host producers can instead register their tensors once as sealed memfds
+with the server (``VLLM_SHM_EMBEDS_REGIONS=<socket path>`` on the server) and
+send plain JSON requests that reference them: no byte of the tensor is copied
+by the server or sent over HTTP (``docs/regions.md``)::
+
+    with sec.connect_regions("/run/vllm/regions.sock") as rc:
+        region = rc.register(embeds)          # one copy, into the memfd
+        out = sec.complete("http://localhost:8000", "my-model", region, max_tokens=16)
+
+        t = rc.empty((num_tokens, hidden_size))   # or fill the memfd in place:
+        produce_into(t)                           # zero copies
+        with rc.seal(t) as region2:               # unregistered on exit
+            out = sec.chat("http://localhost:8000", "my-model", region2, max_tokens=16)
+
+Install it alone (no vLLM) with ``pip install ./client`` from a checkout of
+the repository. It needs ``httpx`` and ``torch`` (the tensors are torch
+tensors, sent from their own memory; numpy is not needed). The package is
+split by transport: ``http`` (sync), ``aio`` (async), ``regions``, and
+``wire`` (the constants both sides spell; the standard library only). The
+names here import their submodule on first use, so ``import
+shm_embeds_client.wire`` needs neither torch nor httpx.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["Region", "RegionClient", "RegionRefused", "achat", "acomplete", "chat",
+           "complete", "connect_regions", "frame"]
+
+# Public name -> the submodule that defines it (imported on first use, PEP 562).
+_SUBMODULE = {
+    "complete": "http", "chat": "http",
+    "acomplete": "aio", "achat": "aio",
+    "frame": "_framing",
+    "Region": "regions", "RegionClient": "regions", "RegionRefused": "regions",
+    "connect_regions": "regions", "MAX_MESSAGE": "regions", "MEMFD_NAME": "regions",
+}
+
+
+def __getattr__(name: str) -> Any:
+    sub = _SUBMODULE.get(name)
+    if sub is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{sub}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_SUBMODULE})

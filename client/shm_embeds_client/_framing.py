@@ -1,0 +1,136 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Request bodies shared by the sync (``http.py``) and async (``aio.py``)
+clients: a binary body framed from tensors (:func:`frame`), or a plain JSON
+body of :class:`~shm_embeds_client.regions.Region` references. torch only."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from shm_embeds_client._tensors import _wire
+from shm_embeds_client.regions import Region
+from shm_embeds_client.wire import CONTENT_TYPE, HEADER_LENGTH, JSON_CONTENT_TYPE
+
+_CHUNK = 1 << 20
+
+
+def frame(body: dict, route: str = "completions") -> tuple[dict[str, str], list, int]:
+    """Frame a request whose ``prompt_embeds`` values are tensors.
+
+    Args:
+        body: the request; tensors in ``body["prompt_embeds"]`` (completions: a
+            tensor or a list) or as ``data`` of ``{"type": "prompt_embeds"}``
+            content parts (chat) are replaced by descriptors.
+        route: ``"completions"`` or ``"chat"``.
+    Returns:
+        ``(headers, pieces, length)``: the body is the concatenation of
+        ``pieces`` (the JSON bytes, then each tensor's bytes as a memoryview
+        over the tensor's own memory), ``length`` bytes in all.
+    Raises:
+        ValueError: no tensor, or a tensor that is not 2-D floating point.
+    """
+    tensors: list[torch.Tensor] = []
+
+    def take(t: Any) -> dict:
+        wire, desc = _wire(t)
+        tensors.append(wire)
+        return desc
+
+    body = _map_embeds(body, route, take)
+    if not tensors:
+        raise ValueError("no prompt_embeds tensor in the request")
+    header = json.dumps(body).encode()
+    pieces: list = [header]
+    for t in tensors:
+        if t.nbytes:
+            pieces.append(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
+    length = len(header) + sum(t.nbytes for t in tensors)
+    headers = {"Content-Type": CONTENT_TYPE,
+               HEADER_LENGTH: str(len(header)),
+               "Content-Length": str(length)}
+    return headers, pieces, length
+
+
+def _map_embeds(body: dict, route: str, fn: Callable[[Any], Any]) -> dict:
+    """A copy of ``body`` with each ``prompt_embeds`` value ``v`` replaced by
+    ``fn(v)``, in body order. Completions: the ``prompt_embeds`` field, or each
+    item of a list (or tuple) of them; chat: the ``data`` of each
+    ``{"type": "prompt_embeds"}`` content part. ``body`` is not changed."""
+    body = dict(body)
+    if route == "completions":
+        pe = body.get("prompt_embeds")
+        body["prompt_embeds"] = [fn(t) for t in pe] if isinstance(pe, (list, tuple)) else fn(pe)
+    else:
+        messages = []
+        for msg in body.get("messages", []):
+            msg = dict(msg)
+            if isinstance(msg.get("content"), list):
+                msg["content"] = [
+                    dict(p, data=fn(p["data"])) if isinstance(p, dict)
+                    and p.get("type") == "prompt_embeds" else p
+                    for p in msg["content"]]
+            messages.append(msg)
+        body["messages"] = messages
+    return body
+
+
+def _region_body(body: dict, route: str) -> dict | None:
+    """``body`` with each :class:`Region` replaced by its reference
+    (:meth:`Region.to_json`), or None if no ``prompt_embeds`` value is a Region.
+
+    Raises:
+        ValueError: some values are Regions and others are not (tensors go
+            in a binary body, references in a JSON one: send them apart).
+    """
+    values: list[Any] = []
+    _map_embeds(body, route, values.append)
+    regions = sum(isinstance(v, Region) for v in values)
+    if not regions:
+        return None
+    if regions != len(values):
+        raise ValueError("prompt_embeds mixes Region references and tensors in one request; "
+                         "send them in separate requests (or register every tensor)")
+    return _map_embeds(body, route, Region.to_json)
+
+
+def _chunks(pieces: list) -> Iterator[memoryview | bytes]:
+    for p in pieces:
+        for i in range(0, len(p), _CHUNK):
+            yield p[i : i + _CHUNK]
+
+
+async def _achunks(pieces: list):
+    for c in _chunks(pieces):
+        yield c
+
+
+def _request(route: str, model: str, tensor: Any, kwargs: dict) -> dict:
+    body = {"model": model, **kwargs}
+    if route == "completions":
+        # No "prompt": vLLM would answer an empty text prompt as one more choice.
+        body["prompt_embeds"] = tensor
+    elif "messages" not in body:
+        body["messages"] = [{"role": "user",
+                             "content": [{"type": "prompt_embeds", "data": tensor}]}]
+    return body
+
+
+def _body(route: str, model: str, tensor: Any, kwargs: dict, headers: dict | None,
+          is_async: bool) -> tuple[dict[str, str], Any]:
+    """Headers and content of the request: a plain JSON body if its
+    ``prompt_embeds`` are :class:`Region` references, else a binary body."""
+    body = _request(route, model, tensor, kwargs)
+    refs = _region_body(body, route)
+    if refs is not None:
+        content: Any = json.dumps(refs).encode()
+        h = {"Content-Type": JSON_CONTENT_TYPE, "Content-Length": str(len(content))}
+    else:
+        h, pieces, _ = frame(body, route)
+        content = _achunks(pieces) if is_async else _chunks(pieces)
+    h.update(headers or {})
+    return h, content
+

@@ -1,0 +1,27 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A ``prompt_embeds`` tensor as it goes on the wire: CPU, contiguous, 2-D,
+FP32/FP16/BF16 (``wire.DATATYPES``), and its KServe descriptor."""
+
+from __future__ import annotations
+
+import torch
+
+from shm_embeds_client.wire import BINARY_DATA_SIZE, DATATYPES
+
+# torch dtype -> KServe name ("FP32", "FP16", "BF16").
+_DATATYPES = {getattr(torch, dt.torch): name for name, dt in DATATYPES.items()}
+
+
+def _wire(tensor: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """The tensor as sent (CPU, contiguous, FP32/FP16/BF16) and its descriptor."""
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2:
+        raise ValueError("prompt_embeds must be a 2-D torch.Tensor (num_tokens, hidden_size)")
+    t = tensor.detach().cpu()
+    if t.dtype not in _DATATYPES:
+        if not t.is_floating_point():
+            raise ValueError(f"prompt_embeds must be floating point, got {t.dtype}")
+        t = t.to(torch.float32)
+    t = t.contiguous()
+    desc = {"datatype": _DATATYPES[t.dtype], "shape": list(t.shape),
+            "parameters": {BINARY_DATA_SIZE: t.nbytes}}
+    return t, desc

@@ -1,0 +1,75 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Synchronous client: :func:`complete` and :func:`chat` over ``httpx``.
+
+``prompt_embeds`` go as a binary body (KServe v2 binary-data framing), or as
+region references in a plain JSON body (``regions.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+from shm_embeds_client._framing import _body
+
+__all__ = ["chat", "complete"]
+
+
+def _url(url: str, route: str) -> str:
+    base = url.rstrip("/").removesuffix("/v1")
+    return f"{base}/v1/{'completions' if route == 'completions' else 'chat/completions'}"
+
+
+def _result(r: httpx.Response, stream: bool) -> Any:
+    if r.status_code >= 400:
+        raise httpx.HTTPStatusError(f"{r.status_code}: {r.text[:2000]}", request=r.request,
+                                    response=r)
+    if not stream:
+        return r.json()
+    return [json.loads(line[6:]) for line in r.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def _send(route, url, model, tensor, timeout, headers, kwargs):
+    h, content = _body(route, model, tensor, kwargs, headers, False)
+    with httpx.Client(timeout=timeout) as c:
+        r = c.post(_url(url, route), content=content, headers=h)
+    return _result(r, bool(kwargs.get("stream")))
+
+
+def complete(url: str, model: str, tensor: Any, *, timeout: float | None = 600,
+             headers: dict | None = None, **completion_args: Any) -> Any:
+    """``POST /v1/completions`` with ``prompt_embeds`` as a binary body, or as
+    references to registered regions in a plain JSON body.
+
+    Args:
+        url: server base URL (``http://host:port``, ``/v1`` optional).
+        tensor: ``(T, H)`` tensor, or a list of them (one choice set per
+            prompt); or a :class:`Region`, or a list of Regions (sent as
+            references, ``application/json``; no tensor byte is sent).
+        completion_args: the usual fields (``max_tokens``, ``temperature``, ...).
+    Returns:
+        the response JSON (a dict), or with ``stream=True`` the list of chunks.
+    Raises:
+        ValueError: no tensor, a tensor that is not 2-D floating point, or
+            Regions mixed with tensors in one request.
+        httpx.HTTPStatusError: a 4xx/5xx, with vLLM's error message (e.g. 400
+            for a region that is not registered, or whose producer died).
+    """
+    return _send("completions", url, model, tensor, timeout, headers, completion_args)
+
+
+def chat(url: str, model: str, tensor: Any = None, *, timeout: float | None = 600,
+         headers: dict | None = None, **chat_args: Any) -> Any:
+    """``POST /v1/chat/completions`` with ``prompt_embeds`` content parts as binary.
+
+    Without ``messages``, sends one user message whose content is ``tensor``;
+    with ``messages``, each ``{"type": "prompt_embeds", "data": <tensor>}``
+    part is sent binary (``tensor`` is then ignored). If every such value is a
+    :class:`Region`, the request is plain JSON with the references instead.
+    Same returns and errors as :func:`complete`.
+    """
+    return _send("chat", url, model, tensor, timeout, headers, chat_args)
+

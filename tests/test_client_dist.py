@@ -1,0 +1,103 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The client as its own distribution (``client/``, ``shm-embeds-client``):
+the server spells the wire with the client's constants, the client needs no
+vLLM, and ``shm_embeds_client.wire`` imports in a bare venv."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import shm_embeds_client as sec
+from shm_embeds_client import _tensors, wire
+from vllm._shm_embeds.http import binary, binary_header, placeholders, region_refs
+from vllm._shm_embeds.regions import registry, server
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_server_tables_are_the_clients():
+    want = {name: getattr(torch, dt.torch) for name, dt in wire.DATATYPES.items()}
+    assert list(wire.DATATYPES) == ["FP32", "FP16", "BF16"]
+    assert binary_header.DATATYPES == want and binary.DATATYPES is binary_header.DATATYPES
+    assert registry.DTYPES == want
+    assert {d: n for n, d in want.items()} == _tensors._DATATYPES
+    for name, dt in wire.DATATYPES.items():
+        assert want[name].itemsize == dt.size, name
+    assert binary_header.HEADER_NAME == wire.HEADER_LENGTH.lower()
+    assert binary_header.CONTENT_TYPE == wire.CONTENT_TYPE.encode()
+    assert wire.HEADER_LENGTH.lower().encode() in placeholders.DROPPED_HEADERS
+    assert region_refs.REF_KEY == f'"{wire.REGION}"'.encode()
+    assert region_refs.JSON_TYPE == wire.JSON_CONTENT_TYPE.encode()
+    assert server.MAX_MESSAGE is wire.MAX_MESSAGE
+    assert sec.MAX_MESSAGE is wire.MAX_MESSAGE and sec.MEMFD_NAME is wire.MEMFD_NAME
+
+
+def test_client_frames_with_the_wire_names():
+    t = torch.zeros(3, 4, dtype=torch.bfloat16)
+    headers, pieces, length = sec.frame({"model": "m", "prompt_embeds": t})
+    assert headers["Content-Type"] == wire.CONTENT_TYPE
+    assert int(headers[wire.HEADER_LENGTH]) == len(pieces[0])
+    assert f'"{wire.BINARY_DATA_SIZE}": 24'.encode() in pieces[0] and length == len(pieces[0]) + 24
+
+
+def test_client_requires_no_vllm():
+    reqs = importlib.metadata.requires("shm-embeds-client") or []
+    names = {re.split(r"[\s;<>=!~\[]", r, maxsplit=1)[0].lower() for r in reqs}
+    assert names == {"httpx", "torch"}
+    assert not any("vllm" in r.lower() for r in reqs)
+
+
+def test_old_public_names_are_reexported():
+    assert sorted(sec.__all__) == ["Region", "RegionClient", "RegionRefused", "achat",
+                                   "acomplete", "chat", "complete", "connect_regions",
+                                   "frame"]
+    for name in sec.__all__:
+        assert getattr(sec, name).__module__.startswith("shm_embeds_client.")
+    with pytest.raises(AttributeError):
+        _ = sec.no_such_name
+
+
+def test_wire_imports_without_torch_or_httpx():
+    code = ("import sys, shm_embeds_client.wire; "
+            "assert not {'torch', 'httpx', 'vllm'} & set(sys.modules), sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_wire_in_a_fresh_venv(tmp_path):
+    """``pip install --no-deps ./client`` into a bare venv (no torch, httpx or
+    vLLM there) and ``import shm_embeds_client.wire``."""
+    py311 = shutil.which("python3.11")
+    if py311 is None:
+        pytest.skip("python3.11 not found: cannot make the fresh venv")
+    venv = tmp_path / "venv"
+    made = subprocess.run([py311, "-m", "venv", str(venv)], capture_output=True, text=True,
+                          timeout=300)
+    py = venv / "bin" / "python"
+    if made.returncode != 0 or not py.exists():
+        pytest.skip(f"cannot create a venv: {made.stderr.strip()[-500:]}")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    # A copy of client/: building in place would leave build/ in the checkout.
+    src = shutil.copytree(os.path.join(ROOT, "client"), tmp_path / "client",
+                          ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    got = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(src)],
+                         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert got.returncode == 0, got.stdout + got.stderr
+    code = ("import shm_embeds_client.wire as w; "
+            "print(w.__file__, sorted(w.DATATYPES), w.HEADER_LENGTH)")
+    got = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=60,
+                         env=env, cwd=tmp_path)
+    assert got.returncode == 0, got.stderr
+    print(got.stdout.strip())
+    assert str(venv) in got.stdout, got.stdout  # the venv's copy, not the source tree
+    for absent in ("torch", "httpx", "vllm"):
+        probe = subprocess.run([str(py), "-c", f"import {absent}"], capture_output=True,
+                               timeout=60, env=env, cwd=tmp_path)
+        assert probe.returncode != 0, f"{absent} is importable in the fresh venv"
