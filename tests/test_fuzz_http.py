@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Issue 22 fuzz targets (hypothesis) for the HTTP body paths.
+"""Fuzz targets (hypothesis) for the HTTP body paths.
 
 * the binary middleware as an ASGI app: random chunking, disconnects, bytes
   of the JSON header and of the framing headers: only a 4xx answer or
@@ -206,7 +206,7 @@ def test_fuzz_parse_header(body, route, clen):
     assert parsed.specs and sum(s.nbytes for s in parsed.specs) <= LIMITS.max_body_bytes
 
 
-# Any JSON value (issue 28 item 5): also floats (NaN, infinities), integers
+# Any JSON value: also floats (NaN, infinities), integers
 # far past int64 and below zero, and containers of them.
 _ANY = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(), st.integers(-(10 ** 60), 10 ** 60),

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # ruff: noqa: F811  (the env fixture, imported from test_regions)
-"""Fuzz targets of issue 22 for registered regions (hypothesis).
+"""Fuzz targets for registered regions (hypothesis).
 
 * :class:`RegistryMachine`: ``RegionRegistry`` as a stateful machine
   (register, lease, release, unregister, expire, close) against a model:

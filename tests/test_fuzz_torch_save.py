@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Issue 22 fuzzing: the direct decode against vLLM's own loader.
+"""Fuzzing the direct decode against vLLM's own loader.
 
 Hypothesis mutates real ``torch.save`` zips (bytes changed, cut, inserted)
 and the opcodes of their ``data.pkl`` (dropped, repeated, swapped, inserted

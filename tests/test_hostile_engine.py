@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Hostile names in a world-writable segment directory, and errors on the
-EngineCore's side (issue 22): nothing of ours escapes into vLLM's threads,
+EngineCore's side: nothing of ours escapes into vLLM's threads,
 adoption is never steered by a planted name, only our own files count or go,
 per-process caps.
 
@@ -45,7 +45,7 @@ def _deterministic_names(monkeypatch):
     an attacker who guessed them would have them: returns the function that
     gives the name of sequence number ``i``."""
     it = itertools.count()
-    if hasattr(process, "secrets"):  # (a4123c0 counted from 0: predictable as is)
+    if hasattr(process, "secrets"):  # names from a counter: as predictable as can be
         monkeypatch.setattr(process.secrets, "randbits", lambda bits: next(it))
     state = process.current()
     first = SegmentName.parse(state.new_name())  # sets the tag

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Issue 22, the HTTP body paths: hostile bodies cost no more than stock.
+"""The HTTP body paths: hostile bodies cost no more than stock.
 
 Without a server: the JSON and binary middlewares driven as ASGI apps.
 Memory follows the bytes that arrived (not the declared ``Content-Length``),
@@ -7,7 +7,7 @@ declared sizes and bytes in flight are capped (above: the stock path), a
 body that trickles gets 408 in bounded time, the segment budget charges an
 upload by what it wrote, tensors per binary body are capped, and the small
 parser cases (deep nesting, non-ASCII digits, escape-heavy JSON) are bounded.
-Issue 28 item 3: what ``json.loads`` builds from a binary body's JSON header
+What ``json.loads`` builds from a binary body's JSON header
 is bounded before it runs, and binary headers count as bytes in flight.
 """
 
@@ -78,8 +78,7 @@ def _rss() -> int:
 
 def test_stalled_json_bodies_hold_only_what_arrived(shm_env, monkeypatch):
     """Bodies that declare 512 MiB, send 64 KiB and stall: the server holds about
-    what arrived (a 64 KiB look-ahead each), not the declared size (a4123c0
-    faulted in all of it)."""
+    what arrived (a 64 KiB look-ahead each), never the declared size."""
     monkeypatch.setenv("VLLM_SHM_EMBEDS_INFLIGHT_BYTES", str(4 << 30))
     declared = 512 << 20
     head = b'{"model": "m", "prompt_embeds": "' + b"A" * (64 << 10)
@@ -169,7 +168,7 @@ def _trickle(every: float, first: bytes):
 def test_trickling_body_gets_408_in_bounded_time(shm_env, monkeypatch, path):
     """One byte every 0.2 s never trips the 1 s per-receive timeout, but the
     whole body must arrive within timeout + size / VLLM_SHM_EMBEDS_BODY_MIN_RATE
-    (here about 1.1 s): 408, nothing left (a4123c0 waited forever)."""
+    (here about 1.1 s): 408, nothing left, no wait without end."""
     monkeypatch.setenv("VLLM_SHM_EMBEDS_BODY_TIMEOUT_S", "1")
     monkeypatch.setenv("VLLM_SHM_EMBEDS_BODY_MIN_RATE", str(1 << 20))
     sent = []
@@ -202,7 +201,7 @@ def test_upload_charged_by_what_it_wrote(shm_env, monkeypatch):
     monkeypatch.setenv("VLLM_SHM_EMBEDS_MAX_BYTES", str(1 << 20))
     a = streamed.StreamedSegment(torch.uint8, (768 << 10,))
     a.write(b"\1" * 4096)
-    b = streamed.StreamedSegment(torch.uint8, (768 << 10,))  # a4123c0: over budget
+    b = streamed.StreamedSegment(torch.uint8, (768 << 10,))  # charged as it fills
     for _ in range(12):
         b.write(b"\2" * (64 << 10))
     with pytest.raises(segment.BudgetExceeded):
@@ -283,7 +282,7 @@ def test_non_ascii_digits_are_not_byte_counts(shm_env, value):
 
 def test_escapes_next_to_embeds_scan_in_bounded_time():
     """A body carrying embeds and 8 MiB of escapes: the scan takes a bounded
-    multiple of ``json.loads`` (a4123c0 walked escapes in Python: ~30x)."""
+    multiple of ``json.loads`` (a scan in Python would be ~30x)."""
     emb = encode_embeds(torch.randn(256, 1024))
     raw = json.dumps({"prompt_embeds": emb, "user": '\\"' * (2 << 20),
                       "stop": ["a"] * (1 << 19)}).encode()

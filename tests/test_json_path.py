@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Issue 9: the base64 JSON ``prompt_embeds`` path and API-server prefix-cache digests.
+"""The base64 JSON ``prompt_embeds`` path and API-server prefix-cache digests.
 
 Unit part (no engine): the body scan, :func:`prepare` against vLLM's own
 decode, digests equal to what vLLM's block hasher computes for the same
@@ -561,7 +561,7 @@ def test_hop1_carries_digests_and_engine_hashes_nothing(shm_env):
 
 
 def test_binary_pieces_and_hop1_copies_hashed_as_vllm_does(shm_env):
-    """Issue 17 item 1: a body hashed piece by piece as it arrives, and a
+    """A body hashed piece by piece as it arrives, and a
     tensor hashed while hop 1 copies it, give vLLM's own digests; the copy's
     digests ride along to the EngineCore."""
     tensor = torch.randn(70, HIDDEN)

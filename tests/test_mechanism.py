@@ -153,7 +153,7 @@ def _maps_of(directory):
 
 
 def test_freed_request_lets_go_of_the_engine_pages(shm_env):
-    """Issue 16 item 3: when vLLM frees a request, the EngineCore drops its
+    """When vLLM frees a request, the EngineCore drops its
     pages of the adopted segment, even while something (vLLM's input path
     keeps the last request it received) still holds the tensor."""
     src = torch.randn(1024, 32)
@@ -242,7 +242,7 @@ def _memfd_refs() -> int:
 
 
 def test_region_crosses_both_hops_without_a_copy(shm_env):
-    """Issue 17: a registered region goes by descriptor at hop 1 (a header-only
+    """A registered region goes by descriptor at hop 1 (a header-only
     segment for the reader flags) and hop 2; nobody copies its bytes, and
     every mapping and fd of it goes when the request is freed."""
     src = torch.randn(1024, 32)

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Two "nodes" on one host (issue 24): PP=2 and TP=2 across a head node and a
+"""Two "nodes" on one host: PP=2, TP=2 and DP=2 across a head node and a
 headless follower that has a ``/dev/shm`` of its own (``tests/nodes.py``).
 
 Per topology, one module-scoped fixture runs everything once, one engine pair
@@ -11,7 +11,7 @@ then the plugin-on pair's follower is SIGKILLed. The tests assert on what it
 recorded: the kernel's socket counters of the follower's processes (``ss``),
 our counters per node, both ``/dev/shm``.
 
-What each topology must show (issue 24, "Done when"):
+What each topology must show:
 
 * PP=2, stage 0 on the head, stage 1 on the follower: the follower receives
   no more for the embeds prompt than for the same prompt as ids (the later

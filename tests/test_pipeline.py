@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Pipeline stages and readers on other nodes (issue 24, items 1 and 2).
+"""Pipeline stages and readers on other nodes.
 
 Unit tests (no engine): what each kind of reader gets (``hop2.reader_plan``);
 the broadcast's reader flags are the first stage's local readers only; a

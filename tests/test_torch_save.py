@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Issue 22: the direct decode's pickle check is bounded and cannot be steered.
+"""The direct decode's pickle check is bounded and cannot be steered.
 
 ``torch_save.py`` used to run a payload's ``data.pkl`` through CPython's
 C unpickler with stand-ins: ``LONG_BINPUT <i>`` made it allocate ``16 i``
@@ -122,7 +122,7 @@ def test_scan_reads_at_most_its_bound():
     assert len(pkl) < pickle_scan.MAX_PICKLE_BYTES
 
 
-# -- issue 22's tricks: each used to reach the dry run (fails on a4123c0)
+# -- tricks that a check by a dry run would let through
 
 
 def test_memo_trick_allocates_nothing_and_gets_stocks_tensor(shm_env):
@@ -162,8 +162,8 @@ def test_extra_persistent_load_is_refused(shm_env):
 def test_build_is_refused(shm_env, edit):
     """A ``BUILD`` anywhere: never run, refused; the outcome is stock's (the
     same tensor for a BUILD on the hooks, a rejection for one on the tensor).
-    On a4123c0 the dry run took the BUILD on the tensor as a new record of
-    the call (``args = 1``) and ``TypeError`` escaped the direct decode."""
+    A dry run would take the BUILD on the tensor as a new record of the
+    call (``args = 1``) and let ``TypeError`` escape the direct decode."""
     t = torch.randn(100, HIDDEN)
     raw = cases.save_with(t, edit)
     assert torch_save.plain_tensor_layout(cases.ctx(), _outline(raw)) is None

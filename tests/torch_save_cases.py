@@ -3,7 +3,7 @@
 
 :func:`save_with` writes a tensor with the installed ``torch.save`` (so the
 zip is laid out exactly as torch lays it out) but with its ``data.pkl``
-edited; the edits below are the tricks of issue 22.
+edited; the edits below are the tricks a hostile client can play.
 """
 
 from __future__ import annotations
