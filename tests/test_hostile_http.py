@@ -288,9 +288,9 @@ def test_escapes_next_to_embeds_scan_in_bounded_time():
                       "stop": ["a"] * (1 << 19)}).encode()
     json.loads(raw)
 
-    def best(f):
+    def best(f):  # the least of 5: what a busy machine adds to one run does not count
         out = float("inf")
-        for _ in range(3):
+        for _ in range(5):
             t0 = time.perf_counter()
             f(raw)
             out = min(out, time.perf_counter() - t0)
