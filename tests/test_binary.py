@@ -77,7 +77,7 @@ def _prefix_cache_hits(url: str) -> float:
 
 
 def test_prefix_cache_hits_for_binary_and_json_alike(server):
-    """Issue 17 item 1. A binary body is hashed in the API server while it
+    """A binary body is hashed in the API server while it
     arrives: the EngineCore hashes none of its blocks (counters). A repeated
     binary request hits the prefix cache, and so do the same tensor sent as
     JSON, as a chat prompt of two parts (assembled into a segment and hashed

@@ -197,11 +197,13 @@ class OwnedSegments:
         return DRAINING if entry.sends else GONE
 
     def _drop_drained(self) -> None:
-        """Drop the pages of segments whose last send is done (lock not held)."""
+        """Drop the pages of segments whose last send is done (lock not held);
+        the EngineCore's count as ``engine_pages_released`` (a request body's
+        segment in the API server does not, as ``release_streamed`` counts none)."""
         with self._lock:
             drained, self._drained = self._drained, []
         for entry in drained:
-            if self._drop(entry):
+            if self._drop(entry) and entry.kind is not Kind.STREAMED:
                 count(Event.ENGINE_PAGES_RELEASED)
 
     def collect(self) -> int:
@@ -367,6 +369,7 @@ class OwnedSegments:
         adopted: list[OwnedSegment] = []
         copies: list[OwnedSegment] = []
         with self._lock:
+            gone = self._apply_records()  # (sends done by now: no DRAINING for them)
             # Every segment of it: the adopted one, and copies (made when its
             # flags ran out or its name vanished, which left it ``MAPPED``);
             # a scan of the running requests' segments.
@@ -385,6 +388,7 @@ class OwnedSegments:
             if view is not None and not self._index.move(view, "release_adopted",
                                                          self._finish(view)):
                 view = None
+        self._unlink(gone)
         self._unlink(copies)  # only their headers are mapped here
         self._unlink(adopted)
         dropped = False
@@ -404,6 +408,7 @@ class OwnedSegments:
         tensor object. Returns True if ``tensor`` was such a segment.
         """
         with self._lock:
+            gone = self._apply_records()  # (sends done by now: no DRAINING for them)
             entry = self._streamed(tensor)
             unlink = entry is not None
             if not unlink:
@@ -411,6 +416,7 @@ class OwnedSegments:
             if entry is not None and not self._index.move(entry, "release_streamed",
                                                           self._finish(entry)):
                 entry = None
+        self._unlink(gone)
         if entry is None:
             return False
         if unlink:
