@@ -91,7 +91,10 @@ def _sigkill_mid_request_then_next_start_sweeps(server, victim, length):
     bodies = _embeds_bodies(server["model"], 24, length=length)
     seg_dir = server["seg_dir"]
     with ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(post_completion, server["url"], b, 60) for b in bodies]
+        # decodes of 256 tokens: each request holds its segment for a while, so
+        # the poll below finds one in flight however loaded the machine is
+        futures = [pool.submit(post_completion, server["url"], {**b, "ignore_eos": True},
+                               120, 256) for b in bodies]
         [target] = descendants(server["proc"], victim)
         # SIGKILLed while it maps or opens a request's segment (asserted).
         held = _signal_mid_request([target.pid], seg_dir,
