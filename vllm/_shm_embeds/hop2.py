@@ -349,9 +349,9 @@ class StageChain:
         """True if this stage's ranks and every earlier stage's say ``ok``."""
         import torch.distributed as dist
 
-        flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
         if pp.world_size <= 1:
             return ok
+        flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
         if not pp.is_first_rank:
             upstream = torch.zeros(1, dtype=torch.int32)
             dist.recv(upstream, src=pp.prev_rank, group=pp.cpu_group, tag=STAGE_TAG)

@@ -313,10 +313,16 @@ class Index:
 
     def containing(self, tensor: torch.Tensor) -> OwnedSegment | None:
         """The segment whose mapping here holds all of ``tensor``'s storage
-        (a tensor maps it here and its request is not done), if any."""
-        return next((e for e in self._names.values()
-                     if e.data_ptr is not None and e.mm is not None
-                     and e.state not in (DRAINING, GONE) and seg.within(e.mm, tensor)), None)
+        (a tensor maps it here and its request is not done), if any: the one
+        keyed at its address first (a request's own tensor), else a scan."""
+        def holds(e: OwnedSegment | None) -> bool:
+            return (e is not None and e.data_ptr is not None and e.mm is not None
+                    and e.state not in (DRAINING, GONE) and seg.within(e.mm, tensor))
+
+        entry = self.at(tensor.data_ptr())
+        if holds(entry):
+            return entry
+        return next((e for e in self._names.values() if holds(e)), None)
 
     def mapped(self, tensor: torch.Tensor) -> OwnedSegment | None:
         """The ``MAPPED`` segment that is exactly ``tensor``, if any."""

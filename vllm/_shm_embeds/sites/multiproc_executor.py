@@ -139,12 +139,13 @@ def _hop2_plan(executor: Any, rpc: Callable | None = None) -> ExecutorRecord:
     record = ExecutorRecord(mq, None)
     model_config = getattr(executor.vllm_config, "model_config", None)
     reason = plan = None
+    untested = _stock_executor(executor)
     if not getattr(model_config, "enable_prompt_embeds", False):
         reason = "--enable-prompt-embeds is off"
     elif mq is None:
         reason = "no broadcast queue in this executor"
-    elif _stock_executor(executor) is not None:
-        reason = _stock_executor(executor)
+    elif untested is not None:
+        reason = untested
     elif getattr(mq, "n_remote_reader", 0) > 0 and STATUS.get(REMOTE_GROUP) != []:
         reason = (f"{mq.n_remote_reader} reader(s) on other nodes and no split of the "
                   "broadcast (the remote sites are off)")
