@@ -31,7 +31,7 @@ import torch
 import zmq
 from helpers import ring_message
 
-from vllm._shm_embeds import counters, process, transfer
+from vllm._shm_embeds import counters, hop2, process, transfer
 from vllm._shm_embeds.handle import InlineEmbeds, SharedTensorHandle
 from vllm._shm_embeds.sites import multiproc_executor, shm_broadcast
 from vllm._shm_embeds.streamed import StreamedSegment, release_streamed
@@ -281,3 +281,38 @@ def test_hop1_stock_send_of_a_registered_region(shm_env, monkeypatch, stalled_pa
         threading.Event().wait(0.01)
     assert counters.stats().get("regions_freed", 0) == before + 1
     registry.close()
+
+
+def test_an_error_of_ours_in_a_send_view_leaves_the_send_to_vllm(shm_env, monkeypatch):
+    """If making a send view fails (a bug of ours), hop 2 and hop 1 send the
+    request's own tensor the stock way: the RPC and the send still happen,
+    the request keeps its tensor, no exception reaches vLLM."""
+    from vllm._shm_embeds.sites import core_client
+
+    def broken(tensor):
+        raise RuntimeError("injected send-view failure")
+
+    monkeypatch.setattr(hop2, "send_view", broken)
+    monkeypatch.setattr(core_client, "send_view", broken)
+    monkeypatch.setitem(multiproc_executor.STATUS, "remote", ["enqueue: missing"])
+    embeds = _adopted(torch.randn(64, 32))
+    sent = []
+
+    class _Socket:
+        def send_multipart(self, buffers, copy=True):
+            sent.append(len(buffers))
+
+    _step(_executor(_Queue(1, 1, _Socket(), _Socket()), tp=2), embeds)  # hop 2, stock
+    assert sent  # vLLM's enqueue ran
+    request = _Req(embeds)
+
+    class _Client:
+        def _send_input(self, request_type, request):
+            assert request.prompt_embeds is embeds
+            return "sent"
+
+    assert core_client.wrap_send_input(_Client._send_input)(_Client(), b"\x00",
+                                                             request) == "sent"
+    assert request.prompt_embeds is embeds
+    transfer.release_adopted(embeds)
+    process.collect()
