@@ -45,7 +45,7 @@ MAGIC = b"SHMEMB01"
 # and InlineEmbeds, and the per-step agreement. Bump it whenever any of them
 # changes: a worker that answers another number keeps its engine's hop 2 stock
 # (``sites/multiproc_executor._workers_join``), instead of failing to unpickle.
-HOP2_WIRE = 1
+HOP2_WIRE = 2  # 2: the agreement within a stage, then StageChain (was an all-reduce over PP)
 READER_FLAGS_OFFSET = 64
 MAX_READERS = HEADER_BYTES - READER_FLAGS_OFFSET  # flag bytes per segment
 PAGE_BYTES = mmap.PAGESIZE
