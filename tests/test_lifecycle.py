@@ -5,11 +5,13 @@ refused (raised under pytest, logged and refused elsewhere)."""
 
 import gc
 import os
+import threading
 
 import pytest
 import torch
 
 from vllm._shm_embeds import hop2, lifecycle, process, streamed, transfer
+from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.lifecycle import (
     BROADCAST,
     DRAINING,
@@ -319,6 +321,40 @@ def test_every_transition_of_the_table_is_driven(shm_env, monkeypatch):
         scenario(shm_env)
     table = {(t.event, t.source, to) for t in lifecycle.TRANSITIONS for to in t.to}
     assert table - seen == set()
+
+
+def test_a_verb_returns_after_the_unlinks_of_a_concurrent_safe_point(shm_env, monkeypatch):
+    """The reaper thread's safe point moves a dead segment to ``GONE`` under
+    the lock and unlinks it after; a verb on another thread meanwhile returns
+    only once that unlink is done (else it can see the state but not the
+    file gone)."""
+    entered, go = threading.Event(), threading.Event()
+    unlink = seg.unlink_segment
+
+    def held(*args):  # the first unlink waits (on whichever thread: the reaper runs)
+        if not entered.is_set():
+            entered.set()
+            go.wait(10)
+        return unlink(*args)
+
+    monkeypatch.setattr(seg, "unlink_segment", held)
+    t = streamed.streamed_tensor_like(torch.float32, (8, 32))
+    e = _entry(t)
+    del t
+    gc.collect()
+    reaper = threading.Thread(target=process.collect)  # (or the reaper's own pass)
+    reaper.start()
+    try:
+        assert entered.wait(10) and e.state is GONE and len(os.listdir(shm_env)) == 1
+        done = threading.Event()
+        other = threading.Thread(target=lambda: (process.collect(), done.set()))
+        other.start()
+        assert not done.wait(0.3)  # it waits for the reaper's unlink
+    finally:
+        go.set()
+    assert done.wait(10) and os.listdir(shm_env) == []
+    reaper.join()
+    other.join()
 
 
 ILLEGAL = [

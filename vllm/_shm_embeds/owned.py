@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import mmap
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -82,6 +84,17 @@ def on_release(state: ProcessState, record: StorageDied | SourceDied | SendDone)
         state.released.append(record)
 
 
+def _settles(verb: Callable[..., Any]) -> Callable[..., Any]:
+    """``verb`` runs under ``OwnedSegments._settling`` (see there)."""
+
+    @functools.wraps(verb)
+    def settling(self: OwnedSegments, *args: Any, **kwargs: Any) -> Any:
+        with self._settling:
+            return verb(self, *args, **kwargs)
+
+    return settling
+
+
 class OwnedSegments:
     """Segments this process owns, and when to unlink their names.
 
@@ -97,6 +110,10 @@ class OwnedSegments:
         self._state = state
         self._index = Index()
         self._lock = threading.Lock()
+        # Held by each verb that moves segments to ``GONE`` across its unlink
+        # (taken before ``_lock``): a verb that returns has seen every unlink
+        # of those moves done, also of one the reaper thread made meanwhile.
+        self._settling = threading.RLock()
         # Files a request body is being written into (``streamed.StreamedFile``).
         self._streams: set = set()
         # ``DRAINING`` segments whose last send is done: pages to drop (lock held).
@@ -206,6 +223,7 @@ class OwnedSegments:
             if self._drop(entry) and entry.kind is not Kind.STREAMED:
                 count(Event.ENGINE_PAGES_RELEASED)
 
+    @_settles
     def collect(self) -> int:
         """Safe point (event ``settle``): unlink the names that no reader and
         no request needs any more; returns how many segments went."""
@@ -276,6 +294,7 @@ class OwnedSegments:
 
     # -- hop 2
 
+    @_settles
     def lookup(self, tensor: torch.Tensor) -> OwnedSegment | None:
         """The segment already holding exactly ``tensor``'s bytes, if any."""
         with self._lock:
@@ -294,6 +313,7 @@ class OwnedSegments:
         self._unlink(gone)
         return entry
 
+    @_settles
     def broadcast(self, entry: OwnedSegment, readers: int) -> SharedTensorHandle | None:
         """Reserve flags and hold the files for one more broadcast of ``entry``.
 
@@ -345,6 +365,7 @@ class OwnedSegments:
         with self._lock:
             return self._streamed(tensor) is not None
 
+    @_settles
     def hand_over(self, tensor: torch.Tensor) -> SharedTensorHandle | None:
         """Give up a streamed segment to a peer (``MAPPED`` here until
         released); its handle, or None if ``tensor`` is not one."""
@@ -358,6 +379,7 @@ class OwnedSegments:
 
     # -- release: the request is done with a segment here
 
+    @_settles
     def release_adopted(self, tensor: torch.Tensor) -> bool:
         """The EngineCore is done with ``tensor`` (vLLM freed its request):
         unlink the name of the segment it adopted at hop 1, or of the hop-2
@@ -398,6 +420,7 @@ class OwnedSegments:
             dropped |= view.state is GONE and self._drop(view)
         return dropped
 
+    @_settles
     def release_streamed(self, tensor: torch.Tensor) -> bool:
         """This process is done with ``tensor``, a streamed segment (its request ended).
 
@@ -457,6 +480,7 @@ class OwnedSegments:
             return sum(1 for e in self._index.linked()
                        if e.kind is Kind.STREAMED or not streamed_only)
 
+    @_settles
     def unlink_all(self) -> int:
         """Unlink every name this process still owns (shutdown: every segment
         goes ``GONE``), also un-adopted hop-1 segments it created. Returns
