@@ -43,6 +43,16 @@ by the server or sent over HTTP (``docs/regions.md``)::
         with rc.seal(t) as region2:               # unregistered on exit
             out = sec.chat("http://localhost:8000", "my-model", region2, max_tokens=16)
 
+For a client that must keep the OpenAI JSON wire format (a server without
+the plugin): ``sec.complete_openai_json(...)`` and ``sec.chat_openai_json``
+(async: ``acomplete_openai_json``, ``achat_openai_json``) send base64 of
+``torch.save`` as vLLM reads it, in a body built by ``sec.openai_json_body``
+with each byte written once (``openai_json.py``)::
+
+    out = sec.complete_openai_json("http://localhost:8000", "my-model", embeds,
+                                   max_tokens=16)
+    body = sec.openai_json_body("my-model", embeds, max_tokens=16)   # a bytearray
+
 Install it alone (no vLLM) with ``pip install ./client`` from a checkout of
 the repository. It needs ``httpx`` and ``torch`` (the tensors are torch
 tensors, sent from their own memory; numpy is not needed). The package is
@@ -65,6 +75,10 @@ _SUBMODULE = {
     "complete": "http", "chat": "http",
     "acomplete": "aio", "achat": "aio",
     "frame": "_framing",
+    # Not in __all__ (whose list tests/test_client_dist.py pins), importable by name.
+    "complete_openai_json": "http", "chat_openai_json": "http",
+    "acomplete_openai_json": "aio", "achat_openai_json": "aio",
+    "openai_json_body": "openai_json",
     "Region": "regions", "RegionClient": "regions", "RegionRefused": "regions",
     "connect_regions": "regions", "MAX_MESSAGE": "regions", "MEMFD_NAME": "regions",
 }

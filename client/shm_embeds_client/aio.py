@@ -8,10 +8,11 @@ from typing import Any
 
 import httpx
 
-from shm_embeds_client._framing import _body
+from shm_embeds_client._framing import _achunks, _body
 from shm_embeds_client.http import _result, _url
+from shm_embeds_client.openai_json import openai_json_request
 
-__all__ = ["achat", "acomplete"]
+__all__ = ["achat", "achat_openai_json", "acomplete", "acomplete_openai_json"]
 
 
 async def _asend(route, url, model, tensor, timeout, headers, kwargs):
@@ -33,3 +34,25 @@ async def achat(url: str, model: str, tensor: Any = None, *, timeout: float | No
     """Async :func:`chat`."""
     return await _asend("chat", url, model, tensor, timeout, headers, chat_args)
 
+
+
+async def _asend_openai_json(route, url, model, tensor, timeout, headers, kwargs):
+    h, body = openai_json_request(route, model, tensor, kwargs, headers)
+    async with httpx.AsyncClient(timeout=timeout) as c:
+        r = await c.post(_url(url, route), content=_achunks([memoryview(body)]), headers=h)
+    return _result(r, bool(kwargs.get("stream")))
+
+
+async def acomplete_openai_json(url: str, model: str, tensor: Any, *,
+                                timeout: float | None = 600, headers: dict | None = None,
+                                **completion_args: Any) -> Any:
+    """Async :func:`~shm_embeds_client.http.complete_openai_json`."""
+    return await _asend_openai_json("completions", url, model, tensor, timeout, headers,
+                                    completion_args)
+
+
+async def achat_openai_json(url: str, model: str, tensor: Any = None, *,
+                            timeout: float | None = 600, headers: dict | None = None,
+                            **chat_args: Any) -> Any:
+    """Async :func:`~shm_embeds_client.http.chat_openai_json`."""
+    return await _asend_openai_json("chat", url, model, tensor, timeout, headers, chat_args)

@@ -2,7 +2,9 @@
 """Synchronous client: :func:`complete` and :func:`chat` over ``httpx``.
 
 ``prompt_embeds`` go as a binary body (KServe v2 binary-data framing), or as
-region references in a plain JSON body (``regions.py``).
+region references in a plain JSON body (``regions.py``); or, with
+:func:`complete_openai_json` and :func:`chat_openai_json`, as the OpenAI JSON
+body any vLLM server reads (base64 of ``torch.save``, ``openai_json.py``).
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from typing import Any
 
 import httpx
 
-from shm_embeds_client._framing import _body
+from shm_embeds_client._framing import _body, _chunks
+from shm_embeds_client.openai_json import openai_json_request
 
-__all__ = ["chat", "complete"]
+__all__ = ["chat", "chat_openai_json", "complete", "complete_openai_json"]
 
 
 def _url(url: str, route: str) -> str:
@@ -73,3 +76,47 @@ def chat(url: str, model: str, tensor: Any = None, *, timeout: float | None = 60
     """
     return _send("chat", url, model, tensor, timeout, headers, chat_args)
 
+
+
+def _send_openai_json(route, url, model, tensor, timeout, headers, kwargs):
+    h, body = openai_json_request(route, model, tensor, kwargs, headers)
+    with httpx.Client(timeout=timeout) as c:  # the body's own memory, in 1 MiB views
+        r = c.post(_url(url, route), content=_chunks([memoryview(body)]), headers=h)
+    return _result(r, bool(kwargs.get("stream")))
+
+
+def complete_openai_json(url: str, model: str, tensor: Any, *, timeout: float | None = 600,
+                         headers: dict | None = None, **completion_args: Any) -> Any:
+    """``POST /v1/completions`` with ``prompt_embeds`` in the OpenAI JSON wire
+    format (base64 of ``torch.save``), for a server without the plugin or a
+    path that must stay JSON; the body from
+    :func:`~shm_embeds_client.openai_json.openai_json_body` (each byte written
+    once), sent from its own memory.
+
+    Args:
+        url: server base URL (``http://host:port``, ``/v1`` optional).
+        tensor: ``(num_tokens, hidden_size)`` CPU tensor of float32, float16
+            or bfloat16, contiguous or not; or a list of them.
+        completion_args: the usual fields (``max_tokens``, ``temperature``, ...).
+    Returns:
+        the response JSON (a dict), or with ``stream=True`` the list of chunks.
+    Raises:
+        TypeError, ValueError: as ``openai_json_body`` (not a tensor; not
+            CPU, not 2-D, or another dtype).
+        httpx.HTTPStatusError: a 4xx/5xx, with vLLM's error message.
+    """
+    return _send_openai_json("completions", url, model, tensor, timeout, headers,
+                             completion_args)
+
+
+def chat_openai_json(url: str, model: str, tensor: Any = None, *,
+                     timeout: float | None = 600, headers: dict | None = None,
+                     **chat_args: Any) -> Any:
+    """``POST /v1/chat/completions`` with ``prompt_embeds`` content parts in the
+    OpenAI JSON wire format (``{"type": "prompt_embeds", "data": <base64>}``).
+
+    Without ``messages``, one user message whose content is ``tensor``; with
+    ``messages``, each ``{"type": "prompt_embeds", "data": <tensor>}`` part's
+    tensor is encoded. Same returns and errors as :func:`complete_openai_json`.
+    """
+    return _send_openai_json("chat", url, model, tensor, timeout, headers, chat_args)
