@@ -31,6 +31,8 @@ from vllm.entrypoints.openai.completion.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
 )
 from vllm.entrypoints.serve.engine.protocol import UsageInfo
 from vllm.renderers.embed_utils import safe_load_prompt_embeds
@@ -288,3 +290,7 @@ def test_openai_sdk_types_read_vllm_responses():
                                      finish_reason="stop")])
     out = ChatCompletion.model_validate(json.loads(chat.model_dump_json()))
     assert out.choices[0].message.content == "hi"
+    chunk = CompletionStreamResponse(model="m", choices=[
+        CompletionResponseStreamChoice(index=0, text="h", finish_reason=None)])
+    out = openai_types.Completion.model_construct(**json.loads(chunk.model_dump_json()))
+    assert out.choices[0].text == "h" and out.choices[0].finish_reason is None
