@@ -51,6 +51,8 @@ class Census:
         self._written = 0  # bytes this process wrote since the last walk began
         self._next_at = 0.0  # monotonic time before which no walk starts
         self._walking = True
+        self._threads = 0  # walks started on a thread and not finished
+        self._done = threading.Condition(self._lock)
         self._start_walk()  # the first count, off the caller's thread
 
     def wrote(self, nbytes: int) -> None:
@@ -77,20 +79,34 @@ class Census:
             self._start_walk()
         return held
 
-    def settle(self) -> int:
-        """Walk now, on the caller's thread, and return the exact count. For
-        tests and tools only: no request path calls it."""
+    def settle(self, timeout: float = 30.0) -> int:
+        """Wait for the walk on a thread, if one was started (up to ``timeout``
+        seconds), walk now on the caller's thread, and return the exact
+        count. For tests and tools only: no request path calls it."""
         with self._lock:
             self._walking = True
+            self._done.wait_for(lambda: self._threads == 0, timeout)
         self._walk()
         return self.held()
 
     def _start_walk(self) -> None:
+        with self._lock:
+            self._threads += 1
         try:
-            threading.Thread(target=self._walk, name="shm-embeds-census", daemon=True).start()
+            threading.Thread(target=self._walk_on_thread, name="shm-embeds-census",
+                             daemon=True).start()
         except RuntimeError:  # interpreter shutting down: keep the last count
             with self._lock:
                 self._walking = False
+                self._threads -= 1
+
+    def _walk_on_thread(self) -> None:
+        try:
+            self._walk()
+        finally:
+            with self._lock:
+                self._threads -= 1
+                self._done.notify_all()
 
     def _walk(self) -> None:
         began = time.monotonic()
