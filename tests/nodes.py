@@ -201,7 +201,10 @@ class Nodes:
         Raises:
             AssertionError: a node exited, or ``timeout`` seconds passed.
         """
+        from helpers import EngineLife
+
         t0 = time.monotonic()
+        self.life = EngineLife()
         self.head = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--port",
              str(self.port), *self._engine_args(0)],
@@ -271,6 +274,8 @@ class Nodes:
             # what the group's leader left (workers re-parented to init)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
+        if self.head is not None:
+            self.life.end()
 
     def close(self) -> dict:
         """Stop; clean up what vLLM left on the head's ``/dev/shm``; return

@@ -9,8 +9,9 @@ joins the same agreement for every form a reader can receive; vLLM's own
 the remote socket); the newer runner's upload skipped on later stages.
 
 Integration (``offline_pp``: offline PP=2, TP=1 on the 2-layer tiny model,
-plugin on and stock): outputs equal stock's and the token-ids run's while the
-stage-1 worker got NaN placeholders (a tripwire: had it read them, its
+plugin on): the embeds prompts' outputs equal the same prompts' as token ids
+(stock's path: the plugin touches no token ids) while the stage-1 worker got
+NaN placeholders (a tripwire: had it read them, its
 outputs would differ); the stage-1 worker never mapped or opened a segment
 (its ``/proc/<pid>/maps`` and fds, polled while the embeds prompts ran, with
 the stage-0 worker seen mapping as the control) and counted placeholders,
@@ -28,7 +29,7 @@ from helpers import by_role, held_by, new_fds, open_fds, ring_message
 
 from vllm._shm_embeds import counters, handle, hop2, process, transfer
 from vllm._shm_embeds.handle import HOP2_WIRE, EmbedsPlaceholder, InlineEmbeds, SharedTensorHandle
-from vllm._shm_embeds.sites import multiproc_executor, shm_broadcast
+from vllm._shm_embeds.sites import multiproc_executor, records, shm_broadcast
 from vllm._shm_embeds.sites import prompt_embeds as prompt_embeds_sites
 
 # --------------------------------------------------------------------------
@@ -98,13 +99,14 @@ def _send(executor, tensor, answers=(HOP2_WIRE, HOP2_WIRE)):
                 raise answers
             return list(answers)
         seen["form"] = args[0].scheduled_new_reqs[0].prompt_embeds
-        seen["remote"] = self.rpc_broadcast_mq.__dict__.get(shm_broadcast.PLAN_ATTR)
+        seen["remote"] = getattr(records.peek(self.rpc_broadcast_mq, records.QueueRecord), "remote", None)
         return "ok"
 
     assert multiproc_executor.wrap_executor_rpc(orig)(executor, "execute_model",
                                                       args=(so,)) == "ok"
     assert so.scheduled_new_reqs[0].prompt_embeds is tensor  # restored
-    assert shm_broadcast.PLAN_ATTR not in executor.rpc_broadcast_mq.__dict__
+    assert getattr(records.peek(executor.rpc_broadcast_mq, records.QueueRecord), "remote",
+                   None) is None
     return seen
 
 
@@ -269,7 +271,7 @@ def test_enqueue_split_through_vllms_enqueue(remote_bytes):
     req = _Req(h)
     mq = _FakeQueue(2, 3)
     plan = hop2.reader_plan(4 if remote_bytes else 2, 2, 3)
-    setattr(mq, shm_broadcast.PLAN_ATTR, [(req, hop2.remote_form(tensor, plan))])
+    records.record(mq, records.QueueRecord).remote = [(req, hop2.remote_form(tensor, plan))]
     enqueue(mq, ("execute_model", (types.SimpleNamespace(scheduled_new_reqs=[req]),), {}, 0))
     [ring], [remote] = mq.local, mq.remote
     local_msg = _received(ring_message(ring))
@@ -295,7 +297,8 @@ def test_enqueue_unchanged_without_a_plan_and_restored_on_error():
     h = SharedTensorHandle("vllm-shm-embeds.1.2.3.4", "float32", (8, 8), readers=2)
     req = _Req(h)
     mq = _FakeQueue(2, 1, fail_remote=True)
-    setattr(mq, shm_broadcast.PLAN_ATTR, [(req, EmbedsPlaceholder("float32", (8, 8)))])
+    records.record(mq, records.QueueRecord).remote = [
+        (req, EmbedsPlaceholder("float32", (8, 8)))]
     with pytest.raises(OSError):
         enqueue(mq, ("execute_model", (types.SimpleNamespace(scheduled_new_reqs=[req]),),
                      {}, 0))
@@ -510,15 +513,15 @@ pp_integration = pytest.mark.integration
 
 
 @pp_integration
-def test_pp2_outputs_equal_stock_and_token_ids(offline_pp):
-    (on, _, _), (off, _, _) = offline_pp
-    assert on["embeds"] == on["token_ids"] == off["embeds"] == off["token_ids"]
-    assert on["left_after_generate"] == [] and off["left_after_generate"] == []
+def test_pp2_outputs_equal_token_ids(offline_pp):
+    on, _, _ = offline_pp
+    assert on["embeds"] == on["token_ids"]
+    assert on["left_after_generate"] == []
 
 
 @pp_integration
 def test_pp2_later_stage_maps_nothing_and_counts_placeholders(offline_pp):
-    (on, stats, _), _ = offline_pp
+    on, stats, _ = offline_pp
     n = len(on["embeds"])
     maps = on["worker_maps"]
     assert sorted(maps) == ["VLLM::Worker_PP0", "VLLM::Worker_PP1"], maps
