@@ -26,7 +26,7 @@ from vllm._shm_embeds import (
     streamed,
     transfer,
 )
-from vllm._shm_embeds.http import binary, common, placeholders
+from vllm._shm_embeds.http import binary, common, gate, placeholders
 
 LIMITS = common.ServerContext(hidden_size=8, max_model_len=16, dtype=torch.float32,
                             enable_prompt_embeds=True, max_body_bytes=16 * 8 * 4)
@@ -284,7 +284,7 @@ def _run_middleware(headers, chunks, limits=LIMITS, disconnect=False):
     async def send(m):
         out.append(m)
 
-    asyncio.run(binary.BinaryBodyMiddleware(app)(scope, receive, send))
+    asyncio.run(gate.BodyGate(app, [binary.BinaryFormat()])(scope, receive, send))
     status = out[0]["status"] if out else None
     body = b"".join(m.get("body", b"") for m in out[1:])
     return status, body, seen
@@ -479,7 +479,7 @@ def test_stalled_body_gets_408_and_frees_its_segment(shm_env, monkeypatch):
 
         scope = _scope(headers)
         t0 = time.monotonic()
-        await binary.BinaryBodyMiddleware(None)(scope, receive, send)
+        await gate.BodyGate(None, [binary.BinaryFormat()])(scope, receive, send)
         return sent, time.monotonic() - t0
 
     sent, took = asyncio.run(run())

@@ -29,7 +29,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_binary_framing import LIMITS, _framed, _scope, desc, hdr
 
-from vllm._shm_embeds.http import binary, common, json_body
+from vllm._shm_embeds.http import binary, common, gate, json_body
 
 
 def _drive(headers, chunks, end: str, path: str = "/v1/completions"):
@@ -60,7 +60,7 @@ def _drive(headers, chunks, end: str, path: str = "/v1/completions"):
         out.append(m)
 
     scope = _scope(headers) | {"path": path}
-    asyncio.run(binary.BinaryBodyMiddleware(app)(scope, receive, send))
+    asyncio.run(gate.BodyGate(app, [binary.BinaryFormat()])(scope, receive, send))
     return [m["status"] for m in out if m["type"] == "http.response.start"], calls
 
 

@@ -27,7 +27,7 @@ from test_binary_framing import LIMITS, _framed, _run_middleware, _scope, desc, 
 from vllm._shm_embeds import census as census_mod
 from vllm._shm_embeds import counters, process, segment, streamed, transfer
 from vllm._shm_embeds.config import shm_dir
-from vllm._shm_embeds.http import binary, body_limits, common, json_body
+from vllm._shm_embeds.http import binary, body_limits, common, gate, json_body
 
 
 def _json_scope(length: int, hidden=64, max_len=2048, enable=True, ctype=b"application/json",
@@ -42,7 +42,7 @@ def _json_scope(length: int, hidden=64, max_len=2048, enable=True, ctype=b"appli
 
 
 def _run_json(scope, chunks, stall=False, timeout=10.0):
-    """Drive JsonBodyMiddleware; returns (responses sent, what the app received, seconds)."""
+    """Drive the JSON format (through the body gate); returns (responses sent, what the app received, seconds)."""
     got, sent = {}, []
     msgs = [{"type": "http.request", "body": c, "more_body": True} for c in chunks]
     if not stall:
@@ -65,7 +65,7 @@ def _run_json(scope, chunks, stall=False, timeout=10.0):
         got["body"] = b"".join(parts)
 
     t0 = time.monotonic()
-    asyncio.run(asyncio.wait_for(json_body.JsonBodyMiddleware(app)(scope, receive, send),
+    asyncio.run(asyncio.wait_for(gate.BodyGate(app, [json_body.JsonFormat()])(scope, receive, send),
                                  timeout))
     return sent, got, time.monotonic() - t0
 
@@ -89,7 +89,7 @@ def test_stalled_json_bodies_hold_only_what_arrived(shm_env, monkeypatch):
     grown = {}
 
     async def one(receive):
-        await json_body.JsonBodyMiddleware(None)(scope, receive, _ignore)
+        await gate.BodyGate(None, [json_body.JsonFormat()])(scope, receive, _ignore)
 
     async def main():
         r0 = _rss()
@@ -181,12 +181,12 @@ def test_trickling_body_gets_408_in_bounded_time(shm_env, monkeypatch, path):
     if path == "json":
         body = json.dumps({"model": "m", "prompt_embeds": encode_embeds(torch.randn(60, 64))})
         scope = _json_scope(len(body))
-        app = json_body.JsonBodyMiddleware(None)
+        app = gate.BodyGate(None, [json_body.JsonFormat()])
         receive = _trickle(0.2, body.encode()[:100])
     else:
         headers, body = _framed([torch.randn(16, 8)])
         scope = _scope(headers + [(b"content-length", str(len(body)).encode())])
-        app = binary.BinaryBodyMiddleware(None)
+        app = gate.BodyGate(None, [binary.BinaryFormat()])
         receive = _trickle(0.2, body[:len(body) // 2])
     t0 = time.monotonic()
     asyncio.run(asyncio.wait_for(app(scope, receive, send), 8))
@@ -414,14 +414,14 @@ def test_binary_headers_count_in_flight(shm_env, monkeypatch):
                 return msgs.pop(0)
             state["held"] = body_limits.IN_FLIGHT.bytes
             # meanwhile a second body: over the cap, refused before reading it
-            await binary.BinaryBodyMiddleware(None)(_scope(headers), _no_receive,
+            await gate.BodyGate(None, [binary.BinaryFormat()])(_scope(headers), _no_receive,
                                                     _appender(second))
             await asyncio.sleep(3600)  # the first client stalls
 
         async def send(m):
             sent.append(m)
 
-        await binary.BinaryBodyMiddleware(None)(_scope(headers), receive, send)
+        await gate.BodyGate(None, [binary.BinaryFormat()])(_scope(headers), receive, send)
         return sent, second
 
     sent, second = asyncio.run(run())

@@ -34,7 +34,7 @@ from test_regions import GOOD, MAX_T, REG, H, _limits, env, memfd  # noqa: F401
 
 import shm_embeds_client as sec
 from vllm._shm_embeds import counters, process
-from vllm._shm_embeds.http import region_refs
+from vllm._shm_embeds.http import gate, region_refs
 from vllm._shm_embeds.http.common import COMPLETIONS, ServerContext
 from vllm._shm_embeds.regions import server as rs
 from vllm._shm_embeds.regions import service
@@ -234,13 +234,13 @@ def test_regions_off_without_enable_prompt_embeds(env, monkeypatch):
     monkeypatch.setenv("VLLM_SHM_EMBEDS_REGIONS", env.path)
     monkeypatch.setattr(ServerContext, "of_app", classmethod(lambda cls, scope: _ctx(False)))
     monkeypatch.setattr(process.current(), "regions", None)
-    mw = region_refs.RegionRefsMiddleware(None)
-    mw._start({"type": "lifespan"})
+    fmt = region_refs.RegionRefsFormat()
+    fmt.startup({"type": "lifespan"})
     try:
-        assert mw.server is None and process.current().regions is None
+        assert fmt.server is None and process.current().regions is None
         assert not os.path.exists(env.path)
     finally:
-        mw._stop()
+        fmt.shutdown()
 
 
 def _ref(rid, t=2):
@@ -300,7 +300,7 @@ def test_leases_cap_is_429_at_the_http_layer(env, monkeypatch):
         sent.append(message)
 
     try:
-        asyncio.run(region_refs.RegionRefsMiddleware(app)(scope, receive, send))
+        asyncio.run(gate.BodyGate(app, [region_refs.RegionRefsFormat()])(scope, receive, send))
     finally:
         held.release()
     assert not called and sent[0]["status"] == 429

@@ -18,10 +18,10 @@ import types
 
 import pytest
 import torch
-from helpers import delta, encode_embeds, wait_until
+from helpers import asgi_peer, delta, encode_embeds, wait_until
 
 from vllm._shm_embeds import counters, digests, handle, hop1, process, streamed, torch_save
-from vllm._shm_embeds.http import common, json_body
+from vllm._shm_embeds.http import common, gate, json_body
 from vllm._shm_embeds.http.placeholders import resolve_placeholder
 from vllm._shm_embeds.sites import core_client
 
@@ -167,12 +167,12 @@ def test_read_body_fills_a_prefaulted_buffer(monkeypatch, late):
     from vllm._shm_embeds.http import json_read
 
     body = bytes(range(256)) * 1000
-    gate = threading.Event()
+    faulted = threading.Event()
     real = json_read.populate
 
     def slow_populate(*a):
         if late:
-            gate.wait(10)  # every chunk arrives before the pages are faulted in
+            faulted.wait(10)  # every chunk arrives before the pages are faulted in
         return real(*a)
 
     monkeypatch.setattr(json_read, "populate", slow_populate)
@@ -186,10 +186,13 @@ def test_read_body_fills_a_prefaulted_buffer(monkeypatch, late):
         async def receive():
             await asyncio.sleep(0.001)
             if len(msgs) == 1:
-                gate.set()
+                faulted.set()
             return msgs.pop(0)
 
-        return await json_body.read_body(receive, length)
+        try:
+            return await json_body.read_body(gate.Body(receive, length), length)
+        except gate.Disconnected:
+            return None
 
     pieces = [body[i:i + 7000] for i in range(0, len(body), 7000)]
     got = asyncio.run(run(pieces, len(body)))
@@ -202,7 +205,7 @@ def test_read_body_fills_a_prefaulted_buffer(monkeypatch, late):
 
 
 def _asgi(body: bytes, ctype=b"application/json", path="/v1/completions", cut=False):
-    """Run JsonBodyMiddleware on one request; return what the app saw."""
+    """Run the JSON format (through the body gate) on one request; return what the app saw."""
     import asyncio
 
     seen = {}
@@ -234,7 +237,7 @@ def _asgi(body: bytes, ctype=b"application/json", path="/v1/completions", cut=Fa
     async def send(msg):
         pass
 
-    asyncio.run(json_body.JsonBodyMiddleware(app)(scope, receive, send))
+    asyncio.run(gate.BodyGate(app, [json_body.JsonFormat()])(scope, receive, send))
     return seen
 
 
@@ -798,22 +801,14 @@ def test_stalled_json_body_gets_408(shm_env, monkeypatch):
              "app": types.SimpleNamespace(state=types.SimpleNamespace(vllm_config=config)),
              "headers": [(b"content-type", b"application/json"),
                          (b"content-length", str(len(body)).encode())]}
-    msgs = [{"type": "http.request", "body": body[:4096], "more_body": True}]
-    sent = []
-
-    async def receive():
-        if msgs:
-            return msgs.pop(0)
-        await asyncio.sleep(3600)  # the client stalls
-
-    async def send(m):
-        sent.append(m)
+    receive, send, sent = asgi_peer([{"type": "http.request", "body": body[:4096],
+                                      "more_body": True}])
 
     async def never(scope, receive, send):
         raise AssertionError("a stalled body reached the app")
 
     t0 = time.monotonic()
-    asyncio.run(json_body.JsonBodyMiddleware(never)(scope, receive, send))
+    asyncio.run(gate.BodyGate(never, [json_body.JsonFormat()])(scope, receive, send))
     assert time.monotonic() - t0 < 2
     assert sent[0]["status"] == 408 and json.loads(sent[1]["body"])["error"]["code"] == 408
     assert counters.stats()["json_fallback.timeout"] == 1

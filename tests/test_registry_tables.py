@@ -213,19 +213,26 @@ def test_regions_group_only_when_configured(monkeypatch):
     assert "regions" not in sites.apply() and sites.STATUS["json"] == []
 
 
-def test_region_middleware_only_with_its_group(monkeypatch):
+def test_a_body_format_only_with_its_group_and_setting(monkeypatch):
+    """The body gate gets the formats of ``http.formats.FORMATS`` whose sites
+    group is patched and whose setting is on, in the registry's order."""
     from vllm._shm_embeds import config
+    from vllm._shm_embeds.http.formats import FORMATS
     from vllm._shm_embeds.sites import entrypoints
 
-    added = []
-    app = types.SimpleNamespace(add_middleware=added.append)
+    def names():
+        return [f.name for f in entrypoints.body_formats()]
+
     monkeypatch.setattr(config, "regions_path", lambda: "/tmp/socket")
+    for f in FORMATS:
+        monkeypatch.setitem(entrypoints.STATUS, f.group, [])
+    assert names() == [f.name for f in FORMATS] == ["binary", "regions", "json"]
     monkeypatch.setitem(entrypoints.STATUS, "regions", ["binary is off"])
-    entrypoints._add_region_middleware(app)
-    assert added == []
+    assert names() == ["binary", "json"]
+    monkeypatch.setattr(config, "regions_path", lambda: "")
     monkeypatch.setitem(entrypoints.STATUS, "regions", [])
-    entrypoints._add_region_middleware(app)
-    assert [m.__name__ for m in added] == ["RegionRefsMiddleware"]
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_JSON", "0")
+    assert names() == ["binary"]
 
 
 # --------------------------------------------------------------------------

@@ -14,11 +14,12 @@ routes ``POST /v1/completions`` and ``POST /v1/chat/completions``:
 * then each tensor's ``N`` raw bytes (little-endian, C-contiguous), in the
   order the descriptors appear in the JSON; nothing after the last one.
 
-Design: :class:`BinaryBodyMiddleware`, a pure ASGI middleware that the glue
-adds innermost in vLLM's FastAPI app (inside authentication and CORS, so an
-unauthenticated client never gets a segment), handles only requests with that
-content type *and* header on those two paths; everything else goes to the
-stock app untouched. It reads the JSON header, validates every descriptor
+Design: :class:`BinaryFormat`, a body format of the one body gate
+(``gate.BodyGate``, the pure ASGI middleware that the glue adds innermost in
+vLLM's FastAPI app: inside authentication and CORS, so an unauthenticated
+client never gets a segment), claims only requests with that content type
+*and* header on those two paths; everything else goes to the stock app
+untouched. It reads the JSON header, validates every descriptor
 against the served model *before allocating anything* (datatype, 2-D,
 ``binary_data_size == T*H*itemsize``, ``H`` = hidden size, ``1 <= T <=
 max_model_len``, header length and total against ``Content-Length``, total
@@ -51,7 +52,7 @@ one body (default ``max_model_len * hidden_size * 4``); a larger body gets 413
 before anything is read past the JSON header. ``VLLM_SHM_EMBEDS_INFLIGHT_BYTES``:
 a body's JSON header (the part held in this process's memory; the tensors go
 to segments, charged to the segment budget by the bytes written) counts as
-bytes in flight, with the JSON path's bodies (``body_limits.IN_FLIGHT``), from
+bytes in flight, with the JSON path's bodies (``body_limits.IN_FLIGHT``, charged by the gate), from
 before it is read until the whole body has arrived; a body over the cap gets
 503 (``busy``) with nothing read. ``binary_header.check_json_bounds`` bounds
 what parsing a header builds.
@@ -65,15 +66,13 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from collections.abc import Callable
-from http import HTTPStatus
 
 import torch
+from starlette.datastructures import Headers
 from vllm.logger import init_logger
 
 from vllm._shm_embeds import digests
 from vllm._shm_embeds import segment as seg
-from vllm._shm_embeds.config import body_deadline_s
 from vllm._shm_embeds.counters import Event, count, count_many, count_reason
 from vllm._shm_embeds.http.binary_header import (  # noqa: F401 (re-exported)
     CONTENT_TYPE,
@@ -91,21 +90,9 @@ from vllm._shm_embeds.http.binary_header import (  # noqa: F401 (re-exported)
     parse_header,
     parse_spec,
 )
-from vllm._shm_embeds.http.body_limits import (
-    IN_FLIGHT,
-    Stalled,
-    deadline_for,
-    receive_body_message,
-)
-from vllm._shm_embeds.http.common import (
-    COMPLETIONS,
-    Receive,
-    Send,
-    ServerContext,
-    route,
-    send_error,
-)
-from vllm._shm_embeds.http.placeholders import Upload, call_with_body
+from vllm._shm_embeds.http.common import COMPLETIONS, ServerContext
+from vllm._shm_embeds.http.gate import Body, Claim, Outcome
+from vllm._shm_embeds.http.placeholders import Upload
 from vllm._shm_embeds.streamed import (
     StreamedSegment,
     release_streamed,
@@ -116,22 +103,7 @@ logger = init_logger(__name__)
 
 
 # --------------------------------------------------------------------------
-# the middleware
-
-class _Disconnected(Exception):
-    pass
-
-
-def _reject(e: BinaryBodyError) -> None:
-    count_reason(Event.BINARY_REJECTED, e.reason)
-    logger.info("shm-embeds: binary body rejected (%s): %r", e.reason, e.message)
-
-
-async def _send_error(send: Send, e: BinaryBodyError) -> None:
-    status = HTTPStatus(e.status)
-    err_type = "BadRequestError" if e.status == 400 else status.phrase.replace(" ", "")
-    await send_error(send, e.status, e.message, err_type)
-
+# the format (``gate.BodyFormat``)
 
 class _Private:
     """A tensor in this process's memory that a body is written into: the stock
@@ -180,121 +152,83 @@ def _fall_back(segment: StreamedSegment | None, spec: TensorSpec, e: OSError) ->
     return private
 
 
-class _BodyReader:
-    """Hands out the body in pieces from ``receive()``, never joining it."""
-
-    def __init__(self, receive: Receive, nbytes: int) -> None:
-        self._receive = receive
-        self._buf = memoryview(b"")
-        self.more = True
-        self.deadline = deadline_for(nbytes)  # for the whole body (``body_limits.deadline_for``)
-
-    def extend(self, nbytes: int) -> None:
-        """The body holds ``nbytes`` more than the deadline was set for."""
-        self.deadline += body_deadline_s(nbytes) - body_deadline_s(0)
-
-    async def _fill(self) -> bool:
-        while not self._buf and self.more:
-            try:
-                msg = await receive_body_message(self._receive, self.deadline)
-            except Stalled as e:
-                raise _bad("timeout", str(e), 408) from None
-            if msg["type"] == "http.disconnect":
-                raise _Disconnected
-            body = msg.get("body", b"")
-            # Pieces are hashed after this returns: they must not change.
-            self._buf = memoryview(body if isinstance(body, bytes) else bytes(body))
-            self.more = bool(msg.get("more_body", False))
-        return bool(self._buf)
-
-    async def read_exact(self, n: int) -> bytes:
-        """Exactly ``n`` bytes (joined: for the small JSON header only)."""
-        parts, need = [], n
-        while need:
-            if not await self._fill():
-                raise _bad("short", f"the body is cut short: ended inside the "
-                           f"{n}-byte JSON header")
-            piece = self._buf[:need]
-            self._buf = self._buf[len(piece):]
-            parts.append(bytes(piece))
-            need -= len(piece)
-        return b"".join(parts)
-
-    async def copy_into(self, segment: StreamedSegment | _Private,
-                        hasher: digests.StreamHasher | None = None) -> None:
-        """Write the next ``segment.nbytes`` body bytes into ``seg``, chunk by
-        chunk, and give each piece written to ``hasher``."""
-        while segment.filled < segment.nbytes:
-            if not await self._fill():
-                raise _bad("short", f"the body is cut short: a tensor got {segment.filled} "
-                           f"of its {segment.nbytes} bytes")
-            piece = self._buf[: segment.nbytes - segment.filled]
-            segment.write(piece)  # on OSError the piece stays for the next sink
-            self._buf = self._buf[len(piece):]
-            if hasher is not None and (wait := hasher.feed(piece)) is not None:
-                await asyncio.wrap_future(wait)  # the pool is behind: bounded memory
-
-    async def at_end(self) -> bool:
-        return not await self._fill()
+async def _read_exact(body: Body, n: int) -> bytes:
+    """Exactly ``n`` body bytes (joined: for the small JSON header only)."""
+    parts, need = [], n
+    while need:
+        piece = await body.take(need)
+        if piece is None:
+            raise _bad("short", f"the body is cut short: ended inside the {n}-byte JSON header")
+        parts.append(bytes(piece))
+        need -= len(piece)
+    return b"".join(parts)
 
 
-class BinaryBodyMiddleware:
-    """Pure ASGI middleware: binary ``prompt_embeds`` bodies on the completion routes.
-
-    See the module docstring for the wire format and the design. Requests
-    that are not binary bodies on :data:`ROUTES` pass through untouched.
-    """
-
-    def __init__(self, app: Callable) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
-        path = route(scope)
+async def _copy_into(body: Body, sink: StreamedSegment | _Private,
+                     hasher: digests.StreamHasher | None = None) -> None:
+    """Write the next ``sink.nbytes`` body bytes into ``sink``, piece by piece
+    as they arrive, and give each piece written to ``hasher``. On an OSError
+    of the sink the piece comes again (``Body.untake``) for the next sink."""
+    while sink.filled < sink.nbytes:
+        piece = await body.take(sink.nbytes - sink.filled)
+        if piece is None:
+            raise _bad("short", f"the body is cut short: a tensor got {sink.filled} "
+                       f"of its {sink.nbytes} bytes")
         try:
-            framing = frame_header_length(scope.get("headers", [])) if path else None
-        except BinaryBodyError as e:
-            _reject(e)
-            return await _send_error(send, e)
-        if framing is None:
-            return await self.app(scope, receive, send)
-        await self._serve(scope, receive, send, path, *framing)
+            sink.write(piece)
+        except OSError:
+            body.untake()
+            raise
+        if hasher is not None and (wait := hasher.feed(piece)) is not None:
+            await asyncio.wrap_future(wait)  # the pool is behind: bounded memory
 
-    async def _serve(self, scope, receive, send, path, json_len, content_length):
+
+class BinaryFormat:
+    """The binary body format (``gate.BodyFormat``): see the module docstring
+    for the wire format and the design."""
+
+    name = "binary"
+
+    def claim(self, path: str, h: Headers, ctx: ServerContext | None) -> Claim | None:
+        """A request with the binary framing's headers: its JSON header is
+        held in memory while the body arrives (``in_memory``; over the cap:
+        503), the tensors go to segments. Raises ``BinaryBodyError``: bad
+        framing, the server not ready (503), ``--enable-prompt-embeds`` off."""
+        framing = frame_header_length(h.raw)
+        if framing is None:
+            return None
+        if ctx is None:
+            raise _bad("not_ready", "the server is not ready", 503)
+        if not ctx.enable_prompt_embeds:  # nothing read: refused as stock refuses it
+            raise _bad("disabled", "You must set `--enable-prompt-embeds` to input "
+                       "`prompt_embeds`.")
+        json_len, content_length = framing
+        # A deadline for the whole body (timeout + size / minimum rate): by
+        # Content-Length, or once the header says how many bytes follow.
+        return Claim(length=json_len if content_length is None else content_length,
+                     in_memory=json_len, when_busy="refuse", state=framing)
+
+    async def prepare(self, path: str, body: Body, ctx: ServerContext | None,
+                      claim: Claim) -> Outcome:
+        json_len, content_length = claim.state
         segs: list[StreamedSegment | _Private] = []
         hashers: list[digests.StreamHasher | None] = []
-        upload: Upload | None = None
-        in_flight = 0  # bytes of IN_FLIGHT this body holds
         try:
-            limits = ServerContext.of_app(scope)
-            if limits is None:
-                raise _bad("not_ready", "the server is not ready", 503)
-            if not limits.enable_prompt_embeds:  # nothing read: refused as stock refuses it
-                raise _bad("disabled", "You must set `--enable-prompt-embeds` to input "
-                           "`prompt_embeds`.")
-            if not IN_FLIGHT.take(json_len):  # nothing read: the header is held in memory
-                raise _bad("busy", "the server is receiving too many request bodies at "
-                           "once; retry later", 503)
-            in_flight = json_len
-            # A deadline for the whole body (timeout + size / minimum rate): by
-            # Content-Length, or once the header says how many bytes follow.
-            reader = _BodyReader(receive, json_len if content_length is None
-                                 else content_length)
-            parsed = parse_header(await reader.read_exact(json_len), path, limits,
-                                  content_length)
+            parsed = parse_header(await _read_exact(body, json_len), path, ctx, content_length)
             if content_length is None:
-                reader.extend(sum(s.nbytes for s in parsed.specs))
+                body.extend(sum(s.nbytes for s in parsed.specs))
             for spec in parsed.specs:
                 segs.append(_open_sink(spec))
-                hashers.append(_hasher(spec, limits, segs[-1], path))
+                hashers.append(_hasher(spec, ctx, segs[-1], path))
                 try:
-                    await reader.copy_into(segs[-1], hashers[-1])
+                    await _copy_into(body, segs[-1], hashers[-1])
                 except OSError as e:  # e.g. ENOSPC midway: go on in private memory
                     if hashers[-1] is not None:
                         hashers[-1].abort()
                         hashers[-1] = None
                     segs[-1] = _fall_back(segs[-1], spec, e)
-                    await reader.copy_into(segs[-1])
-            if not await reader.at_end():
+                    await _copy_into(body, segs[-1])
+            if not await body.at_end():
                 raise _bad("extra", "extra bytes after the last tensor")
             # Hashed bytes are mapped read-only: nothing here can change them.
             tensors = [s.finish(writable=h is None) for s, h in zip(segs, hashers)]
@@ -303,39 +237,24 @@ class BinaryBodyMiddleware:
                 if h is not None:
                     digests.attach(t, await asyncio.wrap_future(h.result()))
             hashers = []
-            upload = Upload(parsed.token, tensors, limits.hash_block_tokens)
-            if any(t.dtype != limits.dtype for t in tensors):
+            upload = Upload(parsed.token, tensors, ctx.hash_block_tokens)
+            if any(t.dtype != ctx.dtype for t in tensors):
                 upload.tensors = await asyncio.get_running_loop().run_in_executor(
-                    None, _convert, tensors, limits.dtype)
+                    None, _convert, tensors, ctx.dtype)
             count_many({Event.BINARY_BODIES: 1, Event.BINARY_TENSORS: len(tensors),
                         Event.BINARY_BYTES: sum(t.nbytes for t in tensors)})
             del tensors
-        except _Disconnected:
-            for s in segs:  # before counting: the counter says it is clean
-                s.abort()
-            count_reason(Event.BINARY_REJECTED, "disconnect")
-            logger.info("shm-embeds: client disconnected during a binary upload")
-            return
-        except BinaryBodyError as e:
-            for s in segs:
-                s.abort()
-            _reject(e)
-            return await _send_error(send, e)
-        finally:
+        finally:  # (before the gate counts: the counter says it is clean)
             for s in segs:
                 s.abort()
             for h in hashers:
                 if h is not None:
                     h.abort()
-            IN_FLIGHT.give_back(in_flight)  # the body has arrived (or never will)
-        try:
-            await self._downstream(scope, receive, send, parsed.body, upload)
-        finally:
-            upload.release()  # what vLLM did not take over: remove now
+        return Outcome(json.dumps(parsed.body).encode(), upload,
+                       content_type=b"application/json")
 
-    async def _downstream(self, scope, receive, send, body: dict, upload: Upload):
-        await call_with_body(self.app, scope, receive, send, json.dumps(body).encode(),
-                             upload, content_type=b"application/json")
+    def counted(self, reason: str) -> None:
+        count_reason(Event.BINARY_REJECTED, reason)
 
 
 def _hasher(spec: TensorSpec, limits: ServerContext, sink: StreamedSegment | _Private,

@@ -30,6 +30,7 @@ from starlette.datastructures import Headers
 from vllm._shm_embeds.config import binary_max_tensors
 from vllm._shm_embeds.http.body_limits import byte_count
 from vllm._shm_embeds.http.common import ServerContext, content_type, embeds_slots
+from vllm._shm_embeds.http.gate import Refused
 from vllm._shm_embeds.http.placeholders import new_token, placeholder
 
 # The client's spellings (shm_embeds_client.wire), as the server compares them.
@@ -49,18 +50,10 @@ _NOT_STRUCTURE = bytes(sorted(set(range(256)) - set(b"{}[],:")))
 _NESTING = bytes.maketrans(b"{[]}", b"\x01\x01\xff\xff")  # +1 / -1 as int8
 
 
-class BinaryBodyError(Exception):
-    """A binary body the server refuses; becomes a 4xx in vLLM's error shape.
-
-    Attributes:
-        status: HTTP status (400, 408, 413 or 503).
-        reason: counter suffix, ``binary_rejected.<reason>``.
-        message: for the client; never names a segment or a path.
-    """
-
-    def __init__(self, status: int, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.reason, self.message = status, reason, message
+class BinaryBodyError(Refused):
+    """A binary body the server refuses (``gate.Refused``): a 4xx or 503 in
+    vLLM's error shape, counted ``binary_rejected.<reason>``; its message
+    never names a segment or a path."""
 
 
 @dataclasses.dataclass(frozen=True)

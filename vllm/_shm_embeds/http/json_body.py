@@ -10,8 +10,8 @@ back to ``bytes``, and later ``safe_load_prompt_embeds``
 (``vllm/renderers/embed_utils.py``) base64-decodes and ``torch.load``\\ s it;
 hop 1 then copies the tensor into a segment.
 
-:class:`JsonBodyMiddleware` (pure ASGI, added by the glue next to the binary
-middleware of ``http/binary.py``, inside authentication and CORS)
+:class:`JsonFormat` (a body format of the one body gate, ``gate.BodyGate``,
+beside the binary one of ``http/binary.py``, inside authentication and CORS)
 takes ``application/json`` POSTs on those two routes whose ``Content-Length``
 is at least ``VLLM_SHM_EMBEDS_MIN_BYTES``. It only collects the received
 chunks on the event loop; the rest runs in a worker thread
@@ -84,11 +84,11 @@ from vllm._shm_embeds import digests
 from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.config import min_bytes
 from vllm._shm_embeds.counters import Event, count_many, count_reason
-from vllm._shm_embeds.http.body_limits import IN_FLIGHT, Stalled, byte_count, deadline_for
-from vllm._shm_embeds.http.common import (Receive, Send, ServerContext, content_type,
-                                          embeds_slots, headers, route, send_error)
+from vllm._shm_embeds.http.body_limits import byte_count
+from vllm._shm_embeds.http.common import ServerContext, content_type, embeds_slots
+from vllm._shm_embeds.http.gate import Body, Claim, Outcome
 from vllm._shm_embeds.http.json_read import body_buffer, read_body  # noqa: F401
-from vllm._shm_embeds.http.placeholders import Upload, call_with_body, new_token, placeholder
+from vllm._shm_embeds.http.placeholders import Upload, new_token, placeholder
 from vllm._shm_embeds.streamed import release_streamed
 from vllm._shm_embeds.torch_save import direct_decode
 
@@ -305,14 +305,6 @@ def _close(buf: mmap.mmap) -> None:
         logger.debug("shm-embeds: a body buffer is still referenced; freed later")
 
 
-def _json_body_length(scope: dict) -> int | None:
-    """``Content-Length`` of an ``application/json`` body, else None."""
-    h = headers(scope)
-    if content_type(h) != CONTENT_TYPE:
-        return None
-    return byte_count(h.get("content-length"))
-
-
 def max_json_body_bytes(ctx: ServerContext) -> int:
     """Largest ``Content-Length`` the JSON path takes (bytes): the base64 of
     :attr:`ServerContext.max_body_bytes` (``VLLM_SHM_EMBEDS_BINARY_MAX_BYTES``,
@@ -322,65 +314,48 @@ def max_json_body_bytes(ctx: ServerContext) -> int:
     return 4 * -(-ctx.max_body_bytes // 3) + JSON_SLACK_BYTES
 
 
-class JsonBodyMiddleware:
-    """Pure ASGI middleware: large JSON bodies on the completion routes (see module doc).
+class JsonFormat:
+    """The base64 JSON body format (``gate.BodyFormat``; see the module doc).
 
-    Everything else passes through untouched: also every body when
-    ``--enable-prompt-embeds`` is off, one larger than
-    :func:`max_json_body_bytes`, and one that would take the declared bytes
-    in flight over ``VLLM_SHM_EMBEDS_INFLIGHT_BYTES``. It answers by itself
-    only a body that stalls or trickles (408); any other body it cannot take
-    goes to the stock app unchanged.
+    It claims only ``application/json`` bodies of at least
+    ``VLLM_SHM_EMBEDS_MIN_BYTES`` and at most :func:`max_json_body_bytes`
+    with ``--enable-prompt-embeds`` on; the whole body is held in memory
+    while it arrives (over ``VLLM_SHM_EMBEDS_INFLIGHT_BYTES``: vLLM's own
+    path). It refuses by itself only a body that stalls or trickles (the
+    gate's 408); any other body it cannot take goes to vLLM's app unchanged.
     """
 
-    def __init__(self, app: Callable) -> None:
-        self.app = app
+    name = "json"
 
-    async def __call__(self, scope: dict, receive: Receive, send: Send):
-        path = route(scope)
-        length = _json_body_length(scope) if path else None
-        ctx = ServerContext.of_app(scope) if length is not None else None
+    def claim(self, path: str, h: Any, ctx: ServerContext | None) -> Claim | None:
+        if content_type(h) != CONTENT_TYPE:
+            return None
+        length = byte_count(h.get("content-length"))
         if (length is None or length < max(1, min_bytes()) or ctx is None
                 or not ctx.enable_prompt_embeds):
-            return await self.app(scope, receive, send)
+            return None
         if length > max_json_body_bytes(ctx):
             count_reason(Event.JSON_FALLBACK, "too_large")
-            return await self.app(scope, receive, send)
-        if not IN_FLIGHT.take(length):
-            count_reason(Event.JSON_FALLBACK, "busy")
-            return await self.app(scope, receive, send)
+            return None
+        return Claim(length=length, in_memory=length, when_busy="stock")
+
+    async def prepare(self, path: str, body: Body, ctx: ServerContext | None,
+                      claim: Claim) -> Outcome:
+        raw = await read_body(body, claim.length)
+        if isinstance(raw, bytes):
+            count_reason(Event.JSON_FALLBACK, "body")
+            return Outcome(raw)
         try:
-            try:
-                raw = await read_body(receive, length, deadline_for(length))
-            except Stalled as e:  # a body that stalls holds memory: refuse it, as 408
-                count_reason(Event.JSON_FALLBACK, "timeout")
-                logger.info("shm-embeds: JSON body stalled: %s", e)
-                return await send_error(send, 408, f"{e}; request timed out",
-                                        "RequestTimeout")
-            if raw is None:
-                count_reason(Event.JSON_FALLBACK, "disconnect")
-                return
-            if isinstance(raw, bytes):
-                count_reason(Event.JSON_FALLBACK, "body")
-                return await self._downstream(scope, receive, send, raw, None)
-            try:
-                prepared = await asyncio.get_running_loop().run_in_executor(
-                    None, prepare, raw, path, ctx)
-            except Exception:  # a bug of ours must not cost the request: stock path
-                logger.exception("shm-embeds: JSON body path failed; vLLM decodes this body")
-                prepared = Prepared(raw[:], None, "error")
-            finally:
-                _close(raw)
+            prepared = await asyncio.get_running_loop().run_in_executor(
+                None, prepare, raw, path, ctx)
+        except Exception:  # a bug of ours must not cost the request: stock path
+            logger.exception("shm-embeds: JSON body path failed; vLLM decodes this body")
+            prepared = Prepared(raw[:], None, "error")
         finally:
-            IN_FLIGHT.give_back(length)
+            _close(raw)
         if prepared.upload is None:
             count_reason(Event.JSON_FALLBACK, prepared.reason)
-            return await self._downstream(scope, receive, send, prepared.body, None)
-        try:
-            await self._downstream(scope, receive, send, prepared.body, prepared.upload)
-        finally:
-            prepared.upload.release()  # what vLLM did not take over: remove now
+        return Outcome(prepared.body, prepared.upload)
 
-    async def _downstream(self, scope, receive, send, payload: bytes,
-                          upload: Upload | None) -> None:
-        await call_with_body(self.app, scope, receive, send, payload, upload)
+    def counted(self, reason: str) -> None:
+        count_reason(Event.JSON_FALLBACK, reason)

@@ -15,8 +15,7 @@ import errno
 import mmap
 from typing import Any
 
-from vllm._shm_embeds.http.body_limits import receive_body_message
-from vllm._shm_embeds.http.common import Receive
+from vllm._shm_embeds.http.gate import Body
 
 LOOKAHEAD_MIN = 64 << 10  # bytes of a body buffer faulted in before they arrive: at least,
 LOOKAHEAD_MAX = 16 << 20  # at most (and never more than what already arrived)
@@ -72,22 +71,18 @@ def _lookahead(filled: int) -> int:
     return min(LOOKAHEAD_MAX, max(LOOKAHEAD_MIN, filled))
 
 
-async def read_body(receive: Receive, length: int,
-                    deadline: float | None = None) -> mmap.mmap | bytes | None:
-    """The whole body of ``Content-Length`` ``length``, copied chunk by chunk into
-    a :func:`body_buffer` whose next pages a worker thread faults in
+async def read_body(body: Body, length: int) -> mmap.mmap | bytes:
+    """The whole ``body`` of ``Content-Length`` ``length``, copied piece by piece
+    into a :func:`body_buffer` whose next pages a worker thread faults in
     meanwhile (:func:`populate`, at most :func:`_lookahead` past the bytes
     that arrived: memory follows the bytes, not the declared length).
 
-    Args:
-        deadline: ``time.monotonic()`` by which the whole body must be in
-            (``body_limits.deadline_for``), or None for only the per-receive timeout.
-    Returns None if the client disconnected; ``bytes`` when no buffer could
-    be made or the body did not match ``length`` (the stock app then judges
-    it as it is); else the buffer (the caller closes it).
-    Raises:
-        Stalled: no body bytes for ``VLLM_SHM_EMBEDS_BODY_TIMEOUT_S`` seconds,
-            or the deadline passed (what was read is freed).
+    Returns ``bytes`` when no buffer could be made or the body did not match
+    ``length`` (the stock app then judges it as it is); else the buffer (the
+    caller closes it).
+    Raises (what was read is freed first):
+        gate.Refused: 408, the body stalled or arrived too slowly (``gate.Body``).
+        gate.Disconnected: the client went away.
     """
     loop = asyncio.get_running_loop()
     try:
@@ -96,15 +91,10 @@ async def read_body(receive: Receive, length: int,
     except OSError:
         buf = None
     pending: asyncio.Future | None = None  # the populate in flight
-    populated, filled, more = 0, 0, True
+    populated, filled = 0, 0
     rest: list[bytes] = []  # chunks that do not fit the buffer (or no buffer)
     try:
-        while more:
-            msg = await receive_body_message(receive, deadline)
-            if msg["type"] == "http.disconnect":
-                return None
-            chunk = msg.get("body", b"")
-            more = bool(msg.get("more_body", False))
+        while (chunk := await body.piece()) is not None:
             if buf is not None and not rest and filled + len(chunk) <= length:
                 buf[filled:filled + len(chunk)] = chunk
                 target = min(length, filled + len(chunk) + _lookahead(filled))

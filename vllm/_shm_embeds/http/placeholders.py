@@ -114,6 +114,21 @@ def resolve_placeholder(data: Any) -> torch.Tensor | None:
 DROPPED_HEADERS = {b"content-length", HEADER_LENGTH.lower().encode()}
 
 
+def replay(payload: bytes, receive: Receive) -> Receive:
+    """``receive`` with ``payload`` as the whole request body first (then
+    ``receive`` as is: only ``http.disconnect`` once a body was read)."""
+    sent = False
+
+    async def replayed() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
 async def call_with_body(app: Callable, scope: dict, receive: Receive, send: Send,
                          payload: bytes, upload: Upload | None,
                          content_type: bytes | None = None) -> None:
@@ -126,18 +141,9 @@ async def call_with_body(app: Callable, scope: dict, receive: Receive, send: Sen
     if content_type:
         hdrs.append((b"content-type", content_type))
     hdrs.append((b"content-length", str(len(payload)).encode()))
-    sent = False
-
-    async def receive_body() -> dict:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": payload, "more_body": False}
-        return await receive()
-
     token = _current.set(upload) if upload is not None else None
     try:
-        await app(dict(scope, headers=hdrs), receive_body, send)
+        await app(dict(scope, headers=hdrs), replay(payload, receive), send)
     finally:
         if token is not None:
             _current.reset(token)

@@ -13,9 +13,9 @@ Triton's parameter names::
      "parameters": {"shared_memory_region": "<id>",
                     "shared_memory_byte_size": N, "shared_memory_offset": 0}}
 
-:class:`RegionRefsMiddleware` (pure ASGI, added next to the JSON body
-middleware) starts the registry and the socket server at the app's
-``lifespan`` start-up (``regions/service.py``; the served model is known
+:class:`RegionRefsFormat` (a body format of the one body gate,
+``gate.BodyGate``, offered a body before the JSON one) starts the registry
+and the socket server at the app's ``lifespan`` start-up (``regions/service.py``; the served model is known
 then: ``app.state.vllm_config``) and closes them at shutdown. On the two
 completion routes it reads JSON bodies of at most 1 MiB
 (:data:`MAX_BODY_BYTES`; a body naming regions is small), and when a
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
 from typing import Any
 
 from shm_embeds_client.wire import JSON_CONTENT_TYPE, REGION, REGION_BYTE_SIZE, REGION_OFFSET
@@ -49,10 +48,10 @@ from vllm.logger import init_logger
 from vllm._shm_embeds import process
 from vllm._shm_embeds.config import regions_path, regions_refs_max
 from vllm._shm_embeds.counters import Event, count_many, count_reason
-from vllm._shm_embeds.http.body_limits import Stalled, byte_count, receive_body_message
-from vllm._shm_embeds.http.common import (Receive, Send, ServerContext, content_type,
-                                          embeds_slots, headers, route, send_error)
-from vllm._shm_embeds.http.placeholders import Upload, call_with_body, new_token, placeholder
+from vllm._shm_embeds.http.body_limits import byte_count
+from vllm._shm_embeds.http.common import ServerContext, content_type, embeds_slots
+from vllm._shm_embeds.http.gate import Body, Claim, Outcome, Refused
+from vllm._shm_embeds.http.placeholders import Upload, new_token, placeholder
 from vllm._shm_embeds.regions.registry import RegionError
 from vllm._shm_embeds.regions.service import start_regions, stop_regions
 
@@ -140,79 +139,56 @@ def _release_late(fut: asyncio.Future) -> None:
         fut.result().release()
 
 
-class RegionRefsMiddleware:
-    """Pure ASGI middleware: the region socket's lifetime, and region references
-    in small JSON bodies (see the module doc). Everything else passes through."""
+class RegionRefsFormat:
+    """Region references in small JSON bodies (``gate.BodyFormat``; see the
+    module doc), and the region socket's lifetime (the app's lifespan)."""
 
-    def __init__(self, app: Callable) -> None:
-        self.app = app
+    name = "regions"
+
+    def __init__(self) -> None:
         self.server: Any = None
 
-    async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
-        if scope.get("type") == "lifespan":
-            return await self.app(scope, self._lifespan(scope, receive), send)
-        registry = process.current().regions
-        path = route(scope)
-        if registry is None or path is None:
-            return await self.app(scope, receive, send)
-        h = headers(scope)
+    def claim(self, path: str, h: Any, ctx: ServerContext | None) -> Claim | None:
+        """A JSON body of at most :data:`MAX_BODY_BYTES` while regions are
+        served. Not charged to the in-flight cap: most such bodies are
+        ordinary small requests, which stock takes whatever the cap."""
+        if process.current().regions is None or content_type(h) != JSON_TYPE:
+            return None
         length = byte_count(h.get("content-length"))
-        if (content_type(h) != JSON_TYPE or length is None
-                or length > MAX_BODY_BYTES):
-            return await self.app(scope, receive, send)
-        chunks, more = [], True
-        try:
-            while more:
-                message = await receive_body_message(receive)
-                if message["type"] == "http.disconnect":
-                    return
-                chunks.append(message.get("body", b""))
-                more = message.get("more_body", False)
-        except Stalled as e:
-            return await send_error(send, 408, f"{e}; request timed out", "RequestTimeout")
-        raw = b"".join(chunks)
-        body = upload = None
-        if REF_KEY in raw:
+        if length is None or length > MAX_BODY_BYTES:
+            return None
+        return Claim(length=length)
+
+    async def prepare(self, path: str, body: Body, ctx: ServerContext | None,
+                      claim: Claim) -> Outcome:
+        """Lease every region the body names; a body that names none is
+        offered on as it came."""
+        raw = await body.rest(MAX_BODY_BYTES)
+        registry = process.current().regions
+        parsed = None
+        if REF_KEY in raw and registry is not None:
             try:
-                body = json.loads(raw)
+                parsed = json.loads(raw)
             except (ValueError, RecursionError):
-                body = None  # vLLM answers a body that is not JSON (or nests too deep)
-        if body is not None:
-            try:
-                upload = await _lease(path, body, registry)
-            except RegionError as e:
-                count_reason(Event.REGION_REFUSED, "reference")
-                if e.reason == "leases":  # the server's, not the request's fault
-                    return await send_error(send, 429, f"prompt_embeds region reference {e}",
-                                            "TooManyRequests")
-                return await send_error(send, 400, f"prompt_embeds region reference {e}",
-                                        "BadRequestError")
-        if upload is None:
-            return await call_with_body(self.app, scope, receive, send, raw, None)
+                parsed = None  # vLLM answers a body that is not JSON (or nests too deep)
+        if parsed is None:
+            return Outcome(raw, offer_on=True)
         try:
-            upload.hash_block_tokens = getattr(ServerContext.of_app(scope),
-                                               "hash_block_tokens", None)
-            count_many({Event.REGION_REQUESTS: 1, Event.REGION_TENSORS: len(upload.leases)})
-            await call_with_body(self.app, scope, receive, send,
-                                 json.dumps(body).encode(), upload)
-        finally:
-            upload.release()
+            upload = await _lease(path, parsed, registry)
+        except RegionError as e:  # leases all in use: the server's, not the request's fault
+            raise Refused(429 if e.reason == "leases" else 400, "reference",
+                          f"prompt_embeds region reference {e}") from None
+        if upload is None:
+            return Outcome(raw, offer_on=True)
+        upload.hash_block_tokens = getattr(ctx, "hash_block_tokens", None)
+        count_many({Event.REGION_REQUESTS: 1, Event.REGION_TENSORS: len(upload.leases)})
+        return Outcome(json.dumps(parsed).encode(), upload)
 
-    def _lifespan(self, scope: dict, receive: Receive) -> Receive:
-        """``receive`` of the lifespan protocol, starting the region socket at
-        ``lifespan.startup`` and closing it at ``lifespan.shutdown``."""
+    def counted(self, reason: str) -> None:
+        if reason == "reference":
+            count_reason(Event.REGION_REFUSED, "reference")
 
-        async def lifespan_receive() -> dict:
-            message = await receive()
-            if message.get("type") == "lifespan.startup":
-                self._start(scope)
-            elif message.get("type") == "lifespan.shutdown":
-                self._stop()
-            return message
-
-        return lifespan_receive
-
-    def _start(self, scope: dict) -> None:
+    def startup(self, scope: dict) -> None:
         """Start the registry and the socket server; never raises."""
         path = regions_path()
         if not path or self.server is not None:
@@ -229,7 +205,7 @@ class RegionRefsMiddleware:
         except Exception:
             logger.exception("shm-embeds: registered regions not served")
 
-    def _stop(self) -> None:
+    def shutdown(self) -> None:
         server, self.server = self.server, None
         if server is not None or process.current().regions is not None:
             stop_regions(server)

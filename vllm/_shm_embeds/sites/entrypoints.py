@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Sites in ``vllm/entrypoints/`` (API server): our middlewares in vLLM's app.
+"""Sites in ``vllm/entrypoints/`` (API server): our body gate and metrics in vLLM's app.
 
 Each site below says what it does, why, and what upstream change would retire it.
 """
@@ -12,7 +12,6 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm._shm_embeds import config
 from vllm._shm_embeds.counters import set_role
 from vllm._shm_embeds.sites.site import STATUS, Site
 
@@ -23,56 +22,47 @@ METRICS = "vllm.entrypoints.serve.instrumentator.metrics"
 
 
 def wrap_init_middleware(orig: Callable) -> Callable:
-    """``init_entrypoints_middleware(args, app, supported_tasks)``: add the binary
-    and JSON body middlewares first, so that they run inside vLLM's own
-    (authentication, CORS): ``add_middleware`` puts later ones outside."""
+    """``init_entrypoints_middleware(args, app, supported_tasks)``: add the body
+    gate (``http/gate.py``) with the formats that are on, first, so that it
+    runs inside vLLM's own middleware (authentication, CORS):
+    ``add_middleware`` puts later ones outside."""
 
     @functools.wraps(orig)
     def init_entrypoints_middleware(args, app, supported_tasks, *a, **kw):
         try:
-            from vllm._shm_embeds.http.binary import BinaryBodyMiddleware
+            from vllm._shm_embeds.http.gate import BodyGate
 
-            app.add_middleware(BinaryBodyMiddleware)
-            set_role("client")
-            logger.info("shm-embeds: binary prompt_embeds bodies accepted on "
-                        "/v1/completions and /v1/chat/completions")
-            _add_json_middleware(app)
-            _add_region_middleware(app)
+            formats = body_formats()
+            if formats:
+                app.add_middleware(BodyGate, formats=formats)
+                set_role("client")
         except Exception:
-            logger.exception("shm-embeds: binary bodies not enabled; stock app")
+            logger.exception("shm-embeds: request body formats not enabled; stock app")
         return orig(args, app, supported_tasks, *a, **kw)
 
     return init_entrypoints_middleware
 
 
-def _add_json_middleware(app: Any) -> None:
-    """Add the JSON-body middleware (outside the binary one); never raises."""
-    if STATUS.get("json"):
-        return
-    if not config.settings().json:
-        logger.info("shm-embeds: JSON body path off (VLLM_SHM_EMBEDS_JSON=0)")
-        return
-    try:
-        from vllm._shm_embeds.http.json_body import JsonBodyMiddleware
+def body_formats() -> list:
+    """The formats of ``http.formats.FORMATS`` that are on (their group
+    patched, their setting on), loaded, in order; each logged."""
+    from vllm._shm_embeds.http.formats import FORMATS
 
-        app.add_middleware(JsonBodyMiddleware)
-        logger.info("shm-embeds: base64 JSON prompt_embeds decoded off the event loop "
-                    "into shared memory (bodies >= %d bytes)", config.min_bytes())
-    except Exception:
-        logger.exception("shm-embeds: JSON body path not enabled; stock app")
-
-
-def _add_region_middleware(app: Any) -> None:
-    """With ``VLLM_SHM_EMBEDS_REGIONS`` set, add the registered-regions middleware
-    (it opens the socket at the app's start-up); never raises."""
-    if STATUS.get("regions") or not config.regions_path():
-        return
-    try:
-        from vllm._shm_embeds.http.region_refs import RegionRefsMiddleware
-
-        app.add_middleware(RegionRefsMiddleware)
-    except Exception:
-        logger.exception("shm-embeds: registered regions not enabled; stock app")
+    formats = []
+    for f in FORMATS:
+        if STATUS.get(f.group):
+            logger.info("shm-embeds: %s off (its vLLM sites are not patched)", f.what)
+        elif not f.enabled():
+            logger.info("shm-embeds: %s off by configuration", f.what)
+        else:
+            try:
+                formats.append(f.load())
+            except Exception:
+                logger.exception("shm-embeds: %s not enabled", f.what)
+                continue
+            logger.info("shm-embeds: %s accepted on /v1/completions and "
+                        "/v1/chat/completions", f.what)
+    return formats
 
 
 def wrap_attach_router(orig: Callable) -> Callable:
@@ -110,8 +100,8 @@ SITES = (
          marks=("app.add_middleware(",),
          wrap=wrap_init_middleware,
          patch_in=APP,
-         what="adds the binary body middleware, and the JSON and regions ones when their "
-              "groups are on, first, i.e. inside vLLM's own (authentication, CORS)",
+         what="adds the body gate with the formats that are on (http/formats.py), first, "
+              "i.e. inside vLLM's own middleware (authentication, CORS)",
          why="request bodies must be read before vLLM parses them",
          retire=APP_RETIRE),
     Site(key="metrics_route", group="metrics", module=METRICS, qualname="attach_router",

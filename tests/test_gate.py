@@ -1,0 +1,183 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The one body gate (``http/gate.py``), driven with a format of the test's
+own: what the gate does for every format (the in-flight cap, the deadline,
+refusals, disconnects, offering a body on, the upload's end, lifespan) holds
+whatever the format is."""
+
+import asyncio
+import json
+
+import pytest
+from helpers import asgi_peer
+
+from vllm._shm_embeds.http import gate
+from vllm._shm_embeds.http.body_limits import IN_FLIGHT
+
+PATH = "/v1/completions"
+
+
+class Upper:
+    """A format of ``text/x-upper`` bodies: vLLM's app gets them upper-cased."""
+
+    name = "upper"
+
+    def __init__(self, when_busy="refuse", offer_on=False, refuse_claim=None):
+        self.when_busy, self.offer_on, self.refuse_claim = when_busy, offer_on, refuse_claim
+        self.counts, self.events, self.upload = [], [], None
+
+    def claim(self, path, h, ctx):
+        if h.get("content-type") != "text/x-upper":
+            return None
+        if self.refuse_claim:
+            raise gate.Refused(*self.refuse_claim)
+        n = int(h["content-length"])
+        return gate.Claim(length=n, in_memory=n, when_busy=self.when_busy)
+
+    async def prepare(self, path, body, ctx, claim):
+        self.in_flight = IN_FLIGHT.bytes
+        raw = await body.rest(1 << 20)
+        if self.offer_on:
+            return gate.Outcome(raw, offer_on=True)
+        self.upload = _Upload()
+        return gate.Outcome(raw.upper(), self.upload)
+
+    def counted(self, reason):
+        self.counts.append(reason)
+
+    def startup(self, scope):
+        self.events.append("startup")
+
+    def shutdown(self):
+        self.events.append("shutdown")
+
+
+class Echo(Upper):
+    """Takes what ``Upper`` offers on."""
+
+    name = "echo"
+
+    async def prepare(self, path, body, ctx, claim):
+        return gate.Outcome(b"echo:" + await body.rest(1 << 20))
+
+
+class _Upload:
+    released = False
+
+    def release(self):
+        self.released = True
+
+
+def _run(formats, messages, ctype=b"text/x-upper", length=None, scope_type="http"):
+    """Drive the gate with one request: (responses sent, body vLLM's app got)."""
+    body = b"".join(m.get("body", b"") for m in messages)
+    scope = {"type": scope_type, "method": "POST", "path": PATH, "headers": [
+        (b"content-type", ctype), (b"content-length", str(length or len(body)).encode())]}
+    seen = {}
+
+    async def app(scope, receive, send):
+        chunks = []
+        while True:
+            m = await receive()
+            chunks.append(m.get("body", b""))
+            if not m.get("more_body"):
+                break
+        seen["body"] = b"".join(chunks)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    receive, send, sent = asgi_peer(messages)
+    asyncio.run(asyncio.wait_for(gate.BodyGate(app, formats)(scope, receive, send), 30))
+    assert IN_FLIGHT.bytes == 0  # every charge given back
+    statuses = [m["status"] for m in sent if m["type"] == "http.response.start"]
+    return statuses, seen.get("body"), sent
+
+
+def _body(*pieces):
+    return [{"type": "http.request", "body": p, "more_body": i < len(pieces) - 1}
+            for i, p in enumerate(pieces)]
+
+
+def test_a_claimed_body_is_prepared_charged_and_its_upload_ended():
+    fmt = Upper()
+    statuses, got, _ = _run([fmt], _body(b"ab", b"c"))
+    assert statuses == [200] and got == b"ABC"
+    assert fmt.in_flight == 3 and fmt.upload.released and fmt.counts == []
+
+
+def test_a_body_no_format_claims_passes_untouched():
+    fmt = Upper()
+    statuses, got, _ = _run([fmt], _body(b"abc"), ctype=b"application/json")
+    assert statuses == [200] and got == b"abc" and fmt.upload is None
+
+
+@pytest.mark.parametrize("when_busy", ["refuse", "stock"])
+def test_over_the_in_flight_cap(monkeypatch, when_busy):
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_INFLIGHT_BYTES", "2")
+    fmt = Upper(when_busy)
+    statuses, got, sent = _run([fmt], _body(b"abc"))
+    assert fmt.counts == ["busy"] and fmt.upload is None
+    if when_busy == "refuse":
+        assert statuses == [503] and got is None
+        assert json.loads(sent[1]["body"])["error"]["type"] == "ServiceUnavailable"
+    else:
+        assert statuses == [200] and got == b"abc"  # vLLM's own path
+
+
+def test_a_stalled_body_gets_408(monkeypatch):
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_BODY_TIMEOUT_S", "0.2")
+    fmt = Upper()
+    statuses, got, sent = _run([fmt], [{"type": "http.request", "body": b"ab",
+                                        "more_body": True}], length=10)
+    assert statuses == [408] and got is None and fmt.counts == ["timeout"]
+    assert json.loads(sent[1]["body"])["error"]["type"] == "RequestTimeout"
+
+
+def test_a_disconnect_is_counted_and_answers_nothing():
+    fmt = Upper()
+    statuses, got, _ = _run([fmt], [{"type": "http.request", "body": b"ab", "more_body": True},
+                                    {"type": "http.disconnect"}], length=10)
+    assert statuses == [] and got is None and fmt.counts == ["disconnect"]
+
+
+def test_a_refused_claim_reads_nothing():
+    fmt = Upper(refuse_claim=(413, "too_large", "too large"))
+    statuses, got, sent = _run([fmt], _body(b"abc"))
+    assert statuses == [413] and got is None and fmt.counts == ["too_large"]
+    assert json.loads(sent[1]["body"])["error"]["message"] == "too large"
+
+
+def test_more_than_the_format_reads_gets_413():
+    fmt = Upper()
+    statuses, _, _ = _run([fmt], _body(b"a" * ((1 << 20) + 1)))
+    assert statuses == [413] and fmt.counts == ["too_large"]
+
+
+def test_a_body_offered_on_reaches_the_next_format_whole():
+    first, second = Upper(offer_on=True), Echo()
+    statuses, got, _ = _run([first, second], _body(b"ab", b"c"))
+    assert statuses == [200] and got == b"echo:abc"
+
+
+def test_lifespan_events_reach_the_formats():
+    fmt = Upper()
+    messages = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
+
+    async def app(scope, receive, send):
+        await receive()
+        await receive()
+
+    async def receive():
+        return messages.pop(0)
+
+    asyncio.run(gate.BodyGate(app, [fmt])({"type": "lifespan"}, receive, None))
+    assert fmt.events == ["startup", "shutdown"]
+
+
+def test_the_registry_formats_implement_the_protocol():
+    from vllm._shm_embeds.http.formats import FORMATS
+
+    for f in FORMATS:
+        fmt = f.load()
+        assert fmt.name == f.name
+        for method in ("claim", "prepare", "counted"):
+            assert callable(getattr(fmt, method)), (f.name, method)
