@@ -27,7 +27,7 @@ from helpers import run_child, wait_until
 from vllm._shm_embeds import counters, handle, hop1, hop2, process, segment, transfer
 from vllm._shm_embeds.handle import InlineEmbeds, SegmentName, ShmEmbedsError
 from vllm._shm_embeds.procfs import pid_namespace
-from vllm._shm_embeds.sites import core_client, multiproc_executor
+from vllm._shm_embeds.sites import core_client, multiproc_executor, records
 
 # -- 1. every writer finishes before any fd is closed ------------------------
 
@@ -252,7 +252,8 @@ def test_segment_removed_when_encode_fails(shm_env, monkeypatch):
 
 
 def _client(consumer, send):
-    client = types.SimpleNamespace(_shm_embeds_consumer=consumer)
+    client = types.SimpleNamespace()
+    records.record(client, records.ClientRecord).consumer = consumer
     return client, core_client.wrap_send_input(send)
 
 

@@ -18,7 +18,7 @@ import torch
 from helpers import REPO, mine
 
 from vllm._shm_embeds import counters, handle, hop1, process, sites, transfer
-from vllm._shm_embeds.sites import core_client, multiproc_executor
+from vllm._shm_embeds.sites import core_client, multiproc_executor, records
 
 sys.path.insert(0, os.path.join(REPO, "tools"))
 import check_sites  # noqa: E402
@@ -134,7 +134,7 @@ def test_hop2_wrapper_local_vs_remote_readers(shm_env, monkeypatch, n_remote):
     if n_remote:
         # A reader on another node cannot map a local file: stock path.
         assert seen == [torch.Tensor]
-        assert getattr(executor, multiproc_executor.RECORD_ATTR).plan is None
+        assert records.peek(executor, records.ExecutorRecord).plan is None
         assert counters.stats() == {**before, "fallback.hop2.remote": 1,
                                     "hop2_stock_tensors": 1, "hop2_stock_bytes": embeds.nbytes}
     else:

@@ -17,6 +17,7 @@ from vllm._shm_embeds import digests, process, sizing
 from vllm._shm_embeds.config import min_bytes
 from vllm._shm_embeds.counters import set_role
 from vllm._shm_embeds.hop1 import HandleOOBConsumer
+from vllm._shm_embeds.sites.records import ClientRecord, peek, record
 from vllm._shm_embeds.sites.site import Site
 from vllm._shm_embeds.transfer import discard_shared, send_view
 
@@ -99,7 +100,7 @@ def wrap_send_input(orig: Callable) -> Callable:
 
     @functools.wraps(orig)
     def _send_input(self, request_type, request, *args, **kwargs):
-        consumer = getattr(self, "_shm_embeds_consumer", None)
+        consumer = getattr(peek(self, ClientRecord), "consumer", None)
         if consumer is not None:  # (engine: AsyncMPClient._send_input's third parameter)
             consumer.send_to(args[0] if args else kwargs.get("engine"))
         held = _send_view(request)
@@ -114,7 +115,7 @@ def wrap_send_input(orig: Callable) -> Callable:
 
 def _send_tracked(self, orig: Callable, *args, **kwargs):
     """``orig`` with the hop-1 consumer's segments removed if it fails."""
-    consumer = getattr(self, "_shm_embeds_consumer", None)
+    consumer = getattr(peek(self, ClientRecord), "consumer", None)
     if consumer is None:
         return orig(self, *args, **kwargs)
     consumer.take_created()
@@ -179,7 +180,7 @@ def wrap_client_init(orig: Callable) -> Callable:
                 local)
             self.encoder.oob_tensor_consumer = consumer
             self.encoder = ArmingEncoder(self.encoder, consumer)
-            self._shm_embeds_consumer = consumer
+            record(self, ClientRecord).consumer = consumer
             logger.info(
                 "shm-embeds: hop 1 on in pid %d: prompt_embeds >= %d bytes go to "
                 "the EngineCore%s as shared-memory handles", os.getpid(), min_bytes(),

@@ -15,6 +15,7 @@ from vllm._shm_embeds import process
 from vllm._shm_embeds.counters import set_role
 from vllm._shm_embeds.hop1 import HandleOOBProvider
 from vllm._shm_embeds.sites.core_client import HOP1_RETIRE
+from vllm._shm_embeds.sites.records import EngineCoreRecord, peek, record
 from vllm._shm_embeds.sites.site import Site
 
 MODULE = "vllm.v1.engine.core"
@@ -29,7 +30,7 @@ def wrap_engine_input(orig: Callable) -> Callable:
             set_role("engine")
             process.start_engine_reaper()
             provider = HandleOOBProvider(self.tensor_ipc_receiver)
-            self._shm_embeds_provider = provider
+            record(self, EngineCoreRecord).provider = provider
             self.tensor_ipc_receiver = provider
         except Exception:  # never into vLLM's input thread: stock then
             logger.exception("shm-embeds: hop 1 receiver not installed; stock path")
@@ -41,7 +42,7 @@ def wrap_engine_input(orig: Callable) -> Callable:
 def wrap_engine_preprocess(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def preprocess_add_request(self, request, *args, **kwargs):
-        provider = getattr(self, "_shm_embeds_provider", None)
+        provider = getattr(peek(self, EngineCoreRecord), "provider", None)
         if provider is not None and request.prompt_embeds is not None:
             error = provider.is_failed(request.prompt_embeds)
             if error is not None:

@@ -6,7 +6,6 @@ Each site below says what it does, why, and what upstream change would retire it
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -20,7 +19,8 @@ from vllm._shm_embeds import hop2, process
 from vllm._shm_embeds.counters import Event, count_many, count_reason, set_role
 from vllm._shm_embeds.handle import HOP2_WIRE, ShmEmbedsError
 from vllm._shm_embeds.sites.core_client import wrap_shutdown
-from vllm._shm_embeds.sites.shm_broadcast import PLAN_ATTR
+from vllm._shm_embeds.sites.records import (ATTR, ExecutorRecord, QueueRecord, WorkerRecord,
+                                             peek, record)
 from vllm._shm_embeds.sites.site import STATUS, Site
 from vllm._shm_embeds.transfer import dense_nbytes, eligible
 
@@ -93,24 +93,6 @@ def _workers_join(executor: Any, rpc: Callable) -> str | None:
     return None
 
 
-@dataclasses.dataclass
-class ExecutorRecord:
-    """What the hop-2 sites keep on one executor (attribute :data:`RECORD_ATTR`).
-
-    Attributes:
-        mq: the broadcast queue the plan was made for; a queue rebuilt since
-            (another object at ``rpc_broadcast_mq``) gets a plan of its own.
-        plan: what each reader gets, or None for the stock path.
-        stock_remote: the stock path because readers are on other nodes
-            (tensors are then counted stock with reason ``remote``).
-    """
-
-    mq: Any
-    plan: hop2.ReaderPlan | None
-    stock_remote: bool = False
-
-
-RECORD_ATTR = "_shm_embeds_hop2"
 
 
 def _stock_executor(executor: Any) -> str | None:
@@ -131,12 +113,11 @@ def _hop2_plan(executor: Any, rpc: Callable | None = None) -> ExecutorRecord:
     (``hop2.reader_plan``; ``plan`` None for the stock path, the reason logged
     once per queue). ``rpc`` (vLLM's ``collective_rpc``) asks every worker
     first (:func:`_workers_join`)."""
-    d = executor.__dict__
     mq = getattr(executor, "rpc_broadcast_mq", None)
-    record = d.get(RECORD_ATTR)
-    if record is not None and record.mq is mq:
-        return record
-    record = ExecutorRecord(mq, None)
+    known = peek(executor, ExecutorRecord)
+    if known is not None and known.mq is mq:
+        return known
+    rec = ExecutorRecord(mq, None)
     model_config = getattr(executor.vllm_config, "model_config", None)
     reason = plan = None
     untested = _stock_executor(executor)
@@ -149,7 +130,7 @@ def _hop2_plan(executor: Any, rpc: Callable | None = None) -> ExecutorRecord:
     elif getattr(mq, "n_remote_reader", 0) > 0 and STATUS.get(REMOTE_GROUP) != []:
         reason = (f"{mq.n_remote_reader} reader(s) on other nodes and no split of the "
                   "broadcast (the remote sites are off)")
-        record.stock_remote = True
+        rec.stock_remote = True
     else:
         try:
             plan = hop2.reader_plan(_first_stage_ranks(executor), mq.n_local_reader,
@@ -161,7 +142,7 @@ def _hop2_plan(executor: Any, rpc: Callable | None = None) -> ExecutorRecord:
             if reason is not None:
                 plan = None
         if plan is None and getattr(mq, "n_remote_reader", 0) > 0:
-            record.stock_remote = True  # counted per tensor
+            rec.stock_remote = True  # counted per tensor
     if plan is None:
         logger.info("shm-embeds: hop 2 uses the stock path: %s", reason)
     else:
@@ -171,9 +152,9 @@ def _hop2_plan(executor: Any, rpc: Callable | None = None) -> ExecutorRecord:
             "reader(s); %d local later-stage reader(s) map nothing; %d reader(s) on other "
             "nodes get %s", plan.handle_readers, plan.local_later, plan.remote,
             "the bytes" if plan.remote_bytes else "a placeholder")
-    record.plan = plan
-    d[RECORD_ATTR] = record
-    return record
+    rec.plan = plan
+    executor.__dict__[ATTR] = rec
+    return rec
 
 
 def _rpc_args(args: tuple, kwargs: dict) -> tuple:
@@ -216,10 +197,10 @@ def _send_views(rpc_args: tuple) -> list:
 def wrap_executor_rpc(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def collective_rpc(self, method, *args, **kwargs):
-        record = _hop2_plan(self, orig)
-        plan = record.plan
+        known = _hop2_plan(self, orig)
+        plan = known.plan
         if plan is None:
-            if record.stock_remote:
+            if known.stock_remote:
                 try:
                     _count_stock_remote(_rpc_args(args, kwargs))
                 except Exception:  # counting only
@@ -239,8 +220,8 @@ def wrap_executor_rpc(orig: Callable) -> Callable:
                     swapped += hop2.externalize_prompt_embeds(new_reqs, plan.handle_readers)
             if swapped and plan.remote:
                 # what the readers on other nodes get instead (shm_broadcast.py)
-                setattr(mq, PLAN_ATTR,
-                        [(req, hop2.remote_form(tensor, plan)) for req, tensor in swapped])
+                record(mq, QueueRecord).remote = [
+                    (req, hop2.remote_form(tensor, plan)) for req, tensor in swapped]
         except Exception:  # never into vLLM's engine loop: this step goes stock
             logger.warning("shm-embeds: hop 2 sends this step the stock way after an "
                            "unexpected error", exc_info=True)
@@ -253,7 +234,8 @@ def wrap_executor_rpc(orig: Callable) -> Callable:
             hop2.restore_prompt_embeds(held)
             hop2.restore_prompt_embeds(swapped)
             # set last in the try; never an error of ours in place of vLLM's
-            getattr(mq, "__dict__", {}).pop(PLAN_ATTR, None)
+            if (queued := peek(mq, QueueRecord)) is not None:
+                queued.remote = None
         if swapped:
             try:  # what each reader got, once the step was sent
                 for _, tensor in swapped:
@@ -311,9 +293,10 @@ def wrap_worker_rpc(orig: Callable) -> Callable:
         if not carried:
             return orig(self, rpc_request, *args, **kwargs)
         set_role("worker")
-        first = self.__dict__.get("_shm_embeds_first_stage")
-        if first is None:
-            first = self._shm_embeds_first_stage = prompt_embeds_sites.first_pp_stage()
+        worker = record(self, WorkerRecord)
+        if worker.first_stage is None:
+            worker.first_stage = prompt_embeds_sites.first_pp_stage()
+        first = worker.first_stage
         index = getattr(self.rpc_broadcast_mq, "local_reader_rank", -1)
         error: Exception | None = None
         for new_reqs in carried:

@@ -6,7 +6,7 @@ readers on other nodes (group ``remote``).
 buffers to its local readers (the shared-memory ring, or its local socket on
 overflow) and to its remote readers (one XPUB socket, one subscription per
 remote rank). While the ``collective_rpc`` wrapper (``multiproc_executor.py``)
-has a plan for a queue (``_shm_embeds_remote``: ``(request, remote form)``
+has a plan for a queue (its ``records.QueueRecord``: ``(request, remote form)``
 pairs), :func:`wrap_enqueue` calls vLLM's ``enqueue`` twice: once with the
 remote readers hidden (``n_remote_reader = 0``), the requests carrying the
 handles the local readers map, then once with the local readers hidden
@@ -21,16 +21,16 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+from vllm._shm_embeds.sites.records import QueueRecord, peek
 from vllm._shm_embeds.sites.site import Site
 
 MODULE = "vllm.distributed.device_communicators.shm_broadcast"
-PLAN_ATTR = "_shm_embeds_remote"
 
 
 def wrap_enqueue(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def enqueue(self, obj, *args, **kwargs):
-        plan = self.__dict__.get(PLAN_ATTR)
+        plan = getattr(peek(self, QueueRecord), "remote", None)
         if not plan:  # every other enqueue of every queue: vLLM's, untouched
             return orig(self, obj, *args, **kwargs)
         n_local, n_remote = self.n_local_reader, self.n_remote_reader
