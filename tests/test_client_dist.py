@@ -55,10 +55,12 @@ def test_client_requires_no_vllm():
     assert not any("vllm" in r.lower() for r in reqs)
 
 
-def test_old_public_names_are_reexported():
+def test_public_names_are_reexported():
     assert sorted(sec.__all__) == ["Region", "RegionClient", "RegionRefused", "achat",
-                                   "acomplete", "chat", "complete", "connect_regions",
-                                   "frame"]
+                                   "achat_openai_json", "acomplete", "acomplete_openai_json",
+                                   "chat", "chat_openai_json", "complete",
+                                   "complete_openai_json", "connect_regions", "frame",
+                                   "openai_json_body"]
     for name in sec.__all__:
         assert getattr(sec, name).__module__.startswith("shm_embeds_client.")
     with pytest.raises(AttributeError):

@@ -67,15 +67,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["Region", "RegionClient", "RegionRefused", "achat", "acomplete", "chat",
-           "complete", "connect_regions", "frame"]
+__all__ = ["Region", "RegionClient", "RegionRefused", "achat", "achat_openai_json",
+           "acomplete", "acomplete_openai_json", "chat", "chat_openai_json", "complete",
+           "complete_openai_json", "connect_regions", "frame", "openai_json_body"]
 
 # Public name -> the submodule that defines it (imported on first use, PEP 562).
 _SUBMODULE = {
     "complete": "http", "chat": "http",
     "acomplete": "aio", "achat": "aio",
     "frame": "_framing",
-    # Not in __all__ (whose list tests/test_client_dist.py pins), importable by name.
     "complete_openai_json": "http", "chat_openai_json": "http",
     "acomplete_openai_json": "aio", "achat_openai_json": "aio",
     "openai_json_body": "openai_json",
