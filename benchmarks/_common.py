@@ -77,7 +77,7 @@ def our_segments(pids: Iterable[int], shm_dir: str = "/dev/shm") -> list[str]:
     Other sessions may be using /dev/shm at the same time, so only names
     carrying one of our pids count as leftovers.
     """
-    from vllm._shm_embeds.segment_dir import list_segments
+    from vllm._shm_embeds.files.segment_dir import list_segments
 
     wanted = set(pids)
     return sorted(n for n, parsed in list_segments(shm_dir) if parsed.pid in wanted)

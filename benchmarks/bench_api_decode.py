@@ -70,9 +70,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
-from vllm._shm_embeds import counters, streamed
-from vllm._shm_embeds import torch_save
+from vllm._shm_embeds import counters
+from vllm._shm_embeds.formats import torch_save
 from vllm._shm_embeds.http import common, json_body
+from vllm._shm_embeds.lifetime import streamed
 
 STEPS = ("join", "json.loads", "validate", "load", "hash")
 JSON_STEPS = ("j.buffer", "j.scan", "j.load", "j.seg+hash", "j.direct", "j.total")

@@ -57,7 +57,9 @@ import torch  # noqa: E402
 import zmq  # noqa: E402
 
 import _common as C  # noqa: E402
-from vllm._shm_embeds import config, counters, hop1, process  # noqa: E402
+from vllm._shm_embeds import config, counters  # noqa: E402
+from vllm._shm_embeds.hops import hop1  # noqa: E402
+from vllm._shm_embeds.lifetime import process  # noqa: E402
 from vllm._shm_embeds.sites.core_client import ArmingEncoder as _ArmingEncoder  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.network_utils import get_open_zmq_ipc_path, make_zmq_socket  # noqa: E402

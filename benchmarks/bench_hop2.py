@@ -63,7 +63,9 @@ import _common as C  # noqa: E402
 # Imported here, not lazily inside a timed call chain: some vLLM module keeps
 # the importing frame alive, which would pin the MessageQueue it references.
 from vllm import envs  # noqa: E402
-from vllm._shm_embeds import config, counters, hop2, process, transfer  # noqa: E402
+from vllm._shm_embeds import config, counters  # noqa: E402
+from vllm._shm_embeds.hops import hop2  # noqa: E402
+from vllm._shm_embeds.lifetime import process, transfer  # noqa: E402
 from vllm.distributed.device_communicators import shm_tensor_arena  # noqa: E402
 from vllm.distributed.device_communicators.shm_broadcast import MessageQueue  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402

@@ -112,7 +112,8 @@ def shm_env(monkeypatch):
     monkeypatch.setenv("VLLM_SHM_EMBEDS_DIR", seg_dir)
     monkeypatch.setenv("VLLM_SHM_EMBEDS_STATS_DIR", stats_dir)
     monkeypatch.setenv("VLLM_SHM_EMBEDS_MIN_BYTES", "0")
-    from vllm._shm_embeds import counters, process
+    from vllm._shm_embeds import counters
+    from vllm._shm_embeds.lifetime import process
 
     # Fresh process state per test (as a forked child gets): counters and
     # owned segments of one test never leak into the next.

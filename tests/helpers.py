@@ -102,7 +102,7 @@ def ours_in(seg_dir: str) -> list[str]:
 def held_beneath(mount: str) -> int:
     """What the budget's walk counts (``segment_dir.held_bytes``) in every private
     segment directory of ``mount``, or in ``mount`` itself if it has none."""
-    from vllm._shm_embeds import segment_dir
+    from vllm._shm_embeds.files import segment_dir
     from vllm._shm_embeds.private_dir import INNER
 
     dirs = [os.path.join(mount, d, INNER) for d in private_dirs_in(mount)] or [mount]
@@ -285,7 +285,7 @@ def _short_busy_loop(m):
 
 _PATCHES = {}
 if os.environ.get("SHM_EMBEDS_TEST_FAIL_FILE"):
-    _PATCHES["vllm._shm_embeds.hop2"] = _fail_rank_1
+    _PATCHES["vllm._shm_embeds.hops.hop2"] = _fail_rank_1
 if os.environ.get("SHM_EMBEDS_TEST_BUSY_LOOP_S"):
     _PATCHES["vllm.distributed.device_communicators.shm_broadcast"] = _short_busy_loop
 

@@ -13,20 +13,11 @@ import time
 import pytest
 import torch
 
-from vllm._shm_embeds import (
-    config,
-    counters,
-    digests,
-    handle,
-    hop1,
-    hop2,
-    private_dir,
-    process,
-    segment,
-    streamed,
-    transfer,
-)
+from vllm._shm_embeds import config, counters, handle, private_dir
+from vllm._shm_embeds.files import segment
+from vllm._shm_embeds.hops import digests, hop1, hop2
 from vllm._shm_embeds.http import binary, common, gate, placeholders
+from vllm._shm_embeds.lifetime import process, streamed, transfer
 
 LIMITS = common.ServerContext(hidden_size=8, max_model_len=16, dtype=torch.float32,
                             enable_prompt_embeds=True, max_body_bytes=16 * 8 * 4)

@@ -15,9 +15,10 @@ import time
 import torch
 from helpers import wait_until
 
-from vllm._shm_embeds import census, process, segment_dir, transfer
-from vllm._shm_embeds import segment as seg
+from vllm._shm_embeds.files import census, segment_dir
+from vllm._shm_embeds.files import segment as seg
 from vllm._shm_embeds.handle import SegmentName
+from vllm._shm_embeds.lifetime import process, transfer
 from vllm._shm_embeds.procfs import pid_namespace
 
 
@@ -64,7 +65,7 @@ def test_no_check_walks_on_its_callers_thread(shm_env, monkeypatch):
     def checks(caller):
         # the census's first walk (started when it is made) must not overlap the
         # write below: a walk that does may count it twice until the next
-        # (on the safe side; census.py), which would make this test's count wrong
+        # (on the safe side; files/census.py), which would make this test's count wrong
         process.current().census(shm_env)
         _background_walks_end()
         made.append(transfer.create_segment(torch.zeros(600 << 10, dtype=torch.uint8)))

@@ -24,8 +24,11 @@ import pytest
 import torch
 from helpers import run_child, wait_until
 
-from vllm._shm_embeds import counters, handle, hop1, hop2, process, segment, transfer
+from vllm._shm_embeds import counters, handle
+from vllm._shm_embeds.files import segment
 from vllm._shm_embeds.handle import InlineEmbeds, SegmentName, ShmEmbedsError
+from vllm._shm_embeds.hops import hop1, hop2
+from vllm._shm_embeds.lifetime import process, transfer
 from vllm._shm_embeds.procfs import pid_namespace
 from vllm._shm_embeds.sites import core_client, multiproc_executor, records
 
@@ -128,8 +131,8 @@ _RANK_SCRIPT = textwrap.dedent("""
     parallel_state.get_tp_group = lambda: tp
     parallel_state.get_pp_group = lambda: pp
     parallel_state.get_pcp_group = lambda: pp
-    from vllm._shm_embeds import hop2
     from vllm._shm_embeds.handle import ShmEmbedsError
+    from vllm._shm_embeds.hops import hop2
     from vllm._shm_embeds.sites import multiproc_executor
     if rank == 1:  # this rank cannot map (e.g. out of memory, fd limit)
         def fail(handle, reader_index=None):
@@ -193,7 +196,7 @@ def test_readers_map_through_owner_fds_after_name_removed(shm_env):
     reqs = [types.SimpleNamespace(prompt_embeds=h), types.SimpleNamespace(prompt_embeds=h)]
     hop2.internalize_prompt_embeds(reqs[:1], 0)
     out = run_child("import pickle, sys\n"
-                    "from vllm._shm_embeds import transfer\n"
+                    "from vllm._shm_embeds.lifetime import transfer\n"
                     "h = pickle.loads(sys.stdin.buffer.read())\n"
                     "print(float(transfer.open_tensor(h, 1).sum()))\n", h)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -313,7 +316,9 @@ def test_segment_kept_when_send_succeeds(shm_env):
 
 _FORK_SCRIPT = textwrap.dedent("""
     import gc, os, sys, torch
-    from vllm._shm_embeds import config, hop2, process, transfer
+    from vllm._shm_embeds import config
+    from vllm._shm_embeds.hops import hop2
+    from vllm._shm_embeds.lifetime import process, transfer
     adopted = transfer.adopt_tensor(transfer.share_tensor(torch.randn(32, 32)))
     h = hop2.externalize(torch.randn(32, 32), readers=1)
     pid = os.fork()

@@ -20,13 +20,13 @@ pytest.importorskip("hypothesis")
 from hypothesis import example, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from vllm._shm_embeds import digests, hop1  # noqa: E402
 from vllm._shm_embeds.handle import (  # noqa: E402
     SEGMENT_PREFIX,
     SegmentName,
     SharedTensorHandle,
     ShmEmbedsError,
 )
+from vllm._shm_embeds.hops import digests, hop1  # noqa: E402
 
 _scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70)
             | st.floats(allow_nan=True) | st.text(max_size=30) | st.binary(max_size=30))

@@ -52,7 +52,9 @@ def _child(conn, seg_dir: str, stats_dir: str) -> None:
 
     os.environ.update(VLLM_SHM_EMBEDS="1", VLLM_SHM_EMBEDS_DIR=seg_dir,
                       VLLM_SHM_EMBEDS_STATS_DIR=stats_dir, VLLM_SHM_EMBEDS_MIN_BYTES="0")
-    from vllm._shm_embeds import counters, process, streamed, torch_save
+    from vllm._shm_embeds import counters
+    from vllm._shm_embeds.formats import torch_save
+    from vllm._shm_embeds.lifetime import process, streamed
 
     counters._state = counters._Counters()
     process._state = process.Process()

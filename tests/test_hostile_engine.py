@@ -17,9 +17,12 @@ import subprocess
 import pytest
 import torch
 
-from vllm._shm_embeds import counters, hop1, process, segment_dir, streamed, transfer
-from vllm._shm_embeds import segment as seg
+from vllm._shm_embeds import counters
+from vllm._shm_embeds.files import segment as seg
+from vllm._shm_embeds.files import segment_dir
 from vllm._shm_embeds.handle import SegmentName, part_name
+from vllm._shm_embeds.hops import hop1
+from vllm._shm_embeds.lifetime import process, streamed, transfer
 from vllm._shm_embeds.procfs import pid_namespace
 
 NOBODY = 65534

@@ -24,10 +24,12 @@ import torch
 from helpers import encode_embeds
 from test_binary_framing import LIMITS, _framed, _run_middleware, _scope, desc, hdr
 
-from vllm._shm_embeds import census as census_mod
-from vllm._shm_embeds import counters, process, segment, streamed, transfer
+from vllm._shm_embeds import counters
 from vllm._shm_embeds.config import shm_dir
+from vllm._shm_embeds.files import census as census_mod
+from vllm._shm_embeds.files import segment
 from vllm._shm_embeds.http import binary, body_limits, common, gate, json_body
+from vllm._shm_embeds.lifetime import process, streamed, transfer
 
 
 def _json_scope(length: int, hidden=64, max_len=2048, enable=True, ctype=b"application/json",
@@ -202,7 +204,7 @@ def test_upload_charged_by_what_it_wrote(shm_env, monkeypatch):
     monkeypatch.setattr(streamed, "STREAM_GRANT_BYTES", 64 << 10)
     monkeypatch.setenv("VLLM_SHM_EMBEDS_MAX_BYTES", str(1 << 20))
     # No walk of the directory during the test: one overlapping a write counts
-    # that write twice until the next walk (on the safe side, census.py), which
+    # that write twice until the next walk (on the safe side, files/census.py), which
     # would take the budget before the grants this test is about.
     monkeypatch.setattr(census_mod, "MIN_INTERVAL_S", 1e9)
     assert process.current().census(shm_dir()).settle() == 0

@@ -20,9 +20,12 @@ import pytest
 import torch
 from helpers import asgi_peer, delta, encode_embeds, wait_until
 
-from vllm._shm_embeds import counters, digests, handle, hop1, process, streamed, torch_save
+from vllm._shm_embeds import counters, handle
+from vllm._shm_embeds.formats import torch_save
+from vllm._shm_embeds.hops import digests, hop1
 from vllm._shm_embeds.http import common, gate, json_body
 from vllm._shm_embeds.http.placeholders import resolve_placeholder
+from vllm._shm_embeds.lifetime import process, streamed
 from vllm._shm_embeds.sites import core_client
 
 HIDDEN = 64

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The segment lifecycle (``lifecycle.py``): every transition of its table
+"""The segment lifecycle (``lifetime/lifecycle.py``): every transition of its table
 driven through the real verbs of ``owned.OwnedSegments``, and illegal ones
 refused (raised under pytest, logged and refused elsewhere)."""
 
@@ -10,9 +10,10 @@ import threading
 import pytest
 import torch
 
-from vllm._shm_embeds import hop2, lifecycle, process, streamed, transfer
-from vllm._shm_embeds import segment as seg
-from vllm._shm_embeds.lifecycle import (
+from vllm._shm_embeds.files import segment as seg
+from vllm._shm_embeds.hops import hop2
+from vllm._shm_embeds.lifetime import lifecycle, process, streamed, transfer
+from vllm._shm_embeds.lifetime.lifecycle import (
     BROADCAST,
     DRAINING,
     FREED,

@@ -12,8 +12,10 @@ import pytest
 import torch
 from helpers import delta, mine, run_child
 
-from vllm._shm_embeds import counters, handle, hop1, hop2, process, transfer
+from vllm._shm_embeds import counters, handle
 from vllm._shm_embeds.handle import SegmentName
+from vllm._shm_embeds.hops import hop1, hop2
+from vllm._shm_embeds.lifetime import process, transfer
 from vllm._shm_embeds.procfs import pid_namespace, proc_start_time
 
 
@@ -514,7 +516,7 @@ def test_readers_cannot_change_what_others_read(shm_env, monkeypatch, files):
     h = hop2.externalize(src, readers=2)
     assert len(os.listdir(shm_env)) == files
     child = run_child("import pickle, sys\n"
-                      "from vllm._shm_embeds import transfer\n"
+                      "from vllm._shm_embeds.lifetime import transfer\n"
                       "t = transfer.open_tensor(pickle.loads(sys.stdin.buffer.read()), 0)\n"
                       "t[-1].add_(1.0)\n", h)
     assert child.returncode < 0  # killed by SIGSEGV/SIGBUS, not silently written

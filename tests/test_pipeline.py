@@ -27,8 +27,10 @@ import pytest
 import torch
 from helpers import by_role, held_by, new_fds, open_fds, ring_message
 
-from vllm._shm_embeds import counters, handle, hop2, process, transfer
+from vllm._shm_embeds import counters, handle
 from vllm._shm_embeds.handle import HOP2_WIRE, EmbedsPlaceholder, InlineEmbeds, SharedTensorHandle
+from vllm._shm_embeds.hops import hop2
+from vllm._shm_embeds.lifetime import process, transfer
 from vllm._shm_embeds.sites import multiproc_executor, records, shm_broadcast
 from vllm._shm_embeds.sites import prompt_embeds as prompt_embeds_sites
 

@@ -12,7 +12,11 @@
   name real sites; a group that needs a group that is off is off;
 * modules: every module of the package is in ``docs/design.md``'s layout
   table, and the table names no module that does not exist.
-* imports: no module of the package reaches itself through its imports.
+* imports: no module of the package reaches itself through its imports;
+* layers: :data:`LAYERS` says what each layer of the package may import (of
+  the package, of vLLM, HTTP libraries); every import of every module (one
+  inside a function too) keeps to it, and each subpackage's docstring says
+  the same.
 """
 
 import ast
@@ -20,6 +24,7 @@ import os
 import re
 import sys
 import types
+from typing import NamedTuple
 
 import pytest
 from helpers import REPO
@@ -250,34 +255,38 @@ def test_every_module_is_in_the_design_doc_layout():
     assert not listed - files, f"docs/design.md names no module: {sorted(listed - files)}"
 
 
-def _import_graph() -> dict[str, set[str]]:
-    """Module -> the package's modules it imports, anywhere in its body (a
-    lazy import inside a function counts). ``from X import Y`` imports X
-    (a package's ``__init__`` runs), and X.Y too when that is a module."""
-    def name(rel: str) -> str:  # "sites/__init__.py" -> "vllm._shm_embeds.sites"
-        return ".".join(["vllm._shm_embeds", *rel[:-3].split(os.sep)]).removesuffix(
-            ".__init__")
+def _module_name(rel: str) -> str:
+    """``"sites/__init__.py"`` -> ``"vllm._shm_embeds.sites"``."""
+    return ".".join(["vllm._shm_embeds", *rel[:-3].split(os.sep)]).removesuffix(".__init__")
 
-    names = {name(rel) for rel in _package_files()}
-    graph: dict[str, set[str]] = {}
-    for rel in _package_files():
-        mod = name(rel)
-        package = mod if rel.endswith("__init__.py") else mod.rsplit(".", 1)[0]
-        edges = graph.setdefault(mod, set())
-        for node in ast.walk(ast.parse(_read("vllm", "_shm_embeds", rel))):
-            if isinstance(node, ast.Import):
-                edges.update(a.name for a in node.names if a.name in names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:  # relative: from the module's package
-                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
-                                    + ([base] if base else []))
-                if base in names:
-                    edges.add(base)
-                edges.update(f"{base}.{a.name}" for a in node.names
-                             if f"{base}.{a.name}" in names)
-        edges.discard(mod)
-    return graph
+
+def _imports(rel: str, source: str | None = None) -> set[str]:
+    """Every module the package's module ``rel`` imports, anywhere in its body
+    (a lazy import inside a function counts), by its full name. ``from X
+    import Y`` imports X (a package's ``__init__`` runs) and X.Y: a module, a
+    name from X (``X.Y`` then names no module), or a module of X's package."""
+    mod = _module_name(rel)
+    package = mod if rel.endswith("__init__.py") else mod.rsplit(".", 1)[0]
+    tree = ast.parse(source if source is not None else _read("vllm", "_shm_embeds", rel))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's package
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    found.discard(mod)
+    return found
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (:func:`_imports`)."""
+    names = {_module_name(rel) for rel in _package_files()}
+    return {_module_name(rel): _imports(rel) & names for rel in _package_files()}
 
 
 def test_no_import_cycle():
@@ -302,3 +311,132 @@ def test_no_import_cycle():
         if mod not in state:
             visit(mod, [mod])
     assert not cycles, " ; ".join(" -> ".join(c) for c in cycles)
+
+
+# --------------------------------------------------------------------------
+# layers
+
+
+class Layer(NamedTuple):
+    may_import: tuple[str, ...]  # the layers below it that it may import (its own: always)
+    vllm: tuple[str, ...] | None  # the vLLM modules it may import (and theirs); None: any
+    http_libs: bool = False  # may it import an HTTP library (HTTP_LIBS)
+
+
+# The package's layers, lowest first: the one table of what each may import.
+# No layer names one above it; the mechanism (base to regions) imports nothing
+# of http or sites, no HTTP library, and of vLLM only its logger.
+BASE = ("config", "handle", "counters", "procfs", "private_dir")  # at the package's top
+ENTRY = ("__init__", "plugin")  # at the package's top: what vLLM and users load
+HTTP_LIBS = ("starlette", "fastapi", "uvicorn", "httpx", "aiohttp", "h11")
+LOGGER = ("vllm.logger",)
+LAYERS = {
+    "base": Layer((), LOGGER),
+    "files": Layer(("base",), LOGGER),
+    "lifetime": Layer(("base", "files"), LOGGER),
+    "hops": Layer(("base", "files", "lifetime"), LOGGER),
+    # hops: the direct decode hashes each chunk as it writes it (hops/digests.py)
+    "formats": Layer(("base", "hops"), LOGGER),
+    "regions": Layer(("base", "files", "lifetime", "hops"), LOGGER),
+    # vllm.renderers.embed_utils: a JSON payload the direct decode does not take
+    # goes to vLLM's own safe_load_prompt_embeds (http/json_body.py)
+    "http": Layer(("base", "files", "lifetime", "hops", "formats", "regions"),
+                  (*LOGGER, "vllm.renderers.embed_utils"), http_libs=True),
+    "sites": Layer(("base", "files", "lifetime", "hops", "formats", "regions", "http"),
+                   None, http_libs=True),
+    "entry": Layer(("base", "files", "lifetime", "hops", "formats", "regions", "http",
+                    "sites"), None, http_libs=True),
+}
+PACKAGE_NAME = "vllm._shm_embeds"
+
+
+def _layer_of(name: str) -> str | None:
+    """The layer of the package's module ``name`` (a module, or a name from
+    one: the public names of the package's ``__init__`` are entry's); None
+    for the package itself, whose ``__init__`` imports nothing."""
+    rest = name.removeprefix(PACKAGE_NAME + ".").split(".")
+    if name == PACKAGE_NAME:
+        return None
+    if rest[0] in LAYERS and os.path.isdir(os.path.join(PACKAGE, rest[0])):
+        return rest[0]
+    if rest[0] in BASE:
+        return "base"
+    return "entry"  # plugin, __init__'s public names, or a module in no layer
+
+
+def _in(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def layer_violations(rel: str, source: str | None = None) -> list[str]:
+    """What the module ``rel`` (its file, or ``source`` as if it were that
+    file) imports against :data:`LAYERS`."""
+    layer = _layer_of(_module_name(rel))
+    rule = LAYERS[layer or "entry"]
+    bad = []
+    for name in sorted(_imports(rel, source)):
+        top = name.split(".")[0]
+        if name == PACKAGE_NAME or name.startswith(PACKAGE_NAME + "."):
+            dep = _layer_of(name)
+            if dep is not None and dep != layer and dep not in rule.may_import:
+                bad.append(f"{rel} ({layer}) imports {name} ({dep})")
+        elif top == "vllm":
+            if rule.vllm is not None and name != "vllm" and not _in(name, rule.vllm):
+                bad.append(f"{rel} ({layer}) imports vLLM's {name}")
+        elif top in HTTP_LIBS and not rule.http_libs:
+            bad.append(f"{rel} ({layer}) imports the HTTP library {name}")
+    return bad
+
+
+def test_layers_table_is_ordered():
+    """A layer names only layers below it (lower layers never import higher
+    ones), and every module of the package is in a layer."""
+    order = list(LAYERS)
+    for name, rule in LAYERS.items():
+        assert all(order.index(d) < order.index(name) for d in rule.may_import), name
+    subpackages = {rel.split(os.sep)[0] for rel in _package_files() if os.sep in rel}
+    assert subpackages <= set(LAYERS), f"subpackages in no layer: {subpackages - set(LAYERS)}"
+    top = {rel[:-3] for rel in _package_files() if os.sep not in rel}
+    assert top == set(BASE) | set(ENTRY), (
+        f"modules at the package's top in no layer: {sorted(top - set(BASE) - set(ENTRY))}")
+
+
+def test_each_layer_says_what_it_may_import():
+    """Each subpackage's docstring has the line ``May import: a, b.`` naming
+    exactly the layers of :data:`LAYERS` (so the two cannot drift)."""
+    for rel in _package_files():
+        if not rel.endswith(os.sep + "__init__.py"):
+            continue
+        layer = rel.split(os.sep)[0]
+        doc = ast.get_docstring(ast.parse(_read("vllm", "_shm_embeds", rel))) or ""
+        lines = re.findall(r"^May import: (.*)\.$", doc, re.M)
+        assert len(lines) == 1, f"{rel}: no one 'May import: ...' line"
+        assert tuple(lines[0].split(", ")) == LAYERS[layer].may_import, rel
+
+
+def test_no_module_imports_against_its_layer():
+    """Every import of every module of the package (one inside a function
+    included) is one its layer may make (:data:`LAYERS`)."""
+    assert len(_package_files()) > 50  # the walk saw the package
+    bad = [v for rel in _package_files() for v in layer_violations(rel)]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize(("rel", "source"), [
+    ("files/segment.py", "def f():\n    from vllm._shm_embeds.lifetime import process\n"),
+    ("config.py", "import vllm._shm_embeds.files.segment\n"),
+    ("lifetime/owned.py", "from vllm._shm_embeds.hops import hop2\n"),
+    ("hops/hop2.py", "from vllm.v1.engine import EngineCoreRequest\n"),
+    ("hops/hop1.py", "from vllm import envs\n"),
+    ("formats/torch_save.py", "from vllm._shm_embeds.files import segment\n"),
+    ("regions/memfd.py", "from ..http import common\n"),
+    ("files/census.py", "from vllm._shm_embeds import externalize\n"),
+    ("lifetime/process.py", "import starlette.requests\n"),
+    ("http/common.py", "from vllm._shm_embeds.sites import site\n"),
+    ("http/binary.py", "from vllm._shm_embeds import plugin\n"),
+    ("sites/site.py", "from vllm._shm_embeds.plugin import register\n"),
+])
+def test_an_import_against_the_layers_fails(rel, source):
+    """The check sees what it must: each of these imports is against the table."""
+    assert layer_violations(rel, source), source
+    assert not layer_violations(rel, "import os\nfrom vllm.logger import init_logger\n")

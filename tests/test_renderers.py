@@ -15,8 +15,9 @@ import threading
 import pytest
 import torch
 
-from vllm._shm_embeds import digests, streamed
+from vllm._shm_embeds.hops import digests
 from vllm._shm_embeds.http import placeholders
+from vllm._shm_embeds.lifetime import streamed
 from vllm._shm_embeds.sites import renderers
 
 H, BLOCK = 8, 4

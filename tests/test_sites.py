@@ -17,7 +17,9 @@ import pytest
 import torch
 from helpers import REPO, mine
 
-from vllm._shm_embeds import counters, handle, hop1, process, sites, transfer
+from vllm._shm_embeds import counters, handle, sites
+from vllm._shm_embeds.hops import hop1
+from vllm._shm_embeds.lifetime import process, transfer
 from vllm._shm_embeds.sites import core_client, multiproc_executor, records
 
 sys.path.insert(0, os.path.join(REPO, "tools"))

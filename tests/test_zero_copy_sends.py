@@ -31,10 +31,12 @@ import torch
 import zmq
 from helpers import ring_message
 
-from vllm._shm_embeds import counters, hop2, process, transfer
+from vllm._shm_embeds import counters
 from vllm._shm_embeds.handle import InlineEmbeds, SharedTensorHandle
+from vllm._shm_embeds.hops import hop2
+from vllm._shm_embeds.lifetime import process, transfer
+from vllm._shm_embeds.lifetime.streamed import StreamedSegment, release_streamed
 from vllm._shm_embeds.sites import multiproc_executor, shm_broadcast
-from vllm._shm_embeds.streamed import StreamedSegment, release_streamed
 
 ROWS, COLS = 16384, 1024  # 64 MiB of float32
 

@@ -8,11 +8,18 @@ worker (hop 2: the ``SchedulerOutput`` broadcast). With
 ``VLLM_SHM_EMBEDS=1`` this plugin puts the tensor in a shared-memory segment
 once and sends a small :class:`SharedTensorHandle` over each hop instead.
 
-One file per job; ``docs/design.md`` ("Package layout") lists every module
-and its job, the one such list (a test fails when a module is missing):
+One file per job, in layers; ``docs/design.md`` ("Package layout") lists
+every module and its job, the one such list (a test fails when a module is
+missing). Lowest first; a layer imports only those below it (each
+subpackage's docstring says which; ``LAYERS`` in
+``tests/test_registry_tables.py`` fails on any other import):
 
-* the mechanism, no vLLM classes, no HTTP: the modules at the top of the
-  package but ``plugin``;
+* base, shared by every layer: ``config``, ``handle``, ``counters``,
+  ``procfs``, ``private_dir`` (at the package's top);
+* the mechanism, no vLLM classes, no HTTP: ``files/`` (segments and their
+  files), ``lifetime/`` (who owns a segment and when it goes), ``hops/``
+  (what crosses hop 1 and hop 2), ``formats/`` (payload formats),
+  ``regions/`` (registered regions);
 * the API server's HTTP side: ``http/``;
 * every patched vLLM site, in one registry: ``sites/``; the entry point
   vLLM loads: ``plugin.register``.
@@ -27,7 +34,7 @@ from typing import Any
 __all__ = ["SharedTensorHandle", "ShmEmbedsError", "externalize", "internalize"]
 
 _HOME = {"SharedTensorHandle": "handle", "ShmEmbedsError": "handle",
-         "externalize": "hop2", "internalize": "hop2"}
+         "externalize": "hops.hop2", "internalize": "hops.hop2"}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Segment names and :class:`SharedTensorHandle`: what crosses a hop instead of bytes.
 
-Pure data and parsing; no file is opened here (``segment.py`` does the I/O).
+Pure data and parsing; no file is opened here (``files/segment.py`` does the I/O).
 
 Layout of one segment (files in the segment directory, a tmpfs)::
 

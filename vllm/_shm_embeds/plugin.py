@@ -15,7 +15,8 @@ import os
 
 from vllm.logger import init_logger
 
-from vllm._shm_embeds import config, private_dir, process, sites
+from vllm._shm_embeds import config, private_dir, sites
+from vllm._shm_embeds.lifetime import process
 from vllm._shm_embeds.sites.site import STATUS
 
 logger = init_logger(__name__)

@@ -24,7 +24,7 @@ against the served model *before allocating anything* (datatype, 2-D,
 ``binary_data_size == T*H*itemsize``, ``H`` = hidden size, ``1 <= T <=
 max_model_len``, header length and total against ``Content-Length``, total
 against ``VLLM_SHM_EMBEDS_BINARY_MAX_BYTES``), then writes the following body chunks from
-``receive()`` straight into one :class:`~vllm._shm_embeds.streamed.StreamedSegment`
+``receive()`` straight into one :class:`~vllm._shm_embeds.lifetime.streamed.StreamedSegment`
 per tensor (``pwrite``; no join of the body, no base64, no ``torch.load``, no
 JSON scan of the bulk). It then calls the stock app with a small JSON body in
 which each descriptor is replaced by a placeholder string
@@ -36,7 +36,7 @@ per-request random token and the tensors. The stock decode sites
 context variable of *this* request holds the same token; any other bytes,
 including the same placeholder sent by a JSON client, take vLLM's own path
 and get its usual error. Hop 1 then sends the segment itself by handle
-(:func:`~vllm._shm_embeds.streamed.hand_over`): the socket-to-segment write is the
+(:func:`~vllm._shm_embeds.lifetime.streamed.hand_over`): the socket-to-segment write is the
 only copy of the bytes (a ``datatype`` other than the model's costs one more,
 counted, as the JSON path's cast). The prefix-cache digests of each block are
 computed on the hashing pool while the body arrives (``digests.StreamHasher``),
@@ -71,8 +71,8 @@ import torch
 from starlette.datastructures import Headers
 from vllm.logger import init_logger
 
-from vllm._shm_embeds import digests
-from vllm._shm_embeds import segment as seg
+from vllm._shm_embeds.files import segment as seg
+from vllm._shm_embeds.hops import digests
 from vllm._shm_embeds.counters import Event, count, count_many, count_reason
 from vllm._shm_embeds.http.binary_header import (  # noqa: F401 (re-exported)
     CONTENT_TYPE,
@@ -93,7 +93,7 @@ from vllm._shm_embeds.http.binary_header import (  # noqa: F401 (re-exported)
 from vllm._shm_embeds.http.common import COMPLETIONS, ServerContext
 from vllm._shm_embeds.http.gate import Body, Claim, Outcome
 from vllm._shm_embeds.http.placeholders import Upload
-from vllm._shm_embeds.streamed import (
+from vllm._shm_embeds.lifetime.streamed import (
     StreamedSegment,
     release_streamed,
     streamed_tensor_like,

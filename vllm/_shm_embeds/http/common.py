@@ -24,7 +24,7 @@ import torch
 from starlette.datastructures import Headers
 
 from vllm._shm_embeds.config import binary_max_bytes
-from vllm._shm_embeds.digests import block_tokens_of
+from vllm._shm_embeds.hops.digests import block_tokens_of
 
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]

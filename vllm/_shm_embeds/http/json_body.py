@@ -30,7 +30,7 @@ chunks on the event loop; the rest runs in a worker thread
 3. for each of those, when the payload is one plain tensor of the model's
    dtype (what clients send; :func:`_plain_tensor_layout` says exactly
    which), its base64 is decoded straight into a
-   :class:`~vllm._shm_embeds.streamed.StreamedSegment` 4 MiB at a time, each chunk
+   :class:`~vllm._shm_embeds.lifetime.streamed.StreamedSegment` 4 MiB at a time, each chunk
    hashed for the prefix cache while the next is decoded (``torch_save.direct_decode``:
    one pass, no private copy of the tensor). Any other payload goes
    through vLLM's own ``safe_load_prompt_embeds`` on a ``memoryview`` of the
@@ -80,17 +80,17 @@ from typing import Any
 import torch
 from vllm.logger import init_logger
 
-from vllm._shm_embeds import digests
-from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.config import min_bytes
 from vllm._shm_embeds.counters import Event, count_many, count_reason
+from vllm._shm_embeds.files import segment as seg
+from vllm._shm_embeds.formats.torch_save import direct_decode
+from vllm._shm_embeds.hops import digests
 from vllm._shm_embeds.http.body_limits import byte_count
 from vllm._shm_embeds.http.common import ServerContext, content_type, embeds_slots
 from vllm._shm_embeds.http.gate import Body, Claim, Outcome
 from vllm._shm_embeds.http.json_read import body_buffer, read_body  # noqa: F401
 from vllm._shm_embeds.http.placeholders import Upload, new_token, placeholder
-from vllm._shm_embeds.streamed import release_streamed
-from vllm._shm_embeds.torch_save import direct_decode
+from vllm._shm_embeds.lifetime.streamed import release_streamed
 
 logger = init_logger(__name__)
 

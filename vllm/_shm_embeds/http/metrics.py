@@ -40,9 +40,11 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm._shm_embeds import config, counters, process, segment_dir
-from vllm._shm_embeds import segment as seg
-from vllm._shm_embeds.process import NO_SPACE_MARKER
+from vllm._shm_embeds import config, counters
+from vllm._shm_embeds.files import segment as seg
+from vllm._shm_embeds.files import segment_dir
+from vllm._shm_embeds.lifetime import process
+from vllm._shm_embeds.lifetime.process import NO_SPACE_MARKER
 from vllm._shm_embeds.procfs import pid_namespace, proc_start_time
 
 logger = init_logger(__name__)

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from shm_embeds_client.wire import HEADER_LENGTH
 
-from vllm._shm_embeds.digests import forget
+from vllm._shm_embeds.hops.digests import forget
 from vllm._shm_embeds.http.common import Receive, Send
-from vllm._shm_embeds.streamed import release_streamed
+from vllm._shm_embeds.lifetime.streamed import release_streamed
 
 PLACEHOLDER_PREFIX = "shm-embeds-binary:"
 

@@ -24,7 +24,7 @@ body names a region it *leases* each region for the request
 puts a placeholder there that resolves, in this request's context only, to
 the region's read-only tensor (``placeholders.resolve_placeholder``). Hop 1 then
 sends the API server's descriptor of the memfd instead of the bytes
-(``hop1.py``, ``transfer.share_region``); the digests computed at
+(``hops/hop1.py``, ``transfer.share_region``); the digests computed at
 registration ride along. A reference that does not match gets 400, with a
 message that names no path and does not echo the id; so does a request
 with more than ``VLLM_SHM_EMBEDS_REGIONS_REFS_MAX`` references (each costs
@@ -45,13 +45,13 @@ from typing import Any
 from shm_embeds_client.wire import JSON_CONTENT_TYPE, REGION, REGION_BYTE_SIZE, REGION_OFFSET
 from vllm.logger import init_logger
 
-from vllm._shm_embeds import process
 from vllm._shm_embeds.config import regions_path, regions_refs_max
 from vllm._shm_embeds.counters import Event, count_many, count_reason
 from vllm._shm_embeds.http.body_limits import byte_count
 from vllm._shm_embeds.http.common import ServerContext, content_type, embeds_slots
 from vllm._shm_embeds.http.gate import Body, Claim, Outcome, Refused
 from vllm._shm_embeds.http.placeholders import Upload, new_token, placeholder
+from vllm._shm_embeds.lifetime import process
 from vllm._shm_embeds.regions.registry import RegionError
 from vllm._shm_embeds.regions.service import start_regions, stop_regions
 

@@ -8,4 +8,9 @@ socket), ``sockets.py`` (the socket file, peer credentials, the start-up lock,
 descriptors), ``mirror.py`` (the registry of a sibling API
 server), ``service.py`` (starting and stopping them in an API server). The
 request side, which knows HTTP, is ``http/region_refs.py``.
+
+May import: base, files, lifetime, hops.
+
+Of vLLM only ``vllm.logger``; nothing of formats, http or sites.
+``tests/test_registry_tables.py`` (``LAYERS``) fails on any other import.
 """

@@ -22,7 +22,7 @@ import warnings
 import torch
 from vllm.logger import init_logger
 
-from vllm._shm_embeds import segment as seg
+from vllm._shm_embeds.files import segment as seg
 from vllm._shm_embeds.regions.sockets import is_memfd
 
 logger = init_logger(__name__)

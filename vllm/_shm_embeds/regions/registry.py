@@ -34,8 +34,8 @@ from shm_embeds_client.wire import DATATYPES, REGION
 from vllm.logger import init_logger
 
 from vllm._shm_embeds import config
-from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.counters import Event, count, count_many, count_reason
+from vllm._shm_embeds.files import segment as seg
 from vllm._shm_embeds.regions import memfd
 from vllm._shm_embeds.regions.memfd import NOT_MEMFD, RegionError  # noqa: F401 (the API)
 from vllm._shm_embeds.regions.sockets import discard_fd

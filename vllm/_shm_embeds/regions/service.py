@@ -18,8 +18,9 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm._shm_embeds import digests, process
 from vllm._shm_embeds.config import regions_group
+from vllm._shm_embeds.hops import digests
+from vllm._shm_embeds.lifetime import process
 
 logger = init_logger(__name__)
 

@@ -42,7 +42,7 @@ import struct
 
 from vllm.logger import init_logger
 
-from vllm._shm_embeds import process
+from vllm._shm_embeds.lifetime import process
 from vllm._shm_embeds.procfs import proc_stat
 
 logger = init_logger(__name__)

@@ -15,6 +15,11 @@ that would retire it (``Site.what``, ``why``, ``retire``), and each group
 here what it covers: ``docs/design.md``'s sites table is generated from
 them (``tools/check_sites.py --doc``; ``tests/test_registry_tables.py``
 fails when it drifts).
+
+May import: base, files, lifetime, hops, formats, regions, http.
+
+Only this layer (and ``plugin.py``) imports vLLM's classes.
+``tests/test_registry_tables.py`` (``LAYERS``) fails on any other import.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from typing import NamedTuple
 
 from vllm.logger import init_logger
 
-from vllm._shm_embeds import config, process
+from vllm._shm_embeds import config
+from vllm._shm_embeds.lifetime import process
 from vllm._shm_embeds.sites import (
     core_client,
     engine_core,

@@ -13,13 +13,15 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm._shm_embeds import digests, process, sizing
 from vllm._shm_embeds.config import min_bytes
 from vllm._shm_embeds.counters import set_role
-from vllm._shm_embeds.hop1 import HandleOOBConsumer
+from vllm._shm_embeds.files import sizing
+from vllm._shm_embeds.hops import digests
+from vllm._shm_embeds.hops.hop1 import HandleOOBConsumer
+from vllm._shm_embeds.lifetime import process
+from vllm._shm_embeds.lifetime.transfer import discard_shared, send_view
 from vllm._shm_embeds.sites.records import ClientRecord, peek, record
 from vllm._shm_embeds.sites.site import Site
-from vllm._shm_embeds.transfer import discard_shared, send_view
 
 logger = init_logger(__name__)
 

@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 from vllm.logger import init_logger
 
-from vllm._shm_embeds import process
 from vllm._shm_embeds.counters import set_role
-from vllm._shm_embeds.hop1 import HandleOOBProvider
+from vllm._shm_embeds.hops.hop1 import HandleOOBProvider
+from vllm._shm_embeds.lifetime import process
 from vllm._shm_embeds.sites.core_client import HOP1_RETIRE
 from vllm._shm_embeds.sites.records import EngineCoreRecord, peek, record
 from vllm._shm_embeds.sites.site import Site

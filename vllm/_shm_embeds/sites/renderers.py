@@ -13,10 +13,11 @@ from collections.abc import Callable
 
 import torch
 
-from vllm._shm_embeds import digests, process
+from vllm._shm_embeds.hops import digests
 from vllm._shm_embeds.http.placeholders import current_upload, resolve_placeholder
+from vllm._shm_embeds.lifetime import process
+from vllm._shm_embeds.lifetime.streamed import is_streamed
 from vllm._shm_embeds.sites.site import Site
-from vllm._shm_embeds.streamed import is_streamed
 
 BASE = "vllm.renderers.base"
 # What upstream change would retire the placeholder sites.

@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 from vllm.logger import init_logger
 
-from vllm._shm_embeds.process import start_engine_reaper
+from vllm._shm_embeds.lifetime.process import start_engine_reaper
+from vllm._shm_embeds.lifetime.transfer import release_adopted
 from vllm._shm_embeds.sites.site import Site
-from vllm._shm_embeds.transfer import release_adopted
 
 MODULE = "vllm.v1.core.sched.scheduler"
 

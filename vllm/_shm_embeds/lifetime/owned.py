@@ -13,8 +13,8 @@ only record (:func:`on_release`), and the work is done at the next safe
 point (:meth:`OwnedSegments.collect`).
 
 Each segment's kind and state, the moves allowed between states and the
-index that holds them are ``lifecycle.py``'s; every public verb here is
-one event of ``lifecycle.TRANSITIONS``, the same word in ``transfer.py``.
+index that holds them are ``lifetime/lifecycle.py``'s; every public verb here is
+one event of ``lifecycle.TRANSITIONS``, the same word in ``lifetime/transfer.py``.
 
 Knows segments and handles, not vLLM and not HTTP.
 """
@@ -34,12 +34,12 @@ from typing import Any, Protocol
 import torch
 from vllm.logger import init_logger
 
-from vllm._shm_embeds import segment as seg
-from vllm._shm_embeds import segment_dir
 from vllm._shm_embeds.config import shm_dir
 from vllm._shm_embeds.counters import Event, count, count_reason
+from vllm._shm_embeds.files import segment as seg
+from vllm._shm_embeds.files import segment_dir
 from vllm._shm_embeds.handle import MAX_READERS, SegmentName, SharedTensorHandle, ShmEmbedsError
-from vllm._shm_embeds.lifecycle import (
+from vllm._shm_embeds.lifetime.lifecycle import (
     BROADCAST,
     DRAINING,
     FREED,

@@ -10,7 +10,7 @@ tensor it was *armed* with), copies it once into a segment (or hands over
 the segment a request body was written into) and sends the handle;
 :class:`HandleOOBProvider` adopts the segment (``transfer.adopt_tensor``: a
 ``rename``, then ``mmap``, no copy). Prefix-cache digests computed in the
-API server ride along in the metadata (``digests.py``).
+API server ride along in the metadata (``hops/digests.py``).
 
 Duck-types vLLM's protocols; imports nothing of vLLM's classes or HTTP.
 """
@@ -23,11 +23,12 @@ from typing import Any
 import torch
 from vllm.logger import init_logger
 
-from vllm._shm_embeds import digests, process
 from vllm._shm_embeds.counters import Event, count, count_many, count_reason
 from vllm._shm_embeds.handle import SharedTensorHandle, ShmEmbedsError
-from vllm._shm_embeds.streamed import hand_over
-from vllm._shm_embeds.transfer import (
+from vllm._shm_embeds.hops import digests
+from vllm._shm_embeds.lifetime import process
+from vllm._shm_embeds.lifetime.streamed import hand_over
+from vllm._shm_embeds.lifetime.transfer import (
     adopt_tensor,
     dense_nbytes,
     eligible,

@@ -15,7 +15,7 @@ returns None and vLLM's loader decides, so the outcome is always stock's.
 :func:`layout_or_reason`): the zip is laid out as ``torch.save`` lays it
 out (so torch's reader, miniz, and Python's ``zipfile`` cannot see two
 archives), its pickle is byte for byte ``torch.save``'s for one contiguous
-tensor over one storage of the model's dtype (``pickle_scan.py``: read,
+tensor over one storage of the model's dtype (``formats/pickle_scan.py``: read,
 never run, so no unpickler's memo or stand-in can be steered), and a
 meta-device ``torch.load`` reads every other record and builds that very
 tensor. The templates are learned from the installed torch's own
@@ -44,9 +44,10 @@ from typing import Any
 import pybase64
 import torch
 
-from vllm._shm_embeds import digests, pickle_scan
 from vllm._shm_embeds.config import min_bytes
 from vllm._shm_embeds.counters import Event, count, count_reason
+from vllm._shm_embeds.formats import pickle_scan
+from vllm._shm_embeds.hops import digests
 
 HEAD_CHARS = 64 << 10  # base64 chars decoded first: the zip records before the data
 TAIL_CHARS = 128 << 10  # and last: the records after it, the central directory

@@ -4,7 +4,7 @@ the bytes they hold, the dead owners' segments swept, the file system's room.
 
 A name like ours proves nothing (the directory is usually ``/dev/shm``, mode
 1777): only regular files of this user count (:func:`our_file`). The budget
-counts :func:`held_bytes` through ``census.Census``; ``segment.py`` makes and
+counts :func:`held_bytes` through ``census.Census``; ``files/segment.py`` makes and
 maps the files themselves.
 
 Knows segment names and files, not vLLM and not HTTP.
@@ -15,9 +15,9 @@ from __future__ import annotations
 import os
 import stat
 
+from vllm._shm_embeds.files.segment import unlink_quietly
 from vllm._shm_embeds.handle import SegmentName
 from vllm._shm_embeds.procfs import owner_is_dead
-from vllm._shm_embeds.segment import unlink_quietly
 
 
 def our_file(st: os.stat_result) -> bool:

@@ -4,7 +4,7 @@
 Every segment in ``owned.OwnedSegments``'s index has a :class:`Kind` (how it
 came to this process) and a :class:`State`; it moves between states only by
 the events of :data:`TRANSITIONS`, each named as the ``OwnedSegments``
-method that makes it (the same word in ``transfer.py``), or, for what
+method that makes it (the same word in ``lifetime/transfer.py``), or, for what
 happens to a segment rather than by a call (:data:`OBSERVED`), as what the
 books see at a safe point::
 
@@ -72,7 +72,7 @@ import torch
 from vllm.logger import init_logger
 
 from vllm._shm_embeds import config
-from vllm._shm_embeds import segment as seg
+from vllm._shm_embeds.files import segment as seg
 from vllm._shm_embeds.handle import SharedTensorHandle
 
 logger = init_logger(__name__)

@@ -16,7 +16,7 @@ Here instead:
 
 * API server: :func:`write_chunks_and_digest` writes a tensor's bytes,
   chunk by chunk as they are decoded, into its
-  :class:`~vllm._shm_embeds.streamed.StreamedSegment` and hashes each chunk in a
+  :class:`~vllm._shm_embeds.lifetime.streamed.StreamedSegment` and hashes each chunk in a
   thread pool meanwhile (``hashlib`` releases the GIL);
   :func:`write_and_digest` does the same for a tensor already in memory;
   :class:`StreamHasher` hashes a binary body's pieces as they arrive, and
@@ -55,10 +55,10 @@ from typing import Any
 
 import torch
 
-from vllm._shm_embeds import process
 from vllm._shm_embeds.config import writers
 from vllm._shm_embeds.counters import Event, count, count_many
-from vllm._shm_embeds.streamed import StreamedSegment
+from vllm._shm_embeds.lifetime import process
+from vllm._shm_embeds.lifetime.streamed import StreamedSegment
 
 ATTR = "_shm_embeds_block_sha256"  # attribute on a tensor: its BlockDigests
 META_FIELD = "block_sha256"  # key inside the hop-1 handle metadata

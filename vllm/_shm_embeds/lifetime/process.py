@@ -30,9 +30,7 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm._shm_embeds import counters, private_dir, segment_dir
-from vllm._shm_embeds import segment as seg
-from vllm._shm_embeds.census import Census
+from vllm._shm_embeds import counters, private_dir
 from vllm._shm_embeds.config import (
     MAX_WRITERS,
     enabled,
@@ -42,8 +40,11 @@ from vllm._shm_embeds.config import (
     writers,
 )
 from vllm._shm_embeds.counters import Event, count
+from vllm._shm_embeds.files import segment as seg
+from vllm._shm_embeds.files import segment_dir
+from vllm._shm_embeds.files.census import Census
 from vllm._shm_embeds.handle import SegmentName
-from vllm._shm_embeds.owned import OwnedSegments
+from vllm._shm_embeds.lifetime.owned import OwnedSegments
 from vllm._shm_embeds.procfs import pid_namespace, proc_start_time, proc_stat
 
 logger = init_logger(__name__)
@@ -63,7 +64,7 @@ class Process:
         released: ``lifecycle.StorageDied``/``SourceDied`` records appended by
             finalizers; applied at safe points.
         pool, hasher: the writer threads (``transfer.create_segment``) and the
-            hashing threads (``digests.py``), made on first use.
+            hashing threads (``hops/digests.py``), made on first use.
         regions: the API server's ``regions.RegionRegistry`` when it serves
             registered regions (``VLLM_SHM_EMBEDS_REGIONS``), else None.
         censuses: segment directory -> its ``census.Census`` (the budget's count).
@@ -153,7 +154,7 @@ class Process:
             return self.pool
 
     def hash_pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        """The threads that hash prompt_embeds blocks (``digests.py``)."""
+        """The threads that hash prompt_embeds blocks (``hops/digests.py``)."""
         with self.pool_lock:
             if self.hasher is None:
                 self.hasher = concurrent.futures.ThreadPoolExecutor(

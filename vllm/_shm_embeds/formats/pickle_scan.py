@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Reads the ``data.pkl`` of a ``torch.save`` payload without unpickling it.
 
-The direct decode (``torch_save.py``) must know what tensor a client's
+The direct decode (``formats/torch_save.py``) must know what tensor a client's
 pickle asks torch to build before vLLM's loader would build it. Running the
 pickle, even with stand-ins, hands attacker-chosen opcodes to an unpickler:
 CPython's C unpickler keeps its memo in an array that ``LONG_BINPUT <i>``

@@ -2,7 +2,7 @@
 """All file I/O on segments: create, write, map, open, rename, unlink.
 
 This module knows files and the handle format (``handle.py``), not vLLM,
-not HTTP and not who owns what (``owned.py``, ``transfer.py``). Every
+not HTTP and not who owns what (``lifetime/owned.py``, ``lifetime/transfer.py``). Every
 function takes the segment directory as an argument and keeps no process
 state besides the ``libc`` handle.
 """

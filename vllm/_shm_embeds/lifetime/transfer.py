@@ -23,8 +23,6 @@ from typing import Any
 
 import torch
 
-from vllm._shm_embeds import process, segment_dir
-from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.config import (
     budget_bytes,
     min_bytes,
@@ -33,6 +31,8 @@ from vllm._shm_embeds.config import (
     writers,
 )
 from vllm._shm_embeds.counters import Event, count, count_many, count_reason
+from vllm._shm_embeds.files import segment as seg
+from vllm._shm_embeds.files import segment_dir
 from vllm._shm_embeds.handle import (
     HEADER_BYTES,
     MAGIC,
@@ -43,7 +43,8 @@ from vllm._shm_embeds.handle import (
     part_name,
     split_for,
 )
-from vllm._shm_embeds.lifecycle import Kind
+from vllm._shm_embeds.lifetime import process
+from vllm._shm_embeds.lifetime.lifecycle import Kind
 
 
 def eligible(tensor: Any) -> str | None:
@@ -68,7 +69,7 @@ def eligible(tensor: Any) -> str | None:
 
 
 def check_budget(nbytes: int) -> None:
-    """Raise :class:`~vllm._shm_embeds.segment.BudgetExceeded` if ``nbytes`` more
+    """Raise :class:`~vllm._shm_embeds.files.segment.BudgetExceeded` if ``nbytes`` more
     would take our segments in the directory over ``config.budget_bytes()``.
 
     Counted: what our files hold now (every process of the server; a body

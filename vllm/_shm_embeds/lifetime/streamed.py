@@ -3,9 +3,9 @@
 handed over at hop 1 by handle.
 
 :class:`StreamedFile` is the file I/O (created empty at its final size,
-filled in order with ``pwrite``, then mapped; ``segment.py``'s helpers);
+filled in order with ``pwrite``, then mapped; ``files/segment.py``'s helpers);
 :class:`StreamedSegment` adds ownership and the budget: a name of this
-process, the books of ``owned.py``, a grant renewed as it fills. Then
+process, the books of ``lifetime/owned.py``, a grant renewed as it fills. Then
 :func:`hand_over` (hop 1 sender, no copy) or :func:`release_streamed`
 (the request ended).
 
@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 
-from vllm._shm_embeds import process, transfer
-from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.config import shm_dir
 from vllm._shm_embeds.counters import Event, count
+from vllm._shm_embeds.files import segment as seg
+from vllm._shm_embeds.files.segment import HEADER, map_files, pwrite_all, unlink_quietly
 from vllm._shm_embeds.handle import HEADER_BYTES, SharedTensorHandle, ShmEmbedsError, dtype_name
-from vllm._shm_embeds.lifecycle import Kind
-from vllm._shm_embeds.segment import HEADER, map_files, pwrite_all, unlink_quietly
+from vllm._shm_embeds.lifetime import process, transfer
+from vllm._shm_embeds.lifetime.lifecycle import Kind
 
 
 class StreamedFile:

@@ -37,10 +37,9 @@ from typing import Any
 import torch
 from vllm.logger import init_logger
 
-from vllm._shm_embeds import process
-from vllm._shm_embeds import segment as seg
 from vllm._shm_embeds.config import shm_dir
 from vllm._shm_embeds.counters import Event, count, count_many, count_reason
+from vllm._shm_embeds.files import segment as seg
 from vllm._shm_embeds.handle import (
     HEADER_BYTES,
     MAX_READERS,
@@ -51,8 +50,9 @@ from vllm._shm_embeds.handle import (
     dtype_name,
     placeholder_tensor,
 )
-from vllm._shm_embeds.lifecycle import Kind
-from vllm._shm_embeds.transfer import (
+from vllm._shm_embeds.lifetime import process
+from vllm._shm_embeds.lifetime.lifecycle import Kind
+from vllm._shm_embeds.lifetime.transfer import (
     create_segment,
     dense_nbytes,
     eligible,

@@ -31,7 +31,7 @@ from __future__ import annotations
 import threading
 import time
 
-from vllm._shm_embeds import segment_dir
+from vllm._shm_embeds.files import segment_dir
 
 MIN_INTERVAL_S = 0.05  # a count at most this old (plus a walk) is used as it is
 
