@@ -17,13 +17,18 @@ STARTS = re.compile(r"\b(?:Server|Nodes)\(|\brun_offline\(")
 
 
 def engines_table() -> str:
-    rows = ["| where (tests/) | vLLM instances | EngineCores | what |", "|---|---:|---:|---|"]
+    rows = ["| where (tests/) | vLLM instances | EngineCores | engine-seconds | what |",
+            "|---|---:|---:|---:|---|"]
     for e in conftest.INVENTORY:
-        rows.append(f"| {e.where} | {e.instances} | {e.engine_cores} | {e.what} |")
-    rows.append(f"| **a full run** | {sum(e.instances for e in conftest.INVENTORY)} | "
-                f"{sum(e.engine_cores for e in conftest.INVENTORY)} | |")
+        rows.append(f"| {e.where} | {e.instances} | {e.engine_cores} | {e.seconds} | {e.what} |")
+    inv = conftest.INVENTORY
+    rows.append(f"| **a full run** | {sum(e.instances for e in inv)} | "
+                f"{sum(e.engine_cores for e in inv)} | {sum(e.seconds for e in inv)} | |")
     for e in conftest.OPT_IN_ENGINES:
-        rows.append(f"| {e.where} (opt-in) | {e.instances} | {e.engine_cores} | {e.what} |")
+        rows.append(f"| {e.where} (opt-in) | {e.instances} | {e.engine_cores} | | {e.what} |")
+    rows.append(f"\nEngine-seconds: each engine's start to stop, measured on a {conftest.MEASURED}; "
+                "a run prints its own at its end and fails when a full run starts other "
+                "engines than this table lists.")
     return "\n".join(rows)
 
 
@@ -56,3 +61,15 @@ def test_every_test_file_that_starts_an_engine_is_listed():
                 starting.add(name)
     starting.discard("test_inventory.py")
     assert starting <= named, f"engines not in conftest.INVENTORY: {sorted(starting - named)}"
+
+
+def test_a_run_that_starts_other_engines_than_listed_is_reported():
+    """What a full run's end checks (``conftest.pytest_sessionfinish``): each
+    entry started as often as listed, and nothing unlisted."""
+    lines = [{"where": e.where, "s": 1.0} for e in conftest.INVENTORY for _ in range(e.instances)]
+    table, diff = conftest.engine_report(lines)
+    assert diff == [] and f"{len(lines):3d} x" in table
+    first = conftest.INVENTORY[0]
+    _, diff = conftest.engine_report(lines[1:] + [{"where": "test_x.py y", "s": 1.0}])
+    assert diff == [f"{first.where}: {first.instances - 1} started, INVENTORY says "
+                    f"{first.instances}", "test_x.py y: started, not in INVENTORY"]
