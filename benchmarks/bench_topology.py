@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Where the embeds go per topology: TP=2 and PP=2 on one host and across two "nodes".
+"""Where the embeds go per topology: TP=2 and PP=2 on one host and across two "nodes", DP=2 across two.
 
 Per topology, stock vLLM then shm-embeds (``VLLM_SHM_EMBEDS=0|1``), one engine
 (or node pair) at a time, through ``tests/nodes.py`` (one host: the head
@@ -38,6 +38,10 @@ Columns (per embeds request):
   with glibc's fixed thresholds (:data:`MALLOC_ENV`), so that a request's
   blocks are fresh mappings whatever earlier requests freed. A row whose
   requests got fewer than :data:`MIN_SAMPLES` samples shows none.
+* ``network, all, mean MiB``: the same, the mean over the pairs: with DP
+  across the nodes half the requests go to the follower's EngineCore, which
+  receives the embeds at hop 1 (stock and shm-embeds alike), the other half
+  to the head's (none), so the median says little there.
 * ``embeds-text ms``: median over the pairs of the embeds request's time minus
   the ids request's (hop 1 and hop 2 together).
 
@@ -85,6 +89,8 @@ TOPOLOGIES = {
     "PP=2 one host": ("pp2", 1, 2, 0),
     "PP=2 two nodes": ("pp2", 2, 1, 1),
     "TP=2 two nodes": ("tp2", 2, 1, 1),
+    # an EngineCore (TP=1) per node: the API server's balancer takes them in turn
+    "DP=2 two nodes": ("dp2", 2, 1, 0),
 }
 
 
@@ -256,6 +262,7 @@ def run_one(name: str, shm_on: bool, args, weights: torch.Tensor) -> dict:
             mapped_mib=statistics.median(mapped) / MIB,
             bcast_mib=statistics.median(bcast) / MIB if two else None, bcast_samples=bcast,
             network_mib=statistics.median(rx) / MIB if two else None, network_samples=rx,
+            network_mean_mib=statistics.mean(rx) / MIB if two else None,
             remote_counted_mib=statistics.median(remote) / MIB,
             worker_peak_mib=mem.growth_mib(), worker_peak_text_mib=text_mem.growth_mib(),
             follower_shm_not_vllm=nodes.follower_shm_not_vllm(),
@@ -303,6 +310,7 @@ def _peaks(row: dict, what: str) -> str:
 COLS = [("topology", "topology", ""), ("mode", "mode", ""),
         ("local_copies_mib", "local copies MiB", ".1f"), ("mapped_mib", "mapped MiB", ".1f"),
         ("bcast_mib", "network, broadcast MiB", ".2f"), ("network_mib", "network, all MiB", ".2f"),
+        ("network_mean_mib", "network, all, mean MiB", ".2f"),
         ("remote_counted_mib", "remote counted MiB", ".1f"),
         ("rss", "RSS held +MiB per worker", ""),
         ("pss", "PSS held +MiB per worker", ""), ("tax_ms", "embeds-text ms", ".0f")]
