@@ -192,7 +192,10 @@ class OwnedSegments:
     def _unlink_one(self, entry: OwnedSegment) -> bool:
         """Unlink ``entry``'s files; the budget's census learns it at once. True
         if file 0 was still there."""
-        directory = shm_dir()
+        try:
+            directory = shm_dir()
+        except OSError:  # the directory is gone (removed by someone), its files with it
+            return False
         gone = seg.unlink_segment(directory, entry.handle.name, len(entry.handle.parts()))
         if gone and entry.kind is not Kind.REGION:
             self._state.census(directory).unlinked(entry.handle.nbytes)
@@ -493,10 +496,15 @@ class OwnedSegments:
         for entry in gone:
             entry.close_fds()
             n += self._unlink_one(entry)
-        for name, parsed in segment_dir.list_segments(shm_dir()):
+        try:
+            directory = shm_dir()
+            names = segment_dir.list_segments(directory)
+        except OSError:  # the directory is gone (removed by someone): nothing left in it
+            names = []
+        for name, parsed in names:
             if not self._state.owns_name(parsed):
                 continue
-            path = os.path.join(shm_dir(), name)
+            path = os.path.join(directory, name)
             try:  # only a regular file of ours: never what someone planted
                 if segment_dir.our_file(os.lstat(path)) and seg.unlink_quietly(path):
                     n += parsed.part == 0
