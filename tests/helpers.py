@@ -18,6 +18,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import requests
@@ -57,18 +58,26 @@ def _where() -> str:
 
 
 class EngineLife:
-    """One engine's start-to-stop time, written to the run's ledger at :meth:`end`."""
+    """One engine's start-to-stop time, written to the run's ledger at :meth:`end`
+    (the first call: when the process exits, if :meth:`watch` is given it)."""
 
     def __init__(self) -> None:
         self.where = _where() if os.environ.get(LEDGER_ENV) else ""
         self.t0 = time.monotonic()
         self.done = False
+        self._lock = threading.Lock()
+
+    def watch(self, proc: subprocess.Popen) -> None:
+        """End when ``proc`` exits (an engine a test kills ends then, not when
+        its fixture is torn down at the end of the run)."""
+        threading.Thread(target=lambda: (proc.wait(), self.end()), daemon=True).start()
 
     def end(self) -> None:
         path = os.environ.get(LEDGER_ENV)
-        if self.done or not path:
-            return
-        self.done = True
+        with self._lock:
+            if self.done or not path:
+                return
+            self.done = True
         line = json.dumps({"where": self.where, "s": round(time.monotonic() - self.t0, 1)})
         with open(path, "a") as f:  # one short write per line: appends do not interleave
             f.write(line + "\n")
@@ -552,6 +561,7 @@ class Server:
             env=self.env, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        self.life.watch(self.proc)
         deadline = time.monotonic() + timeout
         while True:
             assert self.proc.poll() is None, self.log()[-4000:]

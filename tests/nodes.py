@@ -211,6 +211,7 @@ class Nodes:
             env={**self.env, "VLLM_CPU_OMP_THREADS_BIND": "0" if self.nnodes == 2 else "0|1"},
             stdout=self._log_file(self.head_log), stderr=subprocess.STDOUT,
             start_new_session=True)
+        self.life.watch(self.head)
         if self.nnodes == 2:
             self._start_follower()
         deadline = t0 + timeout
