@@ -56,19 +56,19 @@ class Engine(NamedTuple):
 
 # Every engine of a default full run (opt-in ones: OPT_IN_ENGINES), with the
 # engine-seconds of the run MEASURED names.
-MEASURED = "clean clone of 917ec56, 2026-12-02 (tests 12:30 after setup, 2 cores)"
+MEASURED = "clean clone of f09c808, 2026-12-02 (tests 12:35 after setup, 2 cores)"
 INVENTORY = (
-    Engine("conftest.py offline_tiny", 2, 2, "offline, TP=2, plugin on and stock", 122),
-    Engine("conftest.py offline_pp", 1, 1, "offline, PP=2, plugin on", 126),
-    Engine("test_offline.py", 1, 1, "offline, TP=2, wide model, 256 MiB of embeds", 59),
-    Engine("conftest.py main_server", 1, 1, "vllm serve, TP=2, spawn workers", 729),
-    Engine("conftest.py dp_server", 1, 2, "vllm serve, DP=2, two API servers", 381),
-    Engine("conftest.py small_shm_server", 1, 1, "vllm serve, TP=2, 256 KiB tmpfs", 453),
-    Engine("conftest.py tp4_server", 1, 1, "vllm serve, TP=4, two API servers", 359),
-    Engine("test_nodes.py runs", 2, 2, "two nodes, PP=2 and TP=2, plugin on; the follower killed", 200),
+    Engine("conftest.py offline_tiny", 2, 2, "offline, TP=2, plugin on and stock", 109),
+    Engine("conftest.py offline_pp", 1, 1, "offline, PP=2, plugin on", 87),
+    Engine("test_offline.py", 1, 1, "offline, TP=2, wide model, 256 MiB of embeds", 110),
+    Engine("conftest.py main_server", 1, 1, "vllm serve, TP=2, spawn workers", 122),
+    Engine("conftest.py dp_server", 1, 2, "vllm serve, DP=2, two API servers", 122),
+    Engine("conftest.py small_shm_server", 1, 1, "vllm serve, TP=2, 256 KiB tmpfs", 80),
+    Engine("conftest.py tp4_server", 1, 1, "vllm serve, TP=4, two API servers", 175),
+    Engine("test_nodes.py runs", 2, 2, "two nodes, PP=2 and TP=2, plugin on; the follower killed", 183),
     Engine("test_nodes.py follower_without_plugin", 1, 1,
-           "two nodes, PP=2, plugin on the head only (stock hop 2)", 61),
-    Engine("test_nodes.py dp_run", 1, 2, "two nodes, DP=2, an EngineCore per node", 80),
+           "two nodes, PP=2, plugin on the head only (stock hop 2)", 58),
+    Engine("test_nodes.py dp_run", 1, 2, "two nodes, DP=2, an EngineCore per node", 63),
 )
 # Started only when asked (an environment variable, or Ray installed).
 OPT_IN_ENGINES = (
