@@ -24,9 +24,11 @@ and on the tiny model (hidden 128, TP=2), a server per mode of its own:
 
 * ``planted_names``: ``--planted-names`` (200,000) empty files named like
   segments (``SegmentName`` with random fields) at the top of the mount, then
-  20 JSON embeds requests (256 rows, ``max_tokens`` 1), then the same 20 while
-  8 threads scrape ``/metrics`` in a loop and text requests run; the files
-  removed after;
+  20 JSON embeds requests (256 rows, ``max_tokens`` 1), then
+  two bodies at once, each ``prompt_embeds`` a list of 5 non-contiguous
+  256-row tensors, while text requests run (wall, text max); then the 20
+  again while 8 threads scrape ``/metrics`` in a loop and text requests run;
+  the files removed after;
 * ``listing``: while two embeds requests (300 and 77 rows, 200 tokens) run,
   the mount listed recursively as uid 65534 (``/usr/bin/python3 -I``): the
   names, kinds and sizes another local user can read;
@@ -283,6 +285,14 @@ def attack_planted_names(url: str, seg_dir: str, weights: torch.Tensor, n: int) 
         return {"model": "tiny", "max_tokens": 1, "temperature": 0.0,
                 "prompt_embeds": base64.b64encode(plain_save(t)).decode()}
 
+    def inline_body() -> dict:
+        # 5 prompts of 256 rows, each non-contiguous (column-major): the API
+        # server cannot pass such a tensor's bytes through as they are.
+        ts = [weights[torch.randint(3, weights.shape[0], (256,), generator=gen)]
+              .t().contiguous().t() for _ in range(5)]
+        return {"model": "tiny", "max_tokens": 1, "temperature": 0.0,
+                "prompt_embeds": [base64.b64encode(plain_save(t)).decode() for t in ts]}
+
     bodies = [embeds_body() for _ in range(20)]
     got = [_timed_completion(url, b) for b in bodies]  # the same, nothing planted yet
     lat = [d for _, d in got]
@@ -307,6 +317,7 @@ def attack_planted_names(url: str, seg_dir: str, weights: torch.Tensor, n: int) 
         lat = [d for _, d in got]
         out["embeds"] = {"codes": _codes(c for c, _ in got), "p50_s": _pct(lat, 0.5),
                          "max_s": round(max(lat), 3)}
+        out["inline"] = _inline_with_text(url, [inline_body() for _ in range(2)])
         stop = threading.Event()
         scrapes: list[float] = []
         scrape_err: list[str] = []
@@ -356,6 +367,33 @@ def attack_planted_names(url: str, seg_dir: str, weights: torch.Tensor, n: int) 
         for path in planted:
             os.unlink(path)
     return out
+
+
+def _inline_with_text(url: str, bodies: list[dict]) -> dict:
+    """``bodies`` sent at once while one client sends text requests in a loop:
+    their statuses, the wall time until the last answered, and the text
+    requests' latencies meanwhile."""
+    stop = threading.Event()
+    texts: list[float] = []
+
+    def texter() -> None:
+        body = {"model": "tiny", "max_tokens": 4, "temperature": 0.0, "prompt": "hello " * 20}
+        while not stop.is_set():
+            texts.append(_timed_completion(url, body, 120)[1])
+
+    th = threading.Thread(target=texter, daemon=True)
+    th.start()
+    t0 = time.monotonic()
+    try:
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            got = list(pool.map(lambda b: _timed_completion(url, b, 300), bodies))
+    finally:
+        wall = time.monotonic() - t0
+        stop.set()
+        th.join(130)
+    return {"codes": _codes(c for c, _ in got), "wall_s": round(wall, 2),
+            "text_n": len(texts), "text_p50_s": _pct(texts, 0.5),
+            "text_max_s": round(max(texts), 3) if texts else None}
 
 
 def _codes(codes) -> dict[str, int]:
@@ -720,7 +758,9 @@ def summary(name: str, r: dict) -> str:
         return (f"(before planting: embeds p50 {b.get('p50_s')} s max {b.get('max_s')} s, "
                 f"first {b.get('first_s')} s, max after it {b.get('max_after_first_s')} s) "
                 f"{r['planted']} files; embeds p50 {e.get('p50_s')} s max {e.get('max_s')} s "
-                f"{e.get('codes')}; loaded: embeds p50 {lo.get('embeds_p50_s')} max "
+                f"{e.get('codes')}; inline (2 x 5 non-contiguous tensors) "
+                f"{r.get('inline', {}).get('codes')} in {r.get('inline', {}).get('wall_s')} s, "
+                f"text max {r.get('inline', {}).get('text_max_s')} s; loaded: embeds p50 {lo.get('embeds_p50_s')} max "
                 f"{lo.get('embeds_max_s')} s, text p50 {lo.get('text_p50_s')} p90 "
                 f"{lo.get('text_p90_s')} s (n {lo.get('text_n')}), scrape p50 "
                 f"{lo.get('scrape_p50_s')} s (n {lo.get('scrapes')}), scrape errors "
@@ -769,6 +809,9 @@ def worse(stock: dict, on: dict) -> list[str]:
                        ("embeds max before planting (no attack)", b_on["max_s"], b_st["max_s"])]
             lat += [("embeds p50", r["embeds"]["p50_s"], s["embeds"]["p50_s"]),
                    ("embeds max", r["embeds"]["max_s"], s["embeds"]["max_s"])]
+            if "inline" in r and "inline" in s:
+                lat += [(f"inline {k}", r["inline"][k], s["inline"][k])
+                        for k in ("wall_s", "text_max_s")]
             lo, ls = r["loaded"], s["loaded"]
             lat += [(k, lo[k], ls[k]) for k in ("embeds_p50_s", "embeds_max_s", "text_p50_s",
                                                  "text_p90_s", "scrape_p50_s")]

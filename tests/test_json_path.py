@@ -12,6 +12,7 @@ path ran (a silent fallback fails).
 """
 
 import base64
+import inspect
 import json
 import os
 import types
@@ -549,7 +550,9 @@ def test_hop1_carries_digests_and_engine_hashes_nothing(shm_env):
     from vllm._shm_embeds import sites
 
     site = sites.get("embeds_block_hash")
-    kcu._gen_prompt_embeds_extra_hash_keys = site.wrap(orig)
+    # vLLM's own function, not a wrapper a real ``sites.apply`` earlier in
+    # this process left there (wrapping twice would count twice).
+    kcu._gen_prompt_embeds_extra_hash_keys = site.wrap(inspect.unwrap(orig))
     try:
         ours, _ = _stock_block_hashes(got, 16, extra_tokens=20)
         before = counters.stats()
