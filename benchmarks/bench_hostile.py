@@ -336,16 +336,9 @@ def attack_planted_names(url: str, seg_dir: str, weights: torch.Tensor, n: int) 
                 except requests.RequestException as e:
                     scrape_err.append(type(e).__name__)
 
-        def texter() -> None:
-            body = {"model": "tiny", "max_tokens": 4, "temperature": 0.0,
-                    "prompt": "hello " * 20}
-            while not stop.is_set():
-                code, d = _timed_completion(url, body, 60)
-                text_codes.append(code)
-                texts.append(d)
-
         threads = [threading.Thread(target=scraper, daemon=True) for _ in range(8)]
-        threads.append(threading.Thread(target=texter, daemon=True))
+        threads.append(threading.Thread(target=_text_loop, daemon=True,
+                                        args=(url, stop, texts, text_codes, 60)))
         for t in threads:
             t.start()
         try:
@@ -369,19 +362,24 @@ def attack_planted_names(url: str, seg_dir: str, weights: torch.Tensor, n: int) 
     return out
 
 
+def _text_loop(url: str, stop: threading.Event, latencies: list[float], codes: list[str],
+               timeout: float) -> None:
+    """Text completions (20 words, 4 tokens) back to back until ``stop``: each
+    one's latency and status appended."""
+    body = {"model": "tiny", "max_tokens": 4, "temperature": 0.0, "prompt": "hello " * 20}
+    while not stop.is_set():
+        code, d = _timed_completion(url, body, timeout)
+        codes.append(code)
+        latencies.append(d)
+
+
 def _inline_with_text(url: str, bodies: list[dict]) -> dict:
     """``bodies`` sent at once while one client sends text requests in a loop:
     their statuses, the wall time until the last answered, and the text
     requests' latencies meanwhile."""
     stop = threading.Event()
     texts: list[float] = []
-
-    def texter() -> None:
-        body = {"model": "tiny", "max_tokens": 4, "temperature": 0.0, "prompt": "hello " * 20}
-        while not stop.is_set():
-            texts.append(_timed_completion(url, body, 120)[1])
-
-    th = threading.Thread(target=texter, daemon=True)
+    th = threading.Thread(target=_text_loop, daemon=True, args=(url, stop, texts, [], 120))
     th.start()
     t0 = time.monotonic()
     try:
@@ -753,14 +751,14 @@ def summary(name: str, r: dict) -> str:
     if "error" in r:
         return f"error: {r['error'][:120]}"
     if name == "planted_names":
-        e, lo = r.get("embeds", {}), r.get("loaded", {})
+        e, lo, il = r.get("embeds", {}), r.get("loaded", {}), r.get("inline", {})
         b = r.get("embeds_before_planting", {})
         return (f"(before planting: embeds p50 {b.get('p50_s')} s max {b.get('max_s')} s, "
                 f"first {b.get('first_s')} s, max after it {b.get('max_after_first_s')} s) "
                 f"{r['planted']} files; embeds p50 {e.get('p50_s')} s max {e.get('max_s')} s "
-                f"{e.get('codes')}; inline (2 x 5 non-contiguous tensors) "
-                f"{r.get('inline', {}).get('codes')} in {r.get('inline', {}).get('wall_s')} s, "
-                f"text max {r.get('inline', {}).get('text_max_s')} s; loaded: embeds p50 {lo.get('embeds_p50_s')} max "
+                f"{e.get('codes')}; inline (2 x 5 non-contiguous tensors) {il.get('codes')} "
+                f"in {il.get('wall_s')} s, text max {il.get('text_max_s')} s "
+                f"(n {il.get('text_n')}); loaded: embeds p50 {lo.get('embeds_p50_s')} max "
                 f"{lo.get('embeds_max_s')} s, text p50 {lo.get('text_p50_s')} p90 "
                 f"{lo.get('text_p90_s')} s (n {lo.get('text_n')}), scrape p50 "
                 f"{lo.get('scrape_p50_s')} s (n {lo.get('scrapes')}), scrape errors "
