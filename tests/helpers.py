@@ -217,6 +217,33 @@ def wait_until(predicate, timeout: float, what, interval: float = 0.05):
         time.sleep(interval)
 
 
+def signal_mid_request(pids, seg_dir, send, timeout: float = 60) -> dict[int, list[str]]:
+    """Call ``send()`` at a moment when one of ``pids`` maps or opens one of
+    our segments in ``seg_dir`` that still has its name: a request is in
+    flight there (a name lasts as long as its request; a mapping of an
+    unlinked segment may outlive it by a step).
+
+    Each try SIGSTOPs ``pids`` (:func:`stopped`), reads what they hold
+    and, if any holds such a segment, calls ``send`` before they run again:
+    what was read is what the signal finds. Returns ``{pid: what it held}``;
+    fails the test if none was held within ``timeout`` s (nothing was in
+    flight: the fault would prove nothing)."""
+    def held_then_sent():
+        with stopped(pids):
+            held = {}
+            for pid in pids:
+                with contextlib.suppress(OSError):
+                    named = [f for f in held_by(pid, seg_dir) if not f.endswith("(deleted)")]
+                    if named:
+                        held[pid] = named
+            if held:
+                send()
+            return held
+
+    return wait_until(held_then_sent, timeout,
+                      f"a request's segment held by one of {pids} (in flight)")
+
+
 VLLM_SHM_FILES = ("psm_", "vllm_dist_", "sem.mp-")  # vLLM's own /dev/shm files
 
 

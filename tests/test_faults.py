@@ -1,18 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Faults: SIGKILL of the EngineCore or of a TP worker, SIGTERM with requests
-in flight, names removed under the server, a rank that cannot map, and a
-soak of mixed requests with aborts. (A too-small /dev/shm: test_metrics.py.)
+"""Faults: SIGKILL of the EngineCore, SIGTERM with requests in flight, names
+removed under the server, a rank that cannot map, and a soak of mixed
+requests with aborts. (A too-small /dev/shm: test_metrics.py; SIGKILL of a
+TP worker mid-request: test_nodes.py, the follower of the TP=2 pair.)
 
 Each fault that ends a server ends one of the shared engines (conftest.py),
 after that engine's other tests: SIGKILL of the EngineCore ends
-``small_shm_server``, SIGKILL of a TP worker ``tp4_server``, SIGTERM with
-requests in flight ``dp_server``, the rank that cannot map ``main_server``.
+``small_shm_server``, SIGTERM with requests in flight ``dp_server``, the rank
+that cannot map ``main_server``.
 
 The soak runs ``SHM_EMBEDS_SOAK`` requests (default 200 in CI; the figure in
 docs/figures.md uses 1000: ``SHM_EMBEDS_SOAK=1000 bash scripts/test.sh -k soak -s``).
 """
 
-import contextlib
 import os
 import random
 import signal
@@ -31,10 +31,9 @@ from helpers import (
     descendants,
     embed_weights,
     encode_embeds,
-    held_by,
     ours_in,
     post_completion,
-    stopped,
+    signal_mid_request,
     wait_until,
 )
 
@@ -60,34 +59,10 @@ def _sweep(seg_dir):
     )
 
 
-def _signal_mid_request(pids, seg_dir, send, timeout: float = 60) -> dict[int, list[str]]:
-    """Call ``send()`` at a moment when one of ``pids`` maps or opens one of
-    our segments in ``seg_dir`` that still has its name: a request is in
-    flight there (a name lasts as long as its request; a mapping of an
-    unlinked segment may outlive it by a step).
-
-    Each try SIGSTOPs ``pids`` (``helpers.stopped``), reads what they hold
-    and, if any holds such a segment, calls ``send`` before they run again:
-    what was read is what the signal finds. Returns ``{pid: what it held}``;
-    fails the test if none was held within ``timeout`` s (nothing was in
-    flight: the fault would prove nothing)."""
-    def held_then_sent():
-        with stopped(pids):
-            held = {}
-            for pid in pids:
-                with contextlib.suppress(OSError):
-                    named = [f for f in held_by(pid, seg_dir) if not f.endswith("(deleted)")]
-                    if named:
-                        held[pid] = named
-            if held:
-                send()
-            return held
-
-    return wait_until(held_then_sent, timeout,
-                      f"a request's segment held by one of {pids} (in flight)")
-
-
 def _sigkill_mid_request_then_next_start_sweeps(server, victim, length):
+    """SIGKILL ``victim`` (a process title) while it holds a request's segment,
+    with 24 embeds decodes in flight; the server exits as stock's does; then
+    the next start's sweep leaves nothing."""
     bodies = _embeds_bodies(server["model"], 24, length=length)
     seg_dir = server["seg_dir"]
     with ThreadPoolExecutor(8) as pool:
@@ -97,8 +72,8 @@ def _sigkill_mid_request_then_next_start_sweeps(server, victim, length):
                                120, 256) for b in bodies]
         [target] = descendants(server["proc"], victim)
         # SIGKILLed while it maps or opens a request's segment (asserted).
-        held = _signal_mid_request([target.pid], seg_dir,
-                                   lambda: target.send_signal(signal.SIGKILL))
+        held = signal_mid_request([target.pid], seg_dir,
+                                  lambda: target.send_signal(signal.SIGKILL))
         assert held[target.pid], held
         # As in stock vLLM, the server notices the death and exits.
         server["proc"].wait(180)
@@ -119,11 +94,6 @@ def test_sigkill_engine_core_mid_request_then_next_start_sweeps(small_shm_server
 
 
 @pytest.mark.ends_engine
-def test_sigkill_tp_worker_mid_request_then_next_start_sweeps(tp4_server):
-    _sigkill_mid_request_then_next_start_sweeps(tp4_server, "Worker_TP1", 600)
-
-
-@pytest.mark.ends_engine
 def test_sigterm_with_requests_in_flight(dp_server):
     bodies = _embeds_bodies(dp_server["model"], 16)
     proc = dp_server["proc"]
@@ -135,8 +105,8 @@ def test_sigterm_with_requests_in_flight(dp_server):
         # opens a request's segment (asserted); it handles the signal once
         # it runs again, at the state that was read.
         server_pids = [proc.pid, *(p.pid for p in descendants(proc, ""))]
-        _signal_mid_request(server_pids, dp_server["seg_dir"],
-                            lambda: os.killpg(proc.pid, signal.SIGTERM))
+        signal_mid_request(server_pids, dp_server["seg_dir"],
+                           lambda: os.killpg(proc.pid, signal.SIGTERM))
         assert proc.wait(180) is not None
         for f in futures:
             try:

@@ -30,8 +30,11 @@ What each topology must show:
   once (a remote reader).
 * Both: greedy outputs equal the ids prompt's (and, PP, stock hop 2's);
   nothing of ours in either ``/dev/shm`` after the requests, nothing of the
-  engine's after it stops; SIGKILL of the follower ends the head's requests
-  within a bound.
+  engine's after it stops; SIGKILL of the follower while the head's
+  EngineCore holds an embeds request's segment ends that request within a
+  bound (TP: a TP worker killed mid-request).
+* DP=2, an EngineCore per node: hop 1 decided per engine; the head's engine
+  (TP=1, mp executor) hands its one worker the hop 1 segment.
 
 Cost: 4 engine pairs (PP and TP with the plugin on, PP with the follower
 stock, DP), each 30-60 s to start on 2 cores (the PP kill waits for vLLM's
@@ -103,6 +106,10 @@ def _run(tmp, topology: str, shm_on: bool, kill: bool, follower_env=None) -> dic
         rec["follower_shm_not_vllm"] = nodes.follower_shm_not_vllm()
         rec["follower_shm"] = nodes.follower_shm()
         rec["head_segments"] = nodes.head_shm_ours()
+        rec["follower_counters"] = {k: v for k, v in nodes.counters().items()
+                                    if k.startswith("follower")}
+        rec["follower_off"] = [ln for ln in nodes.log(True).splitlines()
+                               if "shm-embeds: off" in ln]
         if kill:
             rec["kill"] = _kill_follower(nodes)
     finally:
@@ -114,24 +121,35 @@ def _run(tmp, topology: str, shm_on: bool, kill: bool, follower_env=None) -> dic
 
 
 def _kill_follower(nodes) -> dict:
-    """SIGKILL the follower's process group, then ask the head for one more
-    request: how it ended and how long it took, and whether the head then
-    still serves ``/health`` or has exited."""
+    """SIGKILL the follower's process group while an embeds request (a decode
+    of 256 tokens) is in flight: at a moment the head's EngineCore holds its
+    segment. How that request ended and how long it took from the kill, and
+    whether the head then still serves ``/health`` or has exited."""
+    from helpers import embed_weights, encode_embeds, signal_mid_request
+
     out: dict = {}
-    nodes.kill_follower()
-    t0 = time.monotonic()
     result: dict = {}
+    w = embed_weights(nodes.model)
+    body = {"prompt": "", "ignore_eos": True,
+            "prompt_embeds": encode_embeds(w[_ids(999, w.shape[0])].contiguous())}
+    killed = []
+
+    def kill():
+        nodes.kill_follower()
+        killed.append(time.monotonic())
 
     def ask():
         try:
-            r = nodes.complete({"prompt": _ids(999, 1024)}, timeout=KILL_BOUND_S + 60)
+            r = nodes.complete(body, max_tokens=256, timeout=KILL_BOUND_S + 120)
             result["status"] = r.status_code
         except requests.RequestException as e:
             result["error"] = type(e).__name__
-        result["s"] = time.monotonic() - t0
+        result["s"] = time.monotonic() - (killed[0] if killed else t0)
 
+    t0 = time.monotonic()
     t = threading.Thread(target=ask, daemon=True)
     t.start()
+    out["held"] = signal_mid_request(sorted(nodes.engine_core_pids()), nodes.seg_dir, kill)
     t.join(KILL_BOUND_S)
     out["request"] = dict(result) if result else {"hung": True}
     out["follower_gone"] = nodes.follower.poll() is not None or not nodes.follower_pids()
@@ -149,7 +167,7 @@ def _kill_follower(nodes) -> dict:
             out["head_unhealthy"] = True
             break
         time.sleep(0.5)
-    out["s"] = time.monotonic() - t0
+    out["s"] = time.monotonic() - killed[0]
     return out
 
 
@@ -258,11 +276,15 @@ def test_counters_per_reader(runs):
         assert "hop2_shm_tensors" not in foll_w, c
 
 
-def test_a_node_without_the_plugin_counts_no_hop2(follower_without_plugin):
-    """A node started with ``VLLM_SHM_EMBEDS=0`` counts nothing at hop 2."""
-    for c in _embeds_counters(follower_without_plugin):
-        follower = {k for key, cs in c.items() if key.startswith("follower") for k in cs}
-        assert not any(k.startswith(("hop2", "fallback.hop2")) for k in follower), c
+def test_a_node_without_the_plugin_counts_nothing(follower_without_plugin):
+    """A node started with ``VLLM_SHM_EMBEDS=0`` leaves vLLM as it is there: no
+    process of it counts anything (no counters file at all), each says it is
+    off, and no request's counters moved on it."""
+    rec = follower_without_plugin
+    assert rec["follower_counters"] == {}, rec["follower_counters"]
+    assert rec["follower_off"], "no 'shm-embeds: off' line in the follower's log"
+    for c in _embeds_counters(rec):
+        assert not any(key.startswith("follower") for key in c), c
 
 
 def test_nothing_left_in_either_dev_shm(runs, follower_without_plugin):
@@ -279,17 +301,20 @@ def test_nothing_left_in_either_dev_shm(runs, follower_without_plugin):
 
 
 def test_killing_the_follower_ends_cleanly(runs):
-    """SIGKILL of the follower node with the plugin on: the head's next
-    request fails (not 200, no hang past :data:`KILL_BOUND_S`), and the head
-    then exits or reports unhealthy; then nothing is left (above).
+    """SIGKILL of the follower node with the plugin on, while the head's
+    EngineCore holds the segment of an embeds request in flight (TP: a TP
+    worker killed mid-request): that request fails (not 200, no hang past
+    :data:`KILL_BOUND_S`), and the head then exits or reports unhealthy;
+    then nothing is left (above).
 
-    Measured: TP fails at once (0.2 s: the head worker's all-reduce with the
-    dead peer errors); PP fails when vLLM's step timeout ends (the EngineCore
+    Measured: TP fails at once (the head worker's all-reduce with the dead
+    peer errors); PP fails when vLLM's step timeout ends (the EngineCore
     waits for the last stage's output on that rank's response queue,
     ``MultiprocExecutor.collective_rpc`` with
     ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``: 300 s by default, 30 s here), then
     500 and ``/health`` not 200."""
     kill = runs["on"]["kill"]
+    assert kill["held"], kill
     assert kill["follower_gone"], kill
     assert not kill["request"].get("hung"), kill
     assert kill["request"].get("status") != 200, kill
@@ -373,6 +398,10 @@ def test_dp_engines_on_both_nodes_hop1_per_engine(dp_run):
         if api.get("hop1_shm_tensors") == 1:
             by_shm += 1
             assert head_engine.get("hop1_adopted_tensors") == 1, c
+            # TP=1 through the mp executor: hop 2 to the one local reader,
+            # the hop 1 segment itself
+            assert head_engine.get("hop2_reused_tensors") == 1, c
+            assert c.get("head:worker", {}).get("hop2_shm_tensors") == 1, c
         else:
             by_bytes += 1
             assert api.get("fallback.hop1.remote_engine") == 1, c

@@ -9,9 +9,9 @@ prefill, after an over-long prompt is rejected, and after preemption.
 
 Where each configuration runs (conftest.py): the offline tiny run (fork
 workers asked, prefix caching, 64-token chunks, lifetime, preemption), the
-main server (spawn start method), the DP=2 server (one mp worker per
-EngineCore: TP=1 with the mp executor) and the TP=4 server (async
-scheduling off, two API servers).
+main server (spawn start method) and the DP=2 x TP=2 server (async
+scheduling off, two API servers). TP=1 with the mp executor (hop 2 to a
+single local reader) is the head's EngineCore of test_nodes.py's DP pair.
 """
 
 import os
@@ -35,7 +35,7 @@ def _assert_shm_both_hops(stats, tp: int, n: int, engines: int = 1):
 
 
 def test_lifetime_abort_reject_and_prefix_caching(offline_tiny):
-    (out, stats, _), _ = offline_tiny
+    out, stats, _ = offline_tiny
     assert out["embeds"] == out["token_ids"]
     assert out["left_after_generate"] == []
     assert out["left_after_abort"] == []
@@ -48,7 +48,7 @@ def test_preemption_and_recompute(offline_tiny):
     """A KV cache of max_model_len tokens for 14 prompts that each outgrow 2
     blocks: vLLM preempts running requests and recomputes them; their embeds
     must survive."""
-    (out, stats, _), _ = offline_tiny
+    out, stats, _ = offline_tiny
     assert out["preemptions"] > 0, "no request was preempted: the test proves nothing"
     assert out["preempt_embeds"] == out["preempt_token_ids"]
     assert out["left_after_preempt"] == []
@@ -61,7 +61,7 @@ def test_worker_start_method_fork_asked(offline_tiny):
     ``VLLM_WORKER_MULTIPROC_METHOD=spawn``), so on CPU the fork start method
     is covered by the forked-child unit tests (test_mechanism.py,
     test_error_paths.py); on GPU vLLM this run uses fork."""
-    (out, stats, log), _ = offline_tiny
+    out, stats, log = offline_tiny
     import vllm.platforms
 
     want = "spawn" if vllm.platforms.current_platform.is_cpu() else "fork"
@@ -100,17 +100,11 @@ def test_worker_start_method_spawn(main_server):
     _assert_shm_both_hops_on(main_server, tp=2)
 
 
-def test_async_scheduling_off_and_tp4(tp4_server):
-    """Four TP workers on 2 cores (each OpenMP pool binds one core), async
-    scheduling off, two API servers."""
-    assert "--no-async-scheduling" in tp4_server.args
-    _assert_shm_both_hops_on(tp4_server, tp=4)
-
-
-def test_tp1_mp_executor(dp_server):
-    """Each DP EngineCore runs one TP worker through the mp executor: hop 2
-    to a single local reader."""
-    _assert_shm_both_hops_on(dp_server, tp=1, engines=2)
+def test_async_scheduling_off_dp2_tp2(dp_server):
+    """Two EngineCores of two TP workers each on 2 cores (each OpenMP pool
+    binds one core), async scheduling off, two API servers."""
+    assert "--no-async-scheduling" in dp_server.args
+    _assert_shm_both_hops_on(dp_server, tp=2, engines=2)
 
 
 @pytest.mark.skipif(not os.environ.get("SHM_EMBEDS_TEST_UNIPROC"),
