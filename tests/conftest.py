@@ -68,7 +68,7 @@ INVENTORY = (
     Engine("conftest.py small_shm_server", 1, 1, "vllm serve, TP=2, 256 KiB tmpfs", 80),
     Engine("test_nodes.py runs", 2, 2, "two nodes, PP=2 and TP=2, plugin on; the follower killed", 183),
     Engine("test_nodes.py follower_without_plugin", 1, 1,
-           "two nodes, PP=2, plugin on the head only (stock hop 2)", 58),
+           "two nodes, TP=2, plugin on the head only (stock hop 2)", 58),
     Engine("test_nodes.py dp_run", 1, 2, "two nodes, DP=2, an EngineCore per node", 63),
 )
 # Started only when asked (an environment variable, or Ray installed).
