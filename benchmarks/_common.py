@@ -151,6 +151,19 @@ def fresh_empty(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
 
 
+def floor_copy_ms(src: torch.Tensor) -> float:
+    """Milliseconds for one copy of ``src``'s bytes into fresh memory
+    (:func:`fresh_empty`): what each reader must pay at least."""
+    import torch
+
+    raw = src.view(-1).view(torch.uint8)
+    t0 = time.monotonic()
+    dst = fresh_empty(raw.numel()).copy_(raw)
+    t1 = time.monotonic()
+    assert torch.equal(dst[-2:], raw[-2:])
+    return (t1 - t0) * 1e3
+
+
 def group_samples(samples: list[dict[str, Any]], fields: tuple[str, ...]
                   ) -> list[tuple[tuple, list[dict[str, Any]]]]:
     """Samples grouped by the values of ``fields``, groups in first-seen order."""
