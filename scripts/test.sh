@@ -24,6 +24,7 @@ if [ $# -gt 0 ]; then  # your selection, as given
   exec "$PY" -m pytest -q -p no:cacheprovider "$@" tests
 fi
 # The whole suite in one run on both cores (pytest-xdist): each shared engine's
-# tests form one group that a single worker runs (tests/conftest.py), the unit
-# tests fill the gaps while the other worker waits on an engine.
-exec "$PY" -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup tests
+# tests form one group that a single worker runs (tests/conftest.py), the
+# groups in conftest.ORDER (longest first; pytest-xdist would otherwise order
+# them by their number of tests), then the unit tests on both workers.
+exec "$PY" -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --no-loadscope-reorder tests

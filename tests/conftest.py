@@ -248,10 +248,15 @@ def small_shm_server(tmp_path_factory):
 
 ENGINES = ("offline_tiny", "offline_pp", "main_server", "dp_server", "small_shm_server")
 # Engine groups that a module names with an explicit xdist_group mark (it
-# starts its engines itself: test_nodes.py's node pairs, about 4 min).
+# starts its engines itself: test_nodes.py's node pairs, about 5 min).
 MARKED_GROUPS = ("nodes",)
-# The order groups start in: the longest first.
-ORDER = ("offline_tiny", "nodes", *ENGINES[1:])
+# The order groups start in, the longest first (engine-seconds of INVENTORY),
+# so that the two workers end their engines together: pytest-xdist hands
+# each worker the next group as it finishes its last, in this order
+# (scripts/test.sh passes --no-loadscope-reorder: by default pytest-xdist
+# orders groups by how many tests they hold), the first two to each at once.
+ORDER = ("nodes", "dp_server", "main_server", "small_shm_server", "offline_pp", "wide",
+         "offline_tiny")
 
 
 # The ledger of the engines this run starts (helpers.EngineLife): one file

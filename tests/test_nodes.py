@@ -71,7 +71,7 @@ SLACK = 64 << 10
 # The kill: vLLM's own bound on a step (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS,
 # 300 s by default) cut to 30 s for these engines, and the most the head may
 # take to fail the next request or exit after its follower is gone.
-STEP_TIMEOUT_S = 10
+STEP_TIMEOUT_S = 30
 KILL_BOUND_S = 90
 
 
