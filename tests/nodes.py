@@ -99,6 +99,32 @@ def _ss_rx_by_socket() -> dict[tuple[str, str], tuple[int, set[int]]]:
     return socks
 
 
+def _wait_group_gone(pgid: int, timeout: float = 30) -> None:
+    """Wait until no process of group ``pgid`` is alive (zombies aside: they
+    map nothing), so that what it mapped in ``/dev/shm`` is let go: a worker
+    stuck in a collective with a dead node dies a moment after its SIGKILL.
+
+    Raises:
+        AssertionError: some were still alive after ``timeout`` seconds.
+    """
+    def alive() -> list[int]:
+        out = []
+        for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if fields[0] != "Z" and int(fields[2]) == pgid:  # state, pgrp
+                out.append(pid)
+        return out
+
+    deadline = time.monotonic() + timeout
+    while left := alive():
+        assert time.monotonic() < deadline, f"processes of group {pgid} still alive: {left}"
+        time.sleep(0.1)
+
+
 def tree_pids(pid: int) -> set[int]:
     """``pid`` and its live descendants."""
     import psutil
@@ -275,6 +301,7 @@ class Nodes:
             # what the group's leader left (workers re-parented to init)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
+            _wait_group_gone(proc.pid)
         if self.head is not None:
             self.life.end()
 

@@ -172,11 +172,14 @@ def test_streamed_segment_handover_and_release(shm_env):
 
 
 def _holds(directory):
-    """Mappings and descriptors of this process that refer to a file in ``directory``."""
-    held = [line for line in open("/proc/self/maps") if directory in line]
+    """Mappings and descriptors of this process that refer to a file in
+    ``directory`` (not the directory itself: a census walk on its own thread
+    may hold it open at any moment)."""
+    inside = directory.rstrip("/") + "/"
+    held = [line for line in open("/proc/self/maps") if inside in line]
     for fd in os.listdir("/proc/self/fd"):
         try:
-            if directory in os.readlink(f"/proc/self/fd/{fd}"):
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(inside):
                 held.append(f"fd {fd}")
         except OSError:
             pass
