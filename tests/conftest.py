@@ -57,19 +57,19 @@ class Engine(NamedTuple):
 
 # Every engine of a default full run (opt-in ones: OPT_IN_ENGINES), with the
 # engine-seconds of the run MEASURED names.
-MEASURED = "clean clone of f09c808, 2026-12-02 (tests 12:35 after setup, 2 cores)"
+MEASURED = "clean clone of 9b80b6b, 2026-12-02 (tests 9:20 after setup, 2 cores)"
 INVENTORY = (
-    Engine("conftest.py offline_tiny", 1, 1, "offline, TP=2, plugin on", 109),
+    Engine("conftest.py offline_tiny", 1, 1, "offline, TP=2, plugin on", 44),
     Engine("conftest.py offline_pp", 1, 1, "offline, PP=2, plugin on", 87),
-    Engine("test_offline.py", 1, 1, "offline, TP=2, wide model, 256 MiB of embeds", 110),
-    Engine("conftest.py main_server", 1, 1, "vllm serve, TP=2, spawn workers", 122),
+    Engine("test_offline.py", 1, 1, "offline, TP=2, wide model, 256 MiB of embeds", 81),
+    Engine("conftest.py main_server", 1, 1, "vllm serve, TP=2, spawn workers", 112),
     Engine("conftest.py dp_server", 1, 2, "vllm serve, DP=2 x TP=2, two API servers, "
            "async scheduling off", 122),
-    Engine("conftest.py small_shm_server", 1, 1, "vllm serve, TP=2, 256 KiB tmpfs", 80),
-    Engine("test_nodes.py runs", 2, 2, "two nodes, PP=2 and TP=2, plugin on; the follower killed", 183),
+    Engine("conftest.py small_shm_server", 1, 1, "vllm serve, TP=2, 256 KiB tmpfs", 75),
+    Engine("test_nodes.py runs", 2, 2, "two nodes, PP=2 and TP=2, plugin on; the follower killed", 166),
     Engine("test_nodes.py follower_without_plugin", 1, 1,
-           "two nodes, TP=2, plugin on the head only (stock hop 2)", 58),
-    Engine("test_nodes.py dp_run", 1, 2, "two nodes, DP=2, an EngineCore per node", 63),
+           "two nodes, TP=2, plugin on the head only (stock hop 2)", 84),
+    Engine("test_nodes.py dp_run", 1, 2, "two nodes, DP=2, an EngineCore per node", 72),
 )
 # Started only when asked (an environment variable, or Ray installed).
 OPT_IN_ENGINES = (
