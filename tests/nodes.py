@@ -54,6 +54,7 @@ from helpers import (
     ours_in,
     remove_vllm_leftovers,
     vllm_shm_files_of,
+    wait_until,
 )
 
 LAUNCHER = os.path.join(REPO, "tools", "headless_node.py")
@@ -119,10 +120,8 @@ def _wait_group_gone(pgid: int, timeout: float = 30) -> None:
                 out.append(pid)
         return out
 
-    deadline = time.monotonic() + timeout
-    while left := alive():
-        assert time.monotonic() < deadline, f"processes of group {pgid} still alive: {left}"
-        time.sleep(0.1)
+    wait_until(lambda: not alive(), timeout,
+               lambda: f"processes of group {pgid} to be gone: {alive()}", interval=0.1)
 
 
 def tree_pids(pid: int) -> set[int]:
