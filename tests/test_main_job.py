@@ -1,0 +1,64 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The main job's last step (``scripts/main_job.sh --leftovers-only``, through
+``tools/shm_leftovers.py``) fails the job on what we left in ``/dev/shm`` and
+fails it too when the check itself cannot run; a live stranger's segment is
+not ours."""
+
+import os
+import subprocess
+
+import pytest
+
+from vllm._shm_embeds import private_dir
+from vllm._shm_embeds.handle import SegmentName
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEAD_PID = 4194304  # above pid_max's largest value (2**22): never a live process
+
+
+def _main_job(mount, out):
+    env = {**os.environ, "SHM_LEFTOVERS_DIR": str(mount), "MAIN_JOB_OUT": str(out)}
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "main_job.sh"), "--leftovers-only"],
+                       capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    return r.returncode, r.stdout + r.stderr
+
+
+@pytest.fixture
+def mount(tmp_path):
+    if not os.path.exists(os.path.join(ROOT, ".venv", "bin", "python")):
+        pytest.skip("no .venv (scripts/setup.sh makes it)")
+    (tmp_path / "shm").mkdir()
+    (tmp_path / "out").mkdir()
+    return tmp_path
+
+
+def test_nothing_left_passes_and_a_live_strangers_segment_is_not_ours(mount):
+    (mount / "shm" / "vllm_dist_1234-0").write_bytes(b"")  # not ours at all
+    (mount / "shm" / str(SegmentName(0, os.getpid(), 0, 1))).write_bytes(b"x")
+    rc, out = _main_job(mount / "shm", mount / "out")
+    assert rc == 0, out
+    assert "no segment or segment directory of ours left" in out
+
+
+def test_what_we_left_fails_the_job(mount):
+    """A dead owner's segment file, a private directory of a dead owner and one
+    whose owner file cannot be read: each is listed, and the job fails."""
+    shm = mount / "shm"
+    segment = shm / str(SegmentName(0, DEAD_PID, 0, 7, 1))
+    segment.write_bytes(b"x")
+    dead, unreadable = shm / f"{private_dir.PREFIX}abc", shm / f"{private_dir.PREFIX}def"
+    dead.mkdir()
+    (dead / private_dir.OWNER_FILE).write_text(f"0 {DEAD_PID} 0")
+    unreadable.mkdir()
+    rc, out = _main_job(shm, mount / "out")
+    assert rc == 1, out
+    assert "still holds our segments" in out
+    listed = (mount / "out" / "leftovers.txt").read_text().split()
+    assert sorted(listed) == sorted(map(str, (segment, dead, unreadable))), out
+
+
+def test_a_check_that_cannot_run_fails_the_job(mount):
+    rc, out = _main_job(mount / "no-such-mount", mount / "out")
+    assert rc == 1, out
+    assert "the /dev/shm leftover check could not run" in out
+    assert "no segment or segment directory of ours left" not in out
