@@ -181,12 +181,17 @@ def paired_ratio(group: list[dict[str, Any]], ref: dict[tuple, float],
     return median(pairs) if pairs else None
 
 
-def finish(args: argparse.Namespace, payload: dict[str, Any],
-           cols: list[tuple[str, str, str]], cleanup: str,
-           plot_fn: Callable[[str, dict[str, Any]], bool]) -> dict[str, Any]:
-    """Print a benchmark's table and cleanup line; write its JSON and PNG if asked."""
+def run_and_finish(args: argparse.Namespace, run: Callable[[argparse.Namespace], dict[str, Any]],
+                   cols: list[tuple[str, str, str]], cleanup: Callable[[dict[str, Any]], str],
+                   plot_fn: Callable[[str, dict[str, Any]], bool]) -> dict[str, Any]:
+    """Run a benchmark (``run(args)``: a payload with ``rows`` and
+    ``leftovers``), time it (``wall_s``), print its table and cleanup line
+    (``cleanup(payload)``), and write its JSON and PNG if asked."""
+    t = time.monotonic()
+    payload = run(args)
+    payload["wall_s"] = time.monotonic() - t
     print_table(payload["rows"], cols)
-    print(f"cleanup: {cleanup}; wall {payload['wall_s']:.0f} s")
+    print(f"cleanup: {cleanup(payload)}; wall {payload['wall_s']:.0f} s")
     if args.json:
         write_json(args.json, payload)
     if args.png:

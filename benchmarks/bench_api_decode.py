@@ -56,9 +56,7 @@ Medians of ``--repeats`` in ms. Usage::
 from __future__ import annotations
 
 import argparse
-import base64
 import hashlib
-import io
 import json
 import os
 import sys
@@ -66,6 +64,7 @@ import time
 import types
 
 import torch
+from shm_embeds_client import openai_json_body
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
@@ -210,12 +209,7 @@ def main() -> None:
     rows = []
     for n in args.tokens:
         tensor = torch.randn(n, args.hidden)
-        buf = io.BytesIO()
-        torch.save(tensor, buf)
-        body = json.dumps({"model": "m", "prompt": "", "max_tokens": 1,
-                           "prompt_embeds": base64.b64encode(buf.getvalue()).decode()})
-        raw = body.encode()
-        del body, buf
+        raw = bytes(openai_json_body("m", tensor, prompt="", max_tokens=1))
         chunks = [raw[i : i + 65536] for i in range(0, len(raw), 65536)]
         times: dict[str, list[float]] = {s: [] for s in (*STEPS, *JSON_STEPS, *BINARY_STEPS,
                                                           "stall stock", "stall json")}
@@ -301,12 +295,9 @@ def _peak_child(path: str, tokens: int, hidden: int, block: int, conn) -> None:
     import psutil
 
     tensor = torch.randn(tokens, hidden)
-    buf = io.BytesIO()
-    torch.save(tensor, buf)
-    raw = json.dumps({"model": "m", "prompt": "", "max_tokens": 1,
-                      "prompt_embeds": base64.b64encode(buf.getvalue()).decode()}).encode()
+    raw = bytes(openai_json_body("m", tensor, prompt="", max_tokens=1))
     chunks = [raw[i : i + 65536] for i in range(0, len(raw), 65536)]
-    del tensor, buf, raw
+    del tensor, raw
     model_config = types.SimpleNamespace(enable_prompt_embeds=True, dtype=torch.float32,
                                          get_hidden_size=lambda: hidden)
     import gc

@@ -326,14 +326,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     C.check_modes(ap, args, MODES)
     if args.quick:
         args.sizes, args.dtypes = [16, 256], ["fp32"]
-    t = time.monotonic()
-    payload = run(args)
-    payload["wall_s"] = time.monotonic() - t
-    lo = payload["leftovers"]
-    return C.finish(args, payload, TABLE_COLS,
-                    f"segments left {len(lo['segments'])}, EngineCore killed "
-                    f"{lo['engine_killed']}, ipc socket file left {lo['ipc_socket_file']}",
-                    C.plot_hop1)
+    return C.run_and_finish(
+        args, run, TABLE_COLS,
+        lambda p: (f"segments left {len(p['leftovers']['segments'])}, EngineCore killed "
+                   f"{p['leftovers']['engine_killed']}, ipc socket file left "
+                   f"{p['leftovers']['ipc_socket_file']}"),
+        C.plot_hop1)
 
 if __name__ == "__main__":
     main()

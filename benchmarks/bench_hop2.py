@@ -421,15 +421,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     C.check_modes(ap, args, MODES)
     if args.quick:
         args.sizes, args.dtypes, args.readers = [16, 256], ["fp32"], [2]
-    t = time.monotonic()
-    payload = run(args)
-    payload["wall_s"] = time.monotonic() - t
-    lo = payload["leftovers"]
-    return C.finish(args, payload, TABLE_COLS,
-                    f"segments left {len(lo['segments'])}, MessageQueue shm left "
-                    f"{len(lo['mq_shm'])}, readers killed {len(lo['killed_readers'])}; MQ "
-                    f"chunk {payload['config']['mq_max_chunk_bytes'] >> 20} MiB",
-                    C.plot_hop2)
+    return C.run_and_finish(
+        args, run, TABLE_COLS,
+        lambda p: (f"segments left {len(p['leftovers']['segments'])}, MessageQueue shm left "
+                   f"{len(p['leftovers']['mq_shm'])}, readers killed "
+                   f"{len(p['leftovers']['killed_readers'])}; MQ chunk "
+                   f"{p['config']['mq_max_chunk_bytes'] >> 20} MiB"),
+        C.plot_hop2)
 
 if __name__ == "__main__":
     main()

@@ -33,8 +33,6 @@ Writes ``benchmarks/results/load.json`` (``load_mixed.json`` with ``--mixed``).
 from __future__ import annotations
 
 import argparse
-import base64
-import io
 import json
 import os
 import pathlib
@@ -50,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import requests
 import torch
+from shm_embeds_client import openai_json_body
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # the one server launcher: helpers.Server
@@ -63,10 +62,7 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 def _json_body(t: torch.Tensor, max_tokens: int) -> bytes:
-    buf = io.BytesIO()
-    torch.save(t, buf)
-    return json.dumps({"model": "tiny", "max_tokens": max_tokens, "temperature": 0.0,
-                       "prompt_embeds": base64.b64encode(buf.getvalue()).decode()}).encode()
+    return bytes(openai_json_body("tiny", t, max_tokens=max_tokens, temperature=0.0))
 
 
 def _stall(url: str, t: torch.Tensor, stall_s: float) -> str:

@@ -21,8 +21,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import base64
-import io
 import json
 import statistics
 import threading
@@ -30,6 +28,7 @@ import time
 
 import requests
 import torch
+from shm_embeds_client import openai_json_body
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -51,11 +50,8 @@ def main() -> None:
 
     model = args.model or requests.get(args.url + "/v1/models").json()["data"][0]["id"]
     hidden = args.hidden
-    buf = io.BytesIO()
-    torch.save(torch.randn(args.tokens, hidden) * 0.01, buf)
-    payload = json.dumps({"model": model, "prompt": "", "max_tokens": 1,
-                          "prompt_embeds": base64.b64encode(buf.getvalue()).decode()})
-    del buf
+    payload = bytes(openai_json_body(model, torch.randn(args.tokens, hidden) * 0.01,
+                                     prompt="", max_tokens=1))
     text = {"model": model, "prompt": "hello there", "max_tokens": 1}
     session = requests.Session()
 

@@ -44,12 +44,17 @@ def _ids(n: int, seed: int) -> torch.Tensor:
 KW = {"max_tokens": 6, "temperature": 0.0}
 
 
-def test_completions_binary_equals_ids_and_json_with_one_copy(server):
-    url, w = server["url"], server["weights"]
-    ids = _ids(300, 1)
-    embeds = w[ids].contiguous()
-    by_ids = requests.post(url + "/v1/completions", timeout=300,
+def _embeds_and_ids_answer(server, n: int, seed: int) -> tuple[str, torch.Tensor, dict]:
+    """``n`` random token ids' embeddings ``[n, hidden]`` and the server's
+    completion of the ids themselves (the reference): ``(url, embeds, answer)``."""
+    url, ids = server["url"], _ids(n, seed)
+    answer = requests.post(url + "/v1/completions", timeout=300,
                            json={"model": "tiny", "prompt": ids.tolist(), **KW}).json()
+    return url, server["weights"][ids].contiguous(), answer
+
+
+def test_completions_binary_equals_ids_and_json_with_one_copy(server):
+    url, embeds, by_ids = _embeds_and_ids_answer(server, 300, 1)
     by_json = requests.post(url + "/v1/completions", timeout=300, json={
         "model": "tiny", "prompt": "", "prompt_embeds": encode_embeds(embeds), **KW}).json()
     before = server.totals()
@@ -154,11 +159,7 @@ def test_completions_binary_options_behave_as_json(server):
 
 
 def test_chat_binary_equals_ids_with_one_copy(server):
-    url, w = server["url"], server["weights"]
-    ids = _ids(300, 7)
-    embeds = w[ids].contiguous()
-    by_ids = requests.post(url + "/v1/completions", timeout=300,
-                           json={"model": "tiny", "prompt": ids.tolist(), **KW}).json()
+    url, embeds, by_ids = _embeds_and_ids_answer(server, 300, 7)
     before = server.totals()
     chat = sec.chat(url, "tiny", embeds, **KW)
     d = _settle(server, 1, before)

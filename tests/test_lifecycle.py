@@ -13,17 +13,8 @@ import torch
 from vllm._shm_embeds.files import segment as seg
 from vllm._shm_embeds.hops import hop2
 from vllm._shm_embeds.lifetime import lifecycle, process, streamed, transfer
-from vllm._shm_embeds.lifetime.lifecycle import (
-    BROADCAST,
-    DRAINING,
-    FREED,
-    GONE,
-    HELD,
-    MAPPED,
-    IllegalTransition,
-    Kind,
-    State,
-)
+from vllm._shm_embeds.lifetime.lifecycle import (BROADCAST, DRAINING, FREED, GONE, HELD,
+                                                  MAPPED, IllegalTransition, Kind, State)
 
 
 def _owned():

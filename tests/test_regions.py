@@ -108,6 +108,15 @@ class Env:
         return self.request(sock, {"op": "register", "datatype": datatype, "shape": shape},
                             [fd])
 
+    def started_with_a_lease(self):
+        """Start the server, register a random ``[2, H]`` FP32 tensor and lease
+        it: ``(sock, tensor, region id, lease)``."""
+        self.start()
+        sock = self.connect()
+        t = torch.randn(2, H)
+        rid = self.register(sock, t)["region"]
+        return sock, t, rid, self.registry.lease(rid, "FP32", [2, H], t.nbytes, 0)
+
     def refused(self, reply, *words):
         assert set(reply) == {"error"}, reply
         for w in words:
@@ -225,11 +234,7 @@ def test_register_lease_find(env, dtype):
 
 
 def test_unregister(env):
-    env.start()
-    sock = env.connect()
-    t = torch.randn(2, H)
-    rid = env.register(sock, t)["region"]
-    region = env.registry.lease(rid, "FP32", [2, H], t.nbytes, 0)
+    sock, t, rid, region = env.started_with_a_lease()
     region.release()
     assert env.request(sock, {"op": "unregister", "region": rid}) == {"ok": True}
     assert env.registry.find(region.tensor) is None
@@ -291,11 +296,7 @@ def test_connection_close_unregisters_and_leases_outlive_it(env):
 
 
 def test_registry_close_waits_for_leases(env):
-    env.start()
-    sock = env.connect()
-    t = torch.randn(2, H)
-    rid = env.register(sock, t)["region"]
-    lease = env.registry.lease(rid, "FP32", [2, H], t.nbytes, 0)
+    sock, t, rid, lease = env.started_with_a_lease()
     env.registry.close()
     assert env.registry.stats()["regions"] == 0
     assert torch.equal(lease.tensor, t)
