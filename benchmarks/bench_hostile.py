@@ -746,6 +746,17 @@ def run_server(shm_on: bool, model: str, attacks: list[str], args, weights: torc
     return out
 
 
+# The attacks whose cell is one line of their result's fields.
+SUMMARIES = {
+    "binary_skeleton": "answers {outcomes}, sent {sent}; /health max {health_max_s} s "
+                       "(n {health_n}, errors {health_errors})",
+    "datatype_list": "statuses {statuses}; log: {tracebacks} Traceback, "
+                     "{asgi_exceptions} 'Exception in ASGI application'",
+    "json_skeleton": "statuses {statuses} in {wall_s} s; /health max {health_max_s} s "
+                     "(n {health_n})",
+}
+
+
 def summary(name: str, r: dict) -> str:
     """One cell: the figures of one attack's result."""
     if "error" in r:
@@ -768,15 +779,8 @@ def summary(name: str, r: dict) -> str:
         more = f" (+{len(r['seen']) - 4} more)" if len(r["seen"]) > 4 else ""
         return (f"requests {r['requests']}, {r['snapshots']} listings: {seen}{more}; "
                 f"cannot enter: {r['denied'] or 'none'}")
-    if name == "binary_skeleton":
-        return (f"answers {r['outcomes']}, sent {r['sent']}; /health max {r['health_max_s']} s "
-                f"(n {r['health_n']}, errors {r['health_errors']})")
-    if name == "datatype_list":
-        return (f"statuses {r['statuses']}; log: {r['tracebacks']} Traceback, "
-                f"{r['asgi_exceptions']} 'Exception in ASGI application'")
-    if name == "json_skeleton":
-        return (f"statuses {r['statuses']} in {r['wall_s']} s; /health max "
-                f"{r['health_max_s']} s (n {r['health_n']})")
+    if name in SUMMARIES:
+        return SUMMARIES[name].format_map(r)
     if name == "regions_linger":
         if "skipped" in r:
             return r["skipped"]

@@ -52,6 +52,7 @@ from shm_embeds_client import openai_json_body
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # the one server launcher: helpers.Server
+import _common as C  # noqa: E402  (benchmarks/, this script's folder)
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -284,11 +285,11 @@ def main() -> None:
             p99 = "-" if k["ttft_p99_s"] is None else f"{k['ttft_p99_s']:.1f}"
             print(f"| {r['mode']} | {kind} | {k['outcomes']} | {p50} | {p99} |")
     fs = "segments held peak MB" if args.dev_shm else "segment fs peak MB"
-    print(f"\n| mode | API server peak RSS growth MB | {fs} | left | healthy |")
-    print("|---|---:|---:|---|---|")
-    for r in runs:
-        print(f"| {r['mode']} | {r['api_rss_peak_mb']:.0f} | {r['fs_peak_mb']:.0f} | "
-              f"{len(r['left'])} | {r['healthy_after']} |")
+    print()
+    print(C.markdown_table(
+        [{**r, "left_n": len(r["left"])} for r in runs],
+        [("mode", "mode", "s"), ("api_rss_peak_mb", "API server peak RSS growth MB", ".0f"),
+         ("fs_peak_mb", fs, ".0f"), ("left_n", "left", "d"), ("healthy_after", "healthy", "")]))
 
 
 if __name__ == "__main__":

@@ -217,6 +217,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     embeds = [weights[torch.tensor(i)].to(dtype).contiguous() for i in ids]
 
+    eager = {"on": True, "off": False, None: args.pp == 1}[args.eager]
     t0 = time.monotonic()
     llm = LLM(
         model=args.model,
@@ -226,7 +227,12 @@ def main() -> None:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        enforce_eager={"on": True, "off": False, None: args.pp == 1}[args.eager],
+        enforce_eager=eager,
+        # Not eager: Dynamo traces the model once and runs it with the eager
+        # backend (mode 2, DYNAMO_TRACE_ONCE, which platforms/cpu.py leaves as
+        # given): the later stages' warm-up runs without inductor's compile
+        # (about 40 s of C++ builds on 2 cores). tests/nodes.py does the same.
+        compilation_config=None if eager else {"mode": 2, "backend": "eager"},
         seed=0,
         distributed_executor_backend=args.backend,
         async_scheduling={"on": True, "off": False, None: None}[args.async_scheduling],

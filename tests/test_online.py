@@ -79,6 +79,13 @@ def test_embeds_equal_text_and_use_shm(server):
     assert ours_in(server["seg_dir"]) == []
 
 
+# That test's decode: long enough that the workers are stopped mid-decode
+# (the poll sees their count within a few ms; a token takes 5-20 ms on 2
+# loaded cores), short enough not to hold the shared server long after the
+# stop (1700 tokens cost it about 25 s).
+DECODE_TOKENS = 400
+
+
 def test_segment_counts_while_its_request_runs(server):
     """On ``/dev/shm`` the budget counts our segments by name, so a
     request's segment keeps its name for as long as the TP workers map it
@@ -90,10 +97,11 @@ def test_segment_counts_while_its_request_runs(server):
     the request cannot end, while the EngineCore runs on and its reaper
     passes safe points every 0.1 s (on the old lifetime the name went at the
     first of them). Then the names, what the budget counts and ``/metrics``
-    are read, and the workers go on. (A stop after a fixed sleep failed in
-    CI: the 1700-token decode could end within it. Waiting for a token to
-    reach this client failed too: a starved API server forwarded the first
-    token after the decode ended.)
+    are read, and the workers go on. (A stop after a fixed sleep could miss
+    the decode, and so could waiting for a token to reach this client: a
+    starved API server forwarded the first token after the decode ended. The
+    stop follows the workers' own count within milliseconds, so the decode
+    need only outlast that: :data:`DECODE_TOKENS`.)
     """
     import threading
 
@@ -118,7 +126,8 @@ def test_segment_counts_while_its_request_runs(server):
 
         def request(out: dict = out) -> None:
             r = requests.post(server["url"] + "/v1/completions", timeout=300, json={
-                "model": "tiny", "max_tokens": 1700, "temperature": 0.0, "ignore_eos": True,
+                "model": "tiny", "max_tokens": DECODE_TOKENS, "temperature": 0.0,
+                "ignore_eos": True,
                 "prompt_embeds": encode_embeds(embeds)})
             out["status"], out["text"] = r.status_code, r.text
 
