@@ -2,7 +2,7 @@
 """Hostile input against the TP=2 server: stock vLLM vs shm-embeds, in one run.
 
 What one cheap client (or one local user writing in the segment directory)
-costs each server (issue 22). Both servers on the wide model (hidden 8192,
+costs each server. Both servers on the wide model (hidden 8192,
 TP=2, tests/helpers.py's launcher), the same attacks in order:
 
 * ``stalled``: ``--stalled`` (6) connections each declare a ``--declare-gib``

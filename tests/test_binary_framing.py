@@ -78,9 +78,9 @@ def test_bad_headers(name):
     assert "/dev/shm" not in e.value.message and "vllm-shm-embeds" not in e.value.message
 
 
-# Issue 28 item 5: every descriptor field of a type the module does not expect
-# is a 400 naming the field, never a TypeError (``"datatype": ["FP32"]`` reached
-# ``in DATATYPES`` unhashable, a 500 and a traceback).
+# Every descriptor field of a type the module does not expect is a 400 naming
+# the field, never a TypeError (an unhashable ``"datatype": ["FP32"]`` must not
+# reach ``in DATATYPES``: that was a 500 and a traceback).
 FIELD_TYPES = {
     "datatype": [["FP32"], {"FP32": 1}, 1, 1.5, True, None, [], {}],
     "shape": [{"0": 4}, "4,8", 4, 4.0, None, [4.0, 8], [[4], [8]], [4, None],
@@ -187,7 +187,7 @@ def _holds(directory):
 
 
 def test_request_end_lets_go_of_the_pages(shm_env):
-    """Issue 16 item 3: once a request has ended, the API server holds none of
+    """Once a request has ended, the API server holds none of
     its segment's pages, even while something still holds the tensor object
     (the peer's mapping, here the adopter's, is then the only one)."""
     t = torch.randn(2048, 8)
@@ -310,7 +310,7 @@ def test_middleware_streams_into_segments(shm_env):
 
 
 def test_middleware_hashes_blocks_as_they_arrive(shm_env):
-    """Issue 17 item 1: with prefix caching on, a binary body's block digests
+    """With prefix caching on, a binary body's block digests
     are computed while it arrives (a cast tensor is left to the EngineCore)."""
     limits = dataclasses.replace(LIMITS, hash_block_tokens=4)
     ts = [torch.randn(10, 8), torch.randn(3, 8).half()]
@@ -359,7 +359,7 @@ def test_client_frame_uses_tensor_memory():
         sec.frame({"prompt_embeds": torch.ones(3, dtype=torch.int64)})
 
 
-# -- under load (issue 16): no refusal stock would serve, stalled bodies, budget
+# -- under load: no refusal stock would serve, stalled bodies, budget
 
 
 @pytest.mark.parametrize("when", ["create", "midway"])

@@ -1,17 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 # ruff: noqa: F811  (the env fixture, imported from test_regions)
-"""Issue 22, the region socket and region references, tried as an attacker would.
+"""The region socket and region references, tried as an attacker would.
 
-Each test fails on main a4123c0: too many fds installed per message, a peer
-that sends a pipe kept, the closer backlog unbounded, a disallowed peer
-holding its connection, no idle timeout, chmod through a link, a squatted
-start-up lock that blocks start-up for 30 s, regions on without
+What each test rules out: too many fds installed per message, a peer that
+sends a pipe kept, the closer backlog unbounded, a disallowed peer holding
+its connection, no idle timeout, chmod through a link, a squatted start-up
+lock that blocks start-up for 30 s, regions on without
 ``--enable-prompt-embeds``, no cap on references per request or leases per
-process, a producer that hands its memfd to whoever serves the socket.
-Issue 28 item 4 (each fails on 0fa137c): a peer's fds released by the kernel
-on the regions thread (the extras of a message, the unread messages of a
-closed connection), where a lingering socket's close blocks everyone.
-No vLLM engine.
+process, a producer that hands its memfd to whoever serves the socket, and a
+peer's fds released by the kernel on the regions thread (the extras of a
+message, the unread messages of a closed connection), where a lingering
+socket's close would block everyone. No vLLM engine.
 """
 
 import asyncio
@@ -53,9 +52,9 @@ def _pipe_fd():
 
 @pytest.mark.parametrize("n", [2, 40, rsock.SCM_MAX_FD])
 def test_every_fd_of_a_message_installed_and_closed_off_thread(env, monkeypatch, n):
-    """Issue 28: room for every fd a message can carry (on 0fa137c, room for
-    one: the kernel closed the others on the regions thread); those not asked
-    for are closed on the closer thread, memfds too, and none leaks."""
+    """Room for every fd a message can carry (with room for one, the kernel
+    would close the others on the regions thread); those not asked for are
+    closed on the closer thread, memfds too, and none leaks."""
     got, closed_later = [], []
     real, real_later = rs.received_fds, process.Process.close_later
     monkeypatch.setattr(rs, "received_fds", lambda anc: got.append(real(anc)) or got[-1])
@@ -203,7 +202,7 @@ def test_squatted_start_up_lock_neither_blocks_nor_stops_regions(env, monkeypatc
         pytest.skip("needs root to run a squatter as another uid")
     import hashlib
     key = hashlib.sha256(os.path.realpath(env.path).encode()).hexdigest()[:32]
-    names = [f"\0vllm-shm-embeds-regions.{key}",  # a4123c0's name
+    names = [f"\0vllm-shm-embeds-regions.{key}",  # the lock's name without uid and try
              f"\0vllm-shm-embeds-regions.{os.getuid()}.{key}.0"]
     squats, procs = [], []
     for name in names:
@@ -334,7 +333,7 @@ def test_producer_checks_the_servers_uid(tmp_path):
         assert p.stdout.readline().strip() == "ready"
         with pytest.raises(PermissionError, match="served by uid 65534"):
             client = sec.RegionClient(path, timeout=5)
-            client.register(torch.randn(2, 4))  # a4123c0 gets here: the memfd is sent
+            client.register(torch.randn(2, 4))  # must refuse before the memfd is sent
         assert p.stdout.readline().split() == ["fds", "0"]
         client = sec.RegionClient(path, timeout=5, server_uid=NOBODY)  # as asked
         client.close()
@@ -345,7 +344,7 @@ def test_producer_checks_the_servers_uid(tmp_path):
         shutil.rmtree(d)
 
 
-# ------------------------------------------- issue 28 item 4: no foreign close here
+# ------------------------------- no peer's fd closed on the regions thread
 
 def _close_blocks(linger_s: int) -> float:
     """Seconds the last ``close`` of a :class:`LingeringSockets` socket took."""
@@ -364,9 +363,9 @@ def test_lingering_sockets_block_their_close():
 
 def test_extra_fds_never_closed_on_the_regions_thread(env):
     """A producer sends one memfd and two lingering TCP sockets with a
-    registration: on 0fa137c the server's room for one fd made the kernel
-    close the sockets on the regions thread (2 x 8 s), and another
-    producer's registration got no answer within 2 s."""
+    registration: were they closed on the regions thread (2 x 8 s, as the
+    kernel does with a message's fds there is no room for), another
+    producer's registration would get no answer within 2 s."""
     env.start()
     victim = env.connect()
     lingering = LingeringSockets(2)
@@ -374,7 +373,7 @@ def test_extra_fds_never_closed_on_the_regions_thread(env):
         attacker = env.connect()
         attacker.settimeout(20)
         env.send(attacker, REG, [memfd(GOOD), *lingering.fds])
-        time.sleep(0.3)  # the server has read it (and, on 0fa137c, blocks)
+        time.sleep(0.3)  # the server has read it (a close on its thread would block it now)
         victim.settimeout(2)
         start = time.monotonic()
         reply = env.register(victim, torch.randn(2, H))
@@ -388,8 +387,8 @@ def test_extra_fds_never_closed_on_the_regions_thread(env):
 def test_connection_closed_with_unread_fds_stalls_nobody(env, monkeypatch):
     """A disallowed peer queues messages with lingering sockets before it is
     accepted: the server closes its connection unread (at accept), and the
-    kernel releases those sockets in that ``close``: on 0fa137c on the regions
-    thread (2 x 8 s), now on the closer thread."""
+    kernel releases those sockets in that ``close``, which runs on the closer
+    thread, not the regions thread (2 x 8 s there)."""
     import threading
     queued, real_cred = threading.Event(), rs.peer_cred
     monkeypatch.setattr(rs, "peer_cred", lambda s: (queued.wait(5), real_cred(s))[1])

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Unit tests of the mechanism (vllm/_shm_embeds.py): handles, segments, lifetime."""
+"""Unit tests of the mechanism (``vllm/_shm_embeds/``): handles, segments, lifetime."""
 
 import errno
 import multiprocessing as mp

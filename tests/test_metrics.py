@@ -490,7 +490,7 @@ def _slow_binary(url: str, t: torch.Tensor, kw: dict, pause_s: float = 2.0) -> t
 @pytest.mark.integration
 @pytest.mark.online
 def test_flood_on_a_tmpfs_smaller_than_what_is_in_flight(small_shm_server):
-    """Issue 16's flood, scaled to this server's 256 KiB tmpfs: 6 binary and 6
+    """A flood scaled to this server's 256 KiB tmpfs: 6 binary and 6
     base64 JSON bodies of 100 KiB (about 4.7x the tmpfs in flight), 2 text
     prompts and 2 uploads that stall, all at once. Every embeds and text
     request gets 200 and the tokens of the same token ids, the stalled ones
@@ -554,11 +554,11 @@ def test_flood_on_a_tmpfs_smaller_than_what_is_in_flight(small_shm_server):
 @pytest.mark.integration
 @pytest.mark.online
 def test_back_to_back_binary_bodies_on_a_dev_shm_that_holds_one(small_shm_server):
-    """The 3 MiB case of issue 16, scaled to this server's 256 KiB tmpfs: a
+    """Back-to-back bodies on this server's 256 KiB tmpfs: a
     binary body that only fits once, sent again as soon as the last answer
     came, on an otherwise idle server. Every one is served, none refused (one
     that finds no room would be received privately, counted); the names and
-    the pages are gone within two seconds of the answer (issue 16 item 3: the API
+    the pages are gone within two seconds of the answer (the API
     server lets go of its mapping when the request ends; the TP workers drop
     theirs at the step right after it). So every one is handed over."""
     import shm_embeds_client as sec

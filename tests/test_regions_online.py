@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Online: registered regions (issue 17) on the suite's main server, TP=2.
+"""Online: registered regions on the suite's main server, TP=2.
 
 The main server serves registrations on ``VLLM_SHM_EMBEDS_REGIONS``
 (conftest.py). A producer registers a sealed memfd; requests name it in a
