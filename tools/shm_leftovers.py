@@ -2,12 +2,15 @@
 """List what shm-embeds left in a shared-memory mount (``/dev/shm``): segment
 files at its top and private segment directories (``vllm-shm-embeds-*``).
 
-A leftover counts as ours unless it carries the pid of a live process that is
-not one of ``--ours`` (another server on the same machine, still running):
-segment files by the pid in their name, private directories by the pid in
-their owner file (an unreadable owner file counts as ours). Names are parsed by
-the mechanism's own functions (``handle.SegmentName.parse``,
-``private_dir.read_owner``), never by a pattern of this file.
+A leftover counts as ours unless its maker is certainly a live process that is
+not one of ``--ours`` (another server on the same machine, still running): the
+maker a segment file's name records, or a private directory's owner file (an
+unreadable owner file counts as ours). Live means: of this pid namespace (or
+one not recorded), and ``procfs.owner_is_dead`` says it is not gone (a pid
+reused by another process, seen by its start time, is gone). Names, owner
+files and liveness come from the mechanism's own functions
+(``handle.SegmentName.parse``, ``private_dir.read_owner``, ``procfs``), never
+from a pattern of this file.
 
     .venv/bin/python tools/shm_leftovers.py [--dir /dev/shm] [--ours "4242 4243"]
 
@@ -22,10 +25,17 @@ import argparse
 import os
 import sys
 
-from vllm._shm_embeds import private_dir
+from vllm._shm_embeds import private_dir, procfs
 from vllm._shm_embeds.handle import SegmentName
 
 LEFT = 3  # the exit status for "something of ours is left"
+
+
+def _live(pidns: int, pid: int, start: int, here: int) -> bool:
+    """Whether the maker ``(pidns, pid, start)`` is certainly a live process."""
+    if pidns not in (0, here) or not 0 < pid < 1 << 22:  # another namespace, or no pid
+        return False
+    return not procfs.owner_is_dead(pid, start)
 
 
 def leftovers(mount: str, ours: set[int]) -> list[str]:
@@ -35,17 +45,18 @@ def leftovers(mount: str, ours: set[int]) -> list[str]:
         OSError: ``mount`` cannot be listed.
     """
     left = []
+    here = procfs.pid_namespace()
     for name in sorted(os.listdir(mount)):
         path = os.path.join(mount, name)
         parsed = SegmentName.parse(name)
         if parsed is not None:
-            pid = parsed.pid
+            maker = (parsed.pidns, parsed.pid, parsed.start)
         elif name.startswith(private_dir.PREFIX):
-            owner = private_dir.read_owner(path)
-            pid = owner[1] if owner else -1
+            maker = private_dir.read_owner(path) or (0, -1, 0)
         else:
             continue
-        if pid not in ours and pid > 0 and os.path.exists(f"/proc/{pid}"):
+        pidns, pid, start = maker
+        if pid not in ours and _live(pidns, pid, start, here):
             print(f"{path} belongs to live pid {pid} (not one of ours); ignored",
                   file=sys.stderr)
         else:
