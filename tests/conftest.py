@@ -18,8 +18,9 @@ is the first to use its engine):
   watched) -> 1 engine;
 * ``test_offline.py``'s 256 MiB run on the wide model (plugin on) -> 1;
 * ``main_server``: TP=2, spawn workers; ended by the rank-failure test -> 1;
-* ``dp_server``: ``vllm serve --data-parallel-size 2 -tp 2``, async scheduling
-  off (two API servers, the plugin's own stats directory); ended by SIGTERM
+* ``dp_server``: ``vllm serve --data-parallel-size 2`` (one TP worker per
+  EngineCore, through the mp executor), async scheduling off (two API
+  servers, the plugin's own stats directory); ended by SIGTERM
   with requests in flight -> 2 EngineCores;
 * ``small_shm_server``: TP=2 with a 256 KiB tmpfs as segment directory;
   ended by SIGKILL of its EngineCore -> 1.
@@ -64,8 +65,8 @@ INVENTORY = (
     Engine("conftest.py offline_pp", 1, 1, "offline, PP=2, plugin on", 87),
     Engine("test_offline.py", 1, 1, "offline, TP=2, wide model, 256 MiB of embeds", 81),
     Engine("conftest.py main_server", 1, 1, "vllm serve, TP=2, spawn workers", 112),
-    Engine("conftest.py dp_server", 1, 2, "vllm serve, DP=2 x TP=2, two API servers, "
-           "async scheduling off", 122),
+    Engine("conftest.py dp_server", 1, 2, "vllm serve, DP=2 (a TP worker each, mp executor), "
+           "two API servers, async scheduling off", 122),
     Engine("conftest.py small_shm_server", 1, 1, "vllm serve, TP=2, 256 KiB tmpfs", 75),
     Engine("test_nodes.py runs", 2, 2, "two nodes, PP=2 and TP=2, plugin on; the follower killed", 166),
     Engine("test_nodes.py follower_without_plugin", 1, 1,
@@ -216,16 +217,19 @@ def server(main_server):
 
 @pytest.fixture(scope="session")
 def dp_server(tmp_path_factory):
-    """``vllm serve --data-parallel-size 2 -tp 2 --no-async-scheduling``: two
-    API servers (vLLM's default for DP=2), two EngineCores of two TP workers
-    each, async scheduling off, and the plugin's own stats directory."""
+    """``vllm serve --data-parallel-size 2 --no-async-scheduling``: two API
+    servers (vLLM's default for DP=2), two EngineCores of one TP worker each
+    (vLLM's mp executor, which DP picks: hop 2 to one local reader), async
+    scheduling off, and the plugin's own stats directory. One worker each, not
+    two: a TP=2 group is the main server's, and two more spawned workers cost
+    this engine a third of its start on 2 cores."""
     from helpers import Server
 
     tmp = tmp_path_factory.mktemp("dp-server")
-    with Server(tmp, "--data-parallel-size", "2", "-tp", "2", "--no-async-scheduling",
+    with Server(tmp, "--data-parallel-size", "2", "--no-async-scheduling",
                 serve_cli=True, own_stats_dir=True,
-                # each DP rank's TP workers bind cores 0 and 1 (vllm/utils/ompmultiprocessing.py)
-                env_extra={"VLLM_CPU_OMP_THREADS_BIND": "0|1|0|1",
+                # DP rank r's worker binds entry r (vllm/utils/ompmultiprocessing.py)
+                env_extra={"VLLM_CPU_OMP_THREADS_BIND": "0|1",
                            "VLLM_SHM_EMBEDS_REGIONS": str(tmp / "regions.sock")}) as server:
         server["regions"] = str(tmp / "regions.sock")
         yield server

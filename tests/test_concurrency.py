@@ -4,7 +4,7 @@
 64 concurrent requests mixing text and ``prompt_embeds`` of different lengths:
 each output equals the one the same request gets alone, nothing deadlocks, the
 counters of all processes add up, and no segment is left. On ``dp_server``
-(DP=2 x TP=2, two API servers, async scheduling off).
+(DP=2, two API servers, async scheduling off).
 """
 
 import random
@@ -71,5 +71,5 @@ def _64_concurrent_mixed_requests(server, engines: int):
     assert sum(g > 0 for g in grew("client", "hop1_shm_tensors")) == 2
 
 
-def test_64_concurrent_mixed_requests_dp2_tp2_two_api_servers(dp_server):
+def test_64_concurrent_mixed_requests_dp2_two_api_servers(dp_server):
     _64_concurrent_mixed_requests(dp_server, engines=2)

@@ -9,9 +9,9 @@ prefill, after an over-long prompt is rejected, and after preemption.
 
 Where each configuration runs (conftest.py): the offline tiny run (fork
 workers asked, prefix caching, 64-token chunks, lifetime, preemption), the
-main server (spawn start method) and the DP=2 x TP=2 server (async
-scheduling off, two API servers). TP=1 with the mp executor (hop 2 to a
-single local reader) is the head's EngineCore of test_nodes.py's DP pair.
+main server (spawn start method) and the DP=2 server (async
+scheduling off, two API servers; TP=1 through the mp executor, hop 2 to a
+single local reader, as on the head's EngineCore of test_nodes.py's DP pair).
 """
 
 import os
@@ -100,11 +100,11 @@ def test_worker_start_method_spawn(main_server):
     _assert_shm_both_hops_on(main_server, tp=2)
 
 
-def test_async_scheduling_off_dp2_tp2(dp_server):
-    """Two EngineCores of two TP workers each on 2 cores (each OpenMP pool
-    binds one core), async scheduling off, two API servers."""
+def test_async_scheduling_off_dp2(dp_server):
+    """Two EngineCores of one TP worker each (the mp executor), async
+    scheduling off, two API servers: both hops by shared memory on each."""
     assert "--no-async-scheduling" in dp_server.args
-    _assert_shm_both_hops_on(dp_server, tp=2, engines=2)
+    _assert_shm_both_hops_on(dp_server, tp=1, engines=2)
 
 
 @pytest.mark.skipif(not os.environ.get("SHM_EMBEDS_TEST_UNIPROC"),
