@@ -128,17 +128,20 @@ def private_dirs_in(mount: str) -> list[str]:
 
 def held_by(pid: int, directory: str) -> list[str]:
     """What process ``pid`` maps or opens in ``directory`` (the mapped paths, then
-    ``"fd <n>: <path>"``); unlinked files count too (``"... (deleted)"``).
+    ``"fd <n>: <path>"``); unlinked files count too (``"... (deleted)"``). The
+    directory itself does not: a census walk (``files/census.py``) on a thread of
+    its own holds it open for a moment at any time.
 
     Raises:
         OSError: ``pid`` is gone (or its /proc entries cannot be read).
     """
+    inside = directory.rstrip("/") + "/"
     with open(f"/proc/{pid}/maps") as f:
-        found = [line.split(None, 5)[-1].strip() for line in f if directory in line]
+        found = [line.split(None, 5)[-1].strip() for line in f if inside in line]
     for fd in os.listdir(f"/proc/{pid}/fd"):
         with contextlib.suppress(OSError):
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            if directory in target:
+            if inside in target:
                 found.append(f"fd {fd}: {target}")
     return found
 
