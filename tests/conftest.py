@@ -59,19 +59,20 @@ class Engine(NamedTuple):
 
 # Every engine of a default full run (opt-in ones: OPT_IN_ENGINES), with the
 # engine-seconds of the run MEASURED names.
-MEASURED = "clean clone of 9b80b6b, 2026-12-02 (tests 9:20 after setup, 2 cores)"
+MEASURED = ("clean clone of 5724642, 2026-12-03 (tests 12:17 after setup, 2 cores, on a day "
+            "this machine ran vLLM 2.6-3x slower than on 2026-12-01)")
 INVENTORY = (
-    Engine("conftest.py offline_tiny", 1, 1, "offline, TP=2, plugin on", 44),
-    Engine("conftest.py offline_pp", 1, 1, "offline, PP=2, plugin on", 87),
-    Engine("test_offline.py", 1, 1, "offline, TP=2, wide model, 256 MiB of embeds", 81),
-    Engine("conftest.py main_server", 1, 1, "vllm serve, TP=2, spawn workers", 112),
+    Engine("conftest.py offline_tiny", 1, 1, "offline, TP=2, plugin on", 66),
+    Engine("conftest.py offline_pp", 1, 1, "offline, PP=2, plugin on", 69),
+    Engine("test_offline.py", 1, 1, "offline, TP=2, wide model, 256 MiB of embeds", 94),
+    Engine("conftest.py main_server", 1, 1, "vllm serve, TP=2, spawn workers", 147),
     Engine("conftest.py dp_server", 1, 2, "vllm serve, DP=2 (a TP worker each, mp executor), "
-           "two API servers, async scheduling off", 122),
-    Engine("conftest.py small_shm_server", 1, 1, "vllm serve, TP=2, 256 KiB tmpfs", 75),
-    Engine("test_nodes.py runs", 2, 2, "two nodes, PP=2 and TP=2, plugin on; the follower killed", 166),
+           "two API servers, async scheduling off", 140),
+    Engine("conftest.py small_shm_server", 1, 1, "vllm serve, TP=2, 256 KiB tmpfs", 97),
+    Engine("test_nodes.py runs", 2, 2, "two nodes, PP=2 and TP=2, plugin on; the follower killed", 224),
     Engine("test_nodes.py follower_without_plugin", 1, 1,
-           "two nodes, TP=2, plugin on the head only (stock hop 2)", 84),
-    Engine("test_nodes.py dp_run", 1, 2, "two nodes, DP=2, an EngineCore per node", 72),
+           "two nodes, TP=2, plugin on the head only (stock hop 2)", 90),
+    Engine("test_nodes.py dp_run", 1, 2, "two nodes, DP=2, an EngineCore per node", 92),
 )
 # Started only when asked (an environment variable, or Ray installed).
 OPT_IN_ENGINES = (
@@ -260,7 +261,7 @@ MARKED_GROUPS = ("nodes",)
 # each worker the next group as it finishes its last, in this order
 # (scripts/test.sh passes --no-loadscope-reorder: by default pytest-xdist
 # orders groups by how many tests they hold), the first two to each at once.
-ORDER = ("nodes", "dp_server", "main_server", "small_shm_server", "offline_pp", "wide",
+ORDER = ("nodes", "main_server", "dp_server", "small_shm_server", "wide", "offline_pp",
          "offline_tiny")
 
 
