@@ -48,6 +48,39 @@ def test_client_frames_with_the_wire_names():
     assert f'"{wire.BINARY_DATA_SIZE}": 24'.encode() in pieces[0] and length == len(pieces[0]) + 24
 
 
+# The client's dependencies are httpx and torch: torch without numpy (the
+# client's own venv need not have it) gives ``Tensor.numpy()`` a RuntimeError.
+_WITHOUT_NUMPY = """
+import sys
+sys.modules["numpy"] = None  # import numpy raises ImportError: as in a venv without it
+import torch
+import shm_embeds_client as sec
+from shm_embeds_client._tensors import _bytes_of
+t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+try:
+    t.numpy()
+except RuntimeError:
+    pass
+else:
+    sys.exit("numpy is available: this probe proves nothing")
+headers, pieces, length = sec.frame({"model": "m", "prompt_embeds": [t, t[:0]]})
+assert b"".join(bytes(p) for p in pieces[1:]) == bytes(_bytes_of(t)), pieces
+assert len(pieces) == 2 and length == len(pieces[0]) + t.nbytes
+view = _bytes_of(t)
+assert view.readonly and view.format == "B" and view.nbytes == 48
+assert torch.frombuffer(bytearray(view), dtype=torch.float32).equal(t.reshape(-1))
+assert bytes(_bytes_of(t[:0])) == b""
+"""
+
+
+def test_client_sends_tensors_without_numpy():
+    """Framing reads each tensor's own bytes through ctypes (``_bytes_of``):
+    the client works where torch has no numpy."""
+    r = subprocess.run([sys.executable, "-c", _WITHOUT_NUMPY], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+
+
 def test_client_requires_no_vllm():
     reqs = importlib.metadata.requires("shm-embeds-client") or []
     names = {re.split(r"[\s;<>=!~\[]", r, maxsplit=1)[0].lower() for r in reqs}

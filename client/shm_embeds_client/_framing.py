@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from shm_embeds_client._tensors import _wire
+from shm_embeds_client._tensors import _bytes_of, _wire
 from shm_embeds_client.regions import Region
 from shm_embeds_client.wire import CONTENT_TYPE, HEADER_LENGTH, JSON_CONTENT_TYPE
 
@@ -47,7 +47,7 @@ def frame(body: dict, route: str = "completions") -> tuple[dict[str, str], list,
     pieces: list = [header]
     for t in tensors:
         if t.nbytes:
-            pieces.append(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
+            pieces.append(_bytes_of(t))
     length = len(header) + sum(t.nbytes for t in tensors)
     headers = {"Content-Type": CONTENT_TYPE,
                HEADER_LENGTH: str(len(header)),

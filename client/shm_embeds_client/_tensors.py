@@ -4,12 +4,26 @@ FP32/FP16/BF16 (``wire.DATATYPES``), and its KServe descriptor."""
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from shm_embeds_client.wire import BINARY_DATA_SIZE, DATATYPES
 
 # torch dtype -> KServe name ("FP32", "FP16", "BF16").
 _DATATYPES = {getattr(torch, dt.torch): name for name, dt in DATATYPES.items()}
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of ``t`` (a contiguous CPU tensor, as :func:`_wire` gives it):
+    a read-only memoryview of format ``B`` over the tensor's own memory, no
+    copy, and no numpy (``Tensor.numpy()`` needs it: not a dependency here).
+    The view keeps ``t`` alive."""
+    if t.nbytes == 0:
+        return memoryview(b"")
+    buf = (ctypes.c_ubyte * t.nbytes).from_address(t.data_ptr())
+    buf._tensor = t  # the view holds buf, buf holds the tensor's memory
+    return memoryview(buf).cast("B").toreadonly()
 
 
 def _wire(tensor: torch.Tensor) -> tuple[torch.Tensor, dict]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from shm_embeds_client._tensors import _DATATYPES, _wire
+from shm_embeds_client._tensors import _DATATYPES, _bytes_of, _wire
 from shm_embeds_client.wire import (MAX_MESSAGE, MEMFD_NAME, REGION, REGION_BYTE_SIZE,
                                     REGION_OFFSET, REGIONS_ENV)
 
@@ -246,7 +246,7 @@ class RegionClient:
         self._check_open()
         fd = os.memfd_create(MEMFD_NAME, os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
         try:
-            view = memoryview(wire.view(torch.uint8).reshape(-1).numpy())
+            view = _bytes_of(wire)
             done = 0
             while done < nbytes:
                 done += os.write(fd, view[done : done + _WRITE_CHUNK])
