@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from helpers import held_by
 
 from vllm._shm_embeds import config, counters, handle, private_dir
 from vllm._shm_embeds.files import segment
@@ -172,18 +173,8 @@ def test_streamed_segment_handover_and_release(shm_env):
 
 
 def _holds(directory):
-    """Mappings and descriptors of this process that refer to a file in
-    ``directory`` (not the directory itself: a census walk on its own thread
-    may hold it open at any moment)."""
-    inside = directory.rstrip("/") + "/"
-    held = [line for line in open("/proc/self/maps") if inside in line]
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}").startswith(inside):
-                held.append(f"fd {fd}")
-        except OSError:
-            pass
-    return held
+    """What this process maps or opens inside ``directory`` (``helpers.held_by``)."""
+    return held_by(os.getpid(), directory)
 
 
 def test_request_end_lets_go_of_the_pages(shm_env):

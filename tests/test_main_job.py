@@ -8,12 +8,12 @@ import os
 import subprocess
 
 import pytest
+from helpers import REPO as ROOT
 
 from vllm._shm_embeds import private_dir
 from vllm._shm_embeds.procfs import pid_namespace, proc_start_time
 from vllm._shm_embeds.handle import SegmentName
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEAD_PID = 1 << 22  # PID_MAX_LIMIT: pids stay below it, so never a live process
 
 
@@ -33,16 +33,18 @@ def mount(tmp_path):
     return tmp_path
 
 
-def _live_segment(shm, seq: int):
-    """A segment file named for this live process (pytest's own)."""
-    path = shm / str(SegmentName(pid_namespace(), os.getpid(), proc_start_time(os.getpid()), seq))
+def _own_segment(shm, seq: int, start_delta: int = 0):
+    """A segment file named for this live process (pytest's own), its start
+    time off by ``start_delta`` ticks (not 0: another process that had the pid)."""
+    start = proc_start_time(os.getpid()) + start_delta
+    path = shm / str(SegmentName(pid_namespace(), os.getpid(), start, seq))
     path.write_bytes(b"x")
     return path
 
 
 def test_nothing_left_passes_and_a_live_strangers_segment_is_not_ours(mount):
     (mount / "shm" / "vllm_dist_1234-0").write_bytes(b"")  # not ours at all
-    _live_segment(mount / "shm", 1)
+    _own_segment(mount / "shm", 1)
     (mount / "shm" / str(SegmentName(0, os.getpid(), 0, 2))).write_bytes(b"x")  # start unknown
     rc, out = _main_job(mount / "shm", mount / "out")
     assert rc == 0, out
@@ -52,7 +54,7 @@ def test_nothing_left_passes_and_a_live_strangers_segment_is_not_ours(mount):
 def test_a_live_segment_of_one_of_our_servers_fails_the_job(mount):
     """The job's servers log their pids (``pid=N``): what they left counts even
     while the pid lives."""
-    segment = _live_segment(mount / "shm", 3)
+    segment = _own_segment(mount / "shm", 3)
     (mount / "out" / "server_wide_shm.log").write_text(f"... hooks installed (pid={os.getpid()})\n")
     rc, out = _main_job(mount / "shm", mount / "out")
     assert rc == 1, out
@@ -67,9 +69,7 @@ def test_what_we_left_fails_the_job(mount):
     shm = mount / "shm"
     segment = shm / str(SegmentName(0, DEAD_PID, 0, 7, 1))
     segment.write_bytes(b"x")
-    reused = shm / str(SegmentName(pid_namespace(), os.getpid(),
-                                   proc_start_time(os.getpid()) + 1, 8))
-    reused.write_bytes(b"x")
+    reused = _own_segment(shm, 8, start_delta=1)
     dead, unreadable = shm / f"{private_dir.PREFIX}abc", shm / f"{private_dir.PREFIX}def"
     dead.mkdir()
     (dead / private_dir.OWNER_FILE).write_text(f"0 {DEAD_PID} 0")
