@@ -32,8 +32,8 @@ from vllm._shm_embeds.sites import core_client
 HIDDEN = 64
 
 
-def _ctx(block=16, dtype=torch.float32):
-    mc = types.SimpleNamespace(enable_prompt_embeds=True, dtype=dtype, max_model_len=2048,
+def _ctx(block=16, dtype=torch.float32, max_len=2048):
+    mc = types.SimpleNamespace(enable_prompt_embeds=True, dtype=dtype, max_model_len=max_len,
                                get_hidden_size=lambda: HIDDEN)
     return common.ServerContext.from_model_config(mc, block)
 
@@ -119,14 +119,54 @@ BAD = {
 }
 
 
+def _in_context(out, fn):
+    """``fn()`` with ``out``'s upload as the request served in this context."""
+    from vllm._shm_embeds.http.placeholders import _current
+
+    token = _current.set(out.upload)
+    try:
+        return fn()
+    finally:
+        _current.reset(token)
+
+
+def _answer_of(fn):
+    """``("ok", tensor)`` or ``("error", type name, message)`` of ``fn()``."""
+    try:
+        return ("ok", fn())
+    except Exception as e:
+        return ("error", type(e).__name__, str(e))
+
+
 @pytest.mark.parametrize("name", sorted(BAD))
-def test_prepare_gives_bad_payloads_back_unchanged(shm_env, name):
+def test_bad_payloads_are_answered_as_vllm_after_one_decode(shm_env, name, monkeypatch):
+    """A payload vLLM's loader refuses: either judged before any decode (bad
+    base64: the original body goes to vLLM), or decoded once by vLLM's own
+    loader, whose error the placeholder raises where vLLM would decode it
+    (same type, same message; the loader is not called again); nothing is
+    written to a segment or hashed."""
+    from vllm.renderers import embed_utils
+
     payload = BAD[name]()
+    want = _answer_of(lambda: embed_utils.safe_load_prompt_embeds(
+        _ctx().model_config, payload.encode()))
+    calls = []
+    real = embed_utils.safe_load_prompt_embeds
+    monkeypatch.setattr(embed_utils, "safe_load_prompt_embeds",
+                        lambda *a: calls.append(1) or real(*a))
     body = _body(prompt="", prompt_embeds=payload)
     out = json_body.prepare(body, "/v1/completions", _ctx())
-    assert out.upload is None and out.body == body  # stock answers it, as stock
-    assert out.reason in ("rejected", "empty", "no_embeds")
-    assert os.listdir(shm_env) == []
+    assert os.listdir(shm_env) == [] and counters.stats().get("json_tensors", 0) == 0
+    if out.upload is None:  # judged before any decode
+        assert out.reason in ("base64", "no_embeds") and out.body == body and calls == []
+        assert want[0] == "error"
+        return
+    assert len(calls) == 1 and out.reason in ("rejected", "empty")
+    value = json.loads(out.body)["prompt_embeds"]
+    got = _answer_of(lambda: _in_context(out, lambda: resolve_placeholder(value)))
+    assert got[0] == want[0] and got[1:] == want[1:] if want[0] == "error" else \
+        torch.equal(got[1], want[1])
+    out.upload.release()
 
 
 def test_a_large_skeleton_is_parsed_once_by_vllm_not_by_us(shm_env, monkeypatch):
@@ -222,7 +262,11 @@ def _asgi(body: bytes, ctype=b"application/json", path="/v1/completions", cut=Fa
             more = msg.get("more_body", False)
         seen["body"] = b"".join(parts)
         value = json.loads(seen["body"]).get("prompt_embeds")
-        tensor = resolve_placeholder(value) if isinstance(value, str) else None
+        try:
+            tensor = resolve_placeholder(value) if isinstance(value, str) else None
+        except Exception as e:  # vLLM's own decode error, raised where vLLM decodes
+            seen["error"] = str(e)
+            return
         seen["tensor"] = None if tensor is None else tensor.clone()
 
     config = types.SimpleNamespace(model_config=_ctx().model_config, cache_config=None)
@@ -256,9 +300,15 @@ def test_middleware_takes_json_and_passes_the_rest(shm_env):
     assert _asgi(body, path="/v1/embeddings")["body"] == body
     assert _asgi(body, cut=True) == {}
     assert counters.stats()["json_fallback.disconnect"] == 1
-    # A bad payload: vLLM gets the very bytes the client sent.
-    bad = _body(prompt="", prompt_embeds=BAD["wrong-hidden"]())
-    assert _asgi(bad) == {"body": bad, "tensor": None}
+    # A payload vLLM's loader refuses: decoded once; vLLM's decode site raises
+    # the loader's own error; nothing written.
+    payload = BAD["wrong-hidden"]()
+    with pytest.raises(Exception) as want:
+        from vllm.renderers.embed_utils import safe_load_prompt_embeds
+
+        safe_load_prompt_embeds(_ctx().model_config, payload.encode())
+    seen = _asgi(_body(prompt="", prompt_embeds=payload))
+    assert seen["error"] == str(want.value) and len(seen["body"]) < 300
     assert counters.stats()["json_fallback.rejected"] == 1
     assert counters.stats()["json_tensors"] == 1
     assert os.listdir(shm_env) == []
@@ -410,8 +460,8 @@ def test_anything_else_goes_to_vllms_loader(shm_env, name):
     b64 = NOT_PLAIN[name]()
     try:
         want = safe_load_prompt_embeds(_ctx().model_config, b64.encode())
-    except Exception:
-        want = None
+    except Exception as e:
+        want, error = None, str(e)
     body = _body(prompt="", prompt_embeds=b64)
     out = json_body.prepare(body, "/v1/completions", _ctx())
     assert _direct_count() == 0
@@ -419,8 +469,10 @@ def test_anything_else_goes_to_vllms_loader(shm_env, name):
         for t in out.upload.tensors:  # nothing to compare
             if t is not None:
                 streamed.release_streamed(t)
-    elif want is None:
-        assert out.reason == "rejected" and out.body == body
+    elif want is None:  # the loader's own error, raised where vLLM decodes
+        assert out.reason == "rejected" and list(map(str, out.upload.errors.values())) == [
+            error]
+        assert counters.stats().get("json_tensors", 0) == 0
     else:
         [got] = [t for t in out.upload.tensors if t is not None]
         # Bit for bit (a byteswapped payload holds NaNs), as values (a view
@@ -455,8 +507,9 @@ SPOILED = {  # (where, what) in a payload longer than the head and tail
 @pytest.mark.parametrize("name", sorted(SPOILED))
 def test_spoiled_base64_is_rejected_as_vllm_rejects_it(shm_env, name, monkeypatch):
     """A bad character or padding anywhere (head, tensor bytes, a 4 MiB
-    chunk's edge, tail): the body goes back for stock to reject, no segment
-    is left, and vLLM's loader indeed rejects it."""
+    chunk's edge, tail): judged before any decode (``valid_base64``), the
+    body goes back for stock to reject, nothing is written or hashed, and
+    vLLM's loader indeed rejects it."""
     from vllm.renderers.embed_utils import safe_load_prompt_embeds
 
     monkeypatch.setattr(torch_save, "DECODE_CHUNK_BYTES", 1 << 20)  # several chunks
@@ -465,18 +518,19 @@ def test_spoiled_base64_is_rejected_as_vllm_rejects_it(shm_env, name, monkeypatc
     head, tail = good[:torch_save.HEAD_CHARS], good[n - torch_save.TAIL_CHARS:]
     outline = torch_save._Outline(n // 4 * 3, base64.b64decode(head),
                                   (n - torch_save.TAIL_CHARS) // 4 * 3, base64.b64decode(tail))
-    assert torch_save.plain_tensor_layout(_ctx(), outline)[3] == _DATA_OFFSET
+    assert torch_save.plain_tensor_layout(_ctx(max_len=16000), outline)[3] == _DATA_OFFSET
     where, text = SPOILED[name]
     b64 = _spoil(good, where(len(good)), text)
     with pytest.raises(ValueError):
-        safe_load_prompt_embeds(_ctx().model_config, b64.encode())
+        safe_load_prompt_embeds(_ctx(max_len=16000).model_config, b64.encode())
     body = _body(prompt="", prompt_embeds=b64)
-    out = json_body.prepare(body, "/v1/completions", _ctx())
-    assert out.reason == "rejected" and out.body == body
+    out = json_body.prepare(body, "/v1/completions", _ctx(max_len=16000))
+    assert out.reason == "base64" and out.body == body
+    assert counters.stats().get("segments_created", 0) == 0 and _direct_count() == 0
     process.collect()
     assert os.listdir(shm_env) == []
     # The same payload unspoiled takes the direct path, in several chunks.
-    out = json_body.prepare(_body(prompt="", prompt_embeds=good), "/v1/completions", _ctx())
+    out = json_body.prepare(_body(prompt="", prompt_embeds=good), "/v1/completions", _ctx(max_len=16000))
     assert _direct_count() == 1
     for t in out.upload.tensors:
         if t is not None:
@@ -503,10 +557,15 @@ def test_no_space_midway_gives_the_body_back_and_leaves_nothing(shm_env, monkeyp
 
     monkeypatch.setattr(streamed.StreamedSegment, "write", full)
     monkeypatch.setattr(torch_save, "DECODE_CHUNK_BYTES", 1 << 16)
-    body = _body(prompt="", prompt_embeds=encode_embeds(torch.randn(4000, HIDDEN).to(dtype)))
+    body = _body(prompt="", prompt_embeds=encode_embeds(torch.randn(2000, HIDDEN).to(dtype)))
     out = json_body.prepare(body, "/v1/completions", _ctx())
-    assert out.reason == "no_space" and out.body == body and len(writes) == fail_at
-    assert _direct_count() == 0
+    assert out.reason == "no_space" and len(writes) == fail_at and _direct_count() == 0
+    if dtype == torch.float32:  # nothing decoded: vLLM gets the very body
+        assert out.body == body and out.upload is None
+    else:  # vLLM gets the tensor its loader made here, in private memory: no second decode
+        [t] = [t for t in out.upload.tensors if t is not None]
+        assert not streamed.is_streamed(t) and t.dtype == torch.float32
+        out.upload.release()
     process.collect()
     assert os.listdir(shm_env) == []
 
@@ -818,3 +877,75 @@ def test_stalled_json_body_gets_408(shm_env, monkeypatch):
     assert time.monotonic() - t0 < 2
     assert sent[0]["status"] == 408 and json.loads(sent[1]["body"])["error"]["code"] == 408
     assert counters.stats()["json_fallback.timeout"] == 1
+
+
+# -- work follows the bytes that arrived (docs/security.md)
+
+
+def _saved(t: torch.Tensor) -> str:
+    """base64 of ``torch.save(t)`` as it is (a view stays a view)."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.mark.parametrize("rows", [2049, 1 << 22])
+def test_a_stride0_view_longer_than_the_model_is_never_made_dense(shm_env, rows):
+    """``torch.ones(1, H).expand(T, H)`` with T > ``--max-model-len``: a few
+    hundred bytes on the wire, ``T x H`` dense (1 GiB at 2**22 rows). Judged
+    before any copy: vLLM gets the loader's view (it refuses the length),
+    nothing is made dense, written or hashed."""
+    payload = _saved(torch.ones(1, HIDDEN).expand(rows, HIDDEN))
+    assert len(payload) < 4000
+    out = json_body.prepare(_body(prompt="", prompt_embeds=payload), "/v1/completions", _ctx())
+    assert out.reason == "too_long"
+    [t] = [t for t in out.upload.tensors if t is not None]
+    assert t.shape == (rows, HIDDEN) and t.untyped_storage().nbytes() == HIDDEN * 4
+    assert not streamed.is_streamed(t) and os.listdir(shm_env) == []
+    assert counters.stats().get("segments_created", 0) == 0
+    assert counters.stats().get("json_fallback.too_long", 0) == 0  # the caller counts
+    out.upload.release()
+
+
+def test_a_stride0_view_within_the_model_goes_to_vllm_as_it_is(shm_env):
+    """A stride-0 view vLLM may accept (rows within ``--max-model-len``): not
+    made dense by us either (``not_dense``); vLLM gets the loader's view."""
+    payload = _saved(torch.randn(1, HIDDEN).expand(2000, HIDDEN))
+    out = json_body.prepare(_body(prompt="", prompt_embeds=payload), "/v1/completions", _ctx())
+    assert out.reason == "not_dense"
+    [t] = [t for t in out.upload.tensors if t is not None]
+    assert t.stride() == (0, 1) and not streamed.is_streamed(t)
+    assert os.listdir(shm_env) == [] and counters.stats().get("segments_created", 0) == 0
+    out.upload.release()
+
+
+@pytest.mark.parametrize("last", ["bad-base64", "loader-refuses", "too-long"])
+def test_a_late_failure_costs_no_write_hash_or_second_decode(shm_env, last, monkeypatch):
+    """Three payloads, the last one refused: judged before the others are
+    decoded; nothing written or hashed; no payload decoded twice (ours, then
+    vLLM's on what the skeleton still holds as base64)."""
+    from vllm.renderers import embed_utils
+
+    good = [encode_embeds(torch.randn(300, HIDDEN)),  # plain: the direct decode
+            encode_embeds(torch.randn(300, HIDDEN).half())]  # vLLM's loader (a cast)
+    bad = {"bad-base64": encode_embeds(torch.randn(300, HIDDEN))[:-8] + "!!!!AAAA",
+           "loader-refuses": encode_embeds(torch.randn(300, HIDDEN + 1)),
+           "too-long": encode_embeds(torch.randn(2049, HIDDEN))}[last]
+    calls = []
+    real = embed_utils.safe_load_prompt_embeds
+    monkeypatch.setattr(embed_utils, "safe_load_prompt_embeds",
+                        lambda *a: calls.append(1) or real(*a))
+    body = _body(prompt="", prompt_embeds=[*good, bad])
+    out = json_body.prepare(body, "/v1/completions", _ctx())
+    assert os.listdir(shm_env) == [] and _direct_count() == 0
+    assert counters.stats().get("segments_created", 0) == 0
+    assert counters.stats().get("hash_api_blocks", 0) == 0
+    if out.upload is None:  # refused before any decode: vLLM decodes each once
+        assert out.body == body and calls == []
+        return
+    left = sum(isinstance(v, str) and not v.startswith("shm-embeds-binary:")
+               for v in json.loads(out.body)["prompt_embeds"])
+    assert len(calls) + left <= 3  # each payload decoded at most once in all
+    out.upload.release()

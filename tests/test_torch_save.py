@@ -62,15 +62,16 @@ def _declined() -> dict[str, int]:
 
 def _assert_as_stock(raw: bytes, shm_env, reason: str) -> None:
     """``prepare`` gives what vLLM's loader gives for ``raw`` (the same tensor,
-    or the body back for stock to reject), not by the direct decode, and
-    counts ``reason``."""
+    or its error for vLLM's decode site to raise), not by the direct decode,
+    and counts ``reason``."""
     want = cases.stock(raw)
     body, out = _prepare(raw)
+    errors = list(map(str, out.upload.errors.values())) if out.upload else []
     got = _release(out)
     assert counters.stats().get("json_direct_tensors", 0) == 0
     assert _declined() == {reason: 1}
-    if isinstance(want, Exception):
-        assert out.reason == "rejected" and out.body == body
+    if isinstance(want, Exception):  # vLLM's loader's error, raised where vLLM decodes
+        assert out.reason == "rejected" and errors == [str(want)] and not got
     else:
         assert out.reason is None and len(got) == 1
         assert got[0].dtype == want.dtype and torch.equal(got[0], want)

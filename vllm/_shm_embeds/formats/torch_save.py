@@ -293,29 +293,35 @@ def _declined(reason: str) -> None:
     return None
 
 
-def direct_decode(ctx: Any, piece: memoryview) -> torch.Tensor | None:
-    """Decode one base64 ``torch.save`` payload straight into a new segment.
+@dataclasses.dataclass(frozen=True)
+class DirectPlan:
+    """Where a plain payload's tensor lies in its base64 (:func:`direct_plan`).
 
-    vLLM's loader decodes the whole payload into fresh memory, ``torch.load``
-    copies the tensor out of it into more fresh memory, and then it is copied
-    into the segment: three passes over new pages. Here the base64 at the
-    payload's head and tail (``HEAD_CHARS``, ``TAIL_CHARS``: the zip's
-    metadata) is decoded first; when that shows one plain tensor
-    (:func:`plain_tensor_layout`, which reads no tensor bytes), the base64
-    characters that hold its
-    bytes are decoded 4 MiB at a time and written into the segment, each
-    chunk hashed for the prefix cache while the next one is decoded. Every
-    character of the payload is decoded and validated once, as vLLM does.
+    Attributes:
+        dtype, rows, hidden: the tensor (``(rows, hidden)``, the model's dtype).
+        offset: byte offset of its data in the decoded zip.
+    """
+
+    dtype: torch.dtype
+    rows: int
+    hidden: int
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.hidden * self.dtype.itemsize
+
+
+def direct_plan(ctx: Any, piece: memoryview) -> DirectPlan | None:
+    """Whether one base64 ``torch.save`` payload is the plain case, from its
+    head and tail alone (``HEAD_CHARS``, ``TAIL_CHARS``: the zip's metadata;
+    no tensor byte is decoded).
 
     Returns:
-        the segment-backed tensor ``(rows, hidden)`` (read-only, digests
-        attached), or None when the payload is not that plain case or fails
-        to decode: vLLM's loader then decides (its answer is stock's);
-        counted as ``json_direct_declined.<reason>`` (:func:`layout_or_reason`,
-        and ``base64``, ``small``).
-    Raises:
-        OSError: the segment could not be made or written (e.g. ENOSPC);
-            nothing is left in shared memory.
+        the plan, or None when the payload is not that plain case: vLLM's
+        loader then decides (its answer is stock's); counted as
+        ``json_direct_declined.<reason>`` (:func:`layout_or_reason`, and
+        ``base64``, ``small``, ``zip``).
     """
     n = len(piece)
     if n % 4:
@@ -335,14 +341,43 @@ def direct_decode(ctx: Any, piece: memoryview) -> torch.Tensor | None:
     layout = layout_or_reason(ctx, outline)
     if isinstance(layout, str):
         return _declined(layout)
-    dtype, rows, hidden, offset = layout
-    row_bytes = hidden * dtype.itemsize
-    nbytes = rows * row_bytes
-    first, last = offset // 3 * 4, min(n, -(-(offset + nbytes) // 3) * 4)
-    if nbytes < min_bytes():
+    plan = DirectPlan(*layout)
+    first, last = plan.offset // 3 * 4, min(n, -(-(plan.offset + plan.nbytes) // 3) * 4)
+    if plan.nbytes < min_bytes():
         return _declined("small")  # too small to matter
     if head_chars < tail_chars and (first > head_chars or last < tail_chars):
         return _declined("zip")  # characters between would go unchecked
+    return plan
+
+
+def direct_decode(ctx: Any, piece: memoryview,
+                  plan: DirectPlan | None = None) -> torch.Tensor | None:
+    """Decode one base64 ``torch.save`` payload straight into a new segment.
+
+    vLLM's loader decodes the whole payload into fresh memory, ``torch.load``
+    copies the tensor out of it into more fresh memory, and then it is copied
+    into the segment: three passes over new pages. Here, once
+    :func:`direct_plan` found one plain tensor (``plan``; computed here if
+    not given), the base64 characters that hold its bytes are decoded 4 MiB
+    at a time and written into the segment, each chunk hashed for the prefix
+    cache while the next one is decoded. Every character of the payload is
+    decoded and validated once, as vLLM does.
+
+    Returns:
+        the segment-backed tensor ``(rows, hidden)`` (read-only, digests
+        attached), or None when the payload is not that plain case or fails
+        to decode (counted ``json_direct_declined.<reason>``).
+    Raises:
+        OSError: the segment could not be made or written (e.g. ENOSPC);
+            nothing is left in shared memory.
+    """
+    plan = plan if plan is not None else direct_plan(ctx, piece)
+    if plan is None:
+        return None
+    n = len(piece)
+    dtype, rows, hidden, offset, nbytes = (plan.dtype, plan.rows, plan.hidden, plan.offset,
+                                           plan.nbytes)
+    row_bytes = hidden * dtype.itemsize
 
     def chunks():
         step = digests.chunk_bytes(row_bytes, ctx.hash_block_tokens, DECODE_CHUNK_BYTES)
@@ -368,3 +403,26 @@ def direct_decode(ctx: Any, piece: memoryview) -> torch.Tensor | None:
     count(Event.JSON_DIRECT_TENSORS)
     return out
 
+
+
+VALIDATE_CHARS = 4 << 20  # base64 characters checked per step by :func:`valid_base64`
+
+
+def valid_base64(piece: memoryview) -> bool:
+    """Whether vLLM's loader's ``pybase64.b64decode(piece, validate=True)``
+    (``vllm/renderers/embed_utils.py``, 0.32/0.33) would accept ``piece``,
+    checked :data:`VALIDATE_CHARS` characters at a time; nothing decoded is
+    kept (a few milliseconds per 100 MB). Judges a payload before any work
+    on it: one that fails is refused by vLLM whatever else the body holds."""
+    n = len(piece)
+    if n % 4:
+        return False
+    try:
+        for a in range(0, n, VALIDATE_CHARS):
+            b = min(n, a + VALIDATE_CHARS)
+            if b < n and piece[b - 1] == 0x3D:
+                return False  # padding before the end
+            _b64(piece[a:b])
+    except ValueError:
+        return False
+    return True

@@ -44,12 +44,17 @@ the rest: placeholders resolve only in this request's context
 (``http/placeholders.py`` ``resolve_placeholder``, patched decode sites) and
 hop 1 hands the segment over with its digests, no copy.
 
-Stock behaviour is kept by construction: if anything in step 2 or 3 fails
-(not JSON, no embeds where vLLM reads them, a payload vLLM's loader rejects,
-an empty tensor, no room in ``/dev/shm``), the *original* body goes to the
-stock app, which answers exactly as it would have (same status, same
-message). Such fallbacks are counted (``json_fallback.<reason>``), so tests
-can tell the fast path from a silent fallback.
+Stock behaviour is kept, and work follows the bytes that arrived
+(:func:`prepare`): every payload is judged before any tensor byte is decoded
+(base64 vLLM would refuse, a plain payload longer than ``--max-model-len``:
+the *original* body goes to the stock app, which answers exactly as it
+would have); a payload vLLM's own loader refuses makes its placeholder raise
+that very error where vLLM decodes (``Upload.errors``: same status, same
+message, no second decode), and then nothing is written or hashed; a tensor
+that is not dense over bytes that arrived (a stride-0 view) or too long
+goes to vLLM as the loader made it, never made dense here. Fallbacks are
+counted (``json_fallback.<reason>``), so tests can tell the fast path from a
+silent fallback.
 
 Limits (hostile input costs no more than stock): a body is taken only
 when ``--enable-prompt-embeds`` is on, its ``Content-Length`` is at most
@@ -74,7 +79,6 @@ import functools
 import json
 import mmap
 import re
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -83,14 +87,14 @@ from vllm.logger import init_logger
 from vllm._shm_embeds.config import min_bytes
 from vllm._shm_embeds.counters import Event, count_many, count_reason
 from vllm._shm_embeds.files import segment as seg
-from vllm._shm_embeds.formats.torch_save import direct_decode
+from vllm._shm_embeds.formats import torch_save
 from vllm._shm_embeds.hops import digests
 from vllm._shm_embeds.http.body_limits import byte_count
 from vllm._shm_embeds.http.common import ServerContext, content_type, embeds_slots
 from vllm._shm_embeds.http.gate import Body, Claim, Outcome
 from vllm._shm_embeds.http.json_read import body_buffer, read_body  # noqa: F401
 from vllm._shm_embeds.http.placeholders import Upload, new_token, placeholder
-from vllm._shm_embeds.lifetime.streamed import release_streamed
+from vllm._shm_embeds.lifetime.streamed import is_streamed, release_streamed
 
 logger = init_logger(__name__)
 
@@ -192,54 +196,118 @@ def _skeleton(raw: bytes, spans: list[tuple[int, int]], names: list[str]) -> byt
     return b"".join(out)
 
 
+class _Refused(Exception):
+    """vLLM's loader refused a payload; ``error`` is what it raised (no traceback)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _bare(error: BaseException) -> BaseException:
+    """``error`` with no traceback along its chain: its frames hold the decoded
+    payload, which must not live as long as the request does."""
+    seen = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    return error
+
+
 def _load(ctx: ServerContext, data: memoryview) -> torch.Tensor:
-    """vLLM's own decode of one base64 payload (``safe_load_prompt_embeds``)."""
+    """vLLM's own decode of one base64 payload (``safe_load_prompt_embeds``),
+    into private memory. Raises :class:`_Refused` with vLLM's error, or
+    :class:`Fallback` (``memory``) when the server ran out of memory."""
     from vllm.renderers.embed_utils import safe_load_prompt_embeds
 
     try:
         return safe_load_prompt_embeds(ctx.model_config, data)
     except (MemoryError, torch.OutOfMemoryError):
         raise Fallback("memory") from None
-    except Exception:
-        raise Fallback("rejected") from None  # stock answers it with its message
+    except Exception as e:
+        raise _Refused(_bare(e)) from None
+
+
+def refusal(ctx: ServerContext, tensor: torch.Tensor) -> str | None:
+    """Why vLLM's loader's ``tensor`` must not be written to a segment, or None.
+
+    Judged before anything is copied, written or hashed: vLLM refuses a
+    prompt of no rows or more than ``--max-model-len`` after us (``empty``,
+    ``too_long``); a tensor whose storage holds fewer bytes than its values
+    (a stride-0 or overlapping view: ``torch.ones(1, H).expand(T, H)`` is
+    ``H`` values on the wire and ``T x H`` dense) would make us allocate for
+    bytes that never arrived (``not_dense``); one below
+    ``VLLM_SHM_EMBEDS_MIN_BYTES`` gains nothing (``small``). Such a tensor
+    goes to vLLM as its loader made it (no copy: vLLM's path, stock's cost).
+    """
+    if tensor.numel() == 0:
+        return "empty"
+    if tensor.dim() != 2 or tensor.shape[0] > ctx.max_model_len:
+        return "too_long"
+    if (tensor.layout != torch.strided or tensor.untyped_storage().nbytes()
+            < tensor.nbytes):
+        return "not_dense"
+    if tensor.nbytes < min_bytes():
+        return "small"
+    return None
+
+
+REFUSED_BY_VLLM = ("empty", "too_long")  # refusals that mean vLLM refuses the request
 
 
 def _to_segment(ctx: ServerContext, tensor: torch.Tensor) -> torch.Tensor:
-    """Copy ``tensor`` into a new streamed segment, hashing it; the read-only view.
-
-    A tensor below ``VLLM_SHM_EMBEDS_MIN_BYTES`` gains nothing from shared
-    memory: the body goes to vLLM's own decode, as every other fallback.
-    """
-    if tensor.nbytes < min_bytes():
-        raise Fallback("small")
+    """Copy ``tensor`` (judged: :func:`refusal` is None) into a new streamed
+    segment, hashing it; the read-only view. Raises OSError (nothing left)."""
 
     def write(segment: Any) -> digests.BlockDigests | None:
         return digests.write_and_digest(tensor, segment, ctx.hash_block_tokens)
 
-    return _fill(tensor.dtype, tuple(tensor.shape), write)
+    return digests.fill_segment(tensor.dtype, tuple(tensor.shape), write)
 
 
-def _fill(dtype: torch.dtype, shape: tuple[int, ...], write: Callable) -> torch.Tensor:
-    """``digests.fill_segment``, its ``OSError`` as a :class:`Fallback`."""
-    try:
-        return digests.fill_segment(dtype, shape, write)
-    except OSError as e:
-        raise Fallback(seg.fallback_reason(e)) from None
+def _release(tensors: list[torch.Tensor | None]) -> None:
+    for t in tensors:
+        if t is not None:
+            release_streamed(t)
 
 
 def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext) -> Prepared:
-    """Turn a JSON body into a skeleton plus segment-backed tensors (worker thread).
+    """Turn a JSON body into a skeleton plus the request's tensors (worker thread).
+
+    Work follows the bytes that arrived and is judged before it is done
+    (``docs/security.md``):
+
+    1. every payload is judged without decoding its tensor bytes: base64
+       that vLLM's loader would refuse (:func:`torch_save.valid_base64`), a
+       plain payload's rows against ``--max-model-len`` (its head and tail
+       only: :func:`torch_save.direct_plan`); one that fails sends the
+       *original* body to vLLM, which answers as stock (nothing decoded here);
+    2. the payloads that are not plain go through vLLM's own loader, into
+       private memory; one it refuses ends the decoding (vLLM stops there too);
+    3. if vLLM will refuse the request (a refused payload, or a tensor of no
+       rows or too many: :func:`refusal`), nothing is written or hashed: the
+       skeleton's placeholders give vLLM the tensors already decoded, and the
+       refused payload's raises the loader's own error (``Upload.errors``), so
+       vLLM answers as stock and decodes nothing again;
+    4. else the plain payloads are decoded straight into segments and the
+       others copied into segments (a tensor :func:`refusal` keeps out, e.g. a
+       stride-0 view, goes to vLLM as the loader made it).
 
     Args:
         raw: the whole body (``bytes``, or the buffer of ``json_read.read_body``).
         route: ``/v1/completions`` or ``/v1/chat/completions``.
         ctx: the served model.
     Returns:
-        :class:`Prepared`; on any :class:`Fallback` the original body (as
-        ``bytes``) and no upload (nothing is left in shared memory then).
+        :class:`Prepared`: the skeleton and its upload, with ``reason`` the
+        first payload's fallback reason if any (counted by the caller); on a
+        whole-body :class:`Fallback`, the original body (as ``bytes``) and no
+        upload (nothing is left in shared memory then).
     """
-    tensors: list[torch.Tensor | None] = []
     view = memoryview(raw)
+    pieces: dict[int, memoryview] = {}
+    tensors: list[torch.Tensor | None] = []
     try:
         spans = find_long_strings(raw)
         if not spans:
@@ -257,44 +325,67 @@ def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext) -> Prepared:
         index = {name: i for i, name in enumerate(names)}
         values = [container[key] for _, container, key in embeds_slots(route, body)
                   if not isinstance(container, dict) or key in container]
-        at_embeds = {index[v] for v in values if isinstance(v, str) and v in index}
-        if not at_embeds:
+        keep = sorted({index[v] for v in values if isinstance(v, str) and v in index})
+        if not keep:
             raise Fallback("no_embeds")
-        keep = sorted(at_embeds)
-        tensors = [None] * len(spans)
+        pieces = {i: view[spans[i][0]:spans[i][1]] for i in keep}
+        # 1. Judged before any tensor byte is decoded.
+        plans: dict[int, torch_save.DirectPlan | None] = {}
         for i in keep:
-            a, b = spans[i]
-            piece = view[a:b]
-            try:
+            if not torch_save.valid_base64(pieces[i]):
+                raise Fallback("base64")
+            plans[i] = plan = torch_save.direct_plan(ctx, pieces[i])
+            if plan is not None and plan.rows > ctx.max_model_len:
+                raise Fallback("too_long")
+        # 2. vLLM's loader for the rest, into private memory; nothing written.
+        tensors = [None] * len(spans)
+        errors: dict[int, BaseException] = {}
+        reasons: dict[int, str] = {}
+        for i in keep:
+            if plans[i] is None:
                 try:
-                    tensors[i] = direct_decode(ctx, piece)
-                except OSError as e:
-                    raise Fallback(seg.fallback_reason(e)) from None
-                tensor = _load(ctx, piece) if tensors[i] is None else None
-            finally:
-                piece.release()  # a traceback may still hold it: end its export now
-            if tensor is not None:
-                if tensor.numel() == 0:
-                    raise Fallback("empty")
-                tensors[i] = _to_segment(ctx, tensor)
-                del tensor
-        skeleton = _skeleton(raw, [spans[i] for i in keep], [names[i] for i in keep])
+                    tensors[i] = t = _load(ctx, pieces[i])
+                except _Refused as e:
+                    errors[i], reasons[i] = e.error, "rejected"
+                    break
+                if (why := refusal(ctx, t)) is not None:
+                    reasons[i] = why
+        # 3. A request vLLM will refuse: no write, no hash, no second decode.
+        refused = bool(errors) or any(r in REFUSED_BY_VLLM for r in reasons.values())
+        if not refused:
+            # 4. Written (and hashed) only now.
+            for i in keep:
+                if plans[i] is not None:
+                    try:
+                        tensors[i] = torch_save.direct_decode(ctx, pieces[i], plans[i])
+                    except OSError as e:
+                        reasons.setdefault(i, seg.fallback_reason(e))
+                elif i not in reasons:
+                    try:
+                        tensors[i] = _to_segment(ctx, tensors[i])
+                    except OSError as e:  # no room: vLLM gets the loader's tensor
+                        reasons[i] = seg.fallback_reason(e)
+        ours = [i for i in keep if tensors[i] is not None or i in errors]
+        if not ours:  # nothing decoded (a plain payload found no room): vLLM's
+            raise Fallback(next(iter(reasons.values()), "error"))
+        skeleton = _skeleton(raw, [spans[i] for i in ours], [names[i] for i in ours])
     except Fallback as f:
-        for t in tensors:
-            if t is not None:
-                release_streamed(t)
-        view.release()
+        _release(tensors)
         return Prepared(raw if isinstance(raw, bytes) else raw[:], None, f.reason)
     except BaseException:
-        for t in tensors:
-            if t is not None:
-                release_streamed(t)
+        _release(tensors)
         raise
     finally:
+        for piece in pieces.values():
+            piece.release()  # a traceback may still hold it: end its export now
         view.release()
-    count_many({Event.JSON_BODIES: 1, Event.JSON_TENSORS: len(keep),
-                Event.JSON_BYTES: sum(t.nbytes for t in tensors if t is not None)})
-    return Prepared(skeleton, Upload(token, tensors, ctx.hash_block_tokens))
+    written = [t for t in tensors if t is not None and is_streamed(t)]
+    if written:
+        count_many({Event.JSON_BODIES: 1, Event.JSON_TENSORS: len(written),
+                    Event.JSON_BYTES: sum(t.nbytes for t in written)})
+    reason = next((reasons[i] for i in keep if i in reasons), None)
+    return Prepared(skeleton, Upload(token, tensors, ctx.hash_block_tokens, errors=errors),
+                    reason)
 
 
 def _close(buf: mmap.mmap) -> None:
@@ -353,7 +444,7 @@ class JsonFormat:
             prepared = Prepared(raw[:], None, "error")
         finally:
             _close(raw)
-        if prepared.upload is None:
+        if prepared.reason is not None:
             count_reason(Event.JSON_FALLBACK, prepared.reason)
         return Outcome(prepared.body, prepared.upload)
 

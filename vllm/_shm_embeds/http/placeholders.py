@@ -52,6 +52,10 @@ class Upload:
         leases: ``regions.registry.Lease`` of each registered region the request
             names; their tensors are the regions' (not released with the
             request), the leases end with it.
+        errors: index -> the error vLLM's own decode raised for that payload
+            (the JSON path decoded it once already): its placeholder raises
+            it again where vLLM would have decoded it, so vLLM answers as
+            stock without decoding the payload a second time.
     """
 
     token: str
@@ -59,6 +63,7 @@ class Upload:
     hash_block_tokens: int | None = None
     made: list[torch.Tensor] = dataclasses.field(default_factory=list)
     leases: list[Any] = dataclasses.field(default_factory=list)
+    errors: dict[int, BaseException] = dataclasses.field(default_factory=dict)
 
     def release(self) -> None:
         """The request has ended: unlink what vLLM did not take over (hop 1
@@ -74,6 +79,7 @@ class Upload:
         self.tensors.clear()
         self.made.clear()
         self.leases.clear()
+        self.errors.clear()
 
 
 _current: contextvars.ContextVar[Upload | None] = contextvars.ContextVar(
@@ -93,6 +99,9 @@ def resolve_placeholder(data: Any) -> torch.Tensor | None:
     this context (set by :func:`call_with_body`) resolves; anything else (a
     JSON client's bytes, another request's token) gives None, and the caller
     takes vLLM's stock decode path.
+
+    Raises:
+        the error vLLM's decode raised for that payload (``Upload.errors``).
     """
     upload = _current.get()
     if upload is None:
@@ -108,6 +117,8 @@ def resolve_placeholder(data: Any) -> torch.Tensor | None:
     if not hmac.compare_digest(token, upload.token) or not index.isdigit():
         return None
     i = int(index)
+    if i in upload.errors:
+        raise upload.errors[i]
     return upload.tensors[i] if i < len(upload.tensors) else None
 
 
