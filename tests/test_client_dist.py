@@ -136,3 +136,21 @@ def test_wire_in_a_fresh_venv(tmp_path):
         probe = subprocess.run([str(py), "-c", f"import {absent}"], capture_output=True,
                                timeout=60, env=env, cwd=tmp_path)
         assert probe.returncode != 0, f"{absent} is importable in the fresh venv"
+
+
+def test_client_sends_what_a_view_means_not_its_memory():
+    """A contiguous view with the negative bit set (``torch._neg_view``; as
+    ``c.conj().imag`` but contiguous) is sent as its values (resolved), never
+    its raw memory; the raw byte view refuses such a tensor."""
+    from shm_embeds_client._tensors import _bytes_of
+
+    x = torch.randn(3, 4)
+    c = torch.complex(torch.randn(3, 4), torch.randn(3, 4))
+    for t, want in [(torch._neg_view(x), -x), (c.conj().imag, -c.imag)]:
+        assert t.is_neg()
+        headers, pieces, length = sec.frame({"model": "m", "prompt_embeds": t})
+        sent = torch.frombuffer(bytearray(b"".join(bytes(p) for p in pieces[1:])),
+                                dtype=torch.float32).reshape(3, 4)
+        assert torch.equal(sent, want)
+    with pytest.raises(ValueError):
+        _bytes_of(torch._neg_view(x))

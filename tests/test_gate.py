@@ -34,8 +34,9 @@ class Upper:
         return gate.Claim(length=n, in_memory=n, when_busy=self.when_busy)
 
     async def prepare(self, path, body, ctx, claim):
-        self.in_flight = IN_FLIGHT.bytes
+        self.in_flight = [IN_FLIGHT.bytes]
         raw = await body.rest(1 << 20)
+        self.in_flight.append(IN_FLIGHT.bytes)
         if self.offer_on:
             return gate.Outcome(raw, offer_on=True)
         self.upload = _Upload()
@@ -101,7 +102,7 @@ def test_a_claimed_body_is_prepared_charged_and_its_upload_ended():
     fmt = Upper()
     statuses, got, _ = _run([fmt], _body(b"ab", b"c"))
     assert statuses == [200] and got == b"ABC"
-    assert fmt.in_flight == 3 and fmt.upload.released and fmt.counts == []
+    assert fmt.in_flight == [0, 3] and fmt.upload.released and fmt.counts == []
 
 
 def test_a_body_no_format_claims_passes_untouched():
@@ -121,6 +122,21 @@ def test_over_the_in_flight_cap(monkeypatch, when_busy):
         assert json.loads(sent[1]["body"])["error"]["type"] == "ServiceUnavailable"
     else:
         assert statuses == [200] and got == b"abc"  # vLLM's own path
+
+
+@pytest.mark.parametrize("when_busy", ["refuse", "stock"])
+def test_the_cap_is_charged_by_what_arrived_and_reached_midway(monkeypatch, when_busy):
+    """A body is charged as its bytes arrive, never by its Content-Length: one
+    declaring far more than the cap starts; reaching the cap midway it gets
+    503, or vLLM's own path with every byte (those read and the rest)."""
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_INFLIGHT_BYTES", "5")
+    fmt = Upper(when_busy)
+    statuses, got, _ = _run([fmt], _body(b"ab", b"cd", b"ef", b"gh"), length=8)
+    assert fmt.counts == ["busy"] and fmt.upload is None
+    if when_busy == "refuse":
+        assert statuses == [503] and got is None
+    else:
+        assert statuses == [200] and got == b"abcdefgh"
 
 
 def test_a_stalled_body_gets_408(monkeypatch):

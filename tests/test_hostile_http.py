@@ -82,7 +82,8 @@ def _rss() -> int:
 
 def test_stalled_json_bodies_hold_only_what_arrived(shm_env, monkeypatch):
     """Bodies that declare 512 MiB, send 64 KiB and stall: the server holds about
-    what arrived (a 64 KiB look-ahead each), never the declared size."""
+    what arrived (a 64 KiB look-ahead each), never the declared size, and the
+    in-flight cap is charged exactly what arrived."""
     monkeypatch.setenv("VLLM_SHM_EMBEDS_INFLIGHT_BYTES", str(4 << 30))
     declared = 512 << 20
     head = b'{"model": "m", "prompt_embeds": "' + b"A" * (64 << 10)
@@ -106,7 +107,7 @@ def test_stalled_json_bodies_hold_only_what_arrived(shm_env, monkeypatch):
             tasks.append(asyncio.create_task(one(receive)))
         await asyncio.sleep(1.5)
         grown["rss"] = _rss() - r0
-        assert body_limits.IN_FLIGHT.bytes == 3 * declared
+        assert body_limits.IN_FLIGHT.bytes == 3 * len(head)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -448,3 +449,67 @@ def _appender(out):
     async def send(m):
         out.append(m)
     return send
+
+
+# -- charged by what arrived, deadlines from sizes the server bounds
+
+
+def test_binary_deadline_ignores_the_clients_content_length():
+    """A binary body's deadline is set for its JSON header, then for the tensor
+    bytes the validated header says follow: a Content-Length of 19 digits
+    buys no time (a body dripping one byte now and then gets 408)."""
+    headers, body = _framed([torch.randn(8, 8)])
+    json_len = int(headers[1][1])
+    huge = headers + [(b"content-length", b"9" * 19)]
+    from starlette.datastructures import Headers
+
+    claim = binary.BinaryFormat().claim("/v1/completions", Headers(raw=huge), LIMITS)
+    assert claim.length == json_len and claim.in_memory == json_len
+
+
+def test_json_body_reaching_the_cap_midway_goes_to_vllm_whole(shm_env, monkeypatch):
+    """A JSON body charged as it arrives reaches the in-flight cap midway: vLLM's
+    own path gets every byte (those read into the body buffer, then the rest),
+    counted ``json_fallback.busy``; nothing is left charged."""
+    body = json.dumps({"model": "m", "prompt": "",
+                       "prompt_embeds": encode_embeds(torch.randn(600, 64))}).encode()
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_INFLIGHT_BYTES", str(len(body) // 2))
+    seen = {}
+
+    async def app(scope, receive, send):
+        parts = []
+        while True:
+            m = await receive()
+            parts.append(m.get("body", b""))
+            if not m.get("more_body"):
+                break
+        seen["body"] = b"".join(parts)
+
+    msgs = [{"type": "http.request", "body": body[i:i + 8192],
+             "more_body": i + 8192 < len(body)} for i in range(0, len(body), 8192)]
+
+    async def receive():
+        return msgs.pop(0)
+
+    asyncio.run(gate.BodyGate(app, [json_body.JsonFormat()])(
+        _json_scope(len(body)), receive, _ignore))
+    assert seen["body"] == body
+    assert counters.stats()["json_fallback.busy"] == 1 and body_limits.IN_FLIGHT.bytes == 0
+    assert os.listdir(shm_env) == []
+
+
+def test_a_header_of_empty_objects_is_judged_in_bounded_memory():
+    """16 MiB of ``[{}, {}, ...]`` (a binary JSON header at its cap): refused
+    after the first bound is passed, in memory a small multiple of
+    ``STRUCTURE_PIECE``, not of the header (it was four copies of it)."""
+    from vllm._shm_embeds.http import binary_header
+
+    raw = b"[" + b"{}," * ((binary_header.MAX_JSON_BYTES - 2) // 3) + b"{}]"
+    tracemalloc.start()
+    try:
+        with pytest.raises(binary.BinaryBodyError):
+            binary_header.check_json_bounds(raw)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * binary_header.STRUCTURE_PIECE, peak

@@ -577,6 +577,9 @@ def test_json_prepare_equals_stock_decode(shm_env, c):
             return
         names = {placeholders.placeholder(prepared.upload.token, i): t
                  for i, t in enumerate(prepared.upload.tensors) if t is not None}
+        # A payload vLLM's loader refused: its error, raised where vLLM decodes.
+        names.update({placeholders.placeholder(prepared.upload.token, i): e
+                      for i, e in prepared.upload.errors.items()})
         assert names
         got = _server_decode(c.route, prepared.body, c.dtype, c.hidden, names)
         if isinstance(stock, BaseException):  # the same 4xx, same message

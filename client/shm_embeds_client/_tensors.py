@@ -18,7 +18,10 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     """The bytes of ``t`` (a contiguous CPU tensor, as :func:`_wire` gives it):
     a read-only memoryview of format ``B`` over the tensor's own memory, no
     copy, and no numpy (``Tensor.numpy()`` needs it: not a dependency here).
-    The view keeps ``t`` alive."""
+    The view keeps ``t`` alive. Raises ValueError for a view whose values are
+    not its memory (the negative or conjugate bit set)."""
+    if t.is_neg() or t.is_conj():
+        raise ValueError("a tensor with the negative or conjugate bit set is not its bytes")
     if t.nbytes == 0:
         return memoryview(b"")
     buf = (ctypes.c_ubyte * t.nbytes).from_address(t.data_ptr())
@@ -35,7 +38,9 @@ def _wire(tensor: torch.Tensor) -> tuple[torch.Tensor, dict]:
         if not t.is_floating_point():
             raise ValueError(f"prompt_embeds must be floating point, got {t.dtype}")
         t = t.to(torch.float32)
-    t = t.contiguous()
+    # What the tensor means, not its raw memory: a view with the negative or
+    # conjugate bit set (``c.conj().imag``) is sent resolved.
+    t = t.resolve_conj().resolve_neg().contiguous()
     desc = {"datatype": _DATATYPES[t.dtype], "shape": list(t.shape),
             "parameters": {BINARY_DATA_SIZE: t.nbytes}}
     return t, desc

@@ -52,9 +52,9 @@ one body (default ``max_model_len * hidden_size * 4``); a larger body gets 413
 before anything is read past the JSON header. ``VLLM_SHM_EMBEDS_INFLIGHT_BYTES``:
 a body's JSON header (the part held in this process's memory; the tensors go
 to segments, charged to the segment budget by the bytes written) counts as
-bytes in flight, with the JSON path's bodies (``body_limits.IN_FLIGHT``, charged by the gate), from
-before it is read until the whole body has arrived; a body over the cap gets
-503 (``busy``) with nothing read. ``binary_header.check_json_bounds`` bounds
+bytes in flight, with the JSON path's bodies (``body_limits.IN_FLIGHT``,
+charged by the gate as they arrive), until the whole body has arrived; a body
+finding or reaching the cap gets 503 (``busy``). ``binary_header.check_json_bounds`` bounds
 what parsing a header builds.
 
 Counters: ``binary_bodies``, ``binary_tensors``, ``binary_bytes``,
@@ -152,16 +152,16 @@ def _fall_back(segment: StreamedSegment | None, spec: TensorSpec, e: OSError) ->
     return private
 
 
-async def _read_exact(body: Body, n: int) -> bytes:
-    """Exactly ``n`` body bytes (joined: for the small JSON header only)."""
-    parts, need = [], n
-    while need:
-        piece = await body.take(need)
+async def _read_exact(body: Body, n: int) -> bytearray:
+    """Exactly ``n`` body bytes (for the JSON header only), in one buffer that
+    grows with the bytes that arrived (never by ``n`` before they do)."""
+    out = bytearray()
+    while len(out) < n:
+        piece = await body.take(n - len(out))
         if piece is None:
             raise _bad("short", f"the body is cut short: ended inside the {n}-byte JSON header")
-        parts.append(bytes(piece))
-        need -= len(piece)
-    return b"".join(parts)
+        out += piece
+    return out
 
 
 async def _copy_into(body: Body, sink: StreamedSegment | _Private,
@@ -203,10 +203,10 @@ class BinaryFormat:
             raise _bad("disabled", "You must set `--enable-prompt-embeds` to input "
                        "`prompt_embeds`.")
         json_len, content_length = framing
-        # A deadline for the whole body (timeout + size / minimum rate): by
-        # Content-Length, or once the header says how many bytes follow.
-        return Claim(length=json_len if content_length is None else content_length,
-                     in_memory=json_len, when_busy="refuse", state=framing)
+        # A deadline (timeout + size / minimum rate) for the JSON header first,
+        # then for the tensor bytes the validated header says follow: sizes
+        # the server bounds, never the client's Content-Length.
+        return Claim(length=json_len, in_memory=json_len, when_busy="refuse", state=framing)
 
     async def prepare(self, path: str, body: Body, ctx: ServerContext | None,
                       claim: Claim) -> Outcome:
@@ -215,8 +215,7 @@ class BinaryFormat:
         hashers: list[digests.StreamHasher | None] = []
         try:
             parsed = parse_header(await _read_exact(body, json_len), path, ctx, content_length)
-            if content_length is None:
-                body.extend(sum(s.nbytes for s in parsed.specs))
+            body.extend(sum(s.nbytes for s in parsed.specs))
             for spec in parsed.specs:
                 segs.append(_open_sink(spec))
                 hashers.append(_hasher(spec, ctx, segs[-1], path))

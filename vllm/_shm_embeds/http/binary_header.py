@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -105,30 +106,34 @@ def max_json_values() -> int:
     return MAX_JSON_BASE_VALUES + MAX_JSON_VALUES_PER_TENSOR * binary_max_tensors()
 
 
-def _outside_strings(json_bytes: bytes) -> bytes | bytearray:
-    """``json_bytes`` without its strings (quotes included), read from the start
-    (outside strings a ``"`` always opens one in valid JSON); an unterminated
-    string runs to the end. Without a backslash every ``"`` delimits a
-    string: one ``split`` (C). Else one Python step per string: ``find``
-    (``memchr``) past a string without escapes, :data:`_STRING` (C) over one
-    with them."""
-    if json_bytes.find(b"\\") < 0:
-        return b"".join(json_bytes.split(b'"')[::2])
-    out, pos, find, view = bytearray(), 0, json_bytes.find, memoryview(json_bytes)
-    while (start := find(b'"', pos)) >= 0:
-        out += view[pos:start]
+STRUCTURE_PIECE = 1 << 20  # bytes outside strings judged per step (memory: a few times this)
+
+
+def _outside_strings(json_bytes: bytes | bytearray) -> Iterator[memoryview]:
+    """The bytes of ``json_bytes`` outside its strings (quotes excluded), in
+    order, in views of at most :data:`STRUCTURE_PIECE` bytes (no copy of the
+    whole); read from the start (outside strings a ``"`` always opens one in
+    valid JSON); an unterminated string runs to the end. One Python step per
+    string: ``find`` (``memchr``) past a string without escapes,
+    :data:`_STRING` (C) over one with them."""
+    view, find, pos, n = memoryview(json_bytes), json_bytes.find, 0, len(json_bytes)
+    while pos < n:
+        start = find(b'"', pos)
+        stop = n if start < 0 else start
+        for a in range(pos, stop, STRUCTURE_PIECE):
+            yield view[a:min(stop, a + STRUCTURE_PIECE)]
+        if start < 0:
+            return
         end = find(b'"', start + 1)
         if end < 0:
-            return out
+            return
         if find(b"\\", start + 1, end) >= 0:  # an escape: maybe of this very quote
             pos = _STRING.match(json_bytes, start).end()  # never fails (to the end)
         else:
             pos = end + 1
-    out += view[pos:]
-    return out
 
 
-def check_json_bounds(json_bytes: bytes) -> None:
+def check_json_bounds(json_bytes: bytes | bytearray) -> None:
     """Bound what ``json.loads(json_bytes)`` can build, before it runs.
 
     Outside strings, every value but the first follows a ``,``, a ``:`` or an
@@ -138,20 +143,19 @@ def check_json_bounds(json_bytes: bytes) -> None:
     opening brackets bound the nesting. Also on input that is not JSON: the
     count bounds what ``json.loads`` builds before it fails.
 
-    In C but for one Python step per string, in time linear in
-    ``len(json_bytes)``: ``bytes.count`` over all the bytes first (no
-    memory); if the bounds hold with the text of strings counted too, that
-    is all. Else (many containers, or commas in a long prompt) the strings
-    are dropped (:func:`_outside_strings`; only with at most twice
-    :func:`max_json_values` ``"``, as each string takes two) and the
-    structure left is counted, its nesting by a ``numpy`` cumulative sum
-    (extra memory about twice ``len(json_bytes)`` at most).
+    ``bytes.count`` over all the bytes first (C, no memory); if the bounds
+    hold with the text of strings counted too, that is all. Else (many
+    containers, or commas in a long prompt) the structure outside strings is
+    judged piece by piece (:func:`_outside_strings`, only with at most twice
+    :func:`max_json_values` ``"``), its nesting by a ``numpy`` cumulative
+    sum per piece, and it stops at the first bound passed: extra memory a
+    few times :data:`STRUCTURE_PIECE`, whatever the header's size.
 
     Raises:
         BinaryBodyError: 400 (``json``) with more than :func:`max_json_values`
             values and keys (or, when they must be told apart from text,
-            more than twice as many ``"``), more closing than opening
-            brackets, or more than :data:`MAX_JSON_DEPTH` containers open at once.
+            more than twice as many ``"``), a closing bracket with none open,
+            or more than :data:`MAX_JSON_DEPTH` containers open at once.
     """
     limit = max_json_values()
     opens = json_bytes.count(b"{") + json_bytes.count(b"[")
@@ -163,17 +167,23 @@ def check_json_bounds(json_bytes: bytes) -> None:
                     f"{limit} values (send fewer values, or a JSON request body)")
     if json_bytes.count(b'"') > 2 * limit:
         raise too_many
-    structure = _outside_strings(json_bytes).translate(None, _NOT_STRUCTURE)
-    opens = structure.count(b"{") + structure.count(b"[")
-    separators = structure.count(b",") + structure.count(b":")
-    if 1 + opens + separators > limit:
-        raise too_many
-    if len(structure) - separators > 2 * opens:  # more closing brackets than opening ones
-        raise _bad("json", "the JSON header is not valid JSON: unbalanced brackets")
-    nesting = np.frombuffer(structure.translate(_NESTING, b",:"), dtype=np.int8)
-    if nesting.size and int(np.cumsum(nesting, dtype=np.int32).max()) > MAX_JSON_DEPTH:
-        raise _bad("json", f"the JSON header is nested too deep (more than "
-                   f"{MAX_JSON_DEPTH} levels)")
+    values, depth = 1, 0
+    for piece in _outside_strings(json_bytes):
+        structure = bytes(piece).translate(None, _NOT_STRUCTURE)
+        values += (structure.count(b"{") + structure.count(b"[") + structure.count(b",")
+                   + structure.count(b":"))
+        if values > limit:
+            raise too_many
+        nesting = np.frombuffer(structure.translate(_NESTING, b",:"), dtype=np.int8)
+        if not nesting.size:
+            continue
+        levels = np.cumsum(nesting, dtype=np.int32) + depth
+        if int(levels.min()) < 0:
+            raise _bad("json", "the JSON header is not valid JSON: unbalanced brackets")
+        if int(levels.max()) > MAX_JSON_DEPTH:
+            raise _bad("json", f"the JSON header is nested too deep (more than "
+                       f"{MAX_JSON_DEPTH} levels)")
+        depth = int(levels[-1])
 
 
 def parse_spec(desc: Any, limits: ServerContext, where: str) -> TensorSpec:

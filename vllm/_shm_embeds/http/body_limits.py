@@ -4,8 +4,8 @@
 * :func:`byte_count`: a header value that is a byte count, or None.
 * :func:`receive_body_message` (per-receive timeout, ``Stalled``) and
   :func:`deadline_for` (an overall deadline by the body's size).
-* :class:`InFlight` / :data:`IN_FLIGHT`: declared bytes the body paths take
-  at once.
+* :class:`InFlight` / :data:`IN_FLIGHT`: bytes the body paths hold in
+  memory at once, charged as they arrive.
 """
 
 from __future__ import annotations
@@ -66,12 +66,13 @@ async def receive_body_message(receive: Receive, deadline: float | None = None) 
 
 
 class InFlight:
-    """Declared bytes of the bodies the body paths are taking now (this process).
+    """Bytes the body paths hold in memory now (this process), charged as they
+    arrive (``gate.Body``), never by what a client declares.
 
-    :meth:`take` admits a body if the total stays within
-    ``VLLM_SHM_EMBEDS_INFLIGHT_BYTES``; the caller sends a body not admitted
-    the stock way and calls :meth:`give_back` for one admitted when it is
-    done with it. Thread-safe; only ever touched on the event loop in practice.
+    :meth:`take` charges bytes if the total stays within
+    ``VLLM_SHM_EMBEDS_INFLIGHT_BYTES``; :meth:`room` tells whether a new
+    body may start; :meth:`give_back` returns a body's charge once it is in.
+    Thread-safe; only ever touched on the event loop in practice.
     """
 
     def __init__(self) -> None:
@@ -84,6 +85,11 @@ class InFlight:
                 return False
             self.bytes += nbytes
             return True
+
+    def room(self) -> bool:
+        """Whether a new body may start (the cap is not reached)."""
+        with self._lock:
+            return self.bytes < inflight_bytes()
 
     def give_back(self, nbytes: int) -> None:
         with self._lock:

@@ -11,12 +11,13 @@ the rest, once for all of them:
 * the two routes (``common.route``) and the served model
   (``common.ServerContext``), handed to every format;
 * the bytes a body holds in this process's memory while it arrives, against
-  ``VLLM_SHM_EMBEDS_INFLIGHT_BYTES`` (``body_limits.IN_FLIGHT``), taken
-  before the first byte is read and given back once the body is in: over
-  the cap the format's :attr:`Claim.when_busy` says whether that is a 503 or
-  vLLM's own path;
+  ``VLLM_SHM_EMBEDS_INFLIGHT_BYTES`` (``body_limits.IN_FLIGHT``), charged
+  as they arrive (never by a size the client declares) and given back once
+  the body is in: a body finding the cap reached, or reaching it, gets what
+  the format's :attr:`Claim.when_busy` says (a 503, or vLLM's own path with
+  the bytes so far ahead of the rest: :class:`Busy`);
 * the one reader, :class:`Body`: a per-receive timeout and a deadline for
-  the whole body by its size (``body_limits``), both a 408;
+  the whole body by a size the server bounds (``body_limits``), both a 408;
 * refusals (:class:`Refused`: 400, 408, 413, 429, 503) answered in vLLM's
   error shape and counted by the format (:meth:`~BodyFormat.counted`);
 * vLLM's app called with the prepared body, and the request's
@@ -44,7 +45,7 @@ from vllm.logger import init_logger
 from vllm._shm_embeds.config import body_deadline_s
 from vllm._shm_embeds.http.body_limits import IN_FLIGHT, Stalled, deadline_for, receive_body_message
 from vllm._shm_embeds.http.common import Receive, Send, ServerContext, headers, route, send_error
-from vllm._shm_embeds.http.placeholders import Upload, call_with_body, replay
+from vllm._shm_embeds.http.placeholders import Upload, call_with_body, prefixed, replay
 
 logger = init_logger(__name__)
 
@@ -74,8 +75,23 @@ class Disconnected(Exception):
     """The client went away before its body was in."""
 
 
-BUSY = Refused(503, "busy", "the server is receiving too many request bodies at once; "
-               "retry later")
+BUSY_MESSAGE = "the server is receiving too many request bodies at once; retry later"
+
+
+class Busy(Refused):
+    """The in-flight cap is reached while a body arrives: 503 (``busy``), or,
+    for a format whose :attr:`Claim.when_busy` is ``"stock"``, vLLM's own
+    path with ``received`` (every body byte read so far, in order) ahead of
+    the rest; ``more``: whether body bytes follow ``received``. Whoever holds
+    bytes read before (:meth:`Body.rest`, ``json_read.read_body``) raises it
+    again with them in front."""
+
+    def __init__(self, received: bytes = b"", more: bool = True) -> None:
+        super().__init__(503, "busy", BUSY_MESSAGE)
+        self.received, self.more = received, more
+
+
+BUSY = Busy()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,15 +159,20 @@ class Body:
     Each ``receive()`` waits at most ``VLLM_SHM_EMBEDS_BODY_TIMEOUT_S``
     seconds and never past the deadline of a body of ``nbytes``
     (``body_limits.deadline_for``); either raises :class:`Refused` (408).
-    A disconnect raises :class:`Disconnected`.
+    A disconnect raises :class:`Disconnected`. The first ``charge`` bytes
+    are charged to ``IN_FLIGHT`` as they arrive (:attr:`charged`; the gate
+    gives them back); past the cap :class:`Busy` carries the piece not
+    handed out.
     """
 
-    def __init__(self, receive: Receive, nbytes: int) -> None:
+    def __init__(self, receive: Receive, nbytes: int, charge: int = 0) -> None:
         self._receive = receive
         self._buf = memoryview(b"")
         self._before = self._buf  # before the last take (``untake``)
         self.more = True
         self.deadline = deadline_for(nbytes)
+        self._charge_left = charge
+        self.charged = 0
 
     def extend(self, nbytes: int) -> None:
         """The body holds ``nbytes`` more than its deadline was set for."""
@@ -166,9 +187,17 @@ class Body:
             if msg["type"] == "http.disconnect":
                 raise Disconnected
             data = msg.get("body", b"")
+            data = data if isinstance(data, bytes) else bytes(data)
+            more = bool(msg.get("more_body", False))
+            if self._charge_left and data:  # charged by what arrived
+                n = min(len(data), self._charge_left)
+                if not IN_FLIGHT.take(n):
+                    raise Busy(data, more)
+                self._charge_left -= n
+                self.charged += n
             # Pieces may be hashed after they are handed out: they must not change.
-            self._buf = memoryview(data if isinstance(data, bytes) else bytes(data))
-            self.more = bool(msg.get("more_body", False))
+            self._buf = memoryview(data)
+            self.more = more
         return bool(self._buf)
 
     async def take(self, n: int) -> memoryview | None:
@@ -193,9 +222,16 @@ class Body:
 
     async def rest(self, limit: int) -> bytes:
         """The rest of the body, joined (for small bodies). Raises
-        :class:`Refused` (413) past ``limit`` bytes."""
+        :class:`Refused` (413) past ``limit`` bytes; :class:`Busy` with every
+        byte read so far."""
         parts, n = [], 0
-        while (piece := await self.take(limit + 1 - n)) is not None:
+        while True:
+            try:
+                piece = await self.take(limit + 1 - n)
+            except Busy as e:  # what was read, ahead of the rest (vLLM's path)
+                raise Busy(b"".join(parts) + e.received, e.more) from None
+            if piece is None:
+                break
             parts.append(bytes(piece))
             n += len(piece)
             if n > limit:
@@ -241,18 +277,16 @@ class BodyGate:
                      send: Send, path: str, ctx: ServerContext | None) -> bytes | None:
         """``fmt``'s request, answered here or by vLLM's app; the bytes as they
         arrived if ``fmt`` offers them on (else None)."""
-        if claim.in_memory and not IN_FLIGHT.take(claim.in_memory):
-            if claim.when_busy == "stock":
-                fmt.counted("busy")
-                await self.app(scope, receive, send)
-                return None
-            await self._refuse(send, fmt, BUSY)
-            return None
+        if claim.in_memory and not IN_FLIGHT.room():  # full: nothing read
+            return await self._busy(fmt, claim, BUSY, scope, receive, send)
+        body = Body(receive, claim.length, charge=claim.in_memory)
         try:
             try:
-                outcome = await fmt.prepare(path, Body(receive, claim.length), ctx, claim)
+                outcome = await fmt.prepare(path, body, ctx, claim)
             finally:
-                IN_FLIGHT.give_back(claim.in_memory)  # the body is in (or never will be)
+                IN_FLIGHT.give_back(body.charged)  # the body is in (or never will be)
+        except Busy as e:
+            return await self._busy(fmt, claim, e, scope, receive, send)
         except Refused as e:
             await self._refuse(send, fmt, e)
             return None
@@ -268,6 +302,15 @@ class BodyGate:
         finally:
             if outcome.upload is not None:
                 outcome.upload.release()  # what vLLM did not take over: remove now
+        return None
+
+    async def _busy(self, fmt: BodyFormat, claim: Claim, e: Busy, scope: dict,
+                    receive: Receive, send: Send) -> None:
+        """Over the in-flight cap: 503, or vLLM's own path with the bytes read so far."""
+        if claim.when_busy != "stock":
+            return await self._refuse(send, fmt, e)
+        fmt.counted("busy")
+        await self.app(scope, prefixed(e.received, e.more, receive), send)
         return None
 
     @staticmethod

@@ -328,6 +328,10 @@ def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext) -> Prepared:
         keep = sorted({index[v] for v in values if isinstance(v, str) and v in index})
         if not keep:
             raise Fallback("no_embeds")
+        if len(keep) < len(values):
+            # A payload too short for us (or not a string) beside ours: vLLM
+            # judges the whole body, so that no work is done for one it refuses.
+            raise Fallback("short_payload")
         pieces = {i: view[spans[i][0]:spans[i][1]] for i in keep}
         # 1. Judged before any tensor byte is decoded.
         plans: dict[int, torch_save.DirectPlan | None] = {}

@@ -15,7 +15,7 @@ import errno
 import mmap
 from typing import Any
 
-from vllm._shm_embeds.http.gate import Body
+from vllm._shm_embeds.http.gate import Body, Busy
 
 LOOKAHEAD_MIN = 64 << 10  # bytes of a body buffer faulted in before they arrive: at least,
 LOOKAHEAD_MAX = 16 << 20  # at most (and never more than what already arrived)
@@ -81,6 +81,8 @@ async def read_body(body: Body, length: int) -> mmap.mmap | bytes:
     ``length`` (the stock app then judges it as it is); else the buffer (the
     caller closes it).
     Raises (what was read is freed first):
+        gate.Busy: the in-flight cap was reached; it carries every byte read
+            so far, for vLLM's own path.
         gate.Refused: 408, the body stalled or arrived too slowly (``gate.Body``).
         gate.Disconnected: the client went away.
     """
@@ -94,7 +96,15 @@ async def read_body(body: Body, length: int) -> mmap.mmap | bytes:
     populated, filled = 0, 0
     rest: list[bytes] = []  # chunks that do not fit the buffer (or no buffer)
     try:
-        while (chunk := await body.piece()) is not None:
+        while True:
+            try:
+                chunk = await body.piece()
+            except Busy as e:  # the bytes so far, for vLLM's own path
+                kept = filled - sum(map(len, rest))
+                head = buf[:kept] if buf is not None else b""
+                raise Busy(head + b"".join(rest) + e.received, e.more) from None
+            if chunk is None:
+                break
             if buf is not None and not rest and filled + len(chunk) <= length:
                 buf[filled:filled + len(chunk)] = chunk
                 target = min(length, filled + len(chunk) + _lookahead(filled))

@@ -140,6 +140,21 @@ def replay(payload: bytes, receive: Receive) -> Receive:
     return replayed
 
 
+def prefixed(received: bytes, more: bool, receive: Receive) -> Receive:
+    """``receive`` of a body of which ``received`` was read already: those
+    bytes first (``more``: the rest follows from ``receive`` as is)."""
+    sent = False
+
+    async def rest() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": received, "more_body": more}
+        return await receive()
+
+    return rest
+
+
 async def call_with_body(app: Callable, scope: dict, receive: Receive, send: Send,
                          payload: bytes, upload: Upload | None,
                          content_type: bytes | None = None) -> None:
