@@ -133,8 +133,15 @@ def resolve(mount: str) -> str:
     private directory can be made or checked in it."""
     with _lock:
         found = _resolved.get(mount)
-        if found is not None and (_state["closed"] or os.path.isdir(found)):
-            return found  # once removed at exit, never made again (it would be left behind)
+        if found is not None and (_state["closed"] or os.path.isdir(found)
+                                  or not _remade_here(mount, found)):
+            # Once removed at exit, never made again (it would be left behind).
+            # A process that did not make it (the EngineCore, a worker) does not
+            # make one either when it is gone: its maker removed it because the
+            # server is exiting, and this process may be killed before its own
+            # exit would remove it (an offline LLM's EngineCore, SIGKILLed by
+            # vLLM 5 s after its SIGTERM). Segments then take the stock path.
+            return found
         st = os.lstat(mount)
         if _is_private(st) and _parent_is_safe(mount):
             _resolved[mount] = mount
@@ -153,6 +160,13 @@ def resolve(mount: str) -> str:
             found = os.path.join(outer, INNER)
         _resolved[mount] = found
         return found
+
+
+def _remade_here(mount: str, found: str) -> bool:
+    """True if ``found``, resolved before and now gone, may be replaced in this
+    process: the mount itself (used as it is), or a directory this very
+    process made (not one inherited, nor its parent's before a fork)."""
+    return found == mount or _made.get(os.path.dirname(found)) == os.getpid()
 
 
 def made_here() -> bool:

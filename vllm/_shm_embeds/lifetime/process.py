@@ -26,6 +26,7 @@ import queue
 import secrets
 import threading
 import time
+import weakref
 from typing import Any
 
 from vllm.logger import init_logger
@@ -354,7 +355,7 @@ def _at_exit() -> None:
                 sweep_stale_segments(expected=True)
         except (OSError, ValueError):
             pass
-    private_dir.remove_made()  # the maker (process 0): the directory goes with the server
+    # Not the private directory: _PRIVATE_DIR_REMOVAL, once vLLM stopped the engines.
 
 
 def _children_holding_segments() -> set[int]:
@@ -368,5 +369,24 @@ def _children_holding_segments() -> set[int]:
     return out
 
 
+class _ExitToken:
+    """Lives as long as this module: :data:`_PRIVATE_DIR_REMOVAL` runs at exit."""
+
+
+_EXIT_TOKEN = _ExitToken()
+
 atexit.register(_at_exit)
+# The maker (process 0) removes the private directory at exit, and only after
+# vLLM has stopped the server's other processes: the directory goes with the
+# server. An offline LLM's EngineCore and workers are stopped at exit by
+# vLLM's weakref.finalize of its engine client, and weakref.finalize runs its
+# finalizers from one atexit hook, registered at the process's first finalize:
+# usually before this module's, so it runs after _at_exit. Removed in
+# _at_exit, the directory was gone while the EngineCore and its workers were
+# still exiting (they made new ones, by a sweep of their exit or of the
+# EngineCore's reaper; the EngineCore's was left behind, as vLLM SIGKILLs an
+# EngineCore still exiting 5 s after its SIGTERM). Finalizers run newest first and this one
+# is made when the plugin loads, before any engine's, so it runs after vLLM's
+# have stopped them, whichever of the two atexit hooks runs first.
+_PRIVATE_DIR_REMOVAL = weakref.finalize(_EXIT_TOKEN, private_dir.remove_made)
 os.register_at_fork(after_in_child=_after_fork_in_child)
