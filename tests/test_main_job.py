@@ -86,3 +86,21 @@ def test_a_check_that_cannot_run_fails_the_job(mount):
     assert rc == 1, out
     assert "the /dev/shm leftover check could not run" in out
     assert "no segment or segment directory of ours left" not in out
+
+
+def test_a_planted_fifo_owner_file_never_hangs_the_check(tmp_path):
+    """An ``owner`` FIFO in a ``vllm-shm-embeds-*`` directory (anyone may plant
+    one on a shared mount): read as unreadable (counted ours), at once."""
+    import threading
+
+    from vllm._shm_embeds import private_dir
+
+    outer = tmp_path / f"{private_dir.PREFIX}planted"
+    outer.mkdir()
+    os.mkfifo(outer / private_dir.OWNER_FILE)
+    done = []
+    t = threading.Thread(target=lambda: done.append(private_dir.read_owner(str(outer))),
+                         daemon=True)
+    t.start()
+    t.join(10)
+    assert done == [None]

@@ -192,9 +192,16 @@ def remove_made() -> int:
 
 
 def read_owner(outer: str) -> tuple[int, int, int] | None:
-    """The maker recorded in ``outer``'s owner file, or None if unreadable."""
+    """The maker recorded in ``outer``'s owner file, or None if unreadable.
+
+    Never blocks: opened ``O_NONBLOCK`` and read only if a regular file (a
+    FIFO planted at that name would hang a blocking open or read)."""
     try:
-        fd = os.open(os.path.join(outer, OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(os.path.join(outer, OWNER_FILE),
+                     os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return None
         with os.fdopen(fd, "rb") as f:
             pidns, pid, start = (int(x) for x in f.read(64).split())
     except (OSError, ValueError):
