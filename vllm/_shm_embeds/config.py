@@ -204,13 +204,13 @@ SETTINGS: tuple[Setting, ...] = (
         "not fully arrived after `BODY_TIMEOUT_S + n / BODY_MIN_RATE` seconds gets HTTP 408 (a "
         "client trickling a byte now and then cannot hold a request open forever)."),
     Setting("VLLM_SHM_EMBEDS_INFLIGHT_BYTES", BYTES, None, "bytes",
-        "declared bytes (`Content-Length`) of the large JSON bodies the API server's JSON path "
-        "takes at once; a body that would go over is handed to vLLM unchanged (the stock path, "
-        "counted `json_fallback.busy`). JSON bodies larger than the base64 of "
-        "`VLLM_SHM_EMBEDS_BINARY_MAX_BYTES` plus 1 MiB always take the stock path "
+        "bytes of the large JSON bodies the API server's JSON path holds at once, charged as "
+        "they arrive (never by `Content-Length`); a body that reaches the cap goes to vLLM with "
+        "every byte (the stock path, counted `json_fallback.busy`). JSON bodies larger than the "
+        "base64 of `VLLM_SHM_EMBEDS_BINARY_MAX_BYTES` plus 1 MiB always take the stock path "
         "(`json_fallback.too_large`), and with `--enable-prompt-embeds` off no body takes our "
-        "paths. A binary body's JSON header counts here too, from before it is read until the "
-        "body has arrived; one that would go over gets HTTP 503 with nothing read.",
+        "paths. A binary body's JSON header counts here too, as it arrives, until the body has "
+        "arrived; one that finds or reaches the cap gets HTTP 503.",
         shown="the segment budget (`VLLM_SHM_EMBEDS_MAX_BYTES`), at least "
               f"{MIN_INFLIGHT_BYTES >> 30} GiB"),
     Setting("VLLM_SHM_EMBEDS_BINARY_MAX_TENSORS", COUNT, 256, "tensors",
