@@ -395,3 +395,19 @@ def pytest_collection_finish(session):
         raise pytest.UsageError(
             f"pytest-xdist did not group {len(split)} engine tests (pytest {pytest.__version__}"
             "; pytest-xdist#1386): install pytest<9.2 (pyproject.toml) or run without -n")
+
+
+@pytest.fixture
+def mount(tmp_path, monkeypatch):
+    """A shared mount like ``/dev/shm`` (mode 1777), with no private directory yet."""
+    from vllm._shm_embeds import private_dir
+
+    m = tmp_path / "shm"
+    m.mkdir()
+    m.chmod(0o1777)
+    monkeypatch.delenv(private_dir.ENV, raising=False)
+    monkeypatch.setattr(private_dir, "_resolved", {})
+    monkeypatch.setattr(private_dir, "_made", {})
+    monkeypatch.setattr(private_dir, "_state", {"closed": False})
+    yield str(m)
+    private_dir.remove_made()

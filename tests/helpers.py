@@ -840,3 +840,13 @@ class LingeringSockets:
 
     def release(self) -> None:
         self.listener.close()  # resets the connections waiting in its queue
+
+
+async def read_whole_body(receive) -> bytes:
+    """An ASGI app's read of its whole request body (every ``http.request`` piece)."""
+    parts = []
+    while True:
+        m = await receive()
+        parts.append(m.get("body", b""))
+        if not m.get("more_body"):
+            return b"".join(parts)

@@ -8,7 +8,7 @@ import asyncio
 import json
 
 import pytest
-from helpers import asgi_peer
+from helpers import asgi_peer, read_whole_body
 
 from vllm._shm_embeds.http import gate
 from vllm._shm_embeds.http.body_limits import IN_FLIGHT
@@ -76,13 +76,7 @@ def _run(formats, messages, ctype=b"text/x-upper", length=None, scope_type="http
     seen = {}
 
     async def app(scope, receive, send):
-        chunks = []
-        while True:
-            m = await receive()
-            chunks.append(m.get("body", b""))
-            if not m.get("more_body"):
-                break
-        seen["body"] = b"".join(chunks)
+        seen["body"] = await read_whole_body(receive)
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
 

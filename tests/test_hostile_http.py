@@ -21,7 +21,7 @@ import types
 
 import pytest
 import torch
-from helpers import encode_embeds
+from helpers import encode_embeds, read_whole_body
 from test_binary_framing import LIMITS, _framed, _run_middleware, _scope, desc, hdr
 
 from vllm._shm_embeds import counters
@@ -477,13 +477,7 @@ def test_json_body_reaching_the_cap_midway_goes_to_vllm_whole(shm_env, monkeypat
     seen = {}
 
     async def app(scope, receive, send):
-        parts = []
-        while True:
-            m = await receive()
-            parts.append(m.get("body", b""))
-            if not m.get("more_body"):
-                break
-        seen["body"] = b"".join(parts)
+        seen["body"] = await read_whole_body(receive)
 
     msgs = [{"type": "http.request", "body": body[i:i + 8192],
              "more_body": i + 8192 < len(body)} for i in range(0, len(body), 8192)]

@@ -26,18 +26,6 @@ import pytest
 from vllm._shm_embeds import private_dir
 
 
-@pytest.fixture
-def mount(tmp_path, monkeypatch):
-    """A shared mount like ``/dev/shm`` (mode 1777), with no private directory yet."""
-    m = tmp_path / "shm"
-    m.mkdir()
-    m.chmod(0o1777)
-    monkeypatch.delenv(private_dir.ENV, raising=False)
-    monkeypatch.setattr(private_dir, "_resolved", {})
-    monkeypatch.setattr(private_dir, "_made", {})
-    monkeypatch.setattr(private_dir, "_state", {"closed": False})
-    yield str(m)
-    private_dir.remove_made()
 
 
 @pytest.mark.parametrize("start", ["spawn", "fork"])

@@ -128,16 +128,7 @@ DROPPED_HEADERS = {b"content-length", HEADER_LENGTH.lower().encode()}
 def replay(payload: bytes, receive: Receive) -> Receive:
     """``receive`` with ``payload`` as the whole request body first (then
     ``receive`` as is: only ``http.disconnect`` once a body was read)."""
-    sent = False
-
-    async def replayed() -> dict:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": payload, "more_body": False}
-        return await receive()
-
-    return replayed
+    return prefixed(payload, False, receive)
 
 
 def prefixed(received: bytes, more: bool, receive: Receive) -> Receive:
