@@ -12,6 +12,14 @@ TP=2, tests/helpers.py's launcher), the same attacks in order:
   of index 2**26 (CPython's C unpickler grows its memo array to twice that);
   the answers are compared with those for the same tensor saved plainly;
 * ``nested``: a binary body whose JSON header is nested 100,000 deep;
+* ``stride0``: 4 concurrent JSON bodies whose payload is ``torch.save`` of a
+  stride-0 view, 1 GiB logical and longer than ``--max-model-len``, padded to
+  2 MiB (statuses, wall, ``/dev/shm`` growth);
+* ``late_base64``: a 1000-row payload with one bad base64 character near its
+  end, twice (the API server's CPU seconds);
+* ``binary_drip``: 64 binary bodies announcing a 16 MiB header and a 19-digit
+  ``Content-Length``, dripping a byte every 5 s, while an ordinary binary body
+  is sent (the wide server runs with ``VLLM_SHM_EMBEDS_INFLIGHT_BYTES`` = 1 GiB);
 * ``planted``: directories at the EngineCore's next 256 segment names (names
   are ``handle.SegmentName``s: predictable from its pid) at the top of the
   segment mount, then an embeds request, a text request, the directories
@@ -219,6 +227,133 @@ def attack_nested(url: str) -> dict:
         return {"status": r.status_code}
     except requests.RequestException as e:
         return {"status": type(e).__name__}
+
+
+class PeakShm:
+    """Peak growth of ``/dev/shm``'s used bytes over a window (every 20 ms)."""
+
+    def __init__(self, mount: str = "/dev/shm") -> None:
+        self.mount, self.peak, self.base = mount, 0, 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, shutil.disk_usage(self.mount).used)
+            time.sleep(0.02)
+
+    def __enter__(self) -> PeakShm:
+        self.base = self.peak = shutil.disk_usage(self.mount).used
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join()
+
+    @property
+    def growth_mb(self) -> float:
+        return round((self.peak - self.base) / MIB, 1)
+
+
+def _cpu_s(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+def attack_stride0(url: str, hidden: int, max_len: int) -> dict:
+    """4 concurrent JSON bodies whose ``prompt_embeds`` is ``torch.save`` of
+    ``torch.ones(1, H).expand(T, H)``, ``T x H`` fp32 = 1 GiB logical with
+    ``T > --max-model-len`` (a payload of kilobytes), the body padded to
+    2 MiB with a long ``"user"`` string (so that the JSON path takes it)."""
+    rows = max((1 << 30) // (hidden * 4), max_len + 1)
+    buf = io.BytesIO()
+    torch.save(torch.ones(1, hidden).expand(rows, hidden), buf)
+    payload = base64.b64encode(buf.getvalue()).decode()
+    body = json.dumps({"model": "tiny", "max_tokens": 1, "prompt_embeds": payload,
+                       "user": "u" * (2 * MIB)}).encode()
+
+    def post(_: int) -> str:
+        try:
+            return str(requests.post(url + "/v1/completions", data=body, timeout=300,
+                                     headers={"Content-Type": "application/json"}).status_code)
+        except requests.RequestException as e:
+            return type(e).__name__
+
+    t0 = time.monotonic()
+    with PeakShm() as shm, ThreadPoolExecutor(4) as pool:
+        statuses = list(pool.map(post, range(4)))
+    return {"statuses": _codes(statuses), "payload_kb": round(len(payload) / 1024, 1),
+            "logical_mib": rows * hidden * 4 // MIB, "wall_s": round(time.monotonic() - t0, 2),
+            "dev_shm_growth_mb": shm.growth_mb}
+
+
+def attack_late_base64(url: str, api: psutil.Process, hidden: int) -> dict:
+    """One JSON payload (1000 rows, fp32) with one bad base64 character 100
+    characters before its end, twice: statuses and the API server's CPU
+    seconds for each."""
+    buf = io.BytesIO()
+    torch.save(torch.randn(1000, hidden), buf)
+    payload = base64.b64encode(buf.getvalue()).decode()
+    payload = payload[:-100] + "!" + payload[-99:]
+    body = json.dumps({"model": "tiny", "max_tokens": 1, "prompt_embeds": payload}).encode()
+    statuses, cpu = [], []
+    for _ in range(2):
+        c0 = _cpu_s(api)
+        try:
+            statuses.append(str(requests.post(url + "/v1/completions", data=body, timeout=300,
+                                              headers={"Content-Type": "application/json"}
+                                              ).status_code))
+        except requests.RequestException as e:
+            statuses.append(type(e).__name__)
+        time.sleep(0.5)
+        cpu.append(round(_cpu_s(api) - c0, 2))
+    return {"statuses": _codes(statuses), "body_mib": round(len(body) / MIB, 1),
+            "api_cpu_s": cpu}
+
+
+def attack_binary_drip(url: str, hidden: int, hold_s: float = 12.0) -> dict:
+    """64 connections each announce a binary body with a 16 MiB JSON header and
+    a 19-digit ``Content-Length``, then send one byte every 5 s; meanwhile
+    one ordinary binary body (256 rows): what it gets, and when the drippers
+    are answered."""
+    host, port = url.removeprefix("http://").split(":")
+    head = _binary_head("/v1/completions", 16 << 20, 10 ** 18)
+    socks: list = []
+    for _ in range(64):
+        s = socket.create_connection((host, int(port)), timeout=hold_s + 60)
+        s.sendall(head + b"[")
+        socks.append(s)
+    stop = threading.Event()
+
+    def drip() -> None:
+        while not stop.wait(5.0):
+            for s in socks:
+                try:
+                    s.sendall(b" ")
+                except OSError:
+                    pass
+
+    dripper = threading.Thread(target=drip, daemon=True)
+    dripper.start()
+    time.sleep(3)
+    rows = 256
+    header = json.dumps({"model": "tiny", "max_tokens": 1, "prompt_embeds": {
+        "datatype": "FP32", "shape": [rows, hidden],
+        "parameters": {"binary_data_size": rows * hidden * 4}}}).encode()
+    data = torch.randn(rows, hidden).numpy().tobytes()
+    try:
+        r = requests.post(url + "/v1/completions", data=header + data, timeout=120, headers={
+            "Content-Type": "application/octet-stream",
+            "Inference-Header-Content-Length": str(len(header))})
+        ordinary = str(r.status_code)
+    except requests.RequestException as e:
+        ordinary = type(e).__name__
+    time.sleep(hold_s)
+    stop.set()
+    dripper.join(10)
+    return {"ordinary_binary": ordinary, "drippers_after_s": round(hold_s + 3),
+            "drippers": _outcomes(socks)}
 
 
 def attack_planted(url: str, api: psutil.Process, seg_dir: str, weights: torch.Tensor) -> dict:
@@ -674,7 +809,7 @@ def attack_regions_linger(regions_path: str | None) -> dict:
         lingering.release()
 
 
-WIDE = ("stalled", "memo", "nested", "planted")
+WIDE = ("stalled", "memo", "nested", "planted", "stride0", "late_base64", "binary_drip")
 TINY = ("planted_names", "listing", "binary_skeleton", "datatype_list", "json_skeleton",
         "regions_linger")
 
@@ -694,7 +829,10 @@ def run_server(shm_on: bool, model: str, attacks: list[str], args, weights: torc
     mode = "shm-embeds" if shm_on else "stock"
     out: dict = {}
     try:
-        env = {"VLLM_SHM_EMBEDS_MIN_BYTES": str(MIB)} if model == "wide" else {}
+        # The wide model's server: the in-flight cap at its floor (1 GiB, the
+        # default wherever /dev/shm is under 4 GiB), as binary_drip assumes.
+        env = ({"VLLM_SHM_EMBEDS_MIN_BYTES": str(MIB), "VLLM_SHM_EMBEDS_INFLIGHT_BYTES": str(1 << 30)}
+               if model == "wide" else {})
         regions_path = str(tmp / "regions.sock") if shm_on and model == "tiny" else None
         if regions_path is not None:
             env["VLLM_SHM_EMBEDS_REGIONS"] = regions_path
@@ -716,7 +854,10 @@ def run_server(shm_on: bool, model: str, attacks: list[str], args, weights: torc
                "datatype_list": lambda: attack_datatype_list(server.url, server.log_path,
                                                              hidden),
                "json_skeleton": lambda: attack_json_skeleton(server.url),
-               "regions_linger": lambda: attack_regions_linger(regions_path)}
+               "regions_linger": lambda: attack_regions_linger(regions_path),
+               "stride0": lambda: attack_stride0(server.url, hidden, 2048),
+               "late_base64": lambda: attack_late_base64(server.url, api, hidden),
+               "binary_drip": lambda: attack_binary_drip(server.url, hidden)}
         try:
             for name in attacks:
                 time.sleep(1)
@@ -754,6 +895,11 @@ SUMMARIES = {
                      "{asgi_exceptions} 'Exception in ASGI application'",
     "json_skeleton": "statuses {statuses} in {wall_s} s; /health max {health_max_s} s "
                      "(n {health_n})",
+    "stride0": "statuses {statuses} in {wall_s} s ({payload_kb} KB payloads, {logical_mib} MiB "
+               "logical); /dev/shm +{dev_shm_growth_mb} MB",
+    "late_base64": "statuses {statuses} ({body_mib} MiB body); API CPU s {api_cpu_s}",
+    "binary_drip": "an ordinary binary body meanwhile: {ordinary_binary}; the 64 drippers after "
+                   "{drippers_after_s} s: {drippers}",
 }
 
 
@@ -823,6 +969,15 @@ def worse(stock: dict, on: dict) -> list[str]:
         if name == "regions_linger" and r.get("victim_registered") is not True:
             flags.append(f"regions_linger: the other producer's registration: "
                          f"{r.get('victim_registered')} after {r.get('victim_answer_s')} s")
+        if name == "stride0" and "wall_s" in r:
+            lat = [("wall", r["wall_s"], s.get("wall_s"))]
+            if r.get("dev_shm_growth_mb", 0) > s.get("dev_shm_growth_mb", 0) + 64:
+                flags.append(f"stride0: /dev/shm +{r['dev_shm_growth_mb']} MB vs stock "
+                             f"+{s.get('dev_shm_growth_mb')} MB")
+        if name == "late_base64" and r.get("api_cpu_s") and s.get("api_cpu_s"):
+            lat = [("API CPU max", max(r["api_cpu_s"]), max(s["api_cpu_s"]))]
+        if name == "binary_drip" and r.get("ordinary_binary") != "200":
+            flags.append(f"binary_drip: an ordinary binary body got {r.get('ordinary_binary')}")
         if name in ("binary_skeleton", "json_skeleton") and "health_max_s" in r:
             lat = [("/health max", r["health_max_s"], s.get("health_max_s"))]
         for what, v_on, v_st in lat:

@@ -617,6 +617,23 @@ def test_max_connections(env):
     env.check_good_registration(env.connect())
 
 
+def test_one_producer_holds_at_most_its_share_of_the_connections(env, monkeypatch):
+    """One producer process (a pid) keeping connections open holds at most
+    ``MAX_CONNECTIONS_PER_PRODUCER`` of the shared slots; others keep theirs."""
+    monkeypatch.setattr(rs, "MAX_CONNECTIONS_PER_PRODUCER", 2)
+    env.start(max_connections=64)
+    a, b = env.connect(), env.connect()
+    env.check_good_registration(a)
+    c = env.connect()
+    assert json.loads(c.recv(1 << 16)) == {"error": "too many connections from this process"}
+    assert c.recv(10) == b""
+    assert counters.stats()["region_refused.producer_connections"] == 1
+    env.check_good_registration(b)
+    a.close()
+    wait_until(lambda: len(env.server._conns) == 1, 5, "one connection open")
+    env.check_good_registration(env.connect())
+
+
 def test_lookup_only_for_sibling_api_servers(env):
     """The internal ``lookup`` op hands a region's fd to a sibling API server
     (same uid and parent) only: a producer asking for it is refused."""

@@ -82,6 +82,8 @@ logger = init_logger(__name__)
 MAX_MESSAGE = wire.MAX_MESSAGE  # bytes of one JSON message (the client's)
 MAX_LOOKUP_REPLY = 128 << 10  # SEQPACKET: a message over SO_SNDBUF fails (EMSGSIZE)
 MAX_CONNECTIONS = 64  # producers' (siblings' do not count)
+# One producer process's share of them: no single producer holds the pool.
+MAX_CONNECTIONS_PER_PRODUCER = 8
 REGISTER_WORKERS = 2
 EXPIRE_EVERY_S = 1.0
 MAX_UNREAD_CLOSES = 64  # connections with unread messages waiting for the closer thread
@@ -334,6 +336,12 @@ class RegionServer:
                     not c.sibling for c in self._conns) >= self.max_connections:
                 count_reason(Event.REGION_REFUSED, "connections")
                 self._send(sock, {"error": "too many connections"})
+                self._retire(sock)
+                return True
+            if not conn.sibling and sum(not c.sibling and c.pid == pid for c in self._conns
+                                        ) >= MAX_CONNECTIONS_PER_PRODUCER:
+                count_reason(Event.REGION_REFUSED, "producer_connections")
+                self._send(sock, {"error": "too many connections from this process"})
                 self._retire(sock)
                 return True
             sel.register(sock, selectors.EVENT_READ, conn)
