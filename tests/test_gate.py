@@ -63,6 +63,7 @@ class Echo(Upper):
 
 class _Upload:
     released = False
+    leases = ()
 
     def release(self):
         self.released = True
@@ -191,3 +192,37 @@ def test_the_registry_formats_implement_the_protocol():
         assert fmt.name == f.name
         for method in ("claim", "prepare", "counted"):
             assert callable(getattr(fmt, method)), (f.name, method)
+
+
+def test_leases_settle_at_the_first_response_body_byte():
+    """A request's region leases stop counting against the cap when vLLM's app
+    sends its first response body message (after the request's first output),
+    not when a slow client has read the whole answer; they end with it."""
+    from vllm._shm_embeds.http.placeholders import Upload, call_with_body
+
+    events = []
+
+    class Lease:
+        tensor = None
+
+        def settle(self):
+            events.append("settle")
+
+        def release(self):
+            events.append("release")
+
+    upload = Upload("t", [], leases=[Lease()])
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        events.append("started")
+        for chunk in (b"a", b"b"):
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            events.append(f"sent {chunk.decode()}")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    receive, send, _ = asgi_peer([])
+    asyncio.run(call_with_body(app, {"type": "http", "headers": []}, receive, send, b"{}",
+                               upload))
+    upload.release()
+    assert events == ["started", "settle", "sent a", "settle", "sent b", "settle", "release"]

@@ -295,6 +295,30 @@ def test_connection_close_unregisters_and_leases_outlive_it(env):
     env.check_good_registration(env.connect())
 
 
+def test_a_settled_lease_leaves_the_cap_and_still_keeps_its_region(env):
+    """Once a request's response has started its leases stop counting against
+    ``max_leases`` (a slow reader of a streamed answer holds none of them) and
+    still keep their region alive, unregistered or not, until released."""
+    env.start(max_leases=1)
+    sock = env.connect()
+    t = torch.randn(7, H, dtype=torch.float16)
+    rid = env.register(sock, t)["region"]
+    lease = env.registry.lease(rid, "FP16", [7, H], t.nbytes, 0)
+    with pytest.raises(RegionError, match="most allowed"):
+        env.registry.lease(rid, "FP16", [7, H], t.nbytes, 0)
+    lease.settle()
+    lease.settle()  # idempotent
+    assert env.registry.stats()["leases"] == 0
+    second = env.registry.lease(rid, "FP16", [7, H], t.nbytes, 0)  # the slot is free
+    second.release()
+    sock.close()  # unregistered: the settled lease still holds the region
+    wait_until(lambda: env.registry.stats()["regions"] == 0, 5, "the region unregistered")
+    assert env.registry.stats()["draining"] == 1 and torch.equal(lease.tensor, t)
+    lease.release()
+    assert env.registry.stats() == {"regions": 0, "bytes": 0, "draining": 0, "leases": 0,
+                                      "per_uid": {}}
+
+
 def test_registry_close_waits_for_leases(env):
     sock, t, rid, lease = env.started_with_a_lease()
     env.registry.close()

@@ -11,7 +11,8 @@
   generates from ``SITES`` and ``GROUPS``; ``tools/vllm_sites.md``'s letters
   name real sites; a group that needs a group that is off is off;
 * modules: every module of the package is in ``docs/design.md``'s layout
-  table, and the table names no module that does not exist.
+  table, and the table names no module that does not exist; no module
+  docstring is over 15 lines (the rest is in its "Module notes" section).
 * imports: no module of the package reaches itself through its imports;
 * layers: :data:`LAYERS` says what each layer of the package may import (of
   the package, of vLLM, HTTP libraries); every import of every module (one
@@ -253,6 +254,24 @@ def test_every_module_is_in_the_design_doc_layout():
     files = set(_package_files())
     assert not files - listed, f"modules not in docs/design.md: {sorted(files - listed)}"
     assert not listed - files, f"docs/design.md names no module: {sorted(listed - files)}"
+
+
+MAX_MODULE_DOC_LINES = 15
+
+
+def test_module_docstrings_are_short():
+    """A module's docstring says what it does and may import, in at most
+    :data:`MAX_MODULE_DOC_LINES` lines (every line counted); the design, its
+    cases and version notes live in ``docs/design.md``'s "Module notes"."""
+    assert len(_package_files()) > 50  # the walk saw the package
+    long = []
+    for rel in _package_files():
+        doc = ast.get_docstring(ast.parse(_read("vllm", "_shm_embeds", rel)), clean=False)
+        n = len(doc.splitlines()) if doc else 0
+        if n > MAX_MODULE_DOC_LINES:
+            long.append(f"{rel} ({n} lines)")
+    assert not long, (f"module docstrings over {MAX_MODULE_DOC_LINES} lines (move the rest "
+                      f"to docs/design.md, \"Module notes\"): {', '.join(long)}")
 
 
 def _module_name(rel: str) -> str:

@@ -1,22 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 """Every ``VLLM_SHM_EMBEDS_*`` variable, declared once and parsed with one rule.
 
-:data:`SETTINGS` declares each variable once: its name, its kind (the
-pydantic validator and what a bad value "is not"), its default, its unit and
-what it means. From that one table come the parsing (:func:`settings`), the
-:class:`Settings` attributes, the getters the rest of the package imports,
-the table handed to vLLM's ``envs`` (:data:`ENV_VARS`) and the variables
-table of ``docs/configuration.md``
-(``python -m vllm._shm_embeds.config --markdown``; ``tests/test_config.py``
-fails when the doc differs).
+:data:`SETTINGS` declares each variable once (name, kind, default, unit, meaning);
+from it come the parsing (:func:`settings`), the :class:`Settings` attributes, the
+getters the rest of the package imports, the table handed to vLLM's ``envs``
+(:data:`ENV_VARS`) and the variables table of ``docs/configuration.md``
+(``python -m vllm._shm_embeds.config --markdown``).
 
-The environment is read only here. :func:`settings` parses all variables
-together the first time it is called and again only when one of them changed
-(tests set them; the API server sets ``VLLM_SHM_EMBEDS_STATS_DIR`` before it
-starts the engines), so a hot path pays one tuple comparison. Flags follow
-pydantic's ``bool`` rule (``1/true/yes/on/t/y`` on, ``0/false/no/off/f/n``
-off, any case). A bad value never raises: the default is used and
-:attr:`Settings.problems` says so (the plugin logs it at start).
+The environment is read only here. A bad value never raises: the default is used
+and :attr:`Settings.problems` says so (the plugin logs it at start).
+
+Base layer: may import the other base modules and vLLM's logger; no HTTP.
+Design notes: docs/design.md, "Module notes".
 """
 
 from __future__ import annotations
@@ -241,7 +236,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("VLLM_SHM_EMBEDS_REGIONS_REFS_MAX", COUNT, 64, "references",
         "region references one request may make; more get 400."),
     Setting("VLLM_SHM_EMBEDS_REGIONS_LEASES_MAX", COUNT, DEFAULT_REGIONS_LEASES_MAX, "references",
-        "region references of requests in flight one API server may hold; more get 429."),
+        "region references of requests in flight one API server may hold until their "
+        "response starts (a slow reader holds none); more get 429."),
     Setting("VLLM_SHM_EMBEDS_STRICT", FLAG, False, "flag",
         "on: an illegal segment lifecycle transition (a bug of the plugin) raises "
         "`IllegalTransition` instead of being logged and refused; for tests (`tests/conftest.py` "

@@ -1,27 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 """Counters of what shm-embeds did, in every process of a server.
 
-A count is an in-memory add plus, when ``VLLM_SHM_EMBEDS_STATS_DIR`` is set
-(an API server sets it for all its processes: ``http/metrics.py``), one
-``struct.pack_into`` on an mmap'd file of ``prometheus_client``'s
-multiprocess mode (``<dir>/counter_<pid>.db``, the library's
-``MmapedDict``): no file is rewritten, no lock is shared between processes.
-``/metrics`` and the tests read all processes' files with the library's
+A count is an in-memory add plus, when ``VLLM_SHM_EMBEDS_STATS_DIR`` is set, one
+``struct.pack_into`` on this process's mmap'd ``prometheus_client`` multiprocess
+file; ``/metrics`` and the tests read all processes' files with the library's
 reader (:func:`read_server`, :func:`read_stats_dir`).
 
-Each value is stored as a sample of one family, :data:`FAMILY`, labelled
-with the event name, the process's role(s) when it was counted (``client``,
-``engine``, ``worker``; a hop's sender and receiver count the same event
-name) and, for the labelled events, ``hop`` and ``reason``. The public
-``vllm:shm_embeds_*`` families are derived from these at scrape time
-(``http/metrics.py``).
+Every event is declared once, in :class:`Event`, with the ``/metrics`` family it
+feeds and what it counts; callers name it (``count(Event.SEGMENTS_CREATED)``),
+never spell it. Never count from a finalizer (this takes a lock).
 
-Every event is declared once, in :class:`Event`, with the ``/metrics``
-family it feeds (or none: summary and tests only) and what it counts; callers
-name it (``count(Event.SEGMENTS_CREATED)``), never spell it, so a typo is an
-``AttributeError`` and not a counter ``/metrics`` never shows
-(``tests/test_registry_tables.py`` checks the call sites and the mapping of
-``http/metrics.py``). Never count from a finalizer (this takes a lock).
+Base layer: may import the other base modules and vLLM's logger; no HTTP.
+Design notes: docs/design.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -2,27 +2,15 @@
 """Segment names and :class:`SharedTensorHandle`: what crosses a hop instead of bytes.
 
 Pure data and parsing; no file is opened here (``files/segment.py`` does the I/O).
+A segment is a 4096-byte header (magic, one reader flag byte per reader and
+broadcast) then the tensor's bytes, C-contiguous; a large one is *striped* over K
+files (``<name>``, ``<name>p1``, ...) that readers map back to back.
+:class:`SegmentName` says who owns a segment:
+``vllm-shm-embeds.<pidns>.<pid>.<start>.<seq>[p<part>]``, so a sweep can tell a
+dead owner's segments from a live one's even after pid reuse.
 
-Layout of one segment (files in the segment directory, a tmpfs)::
-
-    [0, 4096)          header: magic b"SHMEMB01", then one flag byte per
-                       reader and broadcast at offset 64 + flag_base + reader
-                       (set to 1 when that reader has mapped the segment)
-    [4096, 4096 + N)   the tensor's bytes, C-contiguous, N = numel * itemsize
-
-A large segment is *striped* over K files (``<name>``, ``<name>p1``, ...
-``<name>p<K-1>``): tmpfs serializes writes to one file (per-inode lock), so K
-threads writing K files at once are K times faster than one. File 0 holds the
-header and the first data bytes, file i the bytes from ``handle.split[i-1]``
-on (page-aligned). Readers map the files back to back into one reserved
-address range, so the tensor is one contiguous view.
-
-Names (:class:`SegmentName`) say who owns a segment:
-``vllm-shm-embeds.<pidns>.<pid>.<start>.<seq>[p<part>]``, ``<pidns>`` the
-owner's PID namespace, ``<start>`` its start time in clock ticks since boot
-(``/proc/<pid>/stat`` field 22, ``0`` when it could not be read). A sweep can
-then tell a dead owner's segments from a live one's even after pid reuse,
-and leaves other containers' segments alone.
+Base layer: may import the other base modules and vLLM's logger; no HTTP.
+Design notes: docs/design.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,29 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """The server's private segment directory: made once, found by its processes, gone at exit.
 
-Segments must not live where other users can list, plant or race: ``/dev/shm``
-is mode 1777, so any local user could read our names and sizes (a prompt's
-length) and plant names by the million for our walks to step over. So when
-the configured directory (``VLLM_SHM_EMBEDS_DIR``, the *mount*) is shared, the
-first process of a server that asks makes a directory of its own in it::
-
-    <mount>/vllm-shm-embeds-<random>/     mode 0700: one entry, size constant
-        owner                             "<pidns> <pid> <start>" of the maker
-        segments/                         mode 0700: every segment file
-
-Only this uid can enter it; the segment files sit one level further down, so
-even the outer directory's size (tmpfs counts entries in it) and times say
-nothing about how many segments there are. The path is exported as
-:data:`ENV` before vLLM starts the EngineCore and its workers, which inherit
-it; a process accepts an inherited path only after :func:`_check_dir`. The
-maker removes the directory at exit (:func:`remove_made`); a directory whose
-maker is certainly dead is removed by the next server's start-up sweep
-(:func:`sweep_dead`), the one walk of the mount, once per start.
-
-A mount that is already private (this uid's, no access for group or others,
-its parent not a directory where others could swap it) is used as it is.
+When the configured directory (``VLLM_SHM_EMBEDS_DIR``, the *mount*) is shared,
+the first process of a server that asks makes ``<mount>/vllm-shm-embeds-<random>/``
+(mode 0700; an ``owner`` file and a ``segments/`` directory) and exports its path
+as :data:`ENV` for the EngineCore and workers to inherit; a process accepts an
+inherited path only after :func:`_check_dir`. The maker removes it at exit
+(:func:`remove_made`); one whose maker is certainly dead goes at the next server's
+start-up sweep (:func:`sweep_dead`). A mount that is already private is used as is.
 
 Knows directories and ``/proc`` only: no segment format, not vLLM, not HTTP.
+Design notes: docs/design.md, "Module notes".
 """
 
 from __future__ import annotations

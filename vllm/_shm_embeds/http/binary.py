@@ -1,64 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 """Binary ``prompt_embeds`` request bodies streamed into shared memory.
 
-Wire format (KServe v2 / Triton "binary tensor data" framing), on the stock
-routes ``POST /v1/completions`` and ``POST /v1/chat/completions``:
+Wire format: KServe v2 / Triton "binary tensor data" framing on ``POST
+/v1/completions`` and ``POST /v1/chat/completions`` (``Content-Type:
+application/octet-stream`` and ``Inference-Header-Content-Length: <n>``: a JSON
+header whose ``prompt_embeds`` are descriptors, then each tensor's raw bytes).
+:class:`BinaryFormat`, a body format of the one body gate (``gate.BodyGate``),
+claims only such requests, validates every descriptor against the served model
+before allocating anything, writes the tensor bytes straight into segments and
+calls the stock app with placeholders that resolve only in this request's context
+(``sites/renderers.py``). Hop 1 then sends the segment itself by handle.
 
-* headers ``Content-Type: application/octet-stream`` and
-  ``Inference-Header-Content-Length: <n>``;
-* the first ``<n>`` body bytes are the usual JSON request (UTF-8), except that
-  each ``prompt_embeds`` value (completions: the field, or each item of a
-  list; chat: the ``data`` of a ``{"type": "prompt_embeds"}`` content part)
-  is a descriptor ``{"datatype": "FP32"|"FP16"|"BF16", "shape": [T, H],
-  "parameters": {"binary_data_size": N}}``;
-* then each tensor's ``N`` raw bytes (little-endian, C-contiguous), in the
-  order the descriptors appear in the JSON; nothing after the last one.
-
-Design: :class:`BinaryFormat`, a body format of the one body gate
-(``gate.BodyGate``, the pure ASGI middleware that the glue adds innermost in
-vLLM's FastAPI app: inside authentication and CORS, so an unauthenticated
-client never gets a segment), claims only requests with that content type
-*and* header on those two paths; everything else goes to the stock app
-untouched. It reads the JSON header, validates every descriptor
-against the served model *before allocating anything* (datatype, 2-D,
-``binary_data_size == T*H*itemsize``, ``H`` = hidden size, ``1 <= T <=
-max_model_len``, header length and total against ``Content-Length``, total
-against ``VLLM_SHM_EMBEDS_BINARY_MAX_BYTES``), then writes the following body chunks from
-``receive()`` straight into one :class:`~vllm._shm_embeds.lifetime.streamed.StreamedSegment`
-per tensor (``pwrite``; no join of the body, no base64, no ``torch.load``, no
-JSON scan of the bulk). It then calls the stock app with a small JSON body in
-which each descriptor is replaced by a placeholder string
-``shm-embeds-binary:<token>.<i>`` and sets a context variable holding the
-per-request random token and the tensors. The stock decode sites
-(``BaseRenderer.render_prompt`` / ``_render_prompt_async`` for completions,
-``AsyncMultiModalContentParser._load_prompt_embeds_async`` for chat; see
-``sites/renderers.py``) resolve a placeholder only when that
-context variable of *this* request holds the same token; any other bytes,
-including the same placeholder sent by a JSON client, take vLLM's own path
-and get its usual error. Hop 1 then sends the segment itself by handle
-(:func:`~vllm._shm_embeds.lifetime.streamed.hand_over`): the socket-to-segment write is the
-only copy of the bytes (a ``datatype`` other than the model's costs one more,
-counted, as the JSON path's cast). The prefix-cache digests of each block are
-computed on the hashing pool while the body arrives (``digests.StreamHasher``),
-so the EngineCore hashes none of them (a cast tensor is still hashed there).
-Segments not handed over when the request ends (rejected by vLLM, disconnect,
-error) are unlinked at once, and the API server lets go of its pages of the
-others.
-
-A middleware, not an endpoint plugin: docs/binary-protocol.md says why.
-
-Environment: ``VLLM_SHM_EMBEDS_BINARY_MAX_BYTES``: cap on the tensor bytes of
-one body (default ``max_model_len * hidden_size * 4``); a larger body gets 413
-before anything is read past the JSON header. ``VLLM_SHM_EMBEDS_INFLIGHT_BYTES``:
-a body's JSON header (the part held in this process's memory; the tensors go
-to segments, charged to the segment budget by the bytes written) counts as
-bytes in flight, with the JSON path's bodies (``body_limits.IN_FLIGHT``,
-charged by the gate as they arrive), until the whole body has arrived; a body
-finding or reaching the cap gets 503 (``busy``). ``binary_header.check_json_bounds`` bounds
-what parsing a header builds.
-
-Counters: ``binary_bodies``, ``binary_tensors``, ``binary_bytes``,
-``binary_converted_bytes``, ``binary_rejected.<reason>`` (docs/metrics.md).
+Knows HTTP (ASGI) and nothing of vLLM's classes.
+Design notes: docs/design.md, "Module notes"; docs/binary-protocol.md.
 """
 
 from __future__ import annotations

@@ -1,35 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 """The one gate every request body of ours passes: :class:`BodyGate`.
 
-A body format (one file each: ``binary.py``, ``region_refs.py``,
-``json_body.py``; their one registry is ``formats.py``) says only what is its
-own, as a :class:`BodyFormat`: whether a request is its
-(:meth:`~BodyFormat.claim`, from the headers alone, before a byte is read)
-and what to make of its bytes (:meth:`~BodyFormat.prepare`). The gate does
-the rest, once for all of them:
-
-* the two routes (``common.route``) and the served model
-  (``common.ServerContext``), handed to every format;
-* the bytes a body holds in this process's memory while it arrives, against
-  ``VLLM_SHM_EMBEDS_INFLIGHT_BYTES`` (``body_limits.IN_FLIGHT``), charged
-  as they arrive (never by a size the client declares) and given back once
-  the body is in: a body finding the cap reached, or reaching it, gets what
-  the format's :attr:`Claim.when_busy` says (a 503, or vLLM's own path with
-  the bytes so far ahead of the rest: :class:`Busy`);
-* the one reader, :class:`Body`: a per-receive timeout and a deadline for
-  the whole body by a size the server bounds (``body_limits``), both a 408;
-* refusals (:class:`Refused`: 400, 408, 413, 429, 503) answered in vLLM's
-  error shape and counted by the format (:meth:`~BodyFormat.counted`);
-* vLLM's app called with the prepared body, and the request's
-  ``placeholders.Upload`` ended after the response (what vLLM did not take
-  over goes then).
-
-A format that read a body and finds it is not its own after all (a small
-JSON body that names no region) hands the bytes back
-(:attr:`Outcome.offer_on`): the next format of the registry gets them, as
-if they were arriving.
+A body format (one file each: ``binary.py``, ``region_refs.py``, ``json_body.py``;
+their one registry is ``formats.py``) says only what is its own, as a
+:class:`BodyFormat`: whether a request is its (:meth:`~BodyFormat.claim`, from the
+headers alone) and what to make of its bytes (:meth:`~BodyFormat.prepare`). The
+gate does the rest once for all of them: the routes and served model, the bytes in
+flight against ``VLLM_SHM_EMBEDS_INFLIGHT_BYTES``, the one reader (:class:`Body`)
+with its timeouts, refusals (:class:`Refused`) in vLLM's error shape, and calling
+vLLM's app with the prepared body. A format may hand a body back
+(:attr:`Outcome.offer_on`) for the next format of the registry.
 
 Knows HTTP (ASGI) and nothing of vLLM's classes.
+Design notes: docs/design.md, "Module notes".
 """
 
 from __future__ import annotations

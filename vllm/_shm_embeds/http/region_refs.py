@@ -1,39 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 """Registered regions in the API server's requests: references in request bodies.
 
-With ``VLLM_SHM_EMBEDS_REGIONS=<path>``, same-host producers register sealed
-memfds holding ``prompt_embeds`` tensors over a Unix socket (the
-``regions/`` package: socket, registry and checks; protocol and security
-model in ``docs/regions.md``). A request then names a region wherever a
-``prompt_embeds`` tensor can appear (the completions field or a list item
-of it, a chat ``prompt_embeds`` content part), in a plain JSON body, with
-Triton's parameter names::
-
-    {"datatype": "FP32", "shape": [T, H],
-     "parameters": {"shared_memory_region": "<id>",
-                    "shared_memory_byte_size": N, "shared_memory_offset": 0}}
-
-:class:`RegionRefsFormat` (a body format of the one body gate,
-``gate.BodyGate``, offered a body before the JSON one) starts the registry
-and the socket server at the app's ``lifespan`` start-up (``regions/service.py``; the served model is known
-then: ``app.state.vllm_config``) and closes them at shutdown. On the two
-completion routes it reads JSON bodies of at most 1 MiB
-(:data:`MAX_BODY_BYTES`; a body naming regions is small), and when a
-body names a region it *leases* each region for the request
-(``RegionRegistry.lease``: the reference must match the registration) and
-puts a placeholder there that resolves, in this request's context only, to
-the region's read-only tensor (``placeholders.resolve_placeholder``). Hop 1 then
-sends the API server's descriptor of the memfd instead of the bytes
-(``hops/hop1.py``, ``transfer.share_region``); the digests computed at
-registration ride along. A reference that does not match gets 400, with a
-message that names no path and does not echo the id; so does a request
-with more than ``VLLM_SHM_EMBEDS_REGIONS_REFS_MAX`` references (each costs
-the EngineCore two fds and two mappings). Over the server's
-``VLLM_SHM_EMBEDS_REGIONS_LEASES_MAX`` leases in flight a request gets 429.
-Leases end when the response has been sent. Without
-``--enable-prompt-embeds`` regions are off (no socket is served).
+With ``VLLM_SHM_EMBEDS_REGIONS=<path>``, same-host producers register sealed memfds
+holding ``prompt_embeds`` tensors over a Unix socket (``regions/``; protocol in
+``docs/regions.md``), and a plain JSON body names a region, with Triton's parameter
+names, wherever a ``prompt_embeds`` tensor can appear. :class:`RegionRefsFormat` (a
+body format of the one body gate, ``gate.BodyGate``) starts the registry and socket
+server at the app's ``lifespan`` start-up (``regions/service.py``), leases each
+region a request names (``RegionRegistry.lease``) and puts a placeholder there that
+resolves, in this request's context only, to the region's read-only tensor; hop 1
+then sends the memfd's descriptor instead of the bytes.
 
 Knows HTTP and the registry; no vLLM class.
+Design notes: docs/design.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,62 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 """The lifecycle of a segment this process owns: kinds, states, transitions.
 
-Every segment in ``owned.OwnedSegments``'s index has a :class:`Kind` (how it
-came to this process) and a :class:`State`; it moves between states only by
-the events of :data:`TRANSITIONS`, each named as the ``OwnedSegments``
-method that makes it (the same word in ``lifetime/transfer.py``), or, for what
-happens to a segment rather than by a call (:data:`OBSERVED`), as what the
-books see at a safe point::
+Every segment in ``owned.OwnedSegments``'s index has a :class:`Kind` (how it came
+to this process) and a :class:`State` (``HELD``, ``BROADCAST``, ``FREED``,
+``MAPPED``, ``DRAINING``, ``GONE``); it moves between states only by the events of
+:data:`TRANSITIONS`, each named as the ``OwnedSegments`` method that makes it (the
+same word in ``lifetime/transfer.py``), or, for what happens to a segment rather
+than by a call (:data:`OBSERVED`), as what the books see at a safe point.
 
-                               own
-                                |
-                                v
-          +---------------- +------+  broadcast   +-----------+ --+
-          |  hand_over,     | HELD | -----------> | BROADCAST |   | broadcast,
-          |  vanish         +------+ <----------- +-----------+ <-+ die
-          |                  |      settle (readers  |     |
-          v                  |      done, in use)    |     | release_adopted
-     +--------+  settle (readers done, nothing tells |     v (readers not done)
-     | MAPPED | <------------------------------------+  +-------+ --+ broadcast,
-     +--------+  the request's end)                     | FREED |   | die,
-          |                  |                          +-------+ <-+ release_adopted
-          | release_*,       | release_*, die,              |
-          | die              | vanish (a copy)              | settle
-          v                  v                              v
-     +--------------------------------------------------------------+
-     |                             GONE                             |
-     +--------------------------------------------------------------+
-       also BROADCAST -> GONE (settle, release_adopted, once the readers
-       are done and nothing maps it here); unlink_all: any state -> GONE
-
-       and wherever a move to GONE would drop pages that a zero-copy send
-       may still read (``sends`` > 0): DRAINING instead, then GONE (sent)
-
-* ``HELD``: the name is linked, the request uses the segment here (its tensor
-  is mapped here, or, for a hop-2 copy, the tensor it copies is alive), no
-  broadcast of it is pending.
-* ``BROADCAST``: readers of at least one broadcast have not all set their
-  flags (the flags live in its mapping here; the files stay open).
-* ``FREED``: vLLM freed the request while a broadcast was pending: the name
-  goes, and this process's pages of it are dropped, once the readers are done.
-* ``MAPPED``: out of the books: the name is gone or was passed to a peer
-  (``hand_over``), but the pages are still mapped here as a tensor until the
-  request is released or the storage dies.
-* ``DRAINING``: the request is done with it and its name is gone, but vLLM
-  may still be sending its bytes without a copy (a ZMQ frame over a
-  ``send_view``; see ``OwnedSegments.send_view``): its pages are dropped once
-  the last such send is done (``sent``), never before.
-* ``GONE``: nothing of it is left here (terminal; not kept in the index).
-
-Words: *unlink* removes names; *drop* gives back this process's pages of a
-mapping (``segment.drop_pages``); *release* is the request being done with a
-segment here; *die* is its tensor storage (or a copy's source) being freed.
-
-An event not in the table is a bug of ours: :func:`check` logs it and
-refuses the move (never an exception into a vLLM thread), or raises
-:class:`IllegalTransition` with ``VLLM_SHM_EMBEDS_STRICT`` on (the tests).
+An event not in the table is a bug of ours: :func:`check` logs it and refuses the
+move, or raises :class:`IllegalTransition` with ``VLLM_SHM_EMBEDS_STRICT`` on.
 
 Knows segments, not vLLM and not HTTP.
+Design notes: docs/design.md, "Module notes" (the state diagram).
 """
 
 from __future__ import annotations

@@ -1,22 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """The books of the segments one process owns, and when their names may go.
 
-A name stays for as long as the segment's pages are in use by a request:
-until every reader of every broadcast of it has set its flag (after at
-least one broadcast) *and* the request is done with it here (its tensor
-storage, or the tensor a hop-2 copy was made from, is freed, or vLLM freed
-the request: :meth:`OwnedSegments.release_adopted`). The TP workers map the
-pages until their request ends too, so the names in the segment directory
-are what the server holds there (the budget, ``transfer.check_budget``,
-counts them). Bookkeeping happens under a lock in ordinary code; finalizers
-only record (:func:`on_release`), and the work is done at the next safe
-point (:meth:`OwnedSegments.collect`).
-
-Each segment's kind and state, the moves allowed between states and the
-index that holds them are ``lifetime/lifecycle.py``'s; every public verb here is
-one event of ``lifecycle.TRANSITIONS``, the same word in ``lifetime/transfer.py``.
+A name stays for as long as the segment's pages are in use by a request: until
+every reader of every broadcast of it has set its flag *and* the request is done
+with it here (:meth:`OwnedSegments.release_adopted`). Bookkeeping happens under a
+lock in ordinary code; finalizers only record (:func:`on_release`), and the work is
+done at the next safe point (:meth:`OwnedSegments.collect`). Each segment's kind
+and state and the moves allowed are ``lifetime/lifecycle.py``'s; every public verb
+here is one event of ``lifecycle.TRANSITIONS``.
 
 Knows segments and handles, not vLLM and not HTTP.
+Design notes: docs/design.md, "Module notes".
 """
 
 from __future__ import annotations

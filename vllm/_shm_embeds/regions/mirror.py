@@ -1,20 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """Registered regions seen from a sibling API server (``--api-server-count`` > 1).
 
-One API server of a ``vllm serve`` serves the regions socket
-(``regions/server.py``); producers register there, once. Each request that
-lands on another API server and names a region is resolved by
+One API server of a ``vllm serve`` serves the regions socket (``regions/server.py``).
+A request on another API server that names a region is resolved by
 :class:`RegionMirror`: it asks the serving API server over the same socket
 (``{"op": "lookup"}``; only a sibling, same uid and parent, may) and gets the
-region's fd back (``SCM_RIGHTS``), with its datatype, shape and prefix-cache
-digests. The fd is checked as a registration is (a sealed memfd of the right
-size), mapped read-only, and held by this request's lease only: when the
-request ends it is closed and the pages dropped, so an unregistered region is
-never served here afterwards, and one in use here stays valid after the
-producer unregistered it (this process holds its own reference). Hop 1 then
-sends *this* process's fd of it, as the serving API server would.
+region's fd back (``SCM_RIGHTS``) with its datatype, shape and digests. The fd is
+checked as a registration is, mapped read-only and held by this request's lease
+only; hop 1 then sends *this* process's fd of it.
 
 Knows sockets and the registry (``regions/registry.py``), not vLLM and not HTTP.
+Design notes: docs/design.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -126,13 +126,21 @@ class Region:
 class Lease:
     """One request's use of ``region``: keeps its fd and mapping alive.
     ``tensor`` is ``region.tensor`` (the same object). :meth:`release` when the
-    request ends; a lease never released keeps the memfd open until exit."""
+    request ends; a lease never released keeps the memfd open until exit.
+    It counts against ``max_leases`` until :meth:`settle` or :meth:`release`."""
 
-    __slots__ = ("_registry", "_released", "region", "tensor")
+    __slots__ = ("_counted", "_registry", "_released", "region", "tensor")
 
     def __init__(self, registry: RegionRegistry, region: Region) -> None:
         self.region, self.tensor = region, region.tensor
-        self._registry, self._released = registry, False
+        self._registry, self._released, self._counted = registry, False, True
+
+    def settle(self) -> None:
+        """The request's response has started (its EngineCore holds the region
+        by its own fds by then): the lease stops counting against
+        ``max_leases`` (a slow reader holds none of them), and still keeps
+        the region alive until :meth:`release`."""
+        self._registry._settle(self)
 
     def release(self) -> None:
         """End this use; the last release of an unregistered region frees it."""
@@ -377,13 +385,20 @@ class RegionRegistry:
             region.last_used = time.monotonic()
         return Lease(self, region)
 
+    def _settle(self, lease: Lease) -> None:
+        with self._lock:
+            if lease._counted and not lease._released:
+                lease._counted = False
+                self._leases -= 1
+
     def _release(self, lease: Lease) -> None:
         region = lease.region
         with self._lock:
             free = self._sends_done()
             if not lease._released:
                 lease._released = True
-                self._leases -= 1
+                self._leases -= lease._counted
+                lease._counted = False
                 region.leases -= 1
                 region.last_used = time.monotonic()
             if not region.registered and self._withdraw(region):

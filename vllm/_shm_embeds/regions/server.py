@@ -1,40 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 """The Unix socket over which same-host producers register memfd regions.
 
-The protocol is pinned (producers in any language speak it; ``docs/regions.md``
-spells it out): an ``AF_UNIX``, ``SOCK_SEQPACKET`` socket, one UTF-8 JSON object
-of at most 64 KiB per message, one answer each: ``register`` (one sealed memfd
-attached), ``unregister``, and the siblings' internal ``lookup``
-(``regions/mirror.py``; only a peer with this process's uid and parent). A
-refusal is ``{"error": ...}`` with no path or internal name; its fds are closed
-and the connection stays usable, unless an fd was not a memfd or the closer
-thread is behind (``sockets.closer_busy``; the message is then answered
-unread): then it is closed after the answer. Which of the API
-servers of one ``vllm serve`` serves the socket is decided by an
-abstract-namespace socket named after the path (atomic, gone with its process).
-
-A connection may register many regions; when it closes (the producer exits
-or dies) they are all unregistered. The peer's uid (``SO_PEERCRED``) must be
-in the registry's ``allowed_uids``: another gets one error answer at accept
-and is closed before anything it sent is read. A producer connection that
-holds no registered region and sent nothing for ``idle_timeout_s``
-(``VLLM_SHM_EMBEDS_REGIONS_IDLE_S``) is closed. The socket file is mode
-0600, or 0660 with the operator's group.
-One daemon thread serves every connection (``selectors``) and runs the
-registry's idle expiry about once a second; registrations (hashing the
-tensor: seconds for GiBs) run on two workers, and a connection is not read
-while its registration runs, so answers stay in order.
-
-No ``close`` of a peer's fd happens on that thread, not even one the kernel
-does for it (the last close of a TCP socket with ``SO_LINGER`` and unsent data
-blocks for the linger time): a receive has room for every fd a message can
-carry (``sockets.ANC_BYTES``), those nobody asked for go to the closer thread,
-and a connection closed with messages unread (the kernel releases their fds
-in that ``close``) is closed on the closer thread too; while that thread is
-behind, such connections wait, shut down (at most ``MAX_UNREAD_CLOSES``; no
-connection is accepted while that many wait).
+The protocol is pinned (``docs/regions.md`` spells it out): an ``AF_UNIX``,
+``SOCK_SEQPACKET`` socket, one UTF-8 JSON object of at most 64 KiB per message, one
+answer each: ``register`` (one sealed memfd attached), ``unregister``, and the
+siblings' internal ``lookup`` (``regions/mirror.py``). A connection's regions are
+unregistered when it closes; the peer's uid must be in ``allowed_uids``. One daemon
+thread serves every connection (``selectors``) and runs the registry's idle expiry;
+registrations run on two workers. No ``close`` of a peer's fd happens on that
+thread (``regions/sockets.py``'s closer thread does it).
 
 Knows sockets and the registry (``regions/registry.py``), not vLLM and not HTTP.
+Design notes: docs/design.md, "Module notes".
 """
 
 from __future__ import annotations

