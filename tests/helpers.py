@@ -850,3 +850,12 @@ async def read_whole_body(receive) -> bytes:
         parts.append(m.get("body", b""))
         if not m.get("more_body"):
             return b"".join(parts)
+
+
+def proc_status_bytes(field: str) -> int:
+    """A size field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)

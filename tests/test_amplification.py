@@ -24,12 +24,12 @@ import base64
 import io
 import json
 import os
-import re
 import types
 
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from helpers import proc_status_bytes
 
 from vllm._shm_embeds import counters
 from vllm._shm_embeds.http import common, json_body
@@ -53,22 +53,12 @@ def _rss_peak_reset() -> None:
         f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
 
 
-def _rss_peak() -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) << 10
-
-
-def _rss() -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1)) << 10
-
-
 def _grown_by(fn):
     """``(fn(), peak RSS growth in bytes)``."""
     _rss_peak_reset()
-    before = _rss()
+    before = proc_status_bytes("VmRSS")
     out = fn()
-    return out, max(0, _rss_peak() - before)
+    return out, max(0, proc_status_bytes("VmHWM") - before)
 
 
 # -- hostile JSON payloads

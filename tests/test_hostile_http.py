@@ -21,7 +21,7 @@ import types
 
 import pytest
 import torch
-from helpers import encode_embeds, read_whole_body
+from helpers import encode_embeds, proc_status_bytes, read_whole_body
 from test_binary_framing import LIMITS, _framed, _run_middleware, _scope, desc, hdr
 
 from vllm._shm_embeds import counters
@@ -72,14 +72,6 @@ def _run_json(scope, chunks, stall=False, timeout=10.0):
     return sent, got, time.monotonic() - t0
 
 
-def _rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def test_stalled_json_bodies_hold_only_what_arrived(shm_env, monkeypatch):
     """Bodies that declare 512 MiB, send 64 KiB and stall: the server holds about
     what arrived (a 64 KiB look-ahead each), never the declared size, and the
@@ -95,7 +87,7 @@ def test_stalled_json_bodies_hold_only_what_arrived(shm_env, monkeypatch):
         await gate.BodyGate(None, [json_body.JsonFormat()])(scope, receive, _ignore)
 
     async def main():
-        r0 = _rss()
+        r0 = proc_status_bytes("VmRSS")
         tasks = []
         for _ in range(3):
             msgs = [{"type": "http.request", "body": head, "more_body": True}]
@@ -106,7 +98,7 @@ def test_stalled_json_bodies_hold_only_what_arrived(shm_env, monkeypatch):
                 await asyncio.sleep(3600)
             tasks.append(asyncio.create_task(one(receive)))
         await asyncio.sleep(1.5)
-        grown["rss"] = _rss() - r0
+        grown["rss"] = proc_status_bytes("VmRSS") - r0
         assert body_limits.IN_FLIGHT.bytes == 3 * len(head)
         for t in tasks:
             t.cancel()

@@ -102,7 +102,7 @@ async def read_body(body: Body, length: int) -> mmap.mmap | bytes:
             except Busy as e:  # the bytes so far, for vLLM's own path
                 kept = filled - sum(map(len, rest))
                 head = buf[:kept] if buf is not None else b""
-                raise Busy(head + b"".join(rest) + e.received, e.more) from None
+                raise Busy(b"".join([head, *rest, e.received]), e.more) from None
             if chunk is None:
                 break
             if buf is not None and not rest and filled + len(chunk) <= length:
