@@ -290,3 +290,56 @@ def test_fuzz_middleware_descriptor_fields(shm_env, req, data, end):
     else:
         assert len(statuses) == 1 and 400 <= statuses[0] < 500, statuses
     assert os.listdir(shm_env) == []
+
+
+# -- the binary JSON header's bounds, judged piece by piece
+
+_TEXT = st.text(alphabet='{}[],:"\\ab', max_size=6)  # strings full of structure characters
+_JSON = st.recursive(st.none() | st.integers() | _TEXT,
+                     lambda c: st.lists(c, max_size=4) | st.dictionaries(_TEXT, c, max_size=4),
+                     max_leaves=40)
+
+
+def _depth(structure: str) -> int:
+    depth = deepest = 0
+    for ch in structure:
+        depth += 1 if ch in "[{" else -1 if ch in "]}" else 0
+        deepest = max(deepest, depth)
+    return deepest
+
+
+@given(v=_JSON, piece=st.integers(1, 16), indent=st.sampled_from([None, 1]))
+def test_header_bounds_piece_by_piece(monkeypatch, v, piece, indent):
+    """``check_json_bounds`` on generated JSON whose strings are full of quotes,
+    backslashes and brackets, judged ``piece`` bytes at a time: it refuses
+    exactly the headers nested deeper than the bound, or with more values and
+    keys (as the structure counts them) than the limit, or, past the cheap
+    count, with more than twice the limit of ``"``; it raises nothing else."""
+    from vllm._shm_embeds.http import binary_header as bh
+
+    monkeypatch.setattr(bh, "STRUCTURE_PIECE", piece)
+    monkeypatch.setattr(bh, "MAX_JSON_DEPTH", 4)
+    monkeypatch.setattr(bh, "max_json_values", lambda: 20)
+    raw = json.dumps(v, indent=indent).encode()
+    structure = _structure(v)  # from the object: no string of it can be misread
+    depth = _depth(structure)
+    estimate = 1 + sum(structure.count(c) for c in "[{,:")
+    cheap = raw.count(b"{") + raw.count(b"[")
+    passes_cheap = cheap <= 4 and (len(raw) <= 20 or 1 + cheap + raw.count(b",")
+                                   + raw.count(b":") <= 20)
+    try:
+        bh.check_json_bounds(raw)
+        refused = False
+    except bh.BinaryBodyError:
+        refused = True
+    want = not passes_cheap and (depth > 4 or estimate > 20 or raw.count(b'"') > 40)
+    assert refused == want, (raw, depth, estimate)
+
+
+def _structure(v) -> str:
+    """The structure characters of ``json.dumps(v)`` outside its strings."""
+    if isinstance(v, list):
+        return "[" + ",".join(_structure(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ",".join(":" + _structure(x) for x in v.values()) + "}"
+    return ""

@@ -270,3 +270,32 @@ def test_memo_trick_in_the_child(runner, index):
     """The trick itself, under the child's bounds: a 256 MiB memo (over
     ``RSS_GROWTH``) for a C unpickler, 32 GiB (over ``RLIMIT_AS``)."""
     runner.check(cases.save_with(torch.randn(12, HIDDEN), cases.memo_trick(index)))
+
+
+@hypothesis.given(data=st.binary(max_size=64),
+                  edits=st.lists(st.tuples(st.integers(0, 200), st.sampled_from(b"=!A \n/+-")),
+                                 max_size=3),
+                  cut=st.integers(0, 3), step=st.sampled_from([4, 8, 12]))
+@hypothesis.example(data=b"abcdef", edits=[(3, ord("="))], cut=0, step=4)  # "YWJ=ZGVm"
+def test_valid_base64_is_vllms_strict_decode(monkeypatch, data, edits, cut, step):
+    """``torch_save.valid_base64`` (checked ``step`` characters at a time)
+    accepts exactly what vLLM's loader's ``pybase64.b64decode(validate=True)``
+    accepts, padding at a step's edge included."""
+    import base64
+
+    import pybase64
+
+    from vllm._shm_embeds.formats import torch_save
+
+    monkeypatch.setattr(torch_save, "VALIDATE_CHARS", step)
+    s = bytearray(base64.b64encode(data))
+    for at, ch in edits:
+        if s:
+            s[at % len(s)] = ch
+    s = bytes(s[:len(s) - cut])
+    try:
+        pybase64.b64decode(s, validate=True)
+        want = True
+    except ValueError:
+        want = False
+    assert torch_save.valid_base64(memoryview(s)) == want
