@@ -17,7 +17,7 @@ end-to-end host tax can be split into "protocol" and "transport":
 * ``hash``: sha256 of the tensor in 16-token blocks, as the prefix cache does
   (``vllm/v1/core/kv_cache_utils.py``, ``_gen_prompt_embeds_extra_hash_keys``)
 
-With shm-embeds' JSON path (``vllm/_shm_embeds/http/json_body.py``), the same
+With shm-embeds' JSON path (``vllm/_shm_embeds/ext/json/json_body.py``), the same
 body, in the worker thread the middleware uses (its own steps, then the
 whole :func:`prepare` as the server runs it):
 
@@ -39,7 +39,7 @@ whole :func:`prepare` as the server runs it):
   on the loop, ``safe_load_prompt_embeds`` in a thread as vLLM's async
   renderer does) vs the JSON path (``prepare`` in a thread)
 
-and the same tensor as a binary body (``vllm/_shm_embeds/http/binary.py``):
+and the same tensor as a binary body (``vllm/_shm_embeds/ext/binary/binary.py``):
 
 * ``b.header``: ``parse_header`` of the JSON header (descriptors validated)
 * ``b.stream``: the tensor bytes, in the same 64 KiB chunks, ``pwrite`` into a
@@ -70,8 +70,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
 from vllm._shm_embeds import counters
-from vllm._shm_embeds.formats import torch_save
-from vllm._shm_embeds.http import common, json_body
+from vllm._shm_embeds.ext.json import torch_save
+from vllm._shm_embeds.ext.binary import common
+from vllm._shm_embeds.ext.json import json_body
 from vllm._shm_embeds.lifetime import streamed
 
 STEPS = ("join", "json.loads", "validate", "load", "hash")
@@ -82,8 +83,8 @@ BINARY_STEPS = ("b.header", "b.stream", "b.finish", "b.hash")
 def _binary_round(tensor: torch.Tensor, header: bytes, chunks: list, block: int
                   ) -> dict[str, float]:
     """One binary body's steps in the API server (seconds each)."""
-    from vllm._shm_embeds.http.binary import parse_header
-    from vllm._shm_embeds.http.common import ServerContext
+    from vllm._shm_embeds.ext.binary.binary import parse_header
+    from vllm._shm_embeds.ext.binary.common import ServerContext
 
     limits = ServerContext(tensor.shape[1], 1 << 20, torch.float32, True, 1 << 40)
     t0 = time.perf_counter()

@@ -654,7 +654,7 @@ class Server:
         """``/metrics``: the text and our series (``parse_metrics``). Our part is
         computed at most once per ``http.metrics.CACHE_S``: waiting that long
         first, the scrape shows everything counted before the call."""
-        from vllm._shm_embeds.http.metrics import CACHE_S
+        from vllm._shm_embeds.ext.metrics.metrics import CACHE_S
 
         time.sleep(CACHE_S + 0.05)
         r = requests.get(f"{self.url}/metrics", timeout=30)

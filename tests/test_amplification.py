@@ -32,8 +32,9 @@ from hypothesis import strategies as st
 from helpers import proc_status_bytes
 
 from vllm._shm_embeds import counters
-from vllm._shm_embeds.http import common, json_body
-from vllm._shm_embeds.http.placeholders import PLACEHOLDER_PREFIX
+from vllm._shm_embeds.ext.binary import common
+from vllm._shm_embeds.ext.json import json_body
+from vllm._shm_embeds.ext.binary.placeholders import PLACEHOLDER_PREFIX
 from vllm._shm_embeds.lifetime import process
 
 HIDDEN = 64

@@ -16,8 +16,9 @@ from helpers import held_by
 
 from vllm._shm_embeds import config, counters, handle, private_dir
 from vllm._shm_embeds.files import segment
-from vllm._shm_embeds.hops import digests, hop1, hop2
-from vllm._shm_embeds.http import binary, common, gate, placeholders
+from vllm._shm_embeds.ext.digests import digests
+from vllm._shm_embeds.hops import hop1, hop2
+from vllm._shm_embeds.ext.binary import binary, common, gate, placeholders
 from vllm._shm_embeds.lifetime import process, streamed, transfer
 
 LIMITS = common.ServerContext(hidden_size=8, max_model_len=16, dtype=torch.float32,

@@ -17,8 +17,9 @@ import torch
 
 import shm_embeds_client as sec
 from shm_embeds_client import _tensors, wire
-from vllm._shm_embeds.http import binary, binary_header, placeholders, region_refs
-from vllm._shm_embeds.regions import registry, server
+from vllm._shm_embeds.ext.binary import binary, binary_header, placeholders
+from vllm._shm_embeds.ext.regions import region_refs
+from vllm._shm_embeds.ext.regions import registry, server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -26,7 +26,8 @@ from vllm._shm_embeds.handle import (  # noqa: E402
     SharedTensorHandle,
     ShmEmbedsError,
 )
-from vllm._shm_embeds.hops import digests, hop1  # noqa: E402
+from vllm._shm_embeds.ext.digests import digests
+from vllm._shm_embeds.hops import hop1  # noqa: E402
 
 _scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70)
             | st.floats(allow_nan=True) | st.text(max_size=30) | st.binary(max_size=30))
@@ -104,7 +105,7 @@ def test_fuzz_adopt_meta_never_raises(field):
 
 @given(st.text(max_size=60) | st.binary(max_size=60), st.integers(0, 3))
 def test_fuzz_placeholders_resolve_only_their_own(data, n):
-    from vllm._shm_embeds.http import placeholders
+    from vllm._shm_embeds.ext.binary import placeholders
 
     tensors = [torch.zeros(1) for _ in range(n)]
     upload = placeholders.Upload(placeholders.new_token(), list(tensors))

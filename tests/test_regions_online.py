@@ -222,7 +222,7 @@ def test_producer_killed_while_its_region_is_in_use(server, tmp_path):
 def test_regions_with_two_api_servers_and_dp2(dp_server):
     """``vllm serve --data-parallel-size 2`` starts two API servers and two
     EngineCores: one API server serves the regions socket, the other looks
-    each region up there (``regions/mirror.py``); requests on either copy
+    each region up there (``ext/regions/mirror.py``); requests on either copy
     nothing, and hop 1 reaches both EngineCores."""
     url, server = dp_server["url"], dp_server
     from helpers import embed_weights

@@ -4,7 +4,7 @@
 * counter events: every event counted anywhere in the package is a declared
   :class:`counters.Event`, counted the way it is declared (plain or
   labelled), and reaches ``/metrics`` exactly as declared (its family, or
-  none for the summary-only ones); ``http/metrics.py`` maps only declared
+  none for the summary-only ones); ``ext/metrics/metrics.py`` maps only declared
   events; ``docs/metrics.md`` names each;
 * vLLM sites: each says what, why and what would retire it;
   ``docs/design.md``'s sites tables are what ``tools/check_sites.py --doc``
@@ -32,7 +32,7 @@ from helpers import REPO
 
 from vllm._shm_embeds import counters, sites
 from vllm._shm_embeds.counters import Event, Key
-from vllm._shm_embeds.http import metrics
+from vllm._shm_embeds.ext.metrics import metrics
 
 sys.path.insert(0, os.path.join(REPO, "tools"))
 import check_sites  # noqa: E402
@@ -220,19 +220,19 @@ def test_regions_group_only_when_configured(monkeypatch):
 
 
 def test_a_body_format_only_with_its_group_and_setting(monkeypatch):
-    """The body gate gets the formats of ``http.formats.FORMATS`` whose sites
+    """The body gate gets the formats of ``formats.formats()`` whose sites
     group is patched and whose setting is on, in the registry's order."""
     from vllm._shm_embeds import config
-    from vllm._shm_embeds.http.formats import FORMATS
-    from vllm._shm_embeds.sites import entrypoints
+    from vllm._shm_embeds.ext.binary.formats import formats as all_formats
+    from vllm._shm_embeds.ext.binary import site_entrypoints as entrypoints
 
     def names():
         return [f.name for f in entrypoints.body_formats()]
 
     monkeypatch.setattr(config, "regions_path", lambda: "/tmp/socket")
-    for f in FORMATS:
+    for f in all_formats():
         monkeypatch.setitem(entrypoints.STATUS, f.group, [])
-    assert names() == [f.name for f in FORMATS] == ["binary", "regions", "json"]
+    assert names() == [f.name for f in all_formats()] == ["binary", "regions", "json"]
     monkeypatch.setitem(entrypoints.STATUS, "regions", ["binary is off"])
     assert names() == ["binary", "json"]
     monkeypatch.setattr(config, "regions_path", lambda: "")
@@ -345,7 +345,8 @@ class Layer(NamedTuple):
 # The package's layers, lowest first: the one table of what each may import.
 # No layer names one above it; the mechanism (base to regions) imports nothing
 # of http or sites, no HTTP library, and of vLLM only its logger.
-BASE = ("config", "handle", "counters", "procfs", "private_dir")  # at the package's top
+BASE = ("config", "handle", "counters", "procfs", "private_dir",  # at the package's top
+        "extensions")
 ENTRY = ("__init__", "plugin")  # at the package's top: what vLLM and users load
 HTTP_LIBS = ("starlette", "fastapi", "uvicorn", "httpx", "aiohttp", "h11")
 LOGGER = ("vllm.logger",)
@@ -354,19 +355,25 @@ LAYERS = {
     "files": Layer(("base",), LOGGER),
     "lifetime": Layer(("base", "files"), LOGGER),
     "hops": Layer(("base", "files", "lifetime"), LOGGER),
-    # hops: the direct decode hashes each chunk as it writes it (hops/digests.py)
-    "formats": Layer(("base", "hops"), LOGGER),
-    "regions": Layer(("base", "files", "lifetime", "hops"), LOGGER),
-    # vllm.renderers.embed_utils: a JSON payload the direct decode does not take
-    # goes to vLLM's own safe_load_prompt_embeds (http/json_body.py)
-    "http": Layer(("base", "files", "lifetime", "hops", "formats", "regions"),
-                  (*LOGGER, "vllm.renderers.embed_utils"), http_libs=True),
-    "sites": Layer(("base", "files", "lifetime", "hops", "formats", "regions", "http"),
-                   None, http_libs=True),
-    "entry": Layer(("base", "files", "lifetime", "hops", "formats", "regions", "http",
-                    "sites"), None, http_libs=True),
+    "sites": Layer(("base", "files", "lifetime", "hops"), None),
+    "entry": Layer(("base", "files", "lifetime", "hops", "sites"), None),
+    # An extension (ext/<name>/): the core's mechanism, its own modules, never
+    # another extension (extensions.require reaches one); vllm.renderers.embed_utils:
+    # a JSON payload the direct decode does not take goes to vLLM's own loader.
+    "ext": Layer(("base", "files", "lifetime", "hops"),
+                 (*LOGGER, "vllm.renderers.embed_utils"), http_libs=True),
+    # An extension's site modules (ext/<name>/site_*.py) and its __init__.
+    "ext_sites": Layer(("base", "files", "lifetime", "hops", "sites"), None, http_libs=True),
 }
+CORE = ("base", "files", "lifetime", "hops", "sites", "entry")
 PACKAGE_NAME = "vllm._shm_embeds"
+EXT = PACKAGE_NAME + ".ext"
+
+
+def _ext_of(name: str) -> str | None:
+    """The extension a module of the package belongs to (None: the core)."""
+    rest = name.removeprefix(EXT + ".")
+    return rest.split(".")[0] if name.startswith(EXT + ".") else None
 
 
 def _layer_of(name: str) -> str | None:
@@ -376,6 +383,10 @@ def _layer_of(name: str) -> str | None:
     rest = name.removeprefix(PACKAGE_NAME + ".").split(".")
     if name == PACKAGE_NAME:
         return None
+    if rest[0] == "ext":
+        leaf = rest[-1]
+        return "ext_sites" if len(rest) <= 2 or leaf.startswith("site_") or (
+            len(rest) == 3 and os.path.isdir(os.path.join(PACKAGE, *rest))) else "ext"
     if rest[0] in LAYERS and os.path.isdir(os.path.join(PACKAGE, rest[0])):
         return rest[0]
     if rest[0] in BASE:
@@ -389,15 +400,21 @@ def _in(name: str, prefixes: tuple[str, ...]) -> bool:
 
 def layer_violations(rel: str, source: str | None = None) -> list[str]:
     """What the module ``rel`` (its file, or ``source`` as if it were that
-    file) imports against :data:`LAYERS`."""
-    layer = _layer_of(_module_name(rel))
+    file) imports against :data:`LAYERS`: the core imports no extension, an
+    extension no other extension."""
+    me = _module_name(rel)
+    layer = _layer_of(me)
     rule = LAYERS[layer or "entry"]
     bad = []
     for name in sorted(_imports(rel, source)):
         top = name.split(".")[0]
         if name == PACKAGE_NAME or name.startswith(PACKAGE_NAME + "."):
-            dep = _layer_of(name)
-            if dep is not None and dep != layer and dep not in rule.may_import:
+            dep, ext = _layer_of(name), _ext_of(name)
+            if ext is not None and _ext_of(me) != ext:
+                bad.append(f"{rel} ({_ext_of(me) or 'core'}) imports {name} "
+                           f"(extension {ext}): reach it through extensions.get/require")
+            elif ext is None and dep is not None and dep != layer and \
+                    dep not in rule.may_import:
                 bad.append(f"{rel} ({layer}) imports {name} ({dep})")
         elif top == "vllm":
             if rule.vllm is not None and name != "vllm" and not _in(name, rule.vllm):
@@ -414,7 +431,8 @@ def test_layers_table_is_ordered():
     for name, rule in LAYERS.items():
         assert all(order.index(d) < order.index(name) for d in rule.may_import), name
     subpackages = {rel.split(os.sep)[0] for rel in _package_files() if os.sep in rel}
-    assert subpackages <= set(LAYERS), f"subpackages in no layer: {subpackages - set(LAYERS)}"
+    assert subpackages - {"ext"} <= set(LAYERS), (
+        f"subpackages in no layer: {subpackages - {'ext'} - set(LAYERS)}")
     top = {rel[:-3] for rel in _package_files() if os.sep not in rel}
     assert top == set(BASE) | set(ENTRY), (
         f"modules at the package's top in no layer: {sorted(top - set(BASE) - set(ENTRY))}")
@@ -430,7 +448,46 @@ def test_each_layer_says_what_it_may_import():
         doc = ast.get_docstring(ast.parse(_read("vllm", "_shm_embeds", rel))) or ""
         lines = re.findall(r"^May import: (.*)\.$", doc, re.M)
         assert len(lines) == 1, f"{rel}: no one 'May import: ...' line"
-        assert tuple(lines[0].split(", ")) == LAYERS[layer].may_import, rel
+        if layer == "ext":  # an extension: the core, never another extension
+            assert lines[0].startswith("the core"), rel
+        else:
+            assert tuple(lines[0].split(", ")) == LAYERS[layer].may_import, rel
+
+
+def _seam_calls(rel: str) -> list[tuple[str, str, str, int]]:
+    """``(function, extension, module, line)`` of every ``extensions.get`` or
+    ``extensions.require`` call with literal arguments in module ``rel``."""
+    out = []
+    for node in ast.walk(ast.parse(_read("vllm", "_shm_embeds", rel))):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "extensions"
+                and node.func.attr in ("get", "require")):
+            args = [a.value for a in node.args if isinstance(a, ast.Constant)]
+            assert len(args) == 2, f"{rel}:{node.lineno}: name the extension and module"
+            out.append((node.func.attr, *args, node.lineno))
+    return out
+
+
+def test_extensions_reach_each_other_only_as_declared():
+    """The seam (``extensions.py``): every extension in :data:`EXTENSIONS`
+    has its folder, each ``require`` of an extension names one of its
+    ``needs`` (the core never requires one: it ``get``s, and copes with
+    None), and every module reached is one the other publishes (``api``)."""
+    from vllm._shm_embeds import extensions
+
+    exts = extensions.loaded()
+    assert set(exts) == set(extensions.EXTENSIONS), extensions.MISSING
+    calls = 0
+    for rel in _package_files():
+        me = _ext_of(_module_name(rel))
+        for fn, name, module, line in _seam_calls(rel):
+            calls += 1
+            where = f"{rel}:{line}"
+            assert name in exts and module in exts[name].api, f"{where}: {name}.{module}"
+            if fn == "require":
+                assert me is not None, f"{where}: the core requires no extension"
+                assert name in exts[me].needs, f"{where}: {me} does not declare it needs {name}"
+    assert calls > 10  # the scan saw the calls
 
 
 def test_no_module_imports_against_its_layer():
@@ -447,15 +504,31 @@ def test_no_module_imports_against_its_layer():
     ("lifetime/owned.py", "from vllm._shm_embeds.hops import hop2\n"),
     ("hops/hop2.py", "from vllm.v1.engine import EngineCoreRequest\n"),
     ("hops/hop1.py", "from vllm import envs\n"),
-    ("formats/torch_save.py", "from vllm._shm_embeds.files import segment\n"),
-    ("regions/memfd.py", "from ..http import common\n"),
+    ("ext/json/torch_save.py", "from vllm._shm_embeds.sites import site\n"),
+    ("ext/regions/memfd.py", "from ...binary import common\n"),
+    ("ext/json/json_body.py", "from vllm._shm_embeds.ext.binary.gate import Body\n"),
+    ("ext/digests/digests.py", "from vllm.v1.engine import EngineCoreRequest\n"),
+    ("hops/hop1.py", "from vllm._shm_embeds.ext.digests import digests\n"),
+    ("sites/core_client.py", "def f():\n    import vllm._shm_embeds.ext.metrics.metrics\n"),
+    ("plugin.py", "from vllm._shm_embeds.ext import binary\n"),
     ("files/census.py", "from vllm._shm_embeds import externalize\n"),
     ("lifetime/process.py", "import starlette.requests\n"),
-    ("http/common.py", "from vllm._shm_embeds.sites import site\n"),
-    ("http/binary.py", "from vllm._shm_embeds import plugin\n"),
+    ("ext/binary/common.py", "from vllm._shm_embeds.sites import site\n"),
+    ("ext/binary/binary.py", "from vllm._shm_embeds import plugin\n"),
     ("sites/site.py", "from vllm._shm_embeds.plugin import register\n"),
 ])
 def test_an_import_against_the_layers_fails(rel, source):
     """The check sees what it must: each of these imports is against the table."""
     assert layer_violations(rel, source), source
     assert not layer_violations(rel, "import os\nfrom vllm.logger import init_logger\n")
+
+
+def test_pyproject_lists_every_subpackage():
+    """A wheel holds every folder of the package (``[tool.setuptools]
+    packages`` lists them by hand): none forgotten, none that is gone."""
+    import tomllib
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"]) - {"vllm"}
+    found = {_module_name(rel) for rel in _package_files() if rel.endswith("__init__.py")}
+    assert listed == found

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Unit: the renderer sites (``sites/renderers.py``) without an engine.
+"""Unit: the renderer sites (``ext/binary/site_renderers.py``) without an engine.
 
 A chat prompt assembled from binary parts: the same values and mask as
 vLLM's own ``_build_mixed_prompt_embeds``, in a segment mapped read-only,
@@ -15,10 +15,10 @@ import threading
 import pytest
 import torch
 
-from vllm._shm_embeds.hops import digests
-from vllm._shm_embeds.http import placeholders
+from vllm._shm_embeds.ext.digests import digests
+from vllm._shm_embeds.ext.binary import placeholders
 from vllm._shm_embeds.lifetime import streamed
-from vllm._shm_embeds.sites import renderers
+from vllm._shm_embeds.ext.binary import site_renderers as renderers
 
 H, BLOCK = 8, 4
 

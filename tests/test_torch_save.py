@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """The direct decode's pickle check is bounded and cannot be steered.
 
-``formats/torch_save.py`` used to run a payload's ``data.pkl`` through CPython's
+``ext/json/torch_save.py`` used to run a payload's ``data.pkl`` through CPython's
 C unpickler with stand-ins: ``LONG_BINPUT <i>`` made it allocate ``16 i``
 bytes, and a persistent load left under the result decided torch's storage
-while the dry run saw another. Now ``formats/pickle_scan.py`` only reads the
+while the dry run saw another. Now ``ext/json/pickle_scan.py`` only reads the
 pickle and accepts it when it is byte for byte ``torch.save``'s; everything
 else goes to vLLM's loader, counted as ``json_direct_declined.<reason>``,
 and the outcome is stock's.
@@ -24,8 +24,8 @@ import torch_save_cases as cases
 from torch_save_cases import HIDDEN
 
 from vllm._shm_embeds import counters
-from vllm._shm_embeds.formats import pickle_scan, torch_save
-from vllm._shm_embeds.http import json_body
+from vllm._shm_embeds.ext.json import pickle_scan, torch_save
+from vllm._shm_embeds.ext.json import json_body
 from vllm._shm_embeds.lifetime import process, streamed
 
 

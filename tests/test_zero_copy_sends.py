@@ -248,7 +248,7 @@ def test_hop1_stock_send_of_a_registered_region(shm_env, monkeypatch, stalled_pa
     from test_regions import ALL_SEALS, memfd, tensor_bytes
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    from vllm._shm_embeds.regions.registry import RegionLimits, RegionRegistry
+    from vllm._shm_embeds.ext.regions.registry import RegionLimits, RegionRegistry
     from vllm._shm_embeds.sites.core_client import wrap_send_input
 
     push, receive = stalled_pair

@@ -26,7 +26,7 @@ def model_config(dtype: torch.dtype = torch.float32, hidden: int = HIDDEN):
 
 
 def ctx(dtype: torch.dtype = torch.float32, hidden: int = HIDDEN, block: int = 16):
-    from vllm._shm_embeds.http import common
+    from vllm._shm_embeds.ext.binary import common
 
     return common.ServerContext.from_model_config(model_config(dtype, hidden), block)
 

@@ -37,7 +37,7 @@ class Event(enum.StrEnum):
 
     The value is the stored name (the ``event`` label of :data:`FAMILY`, the
     :meth:`Key.flat` name). Attributes: ``metric``, the ``vllm:shm_embeds_*``
-    family of ``http/metrics.py`` it feeds (without the prefix), or None:
+    family of ``ext/metrics/metrics.py`` it feeds (without the prefix), or None:
     only in the summary log line and :func:`read_stats_dir`; ``labels``, the
     labels it is counted with (:func:`count_reason`), () for a plain event
     (:func:`count`); ``doc``, what it counts.

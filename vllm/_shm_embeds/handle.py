@@ -136,7 +136,7 @@ class SharedTensorHandle:
             unlinked the name, and the inode check rules out a reused fd.
         readers: hop 2: how many readers this broadcast has flags for (reader
             indices ``[0, readers)``); 0: not a broadcast (hop 1), unchecked.
-        region: a registered region (``regions/registry.py``): ``(pid, fd, inode)`` of
+        region: a registered region (``ext/regions/registry.py``): ``(pid, fd, inode)`` of
             the API server's descriptor of the producer's sealed memfd, which
             holds the tensor's bytes from offset 0. File 0 is then the header
             alone (``HEADER_BYTES``) and the memfd is file 1: it has no name,

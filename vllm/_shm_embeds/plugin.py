@@ -50,12 +50,6 @@ def register() -> None:
         logger.exception("shm-embeds: not enabled (unexpected error); vLLM untouched")
 
 
-def _ensure_stats_dir() -> None:
-    from vllm._shm_embeds.http.metrics import ensure_stats_dir
-
-    ensure_stats_dir()
-
-
 def _register() -> None:
     pid = os.getpid()
     _declare_env_vars()
@@ -78,7 +72,7 @@ def _register() -> None:
         logger.warning("shm-embeds: %s; off in pid %d, vLLM left untouched", reason, pid)
         STATUS.update({"hop1": [reason], "hop2": [reason]})
         return
-    sites.apply(before_patch={"metrics": _ensure_stats_dir})
+    sites.apply()
     try:  # the patches are in: a failure here must not be logged as "not enabled"
         process.sweep_stale_segments()
         if private_dir.made_here() and private_dir.sweep_dead(settings.dir):

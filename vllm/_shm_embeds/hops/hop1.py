@@ -10,7 +10,7 @@ tensor it was *armed* with), copies it once into a segment (or hands over
 the segment a request body was written into) and sends the handle;
 :class:`HandleOOBProvider` adopts the segment (``transfer.adopt_tensor``: a
 ``rename``, then ``mmap``, no copy). Prefix-cache digests computed in the
-API server ride along in the metadata (``hops/digests.py``).
+API server ride along in the metadata (the ``digests`` extension).
 
 Duck-types vLLM's protocols; imports nothing of vLLM's classes or HTTP.
 """
@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from vllm.logger import init_logger
 
+from vllm._shm_embeds import extensions
 from vllm._shm_embeds.counters import Event, count, count_many, count_reason
 from vllm._shm_embeds.handle import SharedTensorHandle, ShmEmbedsError
-from vllm._shm_embeds.hops import digests
 from vllm._shm_embeds.lifetime import process
 from vllm._shm_embeds.lifetime.streamed import hand_over
 from vllm._shm_embeds.lifetime.transfer import (
@@ -35,6 +35,13 @@ from vllm._shm_embeds.lifetime.transfer import (
     share_region,
     share_tensor,
 )
+
+
+
+def _digests() -> Any:
+    """The ``digests`` extension's module, or None without it (the EngineCore
+    then hashes as stock vLLM does)."""
+    return extensions.get("digests", "digests")
 
 logger = init_logger(__name__)
 
@@ -118,7 +125,8 @@ class HandleOOBConsumer:
                     count_many({Event.HOP1_SHM_TENSORS: 1, Event.HOP1_SHM_BYTES: tensor.nbytes})
                     meta = handle.to_meta()
                     # digests our own code computed over exactly these bytes
-                    meta.update(digests.handover_meta(tensor, found))
+                    if (digests := _digests()) is not None:
+                        meta.update(digests.handover_meta(tensor, found))
                     return {META_KEY: meta}
             count_many({Event.HOP1_STOCK_TENSORS: 1, Event.HOP1_STOCK_BYTES: dense_nbytes(tensor)})
             count_reason(Event.FALLBACK, reason, hop="1")
@@ -130,8 +138,9 @@ class HandleOOBConsumer:
         (when prefix caching is on and no digests are attached yet); returns
         the handle and the digests (or None). Raises OSError from the copy."""
         hashing = None
-        if (self.block_tokens and tensor.dim() == 2 and tensor.shape[0]
-                and digests.attached(tensor) is None):
+        digests = _digests()
+        if (self.block_tokens and digests is not None and tensor.dim() == 2
+                and tensor.shape[0] and digests.attached(tensor) is None):
             try:
                 hashing = digests.hash_tensor(tensor, self.block_tokens)
             except Exception:  # e.g. no numpy view: the EngineCore hashes it
@@ -185,7 +194,8 @@ class HandleOOBProvider:
         count_many({Event.HOP1_SHM_TENSORS: 1, Event.HOP1_SHM_BYTES: handle.nbytes,
                     Event.HOP1_ADOPTED_TENSORS: 1})
         try:
-            digests.adopt_meta(tensor, meta[META_KEY])  # prefix-cache digests
+            if (digests := _digests()) is not None:
+                digests.adopt_meta(tensor, meta[META_KEY])  # prefix-cache digests
         except Exception:  # vLLM hashes it itself then
             logger.debug("shm-embeds: hop 1 digests dropped", exc_info=True)
             count(Event.HASH_REJECTED_META)

@@ -65,7 +65,7 @@ class Process:
         released: ``lifecycle.StorageDied``/``SourceDied`` records appended by
             finalizers; applied at safe points.
         pool, hasher: the writer threads (``transfer.create_segment``) and the
-            hashing threads (``hops/digests.py``), made on first use.
+            hashing threads (``ext/digests/digests.py``), made on first use.
         regions: the API server's ``regions.RegionRegistry`` when it serves
             registered regions (``VLLM_SHM_EMBEDS_REGIONS``), else None.
         censuses: segment directory -> its ``census.Census`` (the budget's count).
@@ -155,7 +155,7 @@ class Process:
             return self.pool
 
     def hash_pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        """The threads that hash prompt_embeds blocks (``hops/digests.py``)."""
+        """The threads that hash prompt_embeds blocks (``ext/digests/digests.py``)."""
         with self.pool_lock:
             if self.hasher is None:
                 self.hasher = concurrent.futures.ThreadPoolExecutor(

@@ -13,15 +13,16 @@ from typing import Any
 
 from vllm.logger import init_logger
 
+from vllm._shm_embeds import extensions
 from vllm._shm_embeds.config import min_bytes
 from vllm._shm_embeds.counters import set_role
 from vllm._shm_embeds.files import sizing
-from vllm._shm_embeds.hops import digests
 from vllm._shm_embeds.hops.hop1 import HandleOOBConsumer
 from vllm._shm_embeds.lifetime import process
 from vllm._shm_embeds.lifetime.transfer import discard_shared, send_view
 from vllm._shm_embeds.sites.records import ClientRecord, peek, record
 from vllm._shm_embeds.sites.site import Site
+
 
 logger = init_logger(__name__)
 
@@ -85,7 +86,8 @@ def _send_view(request: Any) -> Any:
         view = send_view(tensor)
         if view is tensor:
             return None
-        digests.attach(view, digests.attached(tensor))  # the same bytes
+        if (digests := extensions.get("digests", "digests")) is not None:
+            digests.attach(view, digests.attached(tensor))  # the same bytes
         request.prompt_embeds = view
         return tensor
     except Exception:
@@ -176,8 +178,10 @@ def wrap_client_init(orig: Callable) -> Callable:
                 return
             set_role("client")
             local = local_engines(self.vllm_config)
+            digests = extensions.get("digests", "digests")
             consumer = HandleOOBConsumer(
                 self.encoder.oob_tensor_consumer,
+                None if digests is None else
                 digests.block_tokens_of(getattr(self.vllm_config, "cache_config", None)),
                 local)
             self.encoder.oob_tensor_consumer = consumer
@@ -199,9 +203,9 @@ def _on_client_init(client: Any) -> None:
     """Record the model name for ``/metrics``; the first API server logs the
     ``/dev/shm`` sizing warning. Never raises."""
     try:
-        from vllm._shm_embeds.http.metrics import set_model_name
-
-        set_model_name(client.vllm_config.model_config.served_model_name)
+        metrics = extensions.get("metrics", "metrics")
+        if metrics is not None:
+            metrics.set_model_name(client.vllm_config.model_config.served_model_name)
         if getattr(client, "client_index", 0) == 0:
             warning = sizing.check_dir_size(client.vllm_config)
             if warning:

@@ -1,0 +1,20 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Extension ``digests``: prefix-cache block digests computed in the API server.
+
+``digests.py`` hashes ``prompt_embeds`` blocks as the bytes are written (or on
+a pool) and carries them over hop 1; ``site_kv_cache_utils.py`` lets the
+EngineCore use them instead of hashing again. Without it the EngineCore hashes
+as stock vLLM does.
+May import: the core.
+"""
+
+from vllm._shm_embeds.extensions import Extension, Group
+
+EXTENSION = Extension(
+    what="prefix-cache digests of prompt_embeds computed in the API server",
+    api=("digests",),
+    sites=("site_kv_cache_utils",),
+    groups={"digests": Group(("hop1",), False, "shm-embeds: API-server prefix-cache "
+                             "digests off in pid %d (the EngineCore hashes): %s",
+                             "the API server's prefix-cache digests, used by the EngineCore")},
+)

