@@ -19,7 +19,7 @@ TP=2, tests/helpers.py's launcher), the same attacks in order:
   end, twice (the API server's CPU seconds);
 * ``binary_drip``: 64 binary bodies announcing a 16 MiB header and a 19-digit
   ``Content-Length``, dripping a byte every 5 s, while an ordinary binary body
-  is sent (the wide server runs with ``VLLM_SHM_EMBEDS_INFLIGHT_BYTES`` = 1 GiB);
+  is sent (the wide server runs with the in-flight cap, ``INFLIGHT_BYTES``, at 1 GiB);
 * ``planted``: directories at the EngineCore's next 256 segment names (names
   are ``handle.SegmentName``s: predictable from its pid) at the top of the
   segment mount, then an embeds request, a text request, the directories
@@ -817,7 +817,7 @@ def new_mount() -> str:
 
 def run_server(shm_on: bool, model: str, attacks: list[str], args, weights: torch.Tensor,
                tmp: pathlib.Path) -> dict:
-    from helpers import Server, ours_in, private_dirs_in
+    from helpers import Server, limits_env, ours_in, private_dirs_in
 
     tmp.mkdir(parents=True)
     seg_dir = new_mount()
@@ -826,7 +826,7 @@ def run_server(shm_on: bool, model: str, attacks: list[str], args, weights: torc
     try:
         # The wide model's server: the in-flight cap at its floor (1 GiB, the
         # default wherever /dev/shm is under 4 GiB), as binary_drip assumes.
-        env = ({"VLLM_SHM_EMBEDS_MIN_BYTES": str(MIB), "VLLM_SHM_EMBEDS_INFLIGHT_BYTES": str(1 << 30)}
+        env = ({"VLLM_SHM_EMBEDS_MIN_BYTES": str(MIB), **limits_env(INFLIGHT_BYTES=1 << 30)}
                if model == "wide" else {})
         regions_path = str(tmp / "regions.sock") if shm_on and model == "tiny" else None
         if regions_path is not None:

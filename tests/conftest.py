@@ -73,6 +73,7 @@ INVENTORY = (
     Engine("test_nodes.py follower_without_plugin", 1, 1,
            "two nodes, TP=2, plugin on the head only (stock hop 2)", 90),
     Engine("test_nodes.py dp_run", 1, 2, "two nodes, DP=2, an EngineCore per node", 92),
+    Engine("test_extensions_removed.py", 1, 1, "offline, TP=2, every extension deleted", 60),
 )
 # Started only when asked (an environment variable, or Ray installed).
 OPT_IN_ENGINES = (
@@ -239,7 +240,7 @@ def dp_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def small_shm_server(tmp_path_factory):
     """TP=2 with a 256 KiB tmpfs as its segment directory."""
-    from helpers import Server
+    from helpers import Server, limits_env
 
     tmp = tmp_path_factory.mktemp("small-shm-server")
     with _tmpfs(tmp / "small-shm", "256k") as mnt:
@@ -248,7 +249,7 @@ def small_shm_server(tmp_path_factory):
         with Server(tmp, "-tp", "2", "--max-num-seqs", "4", seg_dir=mnt,
                     env_extra={"VLLM_SHM_EMBEDS_MAX_BYTES": str(1 << 30),
                                # the flood test's stalled uploads: 408 soon
-                               "VLLM_SHM_EMBEDS_BODY_TIMEOUT_S": "4"}) as server:
+                               **limits_env(BODY_TIMEOUT_S=4)}) as server:
             yield server
 
 

@@ -28,6 +28,24 @@ from vllm._shm_embeds.handle import SegmentName
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# The one internal variable that changes the plugin's fixed limits (config.LIMITS)
+TEST_LIMITS = "VLLM_SHM_EMBEDS_TEST_LIMITS"
+
+
+def limits_env(**limits) -> dict[str, str]:
+    """``{VLLM_SHM_EMBEDS_TEST_LIMITS: "NAME=value,..."}`` for a server's environment,
+    e.g. ``limits_env(BODY_TIMEOUT_S=4)``."""
+    return {TEST_LIMITS: ",".join(f"{name}={value}" for name, value in limits.items())}
+
+
+def set_limits(monkeypatch, **limits) -> None:
+    """Change fixed limits in this process (and the processes it starts) for one
+    test, keeping those already changed: ``set_limits(monkeypatch, WRITERS=3)``."""
+    current = dict(item.split("=", 1) for item in os.environ.get(TEST_LIMITS, "").split(",")
+                   if "=" in item)
+    current.update({name: str(value) for name, value in limits.items()})
+    monkeypatch.setenv(TEST_LIMITS, limits_env(**current)[TEST_LIMITS])
+
 
 # -- the engines a run starts ------------------------------------------------------
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from helpers import held_by
+from helpers import held_by, set_limits
 
 from vllm._shm_embeds import config, counters, handle, private_dir
 from vllm._shm_embeds.files import segment
@@ -446,7 +446,7 @@ def test_budget_counts_what_requests_hold(shm_env, monkeypatch, tmp_path, fs):
 
 
 def test_stalled_body_gets_408_and_frees_its_segment(shm_env, monkeypatch):
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_BODY_TIMEOUT_S", "0.3")
+    set_limits(monkeypatch, BODY_TIMEOUT_S=0.3)
     headers, body = _framed([torch.randn(8, 8)])
     state = {}
 

@@ -50,8 +50,11 @@ json_scalars = (st.none() | st.booleans() | st.integers(-2**63, 2**63)
                 | st.floats(allow_nan=False) | st.text())
 json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=3)
                            | st.dictionaries(st.text(), inner, max_size=3), max_leaves=8)
-fields_st = st.dictionaries(st.text().filter(lambda k: k not in RESERVED), json_values,
-                            max_size=4)
+# Other fields ride along as given; a field vLLM's request model types (``n``,
+# ``max_tokens``...) would fail its validation with an arbitrary value, so none is drawn.
+_TYPED = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+fields_st = st.dictionaries(st.text().filter(lambda k: k not in RESERVED | _TYPED),
+                            json_values, max_size=4)
 
 
 def _stock_b64(t: torch.Tensor) -> str:

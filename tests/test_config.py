@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""config.py: each variable is declared once (``config.SETTINGS``) and that
-declaration drives the parsing, its problem messages, the getters the package
-imports, vLLM's ``environment_variables`` entries and the variables table of
-``docs/configuration.md``."""
+"""config.py: each variable is declared once (``config.SETTINGS``), each fixed
+limit too (``config.LIMITS``, changed only by ``VLLM_SHM_EMBEDS_TEST_LIMITS``),
+and those declarations drive the parsing, its problem messages, the getters the
+package imports, vLLM's ``environment_variables`` entries and the variables table
+of ``docs/configuration.md``."""
 
 import os
 import pathlib
@@ -17,7 +18,8 @@ from vllm._shm_embeds import config
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "configuration.md"
 PACKAGE = ROOT / "vllm" / "_shm_embeds"
-BY_NAME = {s.name: s for s in config.SETTINGS}
+BY_NAME = {s.name: s for s in config.SETTINGS + config.LIMITS}
+TEST_LIMITS = "VLLM_SHM_EMBEDS_TEST_LIMITS"
 
 
 @pytest.fixture(autouse=True)
@@ -54,27 +56,60 @@ def test_markdown_command_prints_the_table():
 
 def test_declarations_are_consistent():
     names = [s.name for s in config.SETTINGS]
-    fields = [s.field for s in config.SETTINGS]
-    assert len(set(names)) == len(names) and len(set(fields)) == len(fields)
+    limits = [s.name for s in config.LIMITS]
+    fields = [s.field for s in config.SETTINGS + config.LIMITS]
+    assert len(set(names + limits)) == len(names + limits) and len(set(fields)) == len(fields)
     assert all(n == "VLLM_SHM_EMBEDS" or n.startswith("VLLM_SHM_EMBEDS_") for n in names)
-    assert all(s.unit and s.doc and "|" not in s.doc for s in config.SETTINGS)
-    assert config.VARIABLES == tuple(names)
-    assert list(config.ENV_VARS) == names
+    assert not any(n.startswith("VLLM_") for n in limits)  # no variable of their own
+    assert all(s.unit and s.doc and "|" not in s.doc for s in config.SETTINGS + config.LIMITS)
+    # issue 38, "fewer knobs": 23 settings before, these 10 after
+    assert len(names) == 10 and len(limits) == 13
+    assert config.TEST_LIMITS == TEST_LIMITS
+    assert config.VARIABLES == (*names, TEST_LIMITS)
+    assert list(config.ENV_VARS) == [*names, TEST_LIMITS]  # vLLM warns about none of them
     for name, getter in config.ENV_VARS.items():
         getter()  # vLLM may call any of them: none raises with nothing set
     assert config.ENV_VARS["VLLM_SHM_EMBEDS_MAX_BYTES"] is config.budget_bytes
-    assert config.ENV_VARS["VLLM_SHM_EMBEDS_INFLIGHT_BYTES"] is config.inflight_bytes
+
+
+def test_vllm_does_not_warn_about_the_test_limits(monkeypatch):
+    """The plugin declares VLLM_SHM_EMBEDS_TEST_LIMITS to vLLM with the settings, so
+    ``Platform.validate_environ`` (even with ``hard_fail``) accepts it."""
+    import vllm.envs as envs
+    from vllm.platforms.interface import Platform
+
+    from vllm._shm_embeds import plugin
+
+    plugin._declare_env_vars()
+    for name in [n for n in os.environ if n.startswith("VLLM_")]:
+        if name not in envs.environment_variables:
+            monkeypatch.delenv(name)  # somebody else's: not what this test is about
+    monkeypatch.setenv(TEST_LIMITS, "BODY_TIMEOUT_S=2")
+    Platform.validate_environ(hard_fail=True)
+    assert envs.environment_variables[TEST_LIMITS]() == "BODY_TIMEOUT_S=2"
+
+
+def test_changelog_lists_every_former_setting():
+    """docs/configuration.md says what each limit was and what it is now."""
+    text = DOC.read_text()
+    changelog = text[text.index("## Changelog"):]
+    for limit in config.LIMITS:
+        row = f"| `VLLM_SHM_EMBEDS_{limit.name}` | {limit.default_text()} | {limit.unit} | "
+        assert row in changelog, limit.name
+    assert TEST_LIMITS in text and TEST_LIMITS not in _doc_table()
 
 
 def test_unset_means_the_declared_defaults():
     s = config.settings()
     assert s.problems == () and s.fatal == ()
-    for setting in config.SETTINGS:
+    for setting in config.SETTINGS + config.LIMITS:
         default = setting.default
         expected = default() if callable(default) else default
         assert getattr(s, setting.field) == expected, setting.name
     assert (s.enabled, s.min_bytes, s.dir, s.json, s.max_segments) == (
         False, 1 << 20, "/dev/shm", True, 4096)
+    assert (config.max_segments(), config.body_timeout_s(), config.regions_leases_max()) == (
+        config.MAX_SEGMENTS, config.BODY_TIMEOUT_S, config.REGIONS_LEASES_MAX)
 
 
 # The messages the start-up log prints (``shm-embeds: <message>``), as they were
@@ -86,34 +121,10 @@ def test_unset_means_the_declared_defaults():
     ("VLLM_SHM_EMBEDS_STRICT", "2", "VLLM_SHM_EMBEDS_STRICT='2' is not a flag (1/0); using False"),
     ("VLLM_SHM_EMBEDS_MIN_BYTES", " 1MiB ",
      "VLLM_SHM_EMBEDS_MIN_BYTES='1MiB' is not a byte count; using 1048576"),
-    ("VLLM_SHM_EMBEDS_BINARY_MAX_BYTES", "-1",
-     "VLLM_SHM_EMBEDS_BINARY_MAX_BYTES='-1' is not a byte count; using None"),
     ("VLLM_SHM_EMBEDS_MAX_BYTES", "x" * 100,
      f"VLLM_SHM_EMBEDS_MAX_BYTES={'x' * 64!r} is not a byte count; using None"),
-    ("VLLM_SHM_EMBEDS_BODY_TIMEOUT_S", "0",
-     "VLLM_SHM_EMBEDS_BODY_TIMEOUT_S='0' is not a number of seconds; using 30.0"),
-    ("VLLM_SHM_EMBEDS_BODY_MIN_RATE", "0",
-     "VLLM_SHM_EMBEDS_BODY_MIN_RATE='0' is not a positive byte rate; using 1048576"),
-    ("VLLM_SHM_EMBEDS_INFLIGHT_BYTES", "1.5",
-     "VLLM_SHM_EMBEDS_INFLIGHT_BYTES='1.5' is not a byte count; using None"),
-    ("VLLM_SHM_EMBEDS_BINARY_MAX_TENSORS", "0",
-     "VLLM_SHM_EMBEDS_BINARY_MAX_TENSORS='0' is not a positive count; using 256"),
-    ("VLLM_SHM_EMBEDS_MAX_SEGMENTS", "many",
-     "VLLM_SHM_EMBEDS_MAX_SEGMENTS='many' is not a positive count; using 4096"),
     ("VLLM_SHM_EMBEDS_REGIONS_UIDS", "1001,x",
      "VLLM_SHM_EMBEDS_REGIONS_UIDS='1001,x' is not a comma-separated list of uids; using ()"),
-    ("VLLM_SHM_EMBEDS_REGIONS_MAX", "-1",
-     "VLLM_SHM_EMBEDS_REGIONS_MAX='-1' is not a positive count; using 64"),
-    ("VLLM_SHM_EMBEDS_REGIONS_MAX_BYTES", "0",
-     "VLLM_SHM_EMBEDS_REGIONS_MAX_BYTES='0' is not a positive byte count; using 17179869184"),
-    ("VLLM_SHM_EMBEDS_REGIONS_TTL_S", "-3",
-     "VLLM_SHM_EMBEDS_REGIONS_TTL_S='-3' is not a number of seconds; using 600.0"),
-    ("VLLM_SHM_EMBEDS_REGIONS_IDLE_S", "soon",
-     "VLLM_SHM_EMBEDS_REGIONS_IDLE_S='soon' is not a number of seconds; using 60.0"),
-    ("VLLM_SHM_EMBEDS_REGIONS_REFS_MAX", "0",
-     "VLLM_SHM_EMBEDS_REGIONS_REFS_MAX='0' is not a positive count; using 64"),
-    ("VLLM_SHM_EMBEDS_REGIONS_LEASES_MAX", "0",
-     "VLLM_SHM_EMBEDS_REGIONS_LEASES_MAX='0' is not a positive count; using 1024"),
 ])
 def test_bad_value_gives_the_default_and_one_message(monkeypatch, name, raw, message):
     monkeypatch.setenv(name, raw)
@@ -123,15 +134,58 @@ def test_bad_value_gives_the_default_and_one_message(monkeypatch, name, raw, mes
     assert getattr(s, setting.field) == setting.default
 
 
+# The limits the test suite changes, with the kinds (and messages) they had as settings.
+@pytest.mark.parametrize("name,raw,message", [
+    ("BINARY_MAX_BYTES", "-1", "BINARY_MAX_BYTES='-1' is not a byte count; using None"),
+    ("BODY_TIMEOUT_S", "0", "BODY_TIMEOUT_S='0' is not a number of seconds; using 30.0"),
+    ("BODY_MIN_RATE", "0", "BODY_MIN_RATE='0' is not a positive byte rate; using 1048576"),
+    ("INFLIGHT_BYTES", "1.5", "INFLIGHT_BYTES='1.5' is not a byte count; using None"),
+    ("BINARY_MAX_TENSORS", "0", "BINARY_MAX_TENSORS='0' is not a positive count; using 256"),
+    ("MAX_SEGMENTS", "many", "MAX_SEGMENTS='many' is not a positive count; using 4096"),
+    ("REGIONS_MAX", "-1", "REGIONS_MAX='-1' is not a positive count; using 64"),
+    ("REGIONS_MAX_BYTES", "0",
+     "REGIONS_MAX_BYTES='0' is not a positive byte count; using 17179869184"),
+    ("REGIONS_TTL_S", "-3", "REGIONS_TTL_S='-3' is not a number of seconds; using 600.0"),
+    ("REGIONS_IDLE_S", "soon", "REGIONS_IDLE_S='soon' is not a number of seconds; using 60.0"),
+    ("REGIONS_REFS_MAX", "0", "REGIONS_REFS_MAX='0' is not a positive count; using 64"),
+    ("REGIONS_LEASES_MAX", "0", "REGIONS_LEASES_MAX='0' is not a positive count; using 1024"),
+])
+def test_bad_test_limit_gives_the_constant_and_one_message(monkeypatch, name, raw, message):
+    monkeypatch.setenv(TEST_LIMITS, f"{name}={raw}")
+    s = config.settings()
+    assert s.problems == (f"{TEST_LIMITS}: {message}",)
+    assert getattr(s, BY_NAME[name].field) == BY_NAME[name].default
+
+
+def test_test_limits_override_only_what_they_name(monkeypatch):
+    monkeypatch.setenv(TEST_LIMITS, " BODY_TIMEOUT_S=2, inflight_bytes = 1048576 ,")
+    assert config.body_timeout_s() == 2.0 and config.inflight_bytes() == 1 << 20
+    assert config.settings().problems == ()
+    assert config.max_segments() == config.MAX_SEGMENTS  # not named: the constant
+    assert config.body_deadline_s(1 << 20) == 3.0  # 2 s + 1 MiB at the constant 1 MiB/s
+    # a bad entry: that limit keeps its constant, the others still apply, one message each
+    monkeypatch.setenv(TEST_LIMITS, "BODY_TIMEOUT_S=soon,REGIONS_MAX=3,NO_SUCH=1,WRITERS")
+    s = config.settings()
+    assert (config.body_timeout_s(), config.regions_max()) == (config.BODY_TIMEOUT_S, 3)
+    assert s.problems == (
+        f"{TEST_LIMITS}: 'NO_SUCH=1' is not NAME=value with NAME one of config.LIMITS; ignored",
+        f"{TEST_LIMITS}: 'WRITERS' is not NAME=value with NAME one of config.LIMITS; ignored",
+        f"{TEST_LIMITS}: BODY_TIMEOUT_S='soon' is not a number of seconds; using 30.0")
+    # the old variables are no longer read
+    monkeypatch.delenv(TEST_LIMITS)
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_" + "BODY_TIMEOUT_S", "2")
+    assert config.body_timeout_s() == config.BODY_TIMEOUT_S and config.settings().problems == ()
+
+
 @pytest.mark.parametrize("raw,ok", [("", True), ("2", True), ("0", False), ("x", False),
                                     ("99", False)])
-def test_writers_setting(monkeypatch, raw, ok):
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_WRITERS", raw)
+def test_writers_limit(monkeypatch, raw, ok):
+    monkeypatch.setenv(TEST_LIMITS, f"WRITERS={raw}")
     assert 1 <= config.writers() <= config.MAX_WRITERS
     assert (not any("WRITERS" in p for p in config.settings().problems)) == ok
     if not ok:
         assert config.settings().problems == (
-            f"VLLM_SHM_EMBEDS_WRITERS={raw!r} is not a count in 1..16; "
+            f"{TEST_LIMITS}: WRITERS={raw!r} is not a count in 1..16; "
             f"using {config._default_writers()}",)
 
 
@@ -169,15 +223,15 @@ def test_text_settings(monkeypatch, tmp_path):
 
 def test_binary_max_bytes_zero_means_the_model(monkeypatch):
     assert config.binary_max_bytes(10, 4) == 160
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_BINARY_MAX_BYTES", "0")
+    monkeypatch.setenv(TEST_LIMITS, "BINARY_MAX_BYTES=0")
     assert config.binary_max_bytes(10, 4) == 160 and config.settings().problems == ()
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_BINARY_MAX_BYTES", "1000")
+    monkeypatch.setenv(TEST_LIMITS, "BINARY_MAX_BYTES=1000")
     assert config.binary_max_bytes(10, 4) == 1000
 
 
 def test_body_deadline(monkeypatch):
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_BODY_TIMEOUT_S", "2.5")
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_BODY_MIN_RATE", "100")
+    assert config.body_deadline_s(1 << 20) == 31.0  # the constants: 30 s + 1 MiB at 1 MiB/s
+    monkeypatch.setenv(TEST_LIMITS, "BODY_TIMEOUT_S=2.5,BODY_MIN_RATE=100")
     assert config.body_timeout_s() == 2.5
     assert config.body_deadline_s(1000) == 12.5 and config.body_deadline_s(-1) == 2.5
 
@@ -200,7 +254,8 @@ def test_default_budget(monkeypatch, shared, free, budget):
     assert config.budget_bytes() == budget and asked == ["/dev/shm"]  # asked once
     assert config.inflight_bytes() == max(1 << 30, budget)
     monkeypatch.setenv("VLLM_SHM_EMBEDS_MAX_BYTES", "12345")
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_INFLIGHT_BYTES", "777")
+    assert config.budget_bytes() == 12345 and config.inflight_bytes() == 1 << 30
+    monkeypatch.setenv(TEST_LIMITS, "INFLIGHT_BYTES=777")
     assert config.budget_bytes() == 12345 and config.inflight_bytes() == 777
 
 

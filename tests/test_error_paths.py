@@ -22,7 +22,7 @@ import types
 
 import pytest
 import torch
-from helpers import run_child, wait_until
+from helpers import run_child, set_limits, wait_until
 
 from vllm._shm_embeds import counters, handle
 from vllm._shm_embeds.files import segment
@@ -39,7 +39,7 @@ def test_writers_finish_before_fds_close(shm_env, monkeypatch):
     """Part 1 fails at once (ENOSPC) while part 2 is still writing: the fds
     must stay open, and nothing be unlinked, until part 2 has returned."""
     monkeypatch.setattr(handle, "PART_MIN_BYTES", 4096)
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_WRITERS", "3")
+    set_limits(monkeypatch, WRITERS=3)
     events = []
     real_write, real_close = segment.pwrite_all, os.close
     fds_of_parts: dict[int, int] = {}

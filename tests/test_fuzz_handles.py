@@ -50,7 +50,7 @@ _metas = st.one_of(
          "dtype": st.sampled_from(["float32", "bfloat16", "float16", "int8", "Tensor",
                                    "float4_e2m1fn_x2", "qint8", "", "__class__"]) | _scalars,
          "shape": _dims | _scalars},
-        optional={"split": _dims | _scalars, "region": _dims | _scalars,
+        optional={"split": _dims | _scalars, "held": _dims | _scalars,
                   "digests": _values}),
 )
 

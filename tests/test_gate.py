@@ -8,7 +8,7 @@ import asyncio
 import json
 
 import pytest
-from helpers import asgi_peer, read_whole_body
+from helpers import asgi_peer, read_whole_body, set_limits
 
 from vllm._shm_embeds.ext.binary import gate
 from vllm._shm_embeds.ext.binary.body_limits import IN_FLIGHT
@@ -108,7 +108,7 @@ def test_a_body_no_format_claims_passes_untouched():
 
 @pytest.mark.parametrize("when_busy", ["refuse", "stock"])
 def test_over_the_in_flight_cap(monkeypatch, when_busy):
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_INFLIGHT_BYTES", "2")
+    set_limits(monkeypatch, INFLIGHT_BYTES=2)
     fmt = Upper(when_busy)
     statuses, got, sent = _run([fmt], _body(b"abc"))
     assert fmt.counts == ["busy"] and fmt.upload is None
@@ -124,7 +124,7 @@ def test_the_cap_is_charged_by_what_arrived_and_reached_midway(monkeypatch, when
     """A body is charged as its bytes arrive, never by its Content-Length: one
     declaring far more than the cap starts; reaching the cap midway it gets
     503, or vLLM's own path with every byte (those read and the rest)."""
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_INFLIGHT_BYTES", "5")
+    set_limits(monkeypatch, INFLIGHT_BYTES=5)
     fmt = Upper(when_busy)
     statuses, got, _ = _run([fmt], _body(b"ab", b"cd", b"ef", b"gh"), length=8)
     assert fmt.counts == ["busy"] and fmt.upload is None
@@ -135,7 +135,7 @@ def test_the_cap_is_charged_by_what_arrived_and_reached_midway(monkeypatch, when
 
 
 def test_a_stalled_body_gets_408(monkeypatch):
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_BODY_TIMEOUT_S", "0.2")
+    set_limits(monkeypatch, BODY_TIMEOUT_S=0.2)
     fmt = Upper()
     statuses, got, sent = _run([fmt], [{"type": "http.request", "body": b"ab",
                                         "more_body": True}], length=10)

@@ -16,6 +16,7 @@ import subprocess
 
 import pytest
 import torch
+from helpers import set_limits
 
 from vllm._shm_embeds import counters
 from vllm._shm_embeds.files import segment as seg
@@ -210,7 +211,7 @@ def test_malformed_metadata_never_raises(shm_env):
 
 
 def test_segment_cap_takes_the_stock_path(shm_env, monkeypatch):
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_MAX_SEGMENTS", "2")
+    set_limits(monkeypatch, MAX_SEGMENTS=2)
     kept = [streamed.streamed_tensor_like(torch.float32, (4, 4)) for _ in range(2)]
     # sender: a third segment is over the cap: the stock path, counted
     consumer = hop1.HandleOOBConsumer()
@@ -219,9 +220,9 @@ def test_segment_cap_takes_the_stock_path(shm_env, monkeypatch):
     assert consumer(t) is None
     assert _stat("fallback.hop1.segments") == 1
     # receiver: adopts by reading into memory beyond the cap; the files go
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_MAX_SEGMENTS", "100")
+    set_limits(monkeypatch, MAX_SEGMENTS=100)
     meta = _send(t)
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_MAX_SEGMENTS", "2")
+    set_limits(monkeypatch, MAX_SEGMENTS=2)
     provider = hop1.HandleOOBProvider()
     got = provider("float32", (4, 4), meta)
     assert provider.is_failed(got) is None and torch.equal(got, t)

@@ -21,7 +21,7 @@ import types
 
 import pytest
 import torch
-from helpers import encode_embeds, proc_status_bytes, read_whole_body
+from helpers import encode_embeds, proc_status_bytes, read_whole_body, set_limits
 from test_binary_framing import LIMITS, _framed, _run_middleware, _scope, desc, hdr
 
 from vllm._shm_embeds import counters
@@ -77,7 +77,7 @@ def test_stalled_json_bodies_hold_only_what_arrived(shm_env, monkeypatch):
     """Bodies that declare 512 MiB, send 64 KiB and stall: the server holds about
     what arrived (a 64 KiB look-ahead each), never the declared size, and the
     in-flight cap is charged exactly what arrived."""
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_INFLIGHT_BYTES", str(4 << 30))
+    set_limits(monkeypatch, INFLIGHT_BYTES=4 << 30)
     declared = 512 << 20
     head = b'{"model": "m", "prompt_embeds": "' + b"A" * (64 << 10)
     scope = _json_scope(declared, hidden=4096, max_len=65536)
@@ -123,7 +123,7 @@ def test_json_disabled_or_too_large_takes_the_stock_path(shm_env, monkeypatch):
     _, got, _ = _run_json(_json_scope(len(body), enable=False), chunks)
     assert got["body"] == body
     assert not any(k.startswith("json_") for k in counters.stats())
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_BINARY_MAX_BYTES", "1024")
+    set_limits(monkeypatch, BINARY_MAX_BYTES=1024)
     big = body[:-2] + b'", "pad": "' + b"x" * (1 << 20) + b'"}'
     ctx = common.ServerContext.of_app(_json_scope(len(big)))
     assert len(big) > json_body.max_json_body_bytes(ctx)
@@ -134,17 +134,17 @@ def test_json_disabled_or_too_large_takes_the_stock_path(shm_env, monkeypatch):
 
 
 def test_json_bytes_in_flight_capped(shm_env, monkeypatch):
-    """Over ``VLLM_SHM_EMBEDS_INFLIGHT_BYTES`` a body goes the stock way; the
+    """Over ``INFLIGHT_BYTES`` a body goes the stock way; the
     count goes back to zero after every kind of end."""
     body = json.dumps({"model": "m", "prompt_embeds": encode_embeds(torch.randn(60, 64))})
     body = body.encode()
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_INFLIGHT_BYTES", str(len(body) - 1))
+    set_limits(monkeypatch, INFLIGHT_BYTES=len(body) - 1)
     _, got, _ = _run_json(_json_scope(len(body)), [body])
     assert got["body"] == body and counters.stats()["json_fallback.busy"] == 1
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_INFLIGHT_BYTES", str(len(body)))
+    set_limits(monkeypatch, INFLIGHT_BYTES=len(body))
     _, got, _ = _run_json(_json_scope(len(body)), [body])
     assert counters.stats()["json_tensors"] == 1 and body_limits.IN_FLIGHT.bytes == 0
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_BODY_TIMEOUT_S", "0.2")
+    set_limits(monkeypatch, BODY_TIMEOUT_S=0.2)
     sent, _, _ = _run_json(_json_scope(len(body)), [body[:100]], stall=True)
     assert sent[0]["status"] == 408 and body_limits.IN_FLIGHT.bytes == 0
 
@@ -165,10 +165,9 @@ def _trickle(every: float, first: bytes):
 @pytest.mark.parametrize("path", ["json", "binary"])
 def test_trickling_body_gets_408_in_bounded_time(shm_env, monkeypatch, path):
     """One byte every 0.2 s never trips the 1 s per-receive timeout, but the
-    whole body must arrive within timeout + size / VLLM_SHM_EMBEDS_BODY_MIN_RATE
+    whole body must arrive within timeout + size / ``BODY_MIN_RATE``
     (here about 1.1 s): 408, nothing left, no wait without end."""
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_BODY_TIMEOUT_S", "1")
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_BODY_MIN_RATE", str(1 << 20))
+    set_limits(monkeypatch, BODY_TIMEOUT_S=1, BODY_MIN_RATE=1 << 20)
     sent = []
 
     async def send(m):
@@ -242,7 +241,7 @@ def test_binary_upload_meeting_the_budget_finishes_privately(shm_env, monkeypatc
 
 
 def test_tensors_per_binary_body_capped(shm_env, monkeypatch):
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_BINARY_MAX_TENSORS", "2")
+    set_limits(monkeypatch, BINARY_MAX_TENSORS=2)
     h = hdr({"prompt_embeds": [desc(1), desc(1), desc(1)]})
     with pytest.raises(binary.BinaryBodyError) as e:
         binary.parse_header(h, "/v1/completions", LIMITS, None)
@@ -352,9 +351,9 @@ def test_header_bound_counts_structure_not_text(shm_env):
 
 
 def test_header_bound_grows_with_the_tensor_cap(shm_env, monkeypatch):
-    """``VLLM_SHM_EMBEDS_BINARY_MAX_TENSORS`` chat messages of a text part and a
+    """``BINARY_MAX_TENSORS`` chat messages of a text part and a
     descriptor each are within the bound; one more tensor is ``too_many``."""
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_BINARY_MAX_TENSORS", "4000")
+    set_limits(monkeypatch, BINARY_MAX_TENSORS=4000)
     big = dataclasses.replace(LIMITS, max_body_bytes=1 << 30)
     message = {"role": "user", "content": [{"type": "text", "text": "a, b"},
                                            {"type": "prompt_embeds", "data": desc(1)}]}
@@ -391,14 +390,13 @@ def test_header_prescan_on_garbage(h):
 
 
 def test_binary_headers_count_in_flight(shm_env, monkeypatch):
-    """A binary body's JSON header counts against ``VLLM_SHM_EMBEDS_INFLIGHT_BYTES``
+    """A binary body's JSON header counts against ``INFLIGHT_BYTES``
     from before it is read until the body has arrived (as a JSON body's
     declared bytes do): over the cap a body gets 503 (``busy``) with nothing
     read; the count is back to zero after every kind of end."""
     headers, body = _framed([torch.randn(8, 8)])
     json_len = int(headers[1][1])
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_INFLIGHT_BYTES", str(json_len))
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_BODY_TIMEOUT_S", "0.5")
+    set_limits(monkeypatch, INFLIGHT_BYTES=json_len, BODY_TIMEOUT_S=0.5)
     state = {}
 
     async def run():
@@ -466,7 +464,7 @@ def test_json_body_reaching_the_cap_midway_goes_to_vllm_whole(shm_env, monkeypat
     counted ``json_fallback.busy``; nothing is left charged."""
     body = json.dumps({"model": "m", "prompt": "",
                        "prompt_embeds": encode_embeds(torch.randn(600, 64))}).encode()
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_INFLIGHT_BYTES", str(len(body) // 2))
+    set_limits(monkeypatch, INFLIGHT_BYTES=len(body) // 2)
     seen = {}
 
     async def app(scope, receive, send):

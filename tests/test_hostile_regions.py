@@ -28,7 +28,7 @@ import time
 
 import pytest
 import torch
-from helpers import LingeringSockets, new_fds, open_fds, wait_until
+from helpers import LingeringSockets, new_fds, open_fds, set_limits, wait_until
 from test_regions import GOOD, MAX_T, REG, H, _limits, env, memfd  # noqa: F401
 
 import shm_embeds_client as sec
@@ -139,7 +139,7 @@ def test_disallowed_peer_closed_at_accept(env):
 
 
 def test_idle_connection_closed(env, monkeypatch):
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_REGIONS_IDLE_S", "0.3")
+    set_limits(monkeypatch, REGIONS_IDLE_S=0.3)
     monkeypatch.setattr(rs, "EXPIRE_EVERY_S", 0.1)
     env.start()
     idle, producer = env.connect(), env.connect()
@@ -213,13 +213,13 @@ def test_squatted_start_up_lock_neither_blocks_nor_stops_regions(env, monkeypatc
             squats.append(s)
         else:
             procs.append(_squat_listening_as_nobody(name))
-    monkeypatch.setattr(process.current(), "regions", None)
+    monkeypatch.setattr(process.current(), "holders", [])
     server = None
     try:
         start = time.monotonic()
         server = service.start_regions(env.path, _ctx())
         assert time.monotonic() - start < 3
-        assert server is not None and process.current().regions is not None
+        assert server is not None and service.current() is not None
         assert "region" in env.register(env.connect(), torch.randn(2, H))
     finally:
         service.stop_regions(server)
@@ -234,11 +234,11 @@ def test_squatted_start_up_lock_neither_blocks_nor_stops_regions(env, monkeypatc
 def test_regions_off_without_enable_prompt_embeds(env, monkeypatch):
     monkeypatch.setenv("VLLM_SHM_EMBEDS_REGIONS", env.path)
     monkeypatch.setattr(ServerContext, "of_app", classmethod(lambda cls, scope: _ctx(False)))
-    monkeypatch.setattr(process.current(), "regions", None)
+    monkeypatch.setattr(process.current(), "holders", [])
     fmt = region_refs.RegionRefsFormat()
     fmt.startup({"type": "lifespan"})
     try:
-        assert fmt.server is None and process.current().regions is None
+        assert fmt.server is None and service.current() is None
         assert not os.path.exists(env.path)
     finally:
         fmt.shutdown()
@@ -250,7 +250,7 @@ def _ref(rid, t=2):
 
 
 def test_region_references_per_request_capped(env, monkeypatch):
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_REGIONS_REFS_MAX", "3")
+    set_limits(monkeypatch, REGIONS_REFS_MAX=3)
     env.start()
     rid = env.register(env.connect(), torch.randn(2, H))["region"]
     upload = region_refs.lease_refs(COMPLETIONS, {"prompt_embeds": [_ref(rid)] * 3},
@@ -284,7 +284,7 @@ def test_leases_cap_is_429_at_the_http_layer(env, monkeypatch):
     env.start(max_leases=1)
     rid = env.register(env.connect(), torch.randn(2, H))["region"]
     held = env.registry.lease(rid, "FP32", [2, H], 2 * H * 4, 0)
-    monkeypatch.setattr(process.current(), "regions", env.registry)
+    monkeypatch.setattr(process.current(), "holders", [env.registry])
     body = json.dumps({"model": "m", "prompt_embeds": _ref(rid)}).encode()
     scope = {"type": "http", "method": "POST", "path": COMPLETIONS, "root_path": "",
              "headers": [(b"content-type", b"application/json"),

@@ -19,7 +19,7 @@ import types
 
 import pytest
 import torch
-from helpers import asgi_peer, delta, encode_embeds, wait_until
+from helpers import asgi_peer, delta, encode_embeds, set_limits, wait_until
 
 from vllm._shm_embeds import counters, handle
 from vllm._shm_embeds.ext.json import torch_save
@@ -856,12 +856,12 @@ def test_client_cannot_supply_digests(server):
 
 
 def test_stalled_json_body_gets_408(shm_env, monkeypatch):
-    """A large JSON body that stops sending for VLLM_SHM_EMBEDS_BODY_TIMEOUT_S
-    seconds gets 408 (its buffer freed), instead of holding memory."""
+    """A large JSON body that stops sending for ``BODY_TIMEOUT_S`` seconds
+    gets 408 (its buffer freed), instead of holding memory."""
     import asyncio
     import time
 
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_BODY_TIMEOUT_S", "0.3")
+    set_limits(monkeypatch, BODY_TIMEOUT_S=0.3)
     body = _body(prompt="", prompt_embeds=encode_embeds(torch.randn(60, HIDDEN)))
     config = types.SimpleNamespace(model_config=_ctx().model_config, cache_config=None)
     scope = {"type": "http", "method": "POST", "path": "/v1/completions",

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from helpers import delta, mine, run_child
+from helpers import delta, mine, run_child, set_limits
 
 from vllm._shm_embeds import counters, handle
 from vllm._shm_embeds.handle import SegmentName
@@ -250,14 +250,14 @@ def test_region_crosses_both_hops_without_a_copy(shm_env):
     src = torch.randn(1024, 32)
     fd = _sealed_memfd(src)
     before = counters.stats()
-    h = transfer.share_region(src, (os.getpid(), fd, os.fstat(fd).st_ino))
+    h = transfer.share_held(src, (os.getpid(), fd, os.fstat(fd).st_ino))
     assert handle.SharedTensorHandle.from_meta(h.to_meta()) == h
     assert os.path.getsize(os.path.join(shm_env, h.name)) == handle.HEADER_BYTES
     adopted = transfer.adopt_tensor(h)  # the EngineCore, through /proc/<pid>/fd
     assert torch.equal(adopted, src)
     os.close(fd)  # the API server lets go: the EngineCore holds its own fd
     hb = hop2.externalize(adopted, readers=1)
-    assert len(hb.owner_files) == 2 and hb.region
+    assert len(hb.owner_files) == 2 and hb.held
     reader = transfer.open_tensor(hb, 0)  # a TP worker, through the EngineCore's fds
     assert torch.equal(reader, src)
     d = delta(before, counters.stats())
@@ -276,21 +276,21 @@ def test_region_gone_before_adoption_is_a_clear_error(shm_env):
     nothing behind."""
     src = torch.randn(64, 32)
     fd = _sealed_memfd(src)
-    h = transfer.share_region(src, (os.getpid(), fd, os.fstat(fd).st_ino))
+    h = transfer.share_held(src, (os.getpid(), fd, os.fstat(fd).st_ino))
     os.close(fd)
-    with pytest.raises(handle.ShmEmbedsError, match="region is gone"):
+    with pytest.raises(handle.ShmEmbedsError, match="held file is gone"):
         transfer.adopt_tensor(h)
     other = _sealed_memfd(src)  # very likely the same number, another inode
-    h = transfer.share_region(src, (os.getpid(), other, os.fstat(other).st_ino + 1))
-    with pytest.raises(handle.ShmEmbedsError, match="region is gone"):
+    h = transfer.share_held(src, (os.getpid(), other, os.fstat(other).st_ino + 1))
+    with pytest.raises(handle.ShmEmbedsError, match="held file is gone"):
         transfer.adopt_tensor(h)
     os.close(other)
     # the number reused by a FIFO's read end (no writer): refused, never blocks
     fifo = os.path.join(shm_env, "fifo")
     os.mkfifo(fifo)
     rd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-    h = transfer.share_region(src, (os.getpid(), rd, os.fstat(rd).st_ino))
-    with pytest.raises(handle.ShmEmbedsError, match="region is gone"):
+    h = transfer.share_held(src, (os.getpid(), rd, os.fstat(rd).st_ino))
+    with pytest.raises(handle.ShmEmbedsError, match="held file is gone"):
         transfer.adopt_tensor(h)
     os.close(rd)
     os.unlink(fifo)
@@ -303,7 +303,7 @@ def test_region_gone_before_adoption_is_a_clear_error(shm_env):
     process.collect()
     assert os.listdir(shm_env) == [] and _memfd_refs() == 0
     with pytest.raises(handle.ShmEmbedsError, match="malformed"):
-        handle.SharedTensorHandle.from_meta({**h.to_meta(), "region": [1, 2]})
+        handle.SharedTensorHandle.from_meta({**h.to_meta(), "held": [1, 2]})
 
 
 def test_missing_segment_is_a_clear_error(shm_env):
@@ -364,8 +364,8 @@ def test_region_header_on_a_full_dev_shm_goes_inline(shm_env, monkeypatch):
     src = torch.randn(64, 32)
     fd = _sealed_memfd(src)
     try:
-        monkeypatch.setattr(process.current(), "regions", types.SimpleNamespace(
-            find=lambda t: (os.getpid(), fd, os.fstat(fd).st_ino) if t is src else None))
+        monkeypatch.setattr(process.current(), "holders", [types.SimpleNamespace(
+            find=lambda t: (os.getpid(), fd, os.fstat(fd).st_ino) if t is src else None)])
 
         def no_space(fd, buf, offset):
             raise OSError(errno.ENOSPC, "No space left on device")
@@ -511,7 +511,7 @@ def test_sweep_treats_zombie_owner_as_dead(shm_env):
 def test_readers_cannot_change_what_others_read(shm_env, monkeypatch, files):
     """A stray in-place write in one TP rank faults there; others are unharmed."""
     monkeypatch.setattr(handle, "PART_MIN_BYTES", 4096)
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_WRITERS", str(files))
+    set_limits(monkeypatch, WRITERS=files)
     src = torch.zeros(3, 4096)
     h = hop2.externalize(src, readers=2)
     assert len(os.listdir(shm_env)) == files
@@ -546,7 +546,7 @@ def test_vanished_segment_is_copied_again(shm_env):
 def striped(shm_env, monkeypatch):
     """Stripe every segment of more than one page over 3 files."""
     monkeypatch.setattr(handle, "PART_MIN_BYTES", 4096)
-    monkeypatch.setenv("VLLM_SHM_EMBEDS_WRITERS", "3")
+    set_limits(monkeypatch, WRITERS=3)
     return shm_env
 
 

@@ -213,12 +213,12 @@ def test_register_lease_find(env, dtype):
         assert os.pread(opened, t.nbytes, 0) == tensor_bytes(t)
     finally:
         os.close(opened)
-    assert env.registry.is_region_tensor(lease.tensor)
+    assert env.registry.is_held(lease.tensor)
     for not_it in (t, lease.tensor.clone(), lease.tensor[1:], lease.tensor[:4],
                    lease.tensor.view(-1), lease.tensor.view(torch.uint8), "x",
                    lease.tensor.as_strided((5, H), (1, 5))):
         assert env.registry.find(not_it) is None
-        assert not env.registry.is_region_tensor(not_it)
+        assert not env.registry.is_held(not_it)
     if dtype != torch.float32:
         assert env.registry.find(lease.tensor.view(torch.int16)) is None
 

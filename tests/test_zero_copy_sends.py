@@ -256,7 +256,7 @@ def test_hop1_stock_send_of_a_registered_region(shm_env, monkeypatch, stalled_pa
     registry = RegionRegistry(RegionLimits(
         hidden_size=COLS, max_tokens=ROWS, allowed_uids=frozenset({os.getuid()}),
         max_regions_per_uid=1, max_bytes_per_uid=src.nbytes, idle_ttl_s=600.0))
-    monkeypatch.setattr(process.current(), "regions", registry)
+    monkeypatch.setattr(process.current(), "holders", [registry])
     region = registry.register(memfd(tensor_bytes(src), ALL_SEALS), os.getuid(), "FP32",
                                [ROWS, COLS])
     lease = registry.lease(region.id, "FP32", [ROWS, COLS], src.nbytes, 0)

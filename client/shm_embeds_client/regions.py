@@ -169,8 +169,7 @@ class RegionClient:
     Regions registered over it stay registered until :meth:`unregister`, until
     the connection closes (:meth:`close`, the end of a ``with`` block, or this
     process dying: the server then unregisters them all), or until they stay
-    unused for the server's idle TTL (``VLLM_SHM_EMBEDS_REGIONS_TTL_S``,
-    600 s). A request already running keeps its region's memory until it ends.
+    unused for the server's idle TTL (600 s, fixed). A request already running keeps its region's memory until it ends.
 
     Methods are synchronous and thread-safe (one exchange at a time); each is
     one round trip of a small message, plus the copy in :meth:`register`. From

@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Every ``VLLM_SHM_EMBEDS_*`` variable, declared once and parsed with one rule.
+"""Every ``VLLM_SHM_EMBEDS*`` setting and fixed limit, declared once and parsed with one rule.
 
-:data:`SETTINGS` declares each variable once (name, kind, default, unit, meaning);
-from it come the parsing (:func:`settings`), the :class:`Settings` attributes, the
-getters the rest of the package imports, the table handed to vLLM's ``envs``
-(:data:`ENV_VARS`) and the variables table of ``docs/configuration.md``
-(``python -m vllm._shm_embeds.config --markdown``).
+:data:`SETTINGS` declares each variable a user sets once (name, kind, default, unit,
+meaning); :data:`LIMITS` the fixed limits (constants, each with the reason it is
+not a setting), which only the test suite and benchmarks change, through the one
+internal variable :data:`TEST_LIMITS`. From them come the parsing
+(:func:`settings`), the :class:`Settings` attributes, the getters the rest of the
+package imports, the table handed to vLLM's ``envs`` (:data:`ENV_VARS`) and
+``docs/configuration.md``'s table (``python -m vllm._shm_embeds.config --markdown``).
 
 The environment is read only here. A bad value never raises: the default is used
 and :attr:`Settings.problems` says so (the plugin logs it at start).
@@ -28,7 +30,6 @@ from vllm._shm_embeds import private_dir
 
 MAX_WRITERS = 16  # files a segment may be striped over (handles refuse more)
 DEFAULT_MIN_BYTES = 1 << 20
-DEFAULT_REGIONS_LEASES_MAX = 1024
 MIN_INFLIGHT_BYTES = 1 << 30  # the default in-flight cap is never below this
 RING_RESERVE_BYTES = 64 << 20  # left free for vLLM's own broadcast rings
 
@@ -56,7 +57,7 @@ BYTES = Kind(_BYTES, "a byte count")
 BYTES_OR_MODEL = Kind(pydantic.TypeAdapter(Annotated[  # 0: the model's default (None)
     int, pydantic.Field(ge=0, strict=False), pydantic.AfterValidator(lambda v: v or None)]),
     "a byte count")
-WRITERS = Kind(pydantic.TypeAdapter(Annotated[int, pydantic.Field(ge=1, le=MAX_WRITERS)]),
+WRITER_COUNT = Kind(pydantic.TypeAdapter(Annotated[int, pydantic.Field(ge=1, le=MAX_WRITERS)]),
                f"a count in 1..{MAX_WRITERS}")
 SECONDS = Kind(pydantic.TypeAdapter(Annotated[float, pydantic.Field(gt=0)]),
                "a number of seconds")
@@ -74,10 +75,10 @@ PATH = Kind(strip=False)  # text as given
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    """One variable.
+    """One setting (a variable) or one fixed limit (:data:`LIMITS`).
 
     Attributes:
-        name: the environment variable.
+        name: the environment variable; a limit's name in :data:`TEST_LIMITS`.
         kind: how its text is parsed (:class:`Kind`).
         default: the value when unset, blank or bad; a callable is asked at
             each parse. None where the real default is derived elsewhere
@@ -103,9 +104,9 @@ class Setting:
             object.__setattr__(self, "field",
                                self.name.removeprefix("VLLM_SHM_EMBEDS_").lower())
 
-    def parse(self, raw: str | None, problems: list[str]) -> Any:
+    def parse(self, raw: str | None, problems: list[str], label: str = "") -> Any:
         """The value of ``raw``; a bad one gives the default and a message in
-        ``problems``."""
+        ``problems`` (naming ``label``, else the variable)."""
         default = self.default() if callable(self.default) else self.default
         value = (raw or "").strip() if self.kind.strip else (raw or "")
         if not value:
@@ -115,7 +116,7 @@ class Setting:
         try:
             return self.kind.adapter.validate_python(value)
         except pydantic.ValidationError:
-            problems.append(f"{self.name}={value[:64]!r} is not {self.kind.what}; "
+            problems.append(f"{label or self.name}={value[:64]!r} is not {self.kind.what}; "
                             f"using {default}")
             return default
 
@@ -162,15 +163,6 @@ SETTINGS: tuple[Setting, ...] = (
         "([metrics.md](metrics.md#how-the-values-are-collected)). Unset: the OpenAI server uses a"
         " private directory and removes it at exit. If you set it, use a fresh directory per run:"
         " files left in it are counted."),
-    Setting("VLLM_SHM_EMBEDS_BINARY_MAX_BYTES", BYTES_OR_MODEL, None, "bytes",
-        "largest tensor bytes one binary body may carry; above it the request gets a 413 before "
-        "its tensor bytes are read. `0` means the default.",
-        shown="`--max-model-len` x hidden size x 4"),
-    Setting("VLLM_SHM_EMBEDS_WRITERS", WRITERS, _default_writers, "threads",
-        f"1 to {MAX_WRITERS} threads that write one tensor of 8 MiB or more into its segment, "
-        "each into a file of its own (tmpfs serializes writes to one file). Readers map the "
-        "files back to back, so the tensor stays contiguous.",
-        shown="usable CPUs, at most 4"),
     Setting("VLLM_SHM_EMBEDS_JSON", FLAG, True, "flag",
         "off leaves JSON bodies to vLLM's own decode (the [JSON path](json-path.md) off; the "
         "EngineCore computes the prefix-cache digests again)."),
@@ -186,31 +178,6 @@ SETTINGS: tuple[Setting, ...] = (
         shown="half the segment directory's file system; on `/dev/shm`'s file system at most "
               f"what was free at start less {RING_RESERVE_BYTES >> 20} MiB (vLLM's broadcast "
               "rings live there)"),
-    Setting("VLLM_SHM_EMBEDS_MAX_SEGMENTS", COUNT, 4096, "segments",
-        "segments one process may own and map at once (each is a mapping of up to 1 + files VMAs,"
-        " well under `vm.max_map_count`). Beyond it a sender (API server, hop 2 in the "
-        "EngineCore) takes the stock path and the EngineCore reads an arriving segment into its "
-        "own memory (what stock holds), both counted with reason `segments`."),
-    Setting("VLLM_SHM_EMBEDS_BODY_TIMEOUT_S", SECONDS, 30.0, "seconds",
-        "a binary or large JSON request body that sends no bytes for this many seconds gets HTTP "
-        "408, and what it held is freed at once."),
-    Setting("VLLM_SHM_EMBEDS_BODY_MIN_RATE", RATE, 1 << 20, "bytes/s",
-        "bytes per second a binary or large JSON body must average: a body of `n` bytes that has "
-        "not fully arrived after `BODY_TIMEOUT_S + n / BODY_MIN_RATE` seconds gets HTTP 408 (a "
-        "client trickling a byte now and then cannot hold a request open forever)."),
-    Setting("VLLM_SHM_EMBEDS_INFLIGHT_BYTES", BYTES, None, "bytes",
-        "bytes of the large JSON bodies the API server's JSON path holds at once, charged as "
-        "they arrive (never by `Content-Length`); a body that reaches the cap goes to vLLM with "
-        "every byte (the stock path, counted `json_fallback.busy`). JSON bodies larger than the "
-        "base64 of `VLLM_SHM_EMBEDS_BINARY_MAX_BYTES` plus 1 MiB always take the stock path "
-        "(`json_fallback.too_large`), and with `--enable-prompt-embeds` off no body takes our "
-        "paths. A binary body's JSON header counts here too, as it arrives, until the body has "
-        "arrived; one that finds or reaches the cap gets HTTP 503.",
-        shown="the segment budget (`VLLM_SHM_EMBEDS_MAX_BYTES`), at least "
-              f"{MIN_INFLIGHT_BYTES >> 30} GiB"),
-    Setting("VLLM_SHM_EMBEDS_BINARY_MAX_TENSORS", COUNT, 256, "tensors",
-        "tensors (`prompt_embeds` descriptors) one binary body may carry; more get HTTP 400 "
-        "(`binary_rejected.too_many`) before any is read."),
     Setting("VLLM_SHM_EMBEDS_REGIONS", NAME, None, "path",
         "path of a Unix socket (`SOCK_SEQPACKET`) on which same-host producers register sealed "
         "memfds holding `prompt_embeds`; requests then name them by region id. Start-up fails if "
@@ -222,48 +189,131 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("VLLM_SHM_EMBEDS_REGIONS_UIDS", UIDS, (), "uids",
         "comma-separated uids that may register regions besides the server's own (checked with "
         "`SO_PEERCRED`), e.g. `1001,1002`."),
-    Setting("VLLM_SHM_EMBEDS_REGIONS_MAX", COUNT, 64, "regions",
-        "regions one uid may hold at once (an unregistered region still used by a request counts "
-        "until that request ends)."),
-    Setting("VLLM_SHM_EMBEDS_REGIONS_MAX_BYTES", POSITIVE_BYTES, 16 << 30, "bytes",
-        "bytes one uid's regions may hold at once (counted the same way)."),
-    Setting("VLLM_SHM_EMBEDS_REGIONS_TTL_S", SECONDS, 600.0, "seconds",
-        "a region no request has used for this many seconds is unregistered (its producer's "
-        "connection staying open does not keep it)."),
-    Setting("VLLM_SHM_EMBEDS_REGIONS_IDLE_S", SECONDS, 60.0, "seconds",
-        "a producer connection that holds no registered region and sent nothing for this many "
-        "seconds is closed."),
-    Setting("VLLM_SHM_EMBEDS_REGIONS_REFS_MAX", COUNT, 64, "references",
-        "region references one request may make; more get 400."),
-    Setting("VLLM_SHM_EMBEDS_REGIONS_LEASES_MAX", COUNT, DEFAULT_REGIONS_LEASES_MAX, "references",
-        "region references of requests in flight one API server may hold until their "
-        "response starts (a slow reader holds none); more get 429."),
     Setting("VLLM_SHM_EMBEDS_STRICT", FLAG, False, "flag",
         "on: an illegal segment lifecycle transition (a bug of the plugin) raises "
         "`IllegalTransition` instead of being logged and refused; for tests (`tests/conftest.py` "
         "sets it), leave it off in production."),
 )
-VARIABLES = tuple(s.name for s in SETTINGS)
+
+# The fixed limits. They were settings until issue 38 ("fewer knobs"); each is a
+# constant now, for the reason on its line. Only the test suite and benchmarks
+# change them, through TEST_LIMITS. Computed ones are the callables and the None
+# defaults of LIMITS below (their getters say how).
+MAX_SEGMENTS = 4096  # far beyond what running requests hold; 4096 x 5 VMAs < vm.max_map_count
+BODY_TIMEOUT_S = 30.0  # a body that sends no byte for 30 s is stalled on any network
+BODY_MIN_RATE = 1 << 20  # 1 MiB/s on average after that grace: any working link is faster
+BINARY_MAX_TENSORS = 256  # far more prompts than one request has; bounds the header's parse
+REGIONS_MAX = 64  # per uid: producers register a few large tensors, more is a leak
+REGIONS_MAX_BYTES = 16 << 30  # per uid: the producer's own memory; this only bounds a leak
+REGIONS_TTL_S = 600.0  # 10 min unnamed: outlives any request; the producer can register again
+REGIONS_IDLE_S = 60.0  # a connection holding no region has a minute to register one
+REGIONS_REFS_MAX = 64  # per request, as many as a uid may register (2 fds, 2 maps each)
+REGIONS_LEASES_MAX = 1024  # per API server, freed as responses start: only a flood meets it
+DEFAULT_REGIONS_LEASES_MAX = REGIONS_LEASES_MAX  # the registry's default
+
+# Changed only by TEST_LIMITS ("NAME=value,..."); the name is the key there. The
+# callables and None are the computed ones: the machine, the model and the
+# budget decide them.
+LIMITS: tuple[Setting, ...] = (
+    Setting("WRITERS", WRITER_COUNT, _default_writers, "threads",  # the machine's CPUs decide
+        f"1 to {MAX_WRITERS} threads that write one tensor of 8 MiB or more into its segment, "
+        "each into a file of its own (tmpfs serializes writes to one file). Readers map the "
+        "files back to back, so the tensor stays contiguous.",
+        shown="usable CPUs, at most 4"),
+    Setting("MAX_SEGMENTS", COUNT, MAX_SEGMENTS, "segments",
+        "segments one process may own and map at once (each is a mapping of up to 1 + files VMAs,"
+        " well under `vm.max_map_count`). Beyond it a sender (API server, hop 2 in the "
+        "EngineCore) takes the stock path and the EngineCore reads an arriving segment into its "
+        "own memory (what stock holds), both counted with reason `segments`."),
+    Setting("BODY_TIMEOUT_S", SECONDS, BODY_TIMEOUT_S, "seconds",
+        "a binary or large JSON request body that sends no bytes for this many seconds gets HTTP "
+        "408, and what it held is freed at once."),
+    Setting("BODY_MIN_RATE", RATE, BODY_MIN_RATE, "bytes/s",
+        "bytes per second a binary or large JSON body must average: a body of `n` bytes that has "
+        "not fully arrived after `BODY_TIMEOUT_S + n / BODY_MIN_RATE` seconds gets HTTP 408 (a "
+        "client trickling a byte now and then cannot hold a request open forever)."),
+    Setting("INFLIGHT_BYTES", BYTES, None, "bytes",  # the budget decides (VLLM_SHM_EMBEDS_MAX_BYTES)
+        "bytes of the large JSON bodies the API server's JSON path holds at once, charged as "
+        "they arrive (never by `Content-Length`); a body that reaches the cap goes to vLLM with "
+        "every byte (the stock path, counted `json_fallback.busy`). JSON bodies larger than the "
+        "base64 of `BINARY_MAX_BYTES` plus 1 MiB always take the stock path "
+        "(`json_fallback.too_large`), and with `--enable-prompt-embeds` off no body takes our "
+        "paths. A binary body's JSON header counts here too, as it arrives, until the body has "
+        "arrived; one that finds or reaches the cap gets HTTP 503.",
+        shown="the segment budget (`VLLM_SHM_EMBEDS_MAX_BYTES`), at least "
+              f"{MIN_INFLIGHT_BYTES >> 30} GiB"),
+    Setting("BINARY_MAX_BYTES", BYTES_OR_MODEL, None, "bytes",  # the model decides
+        "largest tensor bytes one binary body may carry; above it the request gets a 413 before "
+        "its tensor bytes are read. `0` means the default.",
+        shown="`--max-model-len` x hidden size x 4"),
+    Setting("BINARY_MAX_TENSORS", COUNT, BINARY_MAX_TENSORS, "tensors",
+        "tensors (`prompt_embeds` descriptors) one binary body may carry; more get HTTP 400 "
+        "(`binary_rejected.too_many`) before any is read."),
+    Setting("REGIONS_MAX", COUNT, REGIONS_MAX, "regions",
+        "regions one uid may hold at once (an unregistered region still used by a request counts "
+        "until that request ends)."),
+    Setting("REGIONS_MAX_BYTES", POSITIVE_BYTES, REGIONS_MAX_BYTES, "bytes",
+        "bytes one uid's regions may hold at once (counted the same way)."),
+    Setting("REGIONS_TTL_S", SECONDS, REGIONS_TTL_S, "seconds",
+        "a region no request has used for this many seconds is unregistered (its producer's "
+        "connection staying open does not keep it)."),
+    Setting("REGIONS_IDLE_S", SECONDS, REGIONS_IDLE_S, "seconds",
+        "a producer connection that holds no registered region and sent nothing for this many "
+        "seconds is closed."),
+    Setting("REGIONS_REFS_MAX", COUNT, REGIONS_REFS_MAX, "references",
+        "region references one request may make; more get 400."),
+    Setting("REGIONS_LEASES_MAX", COUNT, REGIONS_LEASES_MAX, "references",
+        "region references of requests in flight one API server may hold until their "
+        "response starts (a slow reader holds none); more get 429."),
+)
+
+# Internal, unsupported, may change: the test suite and benchmarks shrink (or
+# grow) the LIMITS with it, e.g. "BODY_TIMEOUT_S=2,INFLIGHT_BYTES=1048576".
+TEST_LIMITS = "VLLM_SHM_EMBEDS_TEST_LIMITS"
+_LIMIT_BY_NAME = {limit.name: limit for limit in LIMITS}
+
+VARIABLES = (*(s.name for s in SETTINGS), TEST_LIMITS)
 
 Settings = dataclasses.make_dataclass(
     "Settings",
-    [(s.field, Any) for s in SETTINGS]
+    [(s.field, Any) for s in SETTINGS + LIMITS]
     + [("problems", tuple[str, ...], dataclasses.field(default=())),
        ("fatal", tuple[str, ...], dataclasses.field(default=()))],
     frozen=True)
 Settings.__module__ = __name__
 Settings.__doc__ = """The parsed variables of this process.
 
-One attribute per :data:`SETTINGS` entry (its ``field``: ``enabled``,
-``min_bytes``, ``dir``, ...), plus ``problems`` (one message per bad value
-that a default replaced, and the ``fatal`` messages) and ``fatal`` (messages
-that keep the feature off: no usable segment directory).
+One attribute per :data:`SETTINGS` and :data:`LIMITS` entry (its ``field``:
+``enabled``, ``min_bytes``, ``dir``, ..., ``body_timeout_s``, ...), plus
+``problems`` (one message per bad value that a default replaced, and the
+``fatal`` messages) and ``fatal`` (messages that keep the feature off: no
+usable segment directory).
 """
+
+
+def _limits(raw: str | None, problems: list[str]) -> dict[str, Any]:
+    """The :data:`LIMITS`' values: their constants, but for those that
+    ``raw`` (:data:`TEST_LIMITS`: ``NAME=value,...``) names; a bad entry keeps
+    the constant and puts a message in ``problems``."""
+    given: dict[str, str] = {}
+    for item in (raw or "").split(","):
+        if not item.strip():
+            continue
+        name, eq, value = item.partition("=")
+        name = name.strip().upper()
+        if not eq or name not in _LIMIT_BY_NAME:
+            problems.append(f"{TEST_LIMITS}: {item.strip()[:64]!r} is not NAME=value with "
+                            "NAME one of config.LIMITS; ignored")
+            continue
+        given[name] = value
+    return {limit.field: limit.parse(given.get(limit.name), problems,
+                                     f"{TEST_LIMITS}: {limit.name}") for limit in LIMITS}
 
 
 def _parse(raw: tuple[str | None, ...]) -> Settings:
     problems: list[str] = []
     values = {s.field: s.parse(value, problems) for s, value in zip(SETTINGS, raw)}
+    values |= _limits(raw[len(SETTINGS)], problems)
     directory = values["dir"]
     fatal = ()
     if not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
@@ -307,18 +357,20 @@ def settings() -> Settings:
 
 
 def _getter(field: str) -> Callable[[], Any]:
-    """The getter of one :class:`Settings` attribute (documented by its :data:`SETTINGS` entry)."""
-    [setting] = [s for s in SETTINGS if s.field == field]
+    """The getter of one :class:`Settings` attribute (documented by its
+    :data:`SETTINGS` or :data:`LIMITS` entry)."""
+    [setting] = [s for s in SETTINGS + LIMITS if s.field == field]
 
     def get() -> Any:
         return getattr(settings(), field)
 
     get.__name__ = get.__qualname__ = field
-    get.__doc__ = f"``{setting.name}`` ({setting.unit}): {setting.doc}"
+    what = "constant " if setting in LIMITS else ""
+    get.__doc__ = f"``{setting.name}`` ({what}{setting.unit}): {setting.doc}"
     return get
 
 
-# The getters the package imports, one per variable that is used as it is.
+# The getters the package imports, one per setting or limit that is used as it is.
 enabled = _getter("enabled")
 min_bytes = _getter("min_bytes")
 mount_dir = _getter("dir")
@@ -352,8 +404,8 @@ def set_stats_dir(path: str) -> None:
 
 
 def binary_max_bytes(max_model_len: int, hidden_size: int) -> int:
-    """Cap (bytes) on one binary body's tensors: the variable, or
-    ``max_model_len * hidden_size * 4``."""
+    """Cap (bytes) on one binary body's tensors: ``max_model_len * hidden_size * 4``
+    (the ``BINARY_MAX_BYTES`` limit, unless :data:`TEST_LIMITS` sets it)."""
     return settings().binary_max_bytes or max_model_len * hidden_size * 4
 
 
@@ -392,15 +444,15 @@ def shares_dev_shm() -> bool:
 
 def body_deadline_s(nbytes: int) -> float:
     """Seconds a body of ``nbytes`` may take in all before it gets 408:
-    ``VLLM_SHM_EMBEDS_BODY_TIMEOUT_S + nbytes / VLLM_SHM_EMBEDS_BODY_MIN_RATE``."""
+    :data:`BODY_TIMEOUT_S` ``+ nbytes /`` :data:`BODY_MIN_RATE`."""
     s = settings()
     return s.body_timeout_s + max(0, nbytes) / s.body_min_rate
 
 
 def inflight_bytes() -> int:
     """Cap (bytes) on the declared size of the JSON bodies the API server's body
-    paths take at once: the variable, else :func:`budget_bytes` (at least
-    :data:`MIN_INFLIGHT_BYTES`)."""
+    paths take at once: :func:`budget_bytes`, at least :data:`MIN_INFLIGHT_BYTES`
+    (the ``INFLIGHT_BYTES`` limit, unless :data:`TEST_LIMITS` sets it)."""
     s = settings()
     if s.inflight_bytes is not None:
         return s.inflight_bytes
@@ -415,10 +467,11 @@ def regions_allowed_uids() -> frozenset[int]:
 
 # What vLLM's ``vllm/envs.py`` ``environment_variables`` table gets (name ->
 # getter), so that ``Platform.validate_environ`` knows our variables; where a
-# default is derived, the getter gives the value in use.
+# default is derived, the getter gives the value in use. TEST_LIMITS is there
+# too (its text), so that vLLM does not warn about it either.
 ENV_VARS: dict[str, Callable[[], Any]] = {
     s.name: _getter(s.field) for s in SETTINGS
-} | {"VLLM_SHM_EMBEDS_MAX_BYTES": budget_bytes, "VLLM_SHM_EMBEDS_INFLIGHT_BYTES": inflight_bytes}
+} | {"VLLM_SHM_EMBEDS_MAX_BYTES": budget_bytes, TEST_LIMITS: lambda: os.environ.get(TEST_LIMITS)}
 
 
 def markdown_table() -> str:

@@ -1,14 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Counters of what shm-embeds did, in every process of a server.
 
-A count is an in-memory add plus, when ``VLLM_SHM_EMBEDS_STATS_DIR`` is set, one
-``struct.pack_into`` on this process's mmap'd ``prometheus_client`` multiprocess
-file; ``/metrics`` and the tests read all processes' files with the library's
-reader (:func:`read_server`, :func:`read_stats_dir`).
-
-Every event is declared once, in :class:`Event`, with the ``/metrics`` family it
-feeds and what it counts; callers name it (``count(Event.SEGMENTS_CREATED)``),
-never spell it. Never count from a finalizer (this takes a lock).
+A count is an in-memory add plus, with ``VLLM_SHM_EMBEDS_STATS_DIR`` set, a write to
+this process's ``prometheus_client`` multiprocess file (all read by :func:`read_server`,
+:func:`read_stats_dir`). Events are declared once, in :class:`Event`; callers name them.
+Never count from a finalizer (this takes a lock).
 
 Base layer: may import the other base modules and vLLM's logger; no HTTP.
 Design notes: docs/design.md, "Module notes".
@@ -33,15 +29,10 @@ _HELP = "shm-embeds events of one process (internal; see vllm:shm_embeds_* on /m
 
 
 class Event(enum.StrEnum):
-    """Every event counted, declared once (bytes in bytes).
-
-    The value is the stored name (the ``event`` label of :data:`FAMILY`, the
-    :meth:`Key.flat` name). Attributes: ``metric``, the ``vllm:shm_embeds_*``
-    family of ``ext/metrics/metrics.py`` it feeds (without the prefix), or None:
-    only in the summary log line and :func:`read_stats_dir`; ``labels``, the
-    labels it is counted with (:func:`count_reason`), () for a plain event
-    (:func:`count`); ``doc``, what it counts.
-    """
+    """Every event counted (bytes in bytes); the value is the stored name (``event``
+    label, :meth:`Key.flat`). ``metric``: the ``vllm:shm_embeds_*`` family it feeds
+    (``ext/metrics/metrics.py``, no prefix), None: summary and tests only; ``labels``:
+    :func:`count_reason`'s, () for :func:`count`; ``doc``: what it counts."""
 
     metric: str | None
     labels: tuple[str, ...]
@@ -69,15 +60,13 @@ class Event(enum.StrEnum):
     HOP2_STOCK_TENSORS = ("hop2_stock_tensors", "tensors", "hop-2 tensors sent the stock way "
                           "(in the broadcast, or over ZMQ per reader)")
     HOP2_STOCK_BYTES = ("hop2_stock_bytes", "bytes", "their bytes")
-    HOP1_ADOPTED_TENSORS = ("hop1_adopted_tensors", None,
-                            "hop-1 segments the EngineCore adopted")
+    HOP1_ADOPTED_TENSORS = ("hop1_adopted_tensors", None, "hop-1 segments the EngineCore adopted")
     HOP1_HANDOVER_TENSORS = ("hop1_handover_tensors", "reused_tensors",
                              "a binary or JSON-path body's segment sent at hop 1 as it is")
     HOP1_REGION_TENSORS = ("hop1_region_tensors", "reused_tensors",
                            "registered regions sent at hop 1 by descriptor")
     HOP1_REGION_BYTES = ("hop1_region_bytes", None, "their bytes")
-    HOP1_REGION_ADOPTED = ("hop1_region_adopted", None,
-                           "registered regions the EngineCore opened")
+    HOP1_REGION_ADOPTED = ("hop1_region_adopted", None, "registered regions the EngineCore opened")
     HOP2_REUSED_TENSORS = ("hop2_reused_tensors", "reused_tensors",
                            "hop-2 tensors sent without a copy (segments adopted at hop 1)")
     HOP2_PLACEHOLDER_TENSORS = ("hop2_placeholder_tensors", "placeholder_tensors",
@@ -97,8 +86,7 @@ class Event(enum.StrEnum):
     SEGMENTS_CREATED = ("segments_created", "segments_created", "segments created")
     SEGMENTS_UNLINKED = ("segments_unlinked", "segments_unlinked",
                          "segments unlinked by their owner")
-    SEGMENTS_SWEPT = ("segments_swept", "segments_swept",
-                      "segments of dead owners removed")
+    SEGMENTS_SWEPT = ("segments_swept", "segments_swept", "segments of dead owners removed")
     ADOPT_NAMES_TAKEN = ("adopt_names_taken", "adopt_names_taken",
                          "names found taken when adopting (another name was drawn)")
     ENGINE_PAGES_RELEASED = ("engine_pages_released", None,
@@ -110,8 +98,7 @@ class Event(enum.StrEnum):
     BINARY_BYTES = ("binary_bytes", "binary_bytes", "their tensor bytes")
     BINARY_CONVERTED_BYTES = ("binary_converted_bytes", None,
                               "bytes of binary tensors cast to the model's dtype")
-    BINARY_REJECTED = ("binary_rejected", "binary_rejected", "binary bodies rejected",
-                       ("reason",))
+    BINARY_REJECTED = ("binary_rejected", "binary_rejected", "binary bodies rejected", ("reason",))
     BINARY_FALLBACK = ("binary_fallback", "binary_fallbacks",
                        "binary tensors received into private memory", ("reason",))
     # JSON path
@@ -161,8 +148,7 @@ class Key(NamedTuple):
     reason: str = ""
 
     def flat(self) -> str:
-        """The key's name in :func:`stats` and the summary log line, e.g.
-        ``fallback.hop1.no_space``, ``binary_rejected.size``, ``copied_bytes``."""
+        """Name in :func:`stats` and the summary, e.g. ``fallback.hop1.no_space``."""
         parts = [self.event] + ([f"hop{self.hop}"] if self.hop else []) + (
             [self.reason] if self.reason else [])
         return ".".join(parts)
@@ -240,8 +226,7 @@ def reset() -> None:
 
 
 def set_role(role: str) -> None:
-    """Record what this process is (``client``, ``engine``, ``worker``); later
-    counts carry it (a hop's sender and receiver count the same event names)."""
+    """Record this process's role (``client``, ``engine``, ``worker``) for later counts."""
     state = _state
     with state.lock:
         if role not in state.roles:
@@ -255,11 +240,7 @@ def roles() -> list[str]:
 
 
 def count(event: Event | None = None, n: int = 1, /, **by_name: int) -> None:
-    """Add ``n`` to a plain event, e.g. ``count(Event.COPIED_BYTES, nbytes)``.
-
-    ``by_name``: the older form ``count(segments_swept=2)`` (names are
-    :class:`Event` values; replaying stats in tests).
-    """
+    """Add ``n`` to a plain event; ``by_name``: ``count(segments_swept=2)`` (tests)."""
     deltas = {Key(name): v for name, v in by_name.items()}
     if event is not None:
         deltas[Key(event.value)] = n
@@ -267,8 +248,7 @@ def count(event: Event | None = None, n: int = 1, /, **by_name: int) -> None:
 
 
 def count_many(deltas: Mapping[Event, int]) -> None:
-    """Add to several plain events at once (one lock), e.g.
-    ``count_many({Event.SEGMENTS_CREATED: 1, Event.COPIED_BYTES: nbytes})``."""
+    """Add to several plain events at once (one lock)."""
     _state.add({Key(event.value): n for event, n in deltas.items()})
 
 
@@ -294,12 +274,7 @@ def _parse(labels: dict[str, str]) -> tuple[Key, str]:
 
 
 def read_server(stats_dir: str) -> dict[tuple[Key, str], float]:
-    """Every process's counts in ``stats_dir`` summed per ``(key, role)``.
-
-    Uses ``prometheus_client.multiprocess.MultiProcessCollector`` (the
-    library's merge of the per-process files). Empty if the directory is
-    missing or holds no file.
-    """
+    """All processes' counts in ``stats_dir`` per ``(key, role)`` (``MultiProcessCollector``)."""
     from prometheus_client.multiprocess import MultiProcessCollector
 
     files = _files(stats_dir) if stats_dir else []
@@ -316,11 +291,8 @@ def read_server(stats_dir: str) -> dict[tuple[Key, str], float]:
 
 
 def read_stats_dir(stats_dir: str) -> list[dict[str, Any]]:
-    """Each process's counters in ``stats_dir`` (tests, benchmarks, the main job).
-
-    Returns ``[{"pid": int, "roles": [str], "counters": {flat name: int}}]``,
-    one record per process file, read with ``prometheus_client``'s reader.
-    """
+    """``[{"pid": int, "roles": [str], "counters": {flat name: int}}]``, one per
+    process file in ``stats_dir`` (tests, benchmarks)."""
     from prometheus_client.mmap_dict import MmapedDict
 
     out = []

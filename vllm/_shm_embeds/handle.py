@@ -136,11 +136,11 @@ class SharedTensorHandle:
             unlinked the name, and the inode check rules out a reused fd.
         readers: hop 2: how many readers this broadcast has flags for (reader
             indices ``[0, readers)``); 0: not a broadcast (hop 1), unchecked.
-        region: a registered region (``ext/regions/registry.py``): ``(pid, fd, inode)`` of
-            the API server's descriptor of the producer's sealed memfd, which
-            holds the tensor's bytes from offset 0. File 0 is then the header
-            alone (``HEADER_BYTES``) and the memfd is file 1: it has no name,
-            so it is opened only through ``/proc`` (hop 1: the API server's
+        held: a held file: ``(pid, fd, inode)`` of the sender's descriptor of
+            a sealed memfd that holds the tensor's bytes from offset 0 (e.g. a
+            registered region of the ``regions`` extension). File 0 is then the
+            header alone (``HEADER_BYTES``) and the memfd is file 1: it has no
+            name, so it is opened only through ``/proc`` (hop 1: the sender's
             fd; hop 2: the owner's ``owner_files``) and mapped read-only.
     """
 
@@ -151,7 +151,7 @@ class SharedTensorHandle:
     flag_base: int = 0
     owner_pid: int = 0
     owner_files: tuple[tuple[int, int], ...] = ()
-    region: tuple[int, int, int] = ()
+    held: tuple[int, int, int] = ()
     readers: int = 0
 
     @property
@@ -168,8 +168,8 @@ class SharedTensorHandle:
 
     def parts(self) -> list[tuple[str, int, int]]:
         """``(file name, first data byte, data bytes)`` for each file of the segment
-        (a region's file 1 has no name in the directory: see :attr:`region`)."""
-        if self.region:
+        (a held file 1 has no name in the directory: see :attr:`held`)."""
+        if self.held:
             return [(self.name, 0, 0), (part_name(self.name, 1), 0, self.nbytes)]
         bounds = [0, *self.split, self.nbytes]
         return [
@@ -186,8 +186,8 @@ class SharedTensorHandle:
         meta = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
         if self.split:
             meta["split"] = list(self.split)
-        if self.region:
-            meta["region"] = list(self.region)
+        if self.held:
+            meta["held"] = list(self.held)
         return meta
 
     @classmethod
@@ -196,29 +196,29 @@ class SharedTensorHandle:
         else) on malformed input: not a dict, a field of the wrong type, a
         negative dimension, a name that is not a segment name of ours, a
         split that is not increasing page multiples inside the data, or a
-        region that does not name a descriptor of the name's owner."""
+        held file that is not a descriptor of the name's owner."""
         try:
             name, dtype, shape = meta["name"], meta["dtype"], meta["shape"]
-            split, region = meta.get("split", ()), meta.get("region", ())
+            split, held = meta.get("split", ()), meta.get("held", ())
             if not (isinstance(name, str) and isinstance(dtype, str)
-                    and all(isinstance(x, (list, tuple)) for x in (shape, split, region))):
+                    and all(isinstance(x, (list, tuple)) for x in (shape, split, held))):
                 raise TypeError("field types")
-            ints = [int(x) for x in (*shape, *split, *region)
+            ints = [int(x) for x in (*shape, *split, *held)
                     if isinstance(x, int) and not isinstance(x, bool)]
-            if len(ints) != len(shape) + len(split) + len(region) or min(ints, default=0) < 0:
+            if len(ints) != len(shape) + len(split) + len(held) or min(ints, default=0) < 0:
                 raise ValueError("not non-negative integers")
-            handle = cls(name, dtype, tuple(shape), tuple(split), region=tuple(region))
+            handle = cls(name, dtype, tuple(shape), tuple(split), held=tuple(held))
             nbytes = handle.nbytes
-            if region and (len(region) != 3 or min(region) <= 0 or split):
-                raise ValueError("region")
+            if held and (len(held) != 3 or min(held) <= 0 or split):
+                raise ValueError("held")
         except (KeyError, TypeError, ValueError, AttributeError, ShmEmbedsError) as e:
             raise ShmEmbedsError(f"malformed shm-embeds handle {reprlib.repr(meta)}") from e
         parsed = SegmentName.parse(handle.name)
         if parsed is None or parsed.part != 0:
             raise ShmEmbedsError(f"not a shm-embeds segment name: {reprlib.repr(handle.name)}")
-        if region and (region[0] != parsed.pid or parsed.pidns != pid_namespace()):
-            # a region is opened through the fd of the process that named the segment
-            raise ShmEmbedsError(f"malformed shm-embeds handle region {reprlib.repr(region)}")
+        if held and (held[0] != parsed.pid or parsed.pidns != pid_namespace()):
+            # a held file is opened through the fd of the process that named the segment
+            raise ShmEmbedsError(f"malformed shm-embeds handle held file {reprlib.repr(held)}")
         split = handle.split
         bounds = [0, *split, nbytes]
         if len(split) >= MAX_WRITERS or any(

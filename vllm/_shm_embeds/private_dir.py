@@ -1,13 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """The server's private segment directory: made once, found by its processes, gone at exit.
 
-When the configured directory (``VLLM_SHM_EMBEDS_DIR``, the *mount*) is shared,
-the first process of a server that asks makes ``<mount>/vllm-shm-embeds-<random>/``
-(mode 0700; an ``owner`` file and a ``segments/`` directory) and exports its path
-as :data:`ENV` for the EngineCore and workers to inherit; a process accepts an
-inherited path only after :func:`_check_dir`. The maker removes it at exit
-(:func:`remove_made`); one whose maker is certainly dead goes at the next server's
-start-up sweep (:func:`sweep_dead`). A mount that is already private is used as is.
+In a shared mount (``VLLM_SHM_EMBEDS_DIR``) the first process that asks makes
+``<mount>/vllm-shm-embeds-<random>/`` (mode 0700: ``owner``, ``segments/``) and exports
+it as :data:`ENV` for the server's processes (checked by :func:`_check_dir`). The maker
+removes it at exit (:func:`remove_made`); a dead maker's goes at the next start-up
+(:func:`sweep_dead`). A mount that is already private is used as is.
 
 Knows directories and ``/proc`` only: no segment format, not vLLM, not HTTP.
 Design notes: docs/design.md, "Module notes".
@@ -47,9 +45,8 @@ def _is_private(st: os.stat_result) -> bool:
 
 
 def _parent_is_safe(path: str) -> bool:
-    """True if no other uid can rename or replace ``path`` in its parent:
-    the parent is sticky (``/dev/shm``, ``/tmp``), or writable only by its
-    owner, who is this uid or root."""
+    """True if no other uid can rename or replace ``path``: its parent is sticky
+    (``/dev/shm``, ``/tmp``), or writable only by its owner, this uid or root."""
     try:
         st = os.stat(os.path.dirname(os.path.abspath(path)) or "/")
     except OSError:
@@ -60,9 +57,8 @@ def _parent_is_safe(path: str) -> bool:
 
 
 def _check_dir(path: str) -> None:
-    """Raise :class:`UnsafeDirectory` unless ``path`` is a private directory of
-    ours that no other uid can swap: ``lstat`` (a symlink is refused), then an
-    ``O_NOFOLLOW | O_DIRECTORY`` open whose ``fstat`` must be the same inode."""
+    """Raise :class:`UnsafeDirectory` unless ``path`` is our private directory: ``lstat``
+    (no symlink), then an ``O_NOFOLLOW`` open whose ``fstat`` is the same inode."""
     st = os.lstat(path)
     if not _is_private(st):
         raise UnsafeDirectory(errno.EPERM, "not a private directory of this user")
@@ -76,19 +72,15 @@ def _check_dir(path: str) -> None:
 
 
 def _mkdir_private(path: str) -> None:
-    """``mkdir`` with mode 0700, then :func:`_check_dir`. Raises FileExistsError
-    if ``path`` is taken (by anything: the caller picks a fresh name)."""
+    """``mkdir`` 0700, then :func:`_check_dir`. Raises FileExistsError if ``path`` is taken."""
     os.mkdir(path, 0o700)
     os.chmod(path, 0o700, follow_symlinks=False)  # a umask may only take bits away
     _check_dir(path)
 
 
 def _make(mount: str) -> str:
-    """Make ``<mount>/<PREFIX><random>/segments`` (see the module docstring).
-
-    Returns the outer directory. Raises OSError (:class:`UnsafeDirectory`,
-    EEXIST after :data:`_TRIES` taken names, ENOSPC ...).
-    """
+    """Make ``<mount>/<PREFIX><random>/segments``; returns the outer directory. Raises
+    OSError (:class:`UnsafeDirectory`, EEXIST after :data:`_TRIES` names, ENOSPC ...)."""
     if not _parent_is_safe(os.path.join(mount, "x")):
         raise UnsafeDirectory(errno.EPERM, "other users may rename entries of the directory "
                               "(writable by them and not sticky)")
@@ -115,19 +107,16 @@ def _make(mount: str) -> str:
 
 
 def resolve(mount: str) -> str:
-    """The segment directory to use under ``mount`` (made on first use; see
-    the module docstring). Raises OSError if the mount is shared and no
-    private directory can be made or checked in it."""
+    """The segment directory to use under ``mount`` (made on first use). Raises OSError
+    if the mount is shared and no private directory can be made or checked in it."""
     with _lock:
         found = _resolved.get(mount)
         if found is not None and (_state["closed"] or os.path.isdir(found)
                                   or not _remade_here(mount, found)):
-            # Once removed at exit, never made again (it would be left behind).
-            # A process that did not make it (the EngineCore, a worker) does not
-            # make one either when it is gone: its maker removed it because the
-            # server is exiting, and this process may be killed before its own
-            # exit would remove it (an offline LLM's EngineCore, SIGKILLed by
-            # vLLM 5 s after its SIGTERM). Segments then take the stock path.
+            # Once removed at exit, never made again (it would be left behind). A
+            # process that did not make it (EngineCore, worker) does not remake it: its
+            # maker removed it as the server exits, and this process may be killed
+            # first (vLLM SIGKILLs an offline EngineCore 5 s after SIGTERM). Stock path.
             return found
         st = os.lstat(mount)
         if _is_private(st) and _parent_is_safe(mount):
@@ -150,9 +139,8 @@ def resolve(mount: str) -> str:
 
 
 def _remade_here(mount: str, found: str) -> bool:
-    """True if ``found``, resolved before and now gone, may be replaced in this
-    process: the mount itself (used as it is), or a directory this very
-    process made (not one inherited, nor its parent's before a fork)."""
+    """True if ``found`` (now gone) may be replaced here: the mount itself, or a
+    directory this very process made (not inherited, nor its parent's before a fork)."""
     return found == mount or _made.get(os.path.dirname(found)) == os.getpid()
 
 
@@ -162,8 +150,7 @@ def made_here() -> bool:
 
 
 def remove_made() -> int:
-    """Remove the private directories this process made (at exit, after its
-    children are gone or were waited for). Returns the number removed. Never raises."""
+    """Remove the private directories this process made (at exit); how many. Never raises."""
     removed = 0
     with _lock:
         for outer, pid in list(_made.items()):
@@ -179,10 +166,8 @@ def remove_made() -> int:
 
 
 def read_owner(outer: str) -> tuple[int, int, int] | None:
-    """The maker recorded in ``outer``'s owner file, or None if unreadable.
-
-    Never blocks: opened ``O_NONBLOCK`` and read only if a regular file (a
-    FIFO planted at that name would hang a blocking open or read)."""
+    """The maker recorded in ``outer``'s owner file, or None. Never blocks: opened
+    ``O_NONBLOCK``, read only if a regular file (a planted FIFO would hang a read)."""
     try:
         fd = os.open(os.path.join(outer, OWNER_FILE),
                      os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
@@ -197,9 +182,8 @@ def read_owner(outer: str) -> tuple[int, int, int] | None:
 
 
 def sweep_dead(mount: str) -> int:
-    """Remove private directories in ``mount`` whose maker is certainly dead
-    (``procfs.owner_is_dead``, this PID namespace only): what a killed server
-    left. Only this uid's private directories count; anything else at a name
+    """Remove this uid's private directories in ``mount`` whose maker (in this PID
+    namespace) is certainly dead: what a killed server left; anything else at a name
     like ours is left alone. Never raises. Returns the number removed."""
     removed = 0
     ns = pid_namespace()

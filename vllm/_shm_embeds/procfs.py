@@ -1,10 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Processes seen through ``/proc``: the PID namespace, ``/proc/<pid>/stat``,
-and whether a segment's owner is certainly gone.
-
-A segment name carries its owner's pid and start time (``handle.SegmentName``)
-so that a sweep tells a dead owner's segments from a live one's even after
-pid reuse. Every reader here answers "cannot tell" on the safe side.
+"""Processes seen through ``/proc``: the PID namespace, ``/proc/<pid>/stat``, and
+whether a segment's owner (the pid and start time in its name) is certainly gone.
+Every reader here answers "cannot tell" on the safe side.
 
 Knows ``/proc`` only: no segment file, not vLLM, not HTTP.
 """
@@ -43,25 +40,17 @@ def proc_stat(pid: int) -> list[bytes] | None:
 
 
 def proc_start_time(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot; None if gone or unreadable.
-
-    A zombie (killed, not yet reaped by its parent) counts as gone. Raises
-    ValueError: ``/proc/<pid>/stat`` does not parse.
-    """
+    """Start time of ``pid`` in clock ticks since boot; None if gone, unreadable or a
+    zombie. Raises ValueError: ``/proc/<pid>/stat`` does not parse."""
     fields = proc_stat(pid)
     return int(fields[19]) if fields is not None else None
 
 
 def owner_is_dead(pid: int, start: int) -> bool:
-    """True only when process ``pid``, started at ``start`` (clock ticks since
-    boot, 0 if unknown: a segment name's ``pid`` and ``start``), is certainly
-    gone (a sweep may unlink its segments).
-
-    Gone means: no such pid (``kill(pid, 0)`` says ESRCH), or ``/proc`` shows
-    a zombie or a different start time. When ``/proc`` cannot be read, or the
-    start time is unknown (0), a pid that exists counts as alive: a
-    sweep must never remove a live owner's segment.
-    """
+    """True only when process ``pid``, started at ``start`` (clock ticks since boot, 0 if
+    unknown), is certainly gone: ``kill(pid, 0)`` says ESRCH, or ``/proc`` shows a zombie
+    or another start time. With ``/proc`` unreadable or ``start`` 0 a pid that exists is
+    alive: a sweep must never remove a live owner's segment."""
     if not 0 < pid < 1 << 22:  # PID_MAX_LIMIT: no such process can exist
         return False  # not a name of ours: keep it
     try:

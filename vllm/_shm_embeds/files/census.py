@@ -1,13 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """What our segment files hold in the segment directory, counted off every caller's thread.
 
-The budget (``transfer.check_budget``) needs the bytes all of the server's segment
-files hold. What this process wrote and unlinked it counts at once
-(:meth:`Census.wrote`, :meth:`Census.unlinked`); what the other processes hold is
-reconciled by a walk of the directory (``segment_dir.held_bytes``) that never runs
-on a caller's thread: a count older than :data:`MIN_INTERVAL_S` starts a walk on a
-thread of its own, one at a time. Every error but the other processes' newest
-files is on the safe side (more counted, the stock path sooner).
+For the budget (``transfer.check_budget``): this process's writes and unlinks count at
+once (:meth:`Census.wrote`, :meth:`Census.unlinked`), the other processes' files by a
+walk (``segment_dir.held_bytes``) on a thread of its own, one at a time, started by a
+count older than :data:`MIN_INTERVAL_S`. Every error but the others' newest files is on
+the safe side (more counted, the stock path sooner).
 
 Knows segment files, not vLLM and not HTTP.
 Design notes: docs/design.md, "Module notes".
@@ -24,12 +22,7 @@ MIN_INTERVAL_S = 0.05  # a count at most this old (plus a walk) is used as it is
 
 
 class Census:
-    """Bytes our segment files hold in one directory (``segment_dir.held_bytes``),
-    refreshed off the caller's thread.
-
-    Args:
-        directory: the segment directory.
-    """
+    """Bytes our segment files hold in the segment directory ``directory``."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
@@ -48,15 +41,12 @@ class Census:
             self._written += nbytes
 
     def unlinked(self, nbytes: int) -> None:
-        """This process unlinked a segment file of ``nbytes`` in the directory
-        (counted off at once; a walk under way that missed the file undercounts
-        until the next)."""
+        """This process unlinked a file of ``nbytes`` (a walk under way may undercount)."""
         with self._lock:
             self._written -= nbytes
 
     def held(self) -> int:
-        """Bytes held (see the module docstring): the last walk's total plus
-        what this process wrote since; never walks on the caller's thread."""
+        """The last walk's total plus this process's writes since; never walks here."""
         with self._lock:
             start = not self._walking and time.monotonic() >= self._next_at
             if start:
@@ -67,9 +57,7 @@ class Census:
         return held
 
     def settle(self, timeout: float = 30.0) -> int:
-        """Wait for the walk on a thread, if one was started (up to ``timeout``
-        seconds), walk now on the caller's thread, and return the exact
-        count. For tests and tools only: no request path calls it."""
+        """Wait for a walk under way (``timeout`` s), walk here: the exact count (tests)."""
         with self._lock:
             self._walking = True
             self._done.wait_for(lambda: self._threads == 0, timeout)

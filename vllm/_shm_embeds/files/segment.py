@@ -42,11 +42,11 @@ class BudgetExceeded(OSError):
 
 
 class TooManySegments(OSError):
-    """This process owns ``VLLM_SHM_EMBEDS_MAX_SEGMENTS`` segments already."""
+    """This process owns ``config.MAX_SEGMENTS`` segments already."""
 
     def __init__(self, limit: int) -> None:
         super().__init__(errno.EMFILE, f"this process holds {limit} shm-embeds segments "
-                         "already (VLLM_SHM_EMBEDS_MAX_SEGMENTS)")
+                         "already (the most allowed)")
 
 
 def fallback_reason(e: OSError) -> str:
@@ -217,9 +217,9 @@ def drop_pages(mm: mmap.mmap) -> None:
                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1)
 
 
-def open_region(pid: int, fd: int, inode: int, nbytes: int) -> int:
-    """Open a region's memfd through ``/proc/<pid>/fd/<fd>`` read-only (hop 1:
-    the API server's descriptor); the inode and the size must match.
+def open_held(pid: int, fd: int, inode: int, nbytes: int) -> int:
+    """Open a held file (a sealed memfd) through ``/proc/<pid>/fd/<fd>``
+    read-only (hop 1: the sender's descriptor); the inode and size must match.
 
     The number may have been reused meanwhile (the request was aborted and
     the API server closed its fd): ``O_NONBLOCK`` so that a FIFO never blocks
@@ -227,20 +227,20 @@ def open_region(pid: int, fd: int, inode: int, nbytes: int) -> int:
     I/O on it) with that inode and size is taken.
 
     Raises:
-        ShmEmbedsError: gone (the producer unregistered it and the request
-            ended), another file under that number, or the wrong size.
+        ShmEmbedsError: gone (its holder let it go and the request ended),
+            another file under that number, or the wrong size.
     """
     path = f"/proc/{pid}/fd/{fd}"
     try:
         if not os.readlink(path).startswith("/memfd:"):
-            raise ShmEmbedsError("registered region is gone (descriptor reused)")
+            raise ShmEmbedsError("the held file is gone (descriptor reused)")
         fd2 = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
     except OSError as e:
-        raise ShmEmbedsError("registered region is gone") from e
+        raise ShmEmbedsError("the held file is gone") from e
     st = os.fstat(fd2)
     if not stat.S_ISREG(st.st_mode) or st.st_ino != inode or st.st_size != nbytes:
         os.close(fd2)
-        raise ShmEmbedsError("registered region is gone (descriptor reused)")
+        raise ShmEmbedsError("the held file is gone (descriptor reused)")
     return fd2
 
 
@@ -273,8 +273,8 @@ def open_files(
     fds = _open_by_owner_fd(handle, writable_first=True) if reader else None
     if fds is not None:
         return fds
-    if handle.region:  # its file 1 has no name: never open one that someone planted
-        raise ShmEmbedsError("a registered region can be opened only through its "
+    if handle.held:  # its file 1 has no name: never open one that someone planted
+        raise ShmEmbedsError("a held file can be opened only through its "
                              "owner's descriptor, which is gone")
     fds = []
     try:
@@ -329,9 +329,9 @@ def map_segment(
                     f"segment {part!r} holds {size} bytes, handle expects {want}"
                 )
             sizes.append(size)
-        # A region (file 1, a sealed memfd) is mapped read-only by everyone.
+        # A held file 1 (a sealed memfd) is mapped read-only by everyone.
         mm = map_files(fds, sizes, [prot] + [mmap.PROT_READ] * (len(fds) - 1)
-                       if handle.region else prot)
+                       if handle.held else prot)
         if mm[: len(MAGIC)] != MAGIC:
             mm.close()
             raise ShmEmbedsError(f"segment {handle.name!r} has no shm-embeds header")

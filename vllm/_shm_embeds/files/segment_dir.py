@@ -1,11 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What is in the segment directory: names like ours, whose files they are,
-the bytes they hold, the dead owners' segments swept, the file system's room.
-
-A name like ours proves nothing (the directory is usually ``/dev/shm``, mode
-1777): only regular files of this user count (:func:`our_file`). The budget
-counts :func:`held_bytes` through ``census.Census``; ``files/segment.py`` makes and
-maps the files themselves.
+"""What is in the segment directory: names like ours, whose files they are, the bytes
+they hold, the dead owners' segments swept, the file system's room. A name like ours
+proves nothing: only regular files of this user count (:func:`our_file`).
 
 Knows segment names and files, not vLLM and not HTTP.
 """
@@ -21,16 +17,13 @@ from vllm._shm_embeds.procfs import owner_is_dead
 
 
 def our_file(st: os.stat_result) -> bool:
-    """True if ``st`` (from ``os.lstat``) is a regular file of this process's
-    user: the only kind of file a segment of ours can be. Directories,
-    symlinks, FIFOs and other users' files at names like ours are someone
-    else's and are neither counted nor removed."""
+    """True if ``st`` (``os.lstat``) is a regular file of this user, the only kind a
+    segment of ours can be; anything else at a name like ours is left alone."""
     return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
 
 
 def list_segments(directory: str) -> list[tuple[str, SegmentName]]:
-    """Every name like ours in ``directory`` with its parsed name (parts
-    included); whose file it is is not checked (:func:`our_file`)."""
+    """Every name like ours in ``directory``, parsed (parts included; owner unchecked)."""
     out = []
     try:
         with os.scandir(directory) as it:
@@ -44,14 +37,9 @@ def list_segments(directory: str) -> list[tuple[str, SegmentName]]:
 
 
 def sweep(directory: str, pidns: int) -> int:
-    """Unlink the files of segments in ``directory`` whose owner is certainly dead.
-
-    Only names in PID namespace ``pidns`` are judged (another container's
-    pids mean nothing here); see ``procfs.owner_is_dead``. Only regular files
-    of this user (``lstat``, :func:`our_file`) are removed: anything else
-    at such a name (a directory, a symlink, another user's file) is left
-    alone. Never raises. Returns the number of segments (file 0s) removed.
-    """
+    """Unlink the :func:`our_file` files in ``directory`` whose owner, in PID namespace
+    ``pidns`` only, is certainly dead (``procfs.owner_is_dead``). Never raises. Returns
+    the number of segments (file 0s) removed."""
     removed = 0
     verdict: dict[tuple[int, int], bool] = {}
     for n, parsed in list_segments(directory):
@@ -73,11 +61,8 @@ def sweep(directory: str, pidns: int) -> int:
 
 def held_bytes(directory: str, owners: set[int] | None = None,
                pidns: int | None = None) -> int:
-    """Bytes our segment files in ``directory`` hold now (allocated blocks: a
-    body still arriving counts by what it has written); with ``owners``, only
-    the files of those pids in PID namespace ``pidns``. Only regular files
-    of this user count (``lstat``: a symlink or another user's file at a
-    name like ours is not ours)."""
+    """Bytes (allocated blocks) our :func:`our_file` segment files in ``directory`` hold
+    now; with ``owners``, only those pids' files in PID namespace ``pidns``."""
     held = 0
     for name, parsed in list_segments(directory):
         if owners is not None and (parsed.pid not in owners or parsed.pidns != pidns):

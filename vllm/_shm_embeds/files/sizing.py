@@ -1,10 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""How large the segment directory should be for a server, and the start-up warning.
-
-Reads vLLM's config by attribute (``scheduler_config.max_num_seqs``,
-``model_config.max_model_len``, ``get_hidden_size()``, ``dtype``,
-``parallel_config.data_parallel_size_local``; vllm 0.32/0.33).
-"""
+"""How large the segment directory should be for a server, and the start-up warning."""
 
 from __future__ import annotations
 
@@ -17,11 +12,8 @@ from vllm._shm_embeds.handle import HEADER_BYTES, dtype_name
 
 def dir_need_bytes(max_num_seqs: int, max_model_len: int, hidden_size: int,
                    dtype_bytes: int, engines: int = 1) -> int:
-    """Bytes the segment directory could need for running requests' embeds.
-
-    ``engines`` x ``max_num_seqs`` x (``max_model_len`` x ``hidden_size`` x
-    ``dtype_bytes`` + one 4 KiB header); queued requests need more.
-    """
+    """Bytes running requests' embeds could need: ``engines`` x ``max_num_seqs`` x
+    (``max_model_len`` x ``hidden_size`` x ``dtype_bytes`` + a 4 KiB header)."""
     per_seq = max_model_len * hidden_size * dtype_bytes + HEADER_BYTES
     return engines * max_num_seqs * per_seq
 
@@ -35,13 +27,10 @@ def _human(n: float) -> str:
 
 
 def check_dir_size(vllm_config: Any, directory: str | None = None) -> str | None:
-    """The start-up warning if the segment directory is too small, else None.
-
-    Reads ``scheduler_config.max_num_seqs``, ``model_config.max_model_len``,
-    ``get_hidden_size()``, ``dtype`` and ``parallel_config.data_parallel_size_local``
-    (vllm 0.32/0.33). Compares :func:`dir_need_bytes` with the size of the
-    directory's file system (``statvfs``).
-    """
+    """The start-up warning if the directory's file system (``statvfs``) is smaller than
+    :func:`dir_need_bytes` of ``scheduler_config.max_num_seqs``, ``model_config``'s
+    ``max_model_len``, ``get_hidden_size()``, ``dtype`` and
+    ``parallel_config.data_parallel_size_local`` (vllm 0.32/0.33); else None."""
     directory = directory or shm_dir()
     mc, sc = vllm_config.model_config, vllm_config.scheduler_config
     pc = vllm_config.parallel_config

@@ -32,7 +32,8 @@ from vllm._shm_embeds.lifetime.transfer import (
     adopt_tensor,
     dense_nbytes,
     eligible,
-    share_region,
+    held_by,
+    share_held,
     share_tensor,
 )
 
@@ -99,17 +100,16 @@ class HandleOOBConsumer:
     def __call__(self, tensor: torch.Tensor) -> dict | None:
         if tensor is self._armed:
             self._armed = None
-            regions = process.current().regions
-            holder = regions.find(tensor) if regions is not None else None
+            holder = held_by(tensor)
             # A streamed segment (binary body) goes as it is, whatever its size;
-            # a registered region by the API server's descriptor of it.
+            # a held file (e.g. a registered region) by the sender's descriptor of it.
             handover = hand_over(tensor) if holder is None else None
             reason = None if handover is not None or holder is not None else eligible(tensor)
             if reason is None:
                 found = None
                 try:
                     if holder is not None:
-                        handle = share_region(tensor, holder)
+                        handle = share_held(tensor, holder)
                     elif handover is not None:
                         handle = handover
                     else:

@@ -38,7 +38,7 @@ class Kind(enum.Enum):
     """How a segment came to this process."""
 
     ADOPTED = "adopted"  # hop 1: a peer's segment, renamed to ours and mapped
-    REGION = "region"  # hop 1: a registered region's header adopted, memfd mapped
+    HELD_FILE = "held_file"  # hop 1: a held file's header adopted, its memfd mapped
     COPY = "copy"  # hop 2: a copy of a tensor, only its header mapped here
     STREAMED = "streamed"  # a request body written into it here, for hop 1's hand-over
 
@@ -91,8 +91,8 @@ class IllegalTransition(RuntimeError):
 
 HELD, BROADCAST, FREED, MAPPED, DRAINING, GONE = State
 ALL = frozenset(Kind)
-SENT = frozenset({Kind.ADOPTED, Kind.REGION, Kind.COPY})  # broadcast at hop 2
-MAPS = frozenset({Kind.ADOPTED, Kind.REGION, Kind.STREAMED})  # a tensor maps it here
+SENT = frozenset({Kind.ADOPTED, Kind.HELD_FILE, Kind.COPY})  # broadcast at hop 2
+MAPS = frozenset({Kind.ADOPTED, Kind.HELD_FILE, Kind.STREAMED})  # a tensor maps it here
 
 
 def _row(event: str, source: State | None, to: set[State], kinds: frozenset[Kind]
@@ -185,7 +185,7 @@ class OwnedSegment:
             a tensor maps it here; else None (a copy, or its storage died).
         source: the tensor that was copied into it (copies), else None.
         fds: the files, held open while broadcasts are pending (a
-            region's for as long as the name: its memfd has no name).
+            held file's for as long as the name: its memfd has no name).
         broadcasts: ``(flag_base, readers)`` of broadcasts whose readers have
             not all set their flags (non-empty in ``BROADCAST`` and ``FREED``).
         next_flag: first unused flag byte.

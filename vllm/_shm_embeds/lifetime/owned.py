@@ -122,7 +122,7 @@ class OwnedSegments:
         ``tensor``: the tensor that maps it here (``anchor``: the buffer
         object its storage keeps alive, ``segment.tensor_view``), or for a
         ``COPY`` the tensor copied into it (only its header is mapped here).
-        ``fds``: its files, held open from now on (a region's memfd can be
+        ``fds``: its files, held open from now on (a held file's memfd can be
         opened only by fd; a copy's until its broadcasts settle).
         """
         name = handle.name
@@ -191,7 +191,7 @@ class OwnedSegments:
         except OSError:  # the directory is gone (removed by someone), its files with it
             return False
         gone = seg.unlink_segment(directory, entry.handle.name, len(entry.handle.parts()))
-        if gone and entry.kind is not Kind.REGION:
+        if gone and entry.kind is not Kind.HELD_FILE:
             self._state.census(directory).unlinked(entry.handle.nbytes)
         return gone
 
@@ -240,7 +240,7 @@ class OwnedSegments:
                 if entry.in_use(known):  # the TP workers map it until the request ends
                     if not self._index.move(entry, "settle", HELD):
                         continue
-                    if entry.fds and not entry.handle.region:  # reopened by name if re-sent
+                    if entry.fds and not entry.handle.held:  # reopened by name if re-sent
                         idle_fds += entry.fds
                         entry.fds = None
                     continue

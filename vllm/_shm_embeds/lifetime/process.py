@@ -1,18 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """Per-process state of shm-embeds: one object that a forked child replaces.
 
-:class:`Process` holds what this process owns (``owned.OwnedSegments``),
-its segment-name tag, its threads (the writer and hashing pools, the
-reaper, the fd closer), the warning state, whether vLLM tells it when a
-request is freed, the served model name and the metrics directory it made.
-A forked child (e.g. a TP worker under the fork start method) gets a new
-one (:meth:`Process.forked`, the only place that says what a child keeps):
-it owns and unlinks nothing of its parent's and has none of its threads. At
-exit the owner unlinks what is left (:func:`shutdown`); every process sweeps
-the segments of dead owners at start-up and the EngineCore every
-:data:`SWEEP_INTERVAL_S` seconds (:func:`sweep_stale_segments`).
+:class:`Process` holds what this process owns, its segment-name tag, threads and flags;
+a forked child gets a new one (:meth:`Process.forked` says what it keeps) and owns,
+unlinks and runs nothing of its parent's. At exit the owner unlinks what is left
+(:func:`shutdown`); every process sweeps dead owners' segments at start-up, the
+EngineCore every :data:`SWEEP_INTERVAL_S` seconds (:func:`sweep_stale_segments`).
 
 Knows segments, not vLLM and not HTTP.
+Design notes: docs/design.md, "Module notes".
 """
 
 from __future__ import annotations
@@ -32,14 +28,8 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm._shm_embeds import counters, private_dir
-from vllm._shm_embeds.config import (
-    MAX_WRITERS,
-    enabled,
-    max_segments,
-    shm_dir,
-    stats_dir,
-    writers,
-)
+from vllm._shm_embeds.config import (MAX_WRITERS, enabled, max_segments, shm_dir, stats_dir,
+                                     writers)
 from vllm._shm_embeds.counters import Event, count
 from vllm._shm_embeds.files import segment as seg
 from vllm._shm_embeds.files import segment_dir
@@ -61,23 +51,19 @@ class Process:
 
     Attributes:
         pid: the process this state belongs to (finalizers check it).
-        owned: segments this process owns.
-        released: ``lifecycle.StorageDied``/``SourceDied`` records appended by
-            finalizers; applied at safe points.
-        pool, hasher: the writer threads (``transfer.create_segment``) and the
-            hashing threads (``ext/digests/digests.py``), made on first use.
-        regions: the API server's ``regions.RegionRegistry`` when it serves
-            registered regions (``VLLM_SHM_EMBEDS_REGIONS``), else None.
+        owned: segments this process owns; ``released``: finalizers' records
+            (``lifecycle.StorageDied``/``SourceDied``), applied at safe points.
+        pool, hasher: writer (``transfer.create_segment``) and hashing (``ext/digests``)
+            threads, made on first use.
+        holders: registries of sealed memfds an extension holds (the API server's
+            registered regions): ``find``, ``is_held``, ``send_view``, ``settle``
+            (``transfer.held_by``).
         censuses: segment directory -> its ``census.Census`` (the budget's count).
-        release_known: vLLM tells when a request is freed (``sites``' ``release``
-            group is on: ``owned.OwnedSegments.release_adopted``); else a name
-            goes once every reader mapped it. Kept by a forked child.
-        model_name: the served model name, the ``model_name`` label of the
-            metrics (``http.metrics.set_model_name``). Kept by a forked child.
-        stats_dir_made: the metrics directory this process made and removes
-            at exit (``http.metrics.ensure_stats_dir``), else None.
-        fd_closer: queue of the thread that closes received descriptors
-            (``sockets.discard_fd``), once started.
+        release_known: vLLM tells when a request is freed (group ``release`` on); else a
+            name goes once every reader mapped it. Kept by a forked child.
+        model_name: the metrics' ``model_name`` label. Kept by a forked child.
+        stats_dir_made: the metrics directory this process made (removed at exit), or None.
+        fd_closer: queue of the thread closing received fds (:meth:`close_later`).
     """
 
     def __init__(self) -> None:
@@ -92,7 +78,7 @@ class Process:
         self.sweep_interval: float | None = None
         self.placement_warned = False
         self.shutdown_done = False
-        self.regions: Any = None
+        self.holders: list[Any] = []
         self.release_known = True
         self.model_name = ""
         self.stats_dir_made: str | None = None
@@ -100,9 +86,7 @@ class Process:
         self.fd_closer: queue.Queue | None = None
 
     def forked(self) -> Process:
-        """The state of a forked child of this process: new, but for what
-        describes the server rather than the process (whether requests'
-        ends are told, the model name)."""
+        """A forked child's state: new, but for what describes the server."""
         child = Process()
         child.release_known = self.release_known
         child.model_name = self.model_name
@@ -116,13 +100,9 @@ class Process:
             return self.censuses[directory]
 
     def new_name(self, capped: bool = True) -> str:
-        """A fresh segment name owned by this process.
-
-        Its sequence number is random (64 bits), so that no other user of the
-        directory can plant a file at a name this process is about to use.
-        ``capped``: raise ``segment.TooManySegments`` (an OSError) if this
-        process owns ``VLLM_SHM_EMBEDS_MAX_SEGMENTS`` segments already.
-        """
+        """A fresh segment name owned by this process; its sequence number is random (64
+        bits) so no other user can plant a file at a name about to be used. ``capped``:
+        :meth:`check_segments` first (raises ``segment.TooManySegments``, an OSError)."""
         if capped:
             self.check_segments()
         if self.tag is None:
@@ -134,24 +114,21 @@ class Process:
         return str(dataclasses.replace(self.tag, seq=secrets.randbits(64)))
 
     def check_segments(self) -> None:
-        """Raise ``segment.TooManySegments`` if this process owns (and maps)
-        ``VLLM_SHM_EMBEDS_MAX_SEGMENTS`` segments already."""
+        """Raise ``segment.TooManySegments`` at ``config.MAX_SEGMENTS`` live segments."""
         limit = max_segments()
         if self.owned.live() >= limit:
             raise seg.TooManySegments(limit)
 
     def owns_name(self, name: SegmentName) -> bool:
         """True if ``name`` was made by :meth:`new_name` in this process."""
-        return self.tag is not None and name.base() == dataclasses.replace(
-            self.tag, seq=name.seq
-        )
+        return self.tag is not None and name.base() == dataclasses.replace(self.tag,
+                                                                           seq=name.seq)
 
     def writer_pool(self) -> concurrent.futures.ThreadPoolExecutor:
         with self.pool_lock:
             if self.pool is None:
                 self.pool = concurrent.futures.ThreadPoolExecutor(
-                    MAX_WRITERS - 1, thread_name_prefix="shm-embeds-writer"
-                )
+                    MAX_WRITERS - 1, thread_name_prefix="shm-embeds-writer")
             return self.pool
 
     def hash_pool(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -163,8 +140,7 @@ class Process:
             return self.hasher
 
     def close_later(self, fd: int) -> None:
-        """Close ``fd`` on this process's daemon closer thread (started on
-        first use): a ``close`` there may never return (FUSE)."""
+        """Close ``fd`` on the daemon closer thread (a ``close`` may never return: FUSE)."""
         with self.pool_lock:
             if self.fd_closer is None:
                 self.fd_closer = queue.Queue()
@@ -177,9 +153,8 @@ class Process:
         if sweep_interval is not None:
             self.sweep_interval = sweep_interval
         if self.reaper is None:
-            self.reaper = threading.Thread(
-                target=_reaper_loop, args=(self,), name="shm-embeds-reaper", daemon=True
-            )
+            self.reaper = threading.Thread(target=_reaper_loop, args=(self,),
+                                           name="shm-embeds-reaper", daemon=True)
             self.reaper.start()
 
 
@@ -200,8 +175,8 @@ def _reaper_loop(state: Process) -> None:
         time.sleep(REAP_INTERVAL_S)
         try:
             state.owned.collect()
-            if state.regions is not None:  # regions freed once their sends are done
-                state.regions.settle()
+            for holder in state.holders:  # held files freed once their sends are done
+                holder.settle()
             if state.sweep_interval and time.monotonic() - last_sweep >= state.sweep_interval:
                 last_sweep = time.monotonic()
                 sweep_stale_segments(expected=True)
@@ -218,19 +193,14 @@ def current() -> Process:
 
 
 def _after_fork_in_child() -> None:
-    # A forked child (e.g. a TP worker under the fork start method) owns
-    # none of its parent's segments: fresh state, no threads.
+    # a forked child (a TP worker under fork) owns none of its parent's segments
     global _state
     _state = _state.forked()
 
 
 def collect() -> int:
-    """Safe point: apply finalizer records and unlink the names that no reader
-    and no running request needs (``owned.OwnedSegments.collect``).
-
-    Cheap when nothing is pending; called once per broadcast and by the
-    reaper thread. Returns the number of segments unlinked.
-    """
+    """Safe point (``owned.OwnedSegments.collect``): apply finalizer records, unlink names
+    no reader or running request needs; per broadcast and by the reaper. Returns how many."""
     return _state.owned.collect()
 
 
@@ -240,21 +210,14 @@ def pending_segments() -> int:
 
 
 def start_engine_reaper() -> None:
-    """EngineCore: run safe points when idle, and sweep dead owners' segments
-    every :data:`SWEEP_INTERVAL_S` seconds (e.g. a SIGKILLed API server's
-    un-adopted one), so that memory comes back without a restart."""
+    """EngineCore: safe points when idle, a dead owners' sweep every :data:`SWEEP_INTERVAL_S`."""
     _state.start_reaper(sweep_interval=SWEEP_INTERVAL_S)
 
 
 def placement_failed(hop: str, nbytes: int, e: OSError) -> str:
-    """Log why a segment could not be created; returns the fallback reason.
-
-    ``no_space`` (ENOSPC: the segment directory is full or too small) is
-    logged as a warning once per server: the first process that hits it
-    creates :data:`NO_SPACE_MARKER` in ``VLLM_SHM_EMBEDS_STATS_DIR`` (once per
-    process when that is unset). Other errors (``os_error``) warn once per
-    process. Later ones are logged at debug level.
-    """
+    """Log why a segment could not be created; returns the fallback reason. ``no_space``
+    (ENOSPC) warns once per server (the first process creates :data:`NO_SPACE_MARKER` in
+    the stats dir; once per process without one), others once per process; later: debug."""
     state = _state
     reason = seg.fallback_reason(e)
     no_space = reason == "no_space"
@@ -266,10 +229,7 @@ def placement_failed(hop: str, nbytes: int, e: OSError) -> str:
         "shm-embeds: could not place %d bytes of prompt_embeds in %s (%s); %s uses "
         "the stock path for such tensors%s (further failures are logged at debug "
         "level and counted in vllm:shm_embeds_fallbacks_total)",
-        nbytes,
-        shm_dir(),
-        e,
-        hop,
+        nbytes, shm_dir(), e, hop,
         f" while they do not fit ({segment_dir.free_bytes(shm_dir())} bytes free now): "
         "make the directory larger (Docker: --shm-size); the start-up log says how large"
         if no_space else "",
@@ -292,27 +252,15 @@ def _first_in_server(marker: str) -> bool:
     return True
 
 
-# --------------------------------------------------------------------------
-# process lifetime
-
-
 def sweep_stale_segments(expected: bool = False) -> int:
-    """Unlink segments in :func:`shm_dir` whose owner process is certainly gone.
-
-    Only names of this PID namespace whose owner no longer exists (or is a
-    zombie, or has another start time) are removed; an owner that may be
-    alive keeps its segments (``procfs.owner_is_dead``).
-    ``expected=True`` (a parent cleaning up after children it just stopped,
-    the EngineCore's periodic sweep) logs at info instead of warning level.
-    Returns the number removed.
-    """
+    """Unlink segments in :func:`shm_dir` whose owner (this PID namespace) is certainly gone
+    (``procfs.owner_is_dead``). ``expected``: after children just stopped, or the
+    EngineCore's periodic sweep: logged at info, not warning. Returns the number removed."""
     removed = segment_dir.sweep(shm_dir(), pid_namespace())
     if removed:
         (logger.info if expected else logger.warning)(
             "shm-embeds: removed %d stale segment(s) of dead processes from %s",
-            removed,
-            shm_dir(),
-        )
+            removed, shm_dir())
         count(Event.SEGMENTS_SWEPT, removed)
     return removed
 
@@ -327,19 +275,15 @@ def shutdown() -> None:
     snapshot = counters.stats()
     if snapshot:
         logger.info(
-            "shm-embeds summary (pid %d, %s): %s%s",
-            os.getpid(),
+            "shm-embeds summary (pid %d, %s): %s%s", os.getpid(),
             "/".join(counters.roles()) or "?",
             ", ".join(f"{k}={v}" for k, v in sorted(snapshot.items())),
-            f"; unlinked {n} segment(s) at exit" if n else "",
-        )
+            f"; unlinked {n} segment(s) at exit" if n else "")
 
 
 def _at_exit() -> None:
-    """Process exit: unlink what this process owns; then, with the feature on,
-    sweep what dead processes left. The launcher of a multi-API-server or DP
-    server (``vllm serve``'s main process) exits after it force-killed its
-    EngineCores, so segments they had adopted go here."""
+    """Process exit: unlink what this process owns, then (feature on) sweep what dead
+    processes left: ``vllm serve``'s launcher force-killed its EngineCores first."""
     shutdown()
     if enabled():
         try:
@@ -376,17 +320,9 @@ class _ExitToken:
 _EXIT_TOKEN = _ExitToken()
 
 atexit.register(_at_exit)
-# The maker (process 0) removes the private directory at exit, and only after
-# vLLM has stopped the server's other processes: the directory goes with the
-# server. An offline LLM's EngineCore and workers are stopped at exit by
-# vLLM's weakref.finalize of its engine client, and weakref.finalize runs its
-# finalizers from one atexit hook, registered at the process's first finalize:
-# usually before this module's, so it runs after _at_exit. Removed in
-# _at_exit, the directory was gone while the EngineCore and its workers were
-# still exiting (they made new ones, by a sweep of their exit or of the
-# EngineCore's reaper; the EngineCore's was left behind, as vLLM SIGKILLs an
-# EngineCore still exiting 5 s after its SIGTERM). Finalizers run newest first and this one
-# is made when the plugin loads, before any engine's, so it runs after vLLM's
-# have stopped them, whichever of the two atexit hooks runs first.
+# The maker removes the private directory only after vLLM stopped the other processes:
+# an offline LLM stops them from a weakref.finalize, whose atexit hook usually runs after
+# _at_exit. Finalizers run newest first and this one is made at plugin load, before any
+# engine's, so it runs after vLLM's (docs/design.md, "Module notes").
 _PRIVATE_DIR_REMOVAL = weakref.finalize(_EXIT_TOKEN, private_dir.remove_made)
 os.register_at_fork(after_in_child=_after_fork_in_child)

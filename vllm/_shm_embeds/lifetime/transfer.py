@@ -136,12 +136,12 @@ def share_tensor(tensor: torch.Tensor) -> SharedTensorHandle:
     return handle
 
 
-def share_region(tensor: torch.Tensor, holder: tuple[int, int, int]) -> SharedTensorHandle:
-    """Hop 1 sender: a handle for ``tensor``, which is a registered region
-    (``regions.RegionRegistry.find`` gave ``holder``: this process's pid, its
-    descriptor of the producer's memfd and the memfd's inode). No copy: a
-    header-only segment (``HEADER_BYTES``, for hop 2's reader flags) is made,
-    and its ownership passes with the handle as with :func:`share_tensor`.
+def share_held(tensor: torch.Tensor, holder: tuple[int, int, int]) -> SharedTensorHandle:
+    """Hop 1 sender: a handle for ``tensor``, whose bytes are a sealed memfd
+    this process holds (:func:`held_by` gave ``holder``: this process's pid,
+    its descriptor, the memfd's inode). No copy: a header-only segment
+    (``HEADER_BYTES``, for hop 2's reader flags) is made, and its ownership
+    passes with the handle as with :func:`share_tensor`.
 
     Raises:
         OSError: the header file could not be created (nothing is left).
@@ -154,7 +154,7 @@ def share_region(tensor: torch.Tensor, holder: tuple[int, int, int]) -> SharedTe
     count_many({Event.SEGMENTS_CREATED: 1, Event.HOP1_REGION_TENSORS: 1,
                 Event.HOP1_REGION_BYTES: tensor.nbytes})
     return SharedTensorHandle(name, dtype_name(tensor.dtype), tuple(tensor.shape),
-                              region=tuple(holder))
+                              held=tuple(holder))
 
 
 def discard_shared(handle: SharedTensorHandle) -> bool:
@@ -179,7 +179,7 @@ def adopt_tensor(handle: SharedTensorHandle) -> torch.Tensor:
     :func:`externalize` sends it onwards (hop 2) without copying it again;
     the name is unlinked when vLLM frees the request (:func:`release_adopted`)
     or the storage is freed, once no broadcast of it is pending. When this
-    process owns ``VLLM_SHM_EMBEDS_MAX_SEGMENTS`` segments already, or the
+    process owns ``config.MAX_SEGMENTS`` segments already, or the
     mapping fails (e.g. ENOMEM at ``vm.max_map_count``), the bytes are read
     into this process's memory instead (what stock holds; counted
     ``fallback`` ``segments``/``map_failed`` on hop 1) and the files go.
@@ -199,8 +199,8 @@ def adopt_tensor(handle: SharedTensorHandle) -> torch.Tensor:
     except seg.TooManySegments:
         count_reason(Event.FALLBACK, "segments", hop="1")
         return _adopt_by_copy(handle)
-    if handle.region:
-        return _adopt_region(handle)
+    if handle.held:
+        return _adopt_held(handle)
     mine = handle.renamed(state.new_name(capped=False))
     for i in range(nparts):
         try:
@@ -265,7 +265,7 @@ def _unlink_peer(directory: str, name: str, nparts: int) -> None:
 
 
 def _adopt_by_copy(handle: SharedTensorHandle) -> torch.Tensor:
-    """Read a peer's segment (or region) into this process's memory (what
+    """Read a peer's segment (or held file) into this process's memory (what
     stock holds) and remove its files: for when it cannot be mapped here.
     Counted as one copy. Raises ShmEmbedsError (the files go either way)."""
     directory = shm_dir()
@@ -274,29 +274,29 @@ def _adopt_by_copy(handle: SharedTensorHandle) -> torch.Tensor:
         out = torch.empty(handle.shape, dtype=handle.torch_dtype)
         dst = memoryview(out.reshape(-1).view(torch.uint8).numpy())
         for i, (part, start, length) in enumerate(parts):
-            if i and handle.region:
-                fd = seg.open_region(*handle.region, handle.nbytes)
+            if i and handle.held:
+                fd = seg.open_held(*handle.held, handle.nbytes)
             else:
                 fd = os.open(os.path.join(directory, part),
                              os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
             try:
-                _read_part(fd, i, length, dst[start:start + length], handle.region)
+                _read_part(fd, i, length, dst[start:start + length], handle.held)
             finally:
                 os.close(fd)
     except OSError as e:
         raise ShmEmbedsError(f"shm-embeds segment could not be read: {e}") from e
     finally:
-        _unlink_peer(directory, handle.name, 1 if handle.region else len(parts))
+        _unlink_peer(directory, handle.name, 1 if handle.held else len(parts))
     count(Event.COPIED_BYTES, handle.nbytes)
     return out
 
 
-def _read_part(fd: int, i: int, length: int, dst: memoryview, region: tuple) -> None:
+def _read_part(fd: int, i: int, length: int, dst: memoryview, held: tuple) -> None:
     """Check file ``i`` of a segment (size, owner, header) and read its
     ``length`` data bytes into ``dst``. Raises OSError, ShmEmbedsError."""
     st = os.fstat(fd)
     want = length + (HEADER_BYTES if i == 0 else 0)
-    if not (segment_dir.our_file(st) or (i and region)) or st.st_size != want:
+    if not (segment_dir.our_file(st) or (i and held)) or st.st_size != want:
         raise ShmEmbedsError("shm-embeds segment has the wrong size or owner")
     if i == 0 and os.pread(fd, len(MAGIC), 0) != MAGIC:
         raise ShmEmbedsError("shm-embeds segment has no header")
@@ -308,10 +308,10 @@ def _read_part(fd: int, i: int, length: int, dst: memoryview, region: tuple) -> 
         done += n
 
 
-def _adopt_region(handle: SharedTensorHandle) -> torch.Tensor:
-    """:func:`adopt_tensor` of a region: take over the header file by
-    renaming it to a fresh name of ours, open the producer's memfd through
-    the API server's descriptor, and map both (the memfd read-only). The
+def _adopt_held(handle: SharedTensorHandle) -> torch.Tensor:
+    """:func:`adopt_tensor` of a held file: take over the header file by
+    renaming it to a fresh name of ours, open the memfd through the sender's
+    descriptor, and map both (the memfd read-only). The
     files stay open here, so that hop 2's readers open them through this
     process's fds."""
     directory = shm_dir()
@@ -319,26 +319,26 @@ def _adopt_region(handle: SharedTensorHandle) -> torch.Tensor:
     try:
         mine = _rename_part(directory, handle, mine, 0)
     except FileNotFoundError as e:
-        raise ShmEmbedsError("shm-embeds region header not found: the sender is on "
+        raise ShmEmbedsError("shm-embeds held file header not found: the sender is on "
                              "another host, or something removed it") from e
     except OSError as e:
         _unlink_peer(directory, handle.name, 1)
-        raise ShmEmbedsError(f"shm-embeds region header could not be adopted: {e}") from e
+        raise ShmEmbedsError(f"shm-embeds held file header could not be adopted: {e}") from e
     fds: list[int] = []
     try:
         fds.append(os.open(os.path.join(directory, mine.name),
                            os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW))
-        fds.append(seg.open_region(*handle.region, handle.nbytes))
+        fds.append(seg.open_held(*handle.held, handle.nbytes))
         mm = seg.map_segment(directory, mine, fds=fds)
     except BaseException as e:
         for fd in fds:
             os.close(fd)
         seg.unlink_segment(directory, mine.name, 1)
         if isinstance(e, OSError):
-            raise ShmEmbedsError(f"shm-embeds region could not be mapped: {e}") from e
+            raise ShmEmbedsError(f"shm-embeds held file could not be mapped: {e}") from e
         raise
     tensor, anchor = seg.tensor_view(mm, mine)
-    process.current().owned.own(Kind.REGION, mine, mm, tensor, anchor, fds=fds)
+    process.current().owned.own(Kind.HELD_FILE, mine, mm, tensor, anchor, fds=fds)
     count(Event.HOP1_REGION_ADOPTED)
     return tensor
 
@@ -376,15 +376,31 @@ def dense_nbytes(tensor: Any) -> int:
 def send_view(tensor: Any) -> Any:
     """What to put in a message vLLM may send without a copy in place of
     ``tensor``: a view with a storage of its own if a mapping of ours holds
-    it (``OwnedSegments.send_view``, ``RegionRegistry.send_view``: its pages
+    it (``OwnedSegments.send_view``, or a holder's ``send_view``: its pages
     then stay until the send is done), else ``tensor`` itself."""
     if not isinstance(tensor, torch.Tensor):
         return tensor
     state = process.current()
     view = state.owned.send_view(tensor)
-    if view is None and state.regions is not None:  # a registered region's (API server)
-        view = state.regions.send_view(tensor)
+    for holder in state.holders if view is None else ():  # a held file's (API server)
+        if (view := holder.send_view(tensor)) is not None:
+            break
     return tensor if view is None else view
+
+
+def held_by(tensor: Any) -> tuple[int, int, int] | None:
+    """``(pid, fd, inode)`` of the sealed memfd that is exactly ``tensor``'s
+    bytes, if one of this process's holders (``process.current().holders``:
+    an extension's registry, e.g. registered regions) has it, else None."""
+    for holder in process.current().holders:
+        if (found := holder.find(tensor)) is not None:
+            return found
+    return None
+
+
+def is_held(tensor: Any) -> bool:
+    """True if one of this process's holders holds ``tensor``."""
+    return any(holder.is_held(tensor) for holder in process.current().holders)
 
 
 def release_adopted(tensor: Any) -> bool:

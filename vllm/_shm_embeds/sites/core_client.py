@@ -1,8 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Sites in ``vllm/v1/engine/core_client.py`` (API server / ``LLM`` process): hop 1 sender.
-
-Each site below says what it does, why, and what upstream change would retire it.
-"""
+"""Sites in ``vllm/v1/engine/core_client.py`` (API server / ``LLM`` process): hop 1 sender."""
 
 from __future__ import annotations
 
@@ -30,11 +27,8 @@ MODULE = "vllm.v1.engine.core_client"
 
 
 class ArmingEncoder:
-    """Wraps vLLM's ``MsgpackEncoder`` so only ``prompt_embeds`` goes to shm.
-
-    ``encode`` / ``encode_into`` arm the consumer with the request's
-    ``prompt_embeds`` first; every other attribute is the inner encoder's.
-    """
+    """vLLM's ``MsgpackEncoder`` whose ``encode``/``encode_into`` first arm the consumer
+    with the request's ``prompt_embeds`` (only it goes to shm); the rest is the inner's."""
 
     def __init__(self, inner: Any, consumer: HandleOOBConsumer) -> None:
         self._inner = inner
@@ -61,10 +55,8 @@ class ArmingEncoder:
         finally:
             self._consumer.arm(None)
 
-
     def __getattr__(self, name: str) -> Any:
-        # Only reached for attributes not defined here: vLLM's own (e.g.
-        # ``oob_tensor_consumer``, ``aux_buffers``) read through the wrapper.
+        # vLLM's own attributes (``oob_tensor_consumer``, ``aux_buffers``) read through
         return getattr(self._inner, name)
 
 
@@ -77,10 +69,9 @@ def _discard(handles: list) -> None:
 
 
 def _send_view(request: Any) -> Any:
-    """Put the request's ``prompt_embeds`` over a ``transfer.send_view`` if a
-    mapping of ours holds it (a request body's segment, sent stock): its pages
-    stay while vLLM's zero-copy send reads them. Returns the tensor to put
-    back, or None. Never raises."""
+    """Put the request's ``prompt_embeds`` over a ``transfer.send_view`` if a mapping of
+    ours holds it (its pages stay while vLLM's zero-copy send reads them). Returns the
+    tensor to put back, or None. Never raises."""
     try:
         tensor = getattr(request, "prompt_embeds", None)
         view = send_view(tensor)
@@ -97,10 +88,8 @@ def _send_view(request: Any) -> Any:
 
 
 def wrap_send_input(orig: Callable) -> Callable:
-    """Around ``_send_input``: the request's ``prompt_embeds`` over a
-    :func:`_send_view` while it is encoded and sent; if encoding or sending
-    failed (e.g. the engine is dead), remove the segments made for that
-    message; else forget them (the EngineCore adopts them)."""
+    """Around ``_send_input``: ``prompt_embeds`` over a :func:`_send_view` while sent; the
+    message's segments removed if encoding or sending failed, else left to the EngineCore."""
 
     @functools.wraps(orig)
     def _send_input(self, request_type, request, *args, **kwargs):
@@ -149,16 +138,11 @@ def _hop1_skip_reason(vllm_config: Any) -> str | None:
 
 
 def local_engines(vllm_config: Any) -> frozenset[bytes] | None:
-    """The ZMQ identities of the EngineCores on this node when some are on
-    other nodes, else None (all local).
-
-    A client talks to DP ranks ``[data_parallel_index, + data_parallel_size)``
-    (``local_engines_only``: the local ones alone), identity
-    ``rank.to_bytes(2, "little")``; this node launched ranks
-    ``[data_parallel_index, + data_parallel_size_local)`` (``MPClient.__init__``
-    in ``vllm/v1/engine/core_client.py``, ``launch_core_engines`` in
-    ``vllm/v1/engine/utils.py``, 0.32).
-    """
+    """The ZMQ identities (``rank.to_bytes(2, "little")``) of this node's EngineCores when
+    some are on other nodes, else None. A client talks to DP ranks ``[data_parallel_index,
+    + data_parallel_size)`` (only the local ones with ``local_engines_only``); this node
+    launched ``[data_parallel_index, + data_parallel_size_local)`` (``MPClient.__init__``;
+    ``launch_core_engines``, ``vllm/v1/engine/utils.py``; 0.32)."""
     pc = vllm_config.parallel_config
     size, local = pc.data_parallel_size, pc.data_parallel_size_local
     if local >= size or getattr(pc, "local_engines_only", False):
@@ -200,8 +184,7 @@ def wrap_client_init(orig: Callable) -> Callable:
 
 
 def _on_client_init(client: Any) -> None:
-    """Record the model name for ``/metrics``; the first API server logs the
-    ``/dev/shm`` sizing warning. Never raises."""
+    """Record the model name for ``/metrics``; client 0 logs the sizing warning. Never raises."""
     try:
         metrics = extensions.get("metrics", "metrics")
         if metrics is not None:
@@ -215,12 +198,9 @@ def _on_client_init(client: Any) -> None:
 
 
 def wrap_shutdown(orig: Callable, sweep: bool = False) -> Callable:
-    """Unlink what this process still owns and log its summary after ``orig``.
-
-    ``sweep``: also remove the segments of dead owners. The client does: vLLM
-    force-kills an EngineCore that does not stop at once (e.g. SIGTERM with
-    requests in flight), and that EngineCore's adopted segments are left.
-    """
+    """After ``orig``, unlink what this process still owns and log its summary; ``sweep``
+    (the client): also dead owners' segments (vLLM force-kills an EngineCore that does
+    not stop at once, and its adopted segments are left)."""
 
     @functools.wraps(orig)
     def shutdown(self, *args, **kwargs):
@@ -234,7 +214,6 @@ def wrap_shutdown(orig: Callable, sweep: bool = False) -> Callable:
     return shutdown
 
 
-# What upstream change would retire most hop-1 sites (also ``engine_core.py``).
 HOP1_RETIRE = ("vLLM routing prompt_embeds through its tensor IPC whenever "
                "--enable-prompt-embeds is on, with name-addressable segments (the seed PR's "
                "design)")
@@ -244,35 +223,30 @@ SITES = (
          params=("vllm_config",),
          marks=("self.encoder = MsgpackEncoder(",),
          wrap=wrap_client_init,
-         what="after it, the request encoder offers the request's prompt_embeds to the hop-1 "
-              "consumer (MsgpackEncoder.oob_tensor_consumer); other tensors keep theirs "
-              "(e.g. the multimodal TensorIpcSender); with DP engines on other nodes, only "
-              "requests for this node's EngineCores get handles; logs `hop 1 on`",
+         what="after it, the encoder offers the request's prompt_embeds to the hop-1 consumer "
+              "(MsgpackEncoder.oob_tensor_consumer), other tensors keep theirs; with DP "
+              "engines on other nodes, only this node's EngineCores get handles; logs `hop 1 on`",
          why="vLLM sends prompt_embeds as ZMQ frames: copied into and out of the socket",
          retire=HOP1_RETIRE),
     Site(key="client_send_sync", group="hop1", module=MODULE, qualname="SyncMPClient._send_input",
          params=("request",),
          marks=("self.encoder.encode(request)",),
          wrap=wrap_send_input,
-         what="the request's prompt_embeds rides a send view while it is encoded and sent "
-              "when a mapping of ours holds it (pages kept until ZMQ is done); a segment "
-              "made for a message whose encode or send fails is removed at once",
-         why="send_multipart(copy=False) reads the tensor after the call returns, and we "
-             "drop a finished request's pages; nothing else would remove a segment of a "
-             "failed send before the process exits",
+         what="prompt_embeds held by a mapping of ours rides a send view (pages kept until "
+              "ZMQ is done); a segment made for a message whose encode or send fails is removed",
+         why="send_multipart(copy=False) reads the tensor after the call returns; nothing "
+             "else removes a failed send's segment before the process exits",
          retire="an encoder hook that owns the resources it makes"),
     Site(key="client_send_async", group="hop1", module=MODULE, qualname="AsyncMPClient._send_input",
          params=("request",),
          marks=("self.encoder.encode(request)",),
          wrap=wrap_send_input,
-         what="the same for the async client, told which EngineCore the message is for "
-              "(DP: one on another node gets the bytes)",
+         what="the same, told which EngineCore the message is for (DP: a remote one gets bytes)",
          why="the same",
          retire="an encoder hook that owns the resources it makes"),
     Site(key="client_shutdown", group="hop1", module=MODULE, qualname="MPClient.shutdown",
          wrap=functools.partial(wrap_shutdown, sweep=True),
-         what="unlink segments never adopted and those of EngineCores vLLM force-killed; "
-              "log the summary",
+         what="unlink segments never adopted and force-killed EngineCores'; log the summary",
          why="a force-killed EngineCore leaves the segments it adopted behind",
          retire="upstream lifetime tracking of IPC tensors"),
 )

@@ -1,8 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Sites in ``vllm/v1/engine/core.py`` (EngineCore process): hop 1 receiver.
-
-Each site below says what it does, why, and what upstream change would retire it.
-"""
+"""Sites in ``vllm/v1/engine/core.py`` (EngineCore process): hop 1 receiver."""
 
 from __future__ import annotations
 

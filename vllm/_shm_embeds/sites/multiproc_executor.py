@@ -1,8 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Sites in ``vllm/v1/executor/multiproc_executor.py``: hop 2 (EngineCore and TP workers).
-
-Each site below says what it does, why, and what upstream change would retire it.
-"""
+"""Sites in ``vllm/v1/executor/multiproc_executor.py``: hop 2 (EngineCore and TP workers)."""
 
 from __future__ import annotations
 
@@ -29,7 +26,6 @@ logger = init_logger(__name__)
 
 MODULE = "vllm.v1.executor.multiproc_executor"
 
-
 REMOTE_GROUP = "remote"  # sites/shm_broadcast.py: the enqueue split
 
 
@@ -42,21 +38,17 @@ def _first_stage_ranks(executor: Any) -> int:
 
 
 def worker_hop2_wire(worker: Any = None) -> int | None:
-    """``handle.HOP2_WIRE`` if this worker maps handles, builds placeholders and
-    joins the per-step agreement, i.e. its ``hop2`` sites are patched
-    (``VLLM_SHM_EMBEDS=1`` on its node); else None. What :func:`_probe` asks
-    each worker: the number tells a follower of another shm-embeds version,
-    whose forms this engine's could not unpickle, from one of this version."""
+    """``handle.HOP2_WIRE`` if this worker's ``hop2`` sites are patched (it maps handles and
+    joins the agreement), else None: :func:`_probe`'s answer, which also tells a worker of
+    another shm-embeds version (whose forms would not unpickle) from one of this one."""
     return HOP2_WIRE if STATUS.get("hop2") == [] else None
 
 
 def _probe() -> Callable:
-    """The callable sent to every worker: a closure (cloudpickle sends it by
-    value, not as a reference to this module) that imports inside ``try``, so
-    it answers None where shm-embeds is missing or older instead of failing.
-    A failure would leave vLLM's reply queues out of step: ``collective_rpc``
-    raises at the first failed rank and the later ranks' replies stay queued
-    for the next call (``multiproc_executor.py`` 0.32/0.33 ``get_response``)."""
+    """The callable sent to every worker: a closure (cloudpickle sends it by value) that
+    imports inside ``try``, answering None where shm-embeds is missing or older. Failing
+    would leave vLLM's reply queues out of step (later ranks' replies stay queued for the
+    next call: ``get_response``, 0.32/0.33)."""
     def wire(worker: Any = None) -> int | None:
         try:
             from vllm._shm_embeds.sites.multiproc_executor import worker_hop2_wire
@@ -69,20 +61,13 @@ def _probe() -> Callable:
 
 
 def _workers_join(executor: Any, rpc: Callable) -> str | None:
-    """None if every worker of this engine, on every node, runs hop 2 of this
-    plugin; else why not.
+    """None if every worker of this engine, on every node, runs this plugin's hop 2, else
+    why not. Asked once, before the first RPC, with vLLM's ``collective_rpc`` (``rpc``,
+    unwrapped) and :func:`_probe`. A worker without ``VLLM_SHM_EMBEDS=1`` (another node, a
+    Ray actor) would fail the engine at its first embeds step: hop 2 stays stock then.
 
-    Asked once, before the first RPC, with vLLM's own ``collective_rpc``
-    (``rpc``, unwrapped) and :func:`_probe` (``WorkerProc._execute_worker_rpc``
-    runs a callable with the worker). Workers of another node (or Ray actors,
-    whose environment is their node's) may run without ``VLLM_SHM_EMBEDS=1``:
-    they would get forms they cannot use and skip the agreement, failing the
-    engine at its first embeds step; with one of them, hop 2 stays stock.
-
-    Raises:
-        whatever vLLM's ``collective_rpc`` raises (a worker died or hung: its
-        reply queues cannot be trusted any more, so the engine fails as it
-        would at its next RPC).
+    Raises: whatever ``collective_rpc`` raises (a worker died or hung: the engine fails as
+    at its next RPC).
     """
     answers = rpc(executor, _probe())
     if not isinstance(answers, list) or not answers:
@@ -94,26 +79,18 @@ def _workers_join(executor: Any, rpc: Callable) -> str | None:
     return None
 
 
-
-
 def _stock_executor(executor: Any) -> str | None:
-    """Why this ``MultiprocExecutor`` subclass keeps hop 2 stock, or None.
-
-    Ray's V2 executor (``vllm/v1/executor/ray_executor_v2.py`` 0.32:
-    ``RayExecutorV2(MultiprocExecutor)``, workers ``RayWorkerProc(WorkerProc)``)
-    inherits both hop-2 sites but launches, places and shuts down its workers
-    its own way (its ``shutdown`` does not call ours); it is not tested here.
-    """
+    """Why this ``MultiprocExecutor`` subclass keeps hop 2 stock, or None. Ray's V2 executor
+    (``vllm/v1/executor/ray_executor_v2.py`` 0.32) inherits both hop-2 sites but runs its
+    workers its own way (its ``shutdown`` does not call ours); untested here."""
     if type(executor).__module__.startswith("vllm.v1.executor.ray"):
         return f"{type(executor).__name__} is not tested with shm-embeds"
     return None
 
 
 def _hop2_plan(executor: Any, rpc: Callable | None = None) -> ExecutorRecord:
-    """What each reader of the executor's broadcast queue gets
-    (``hop2.reader_plan``; ``plan`` None for the stock path, the reason logged
-    once per queue). ``rpc`` (vLLM's ``collective_rpc``) asks every worker
-    first (:func:`_workers_join`)."""
+    """What each reader of the broadcast queue gets (``hop2.reader_plan``; ``plan`` None:
+    stock, logged once per queue); with ``rpc``, every worker is asked first."""
     mq = getattr(executor, "rpc_broadcast_mq", None)
     known = peek(executor, ExecutorRecord)
     if known is not None and known.mq is mq:
@@ -178,9 +155,8 @@ def _count_stock_remote(rpc_args: tuple) -> None:
 
 
 def _send_views(rpc_args: tuple) -> list:
-    """``hop2.send_views`` for every ``SchedulerOutput`` argument: a tensor that
-    goes stock over a mapping of ours keeps its pages while vLLM sends it.
-    Never raises (on an error of ours, what was swapped is put back)."""
+    """``hop2.send_views`` for every ``SchedulerOutput`` argument (a stock tensor of ours
+    keeps its pages while sent). Never raises (on an error, what was swapped is put back)."""
     held: list = []
     try:
         for arg in rpc_args:
@@ -266,16 +242,10 @@ _STAGES = hop2.StageChain()  # one worker per process
 
 
 def _all_ranks_ok(ok: bool) -> bool:
-    """True if every worker of this engine says ``ok``: an all-reduce within
-    this pipeline stage (TP, then PCP group), then the outcome of the earlier
-    stages (``hop2.StageChain``: no stage waits for a later one).
-
-    The broadcast's readers are this engine's TP x PCP x PP workers (ranks laid
-    out dp, pp, pcp, tp); vLLM's world group may span DP ranks too
-    (``world_size_across_dp``), so it is not used. The PCP group
-    (``get_pcp_group``, ``vllm/distributed/parallel_state.py`` 0.32/0.33) is
-    joined where this vLLM has one; groups of one rank cost nothing.
-    """
+    """True if every worker of this engine says ``ok``: an all-reduce within the stage (TP,
+    then PCP group where vLLM has ``get_pcp_group``, ``parallel_state.py`` 0.32/0.33), then
+    the earlier stages' outcome (``hop2.StageChain``). Not the world group: it may span DP
+    ranks (``world_size_across_dp``)."""
     from vllm.distributed import parallel_state as ps
 
     groups = [ps.get_tp_group()]
@@ -327,7 +297,6 @@ def wrap_worker_rpc(orig: Callable) -> Callable:
     return _execute_worker_rpc
 
 
-# What upstream change would retire the hop-2 sites.
 HOP2_RETIRE = ("--enable-shm-tensor-arena without its size cap and slot limit, reusing "
                "hop 1's segment")
 
@@ -337,22 +306,18 @@ SITES = (
          params=("method", "args", "kwargs"),
          marks=("self.rpc_broadcast_mq.enqueue(",),
          wrap=wrap_executor_rpc,
-         what="NewRequestData.prompt_embeds in a SchedulerOutput argument is swapped for a "
-              "handle while the message is enqueued, then restored; reader flags for the "
-              "local first-stage readers only; with readers on other nodes, the enqueue "
-              "split (shm_broadcast.py) sends those a placeholder or the bytes; bytes of "
-              "ours that go by ZMQ (to remote readers, or stock) ride send views",
+         what="NewRequestData.prompt_embeds of a SchedulerOutput is a handle while enqueued "
+              "(flags for local first-stage readers only), then restored; remote readers get "
+              "a placeholder or the bytes (mq_enqueue); our bytes sent by ZMQ ride send views",
          why="above 16 MiB the broadcast sends each TP reader its own copy over ZMQ, "
              "without a copy (copy=False): ZMQ reads it after enqueue returns",
          retire=HOP2_RETIRE),
     Site(key="worker_rpc", group="hop2", module=MODULE, qualname="WorkerProc._execute_worker_rpc",
          params=("rpc_request",),
          wrap=wrap_worker_rpc,
-         what="handles are mapped back to tensors before the worker method runs (a worker "
-              "of a later pipeline stage maps nothing: it builds a NaN placeholder of the "
-              "shape and dtype for every form it got); all ranks agree whether every rank "
-              "mapped them (all-reduce within the stage, then each stage's outcome sent "
-              "down the pipeline: no stage waits for a later one)",
+         what="handles are mapped back before the worker method runs (a later pipeline stage "
+              "maps nothing: a NaN placeholder of the shape and dtype); all ranks agree "
+              "whether all mapped (all-reduce per stage, outcomes passed down the pipeline)",
          why="a rank that could not map must fail the step on every rank, none left "
              "waiting; later stages read only the length (gpu_model_runner._preprocess: "
              "`elif self.enable_prompt_embeds and is_first_rank`)",

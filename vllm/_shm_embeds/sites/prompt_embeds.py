@@ -1,14 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Site in ``vllm/v1/worker/gpu/model_states/prompt_embeds.py`` (the newer model
-runner, "V2"): later pipeline stages do not upload ``prompt_embeds`` (group
-``pp_upload``).
+"""Site in ``vllm/v1/worker/gpu/model_states/prompt_embeds.py`` (the newer model runner,
+"V2"): later pipeline stages do not upload ``prompt_embeds`` (group ``pp_upload``).
 
-``PromptEmbedsState.add_request`` (0.32/0.33) copies each request's whole tensor to
-the GPU on every rank, but only the first pipeline stage reads it. On a later stage
-:func:`wrap_add_request` calls vLLM's ``add_request`` with a shallow copy of the
-request whose ``prompt_embeds`` is None, so vLLM's own no-embeds branch holds
-nothing and sets ``embeds_lens`` to 0. The group is considered (:func:`maybe_patch`,
-called by the worker's RPC wrapper before each RPC) once that module is imported.
+On a later stage :func:`wrap_add_request` hands ``PromptEmbedsState.add_request``
+(0.32/0.33) a shallow copy of the request without ``prompt_embeds``: nothing uploaded or
+held, ``embeds_lens`` 0. The group is considered once that module is imported
+(:func:`maybe_patch`, before each worker RPC).
 
 Sites layer: may import vLLM's classes (``sites/__init__.py`` says which layers).
 Design notes: docs/design.md, "Module notes".
@@ -28,16 +25,14 @@ from vllm._shm_embeds.sites.site import Site, apply_again
 logger = init_logger(__name__)
 
 MODULE = "vllm.v1.worker.gpu.model_states.prompt_embeds"
-# What upstream change would retire these sites.
 _RETIRE = ("vLLM skipping the upload on non-first PP ranks itself (or stripping "
            "prompt_embeds for them, as the legacy Ray path does with mm_features)")
 _decided = False
 
 
 def first_pp_stage() -> bool:
-    """True if this process is on the first pipeline stage
-    (``get_pp_group().is_first_rank``, ``vllm/distributed/parallel_state.py``
-    0.32/0.33); True as well when that cannot be told (the stock behaviour)."""
+    """``get_pp_group().is_first_rank`` (``vllm/distributed/parallel_state.py`` 0.32/0.33);
+    True when that cannot be told (the stock behaviour)."""
     try:
         from vllm.distributed.parallel_state import get_pp_group
 

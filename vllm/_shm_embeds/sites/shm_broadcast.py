@@ -2,18 +2,12 @@
 """Site in ``vllm/distributed/device_communicators/shm_broadcast.py``: hop 2 with
 readers on other nodes (group ``remote``).
 
-``MessageQueue.enqueue`` (0.32/0.33) pickles a message once and sends the same
-buffers to its local readers (the shared-memory ring, or its local socket on
-overflow) and to its remote readers (one XPUB socket, one subscription per
-remote rank). While the ``collective_rpc`` wrapper (``multiproc_executor.py``)
-has a plan for a queue (its ``records.QueueRecord``: ``(request, remote form)``
-pairs), :func:`wrap_enqueue` calls vLLM's ``enqueue`` twice: once with the
-remote readers hidden (``n_remote_reader = 0``), the requests carrying the
-handles the local readers map, then once with the local readers hidden
-(``n_local_reader = 0``), the requests carrying what the remote readers get
-instead (``hop2.remote_form``: a placeholder, or the bytes when a remote
-reader is on the first stage). Both attributes and the requests are restored
-whatever happens. Without a plan it is vLLM's ``enqueue`` unchanged.
+``MessageQueue.enqueue`` (0.32/0.33) pickles once and sends the same buffers to local
+readers (the ring, or a local socket) and remote ones (one XPUB socket). While
+``multiproc_executor.py`` has a plan for the queue (``records.QueueRecord``),
+:func:`wrap_enqueue` calls it twice: remote readers hidden (``n_remote_reader = 0``;
+the handles), then local readers hidden (``n_local_reader = 0``; ``hop2.remote_form``:
+a placeholder or the bytes). Counts and requests are restored whatever happens.
 """
 
 from __future__ import annotations
@@ -58,16 +52,12 @@ SITES = (
          marks=("if self.n_local_reader > 0:", "if self.n_remote_reader > 0:",
                 "self.remote_socket.send_multipart("),
          wrap=wrap_enqueue,
-         what="while collective_rpc has a plan for the queue: enqueue once to the local "
-              "readers alone (n_remote_reader = 0), the requests carrying handles, then once "
-              "to the remote readers alone (n_local_reader = 0), carrying a placeholder (no "
-              "tensor bytes) or, with a first-stage reader among them, the tensor; "
-              "attributes and requests restored in finally",
-         why="enqueue pickles once and sends the same buffers to the ring and to the remote "
-             "socket: a reader on another node cannot map a local file, so without the "
-             "split hop 2 goes stock for every reader and each remote rank receives the "
-             "full tensor over TCP, later pipeline stages included",
+         what="while collective_rpc has a plan for the queue: enqueue to the local readers "
+              "alone (handles), then to the remote readers alone (a placeholder, or the "
+              "tensor with a first-stage reader among them); all restored in finally",
+         why="enqueue sends the same buffers to the ring and the remote socket, and a remote "
+             "reader cannot map a local file: without the split hop 2 goes stock for every "
+             "reader and each remote rank gets the full tensor over TCP",
          retire="a per-reader-kind serialization hook in MessageQueue, or vLLM stripping "
-                "prompt_embeds for non-first PP ranks itself (as the legacy Ray path does "
-                "with mm_features)"),
+                "prompt_embeds for non-first PP ranks itself"),
 )

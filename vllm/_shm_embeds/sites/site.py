@@ -12,12 +12,11 @@ from typing import Any
 
 WRAPPED = "__shm_embeds_wrapped__"
 
-# group -> problems (empty list: patched) in this process; filled by
-# ``sites.apply``. A group not considered in this process has no entry.
+# group -> problems (empty: patched) in this process, by ``sites.apply``; no entry: not
+# considered here.
 STATUS: dict[str, list[str]] = {}
-# ``sites.apply``, registered by ``sites/__init__.py``: a site module that
-# decides its group late (``prompt_embeds.maybe_patch``, once its vLLM module
-# is imported) calls :func:`apply_again`, never the registry package itself
+# ``sites.apply``, registered by ``sites/__init__.py``: a group decided late
+# (``prompt_embeds.maybe_patch``) calls :func:`apply_again`, not the registry package
 # (which imports every site module: no import cycle).
 APPLY: list[Callable[[], Any]] = []
 
@@ -38,27 +37,19 @@ class Site:
     """One vLLM attribute we check, and wrap if ``wrap`` is given (keywords only).
 
     Attributes:
-        key: short name, unique in the registry (``sites/__init__.py``).
-        group: a key of ``sites.GROUPS``; a group is patched only if every
-            one of its sites holds.
-        module: e.g. ``"vllm.v1.engine.core_client"``.
-        qualname: ``"Class.method"``, or ``"function"`` for a module-level
-            function (or a module global that names one).
-        params: parameter names it must accept.
-        marks: strings its source must contain (behaviour we rely on).
+        key: short name, unique in the registry.
+        group: a key of ``sites.GROUPS``; patched only if all its sites hold.
+        module: e.g. ``"vllm.v1.engine.core_client"``; ``alt_modules``: its other
+            paths, tried in order after it (vLLM moved some between 0.32 and 0.33).
+        qualname: ``"Class.method"``, or ``"function"`` (module-level, or a global).
+        params: parameter names it must accept; ``marks``: strings its source must
+            contain (behaviour we rely on).
         wrap: builds the replacement from the original; None: checked only.
-        alt_modules: the same site under other module paths, tried in order
-            after ``module`` (vLLM moved some modules between 0.32 and 0.33).
-        patch_in: a module that imported the function by name and calls it
-            through its own global: that global is replaced (and must be
-            vLLM's function), not the defining module's.
-        what: what the plugin does there (or relies on, for a checked site).
-        why: what vLLM does there that the plugin avoids or needs.
-        retire: the upstream change (a PR, or what it would do) that would
-            make the site unnecessary.
-
-    These three are the only place those facts are written: ``docs/design.md``'s
-    sites table is generated from them (``tools/check_sites.py --doc``).
+        patch_in: a module that imported the function by name: its global (which
+            must be vLLM's function) is replaced, not the defining module's.
+        what, why, retire: what the plugin does (or relies on) there, what vLLM does
+            there that it avoids or needs, the upstream change that would retire it;
+            written only here (``tools/check_sites.py --doc`` makes design.md's tables).
     """
 
     key: str
@@ -75,12 +66,8 @@ class Site:
     retire: str = ""
 
     def resolve(self) -> tuple[Any, str, Callable]:
-        """``(owner, attribute name, function)``; owner is a class or a module.
-
-        Raises:
-            LookupError: the module, class or function is missing, or its
-                source lacks a mark; TypeError: a parameter is missing.
-        """
+        """``(owner, attribute name, function)``; owner is a class or a module. Raises
+        LookupError (module, class, function or a mark missing), TypeError (a parameter)."""
         errors = []
         for module in (self.module, *self.alt_modules):
             try:

@@ -31,7 +31,7 @@ def byte_count(value: str | None) -> int | None:
 
 
 class Stalled(Exception):
-    """The client sent no body bytes for ``VLLM_SHM_EMBEDS_BODY_TIMEOUT_S`` seconds,
+    """The client sent no body bytes for ``config.BODY_TIMEOUT_S`` seconds,
     or the body took longer in all than :func:`deadline_for` allows."""
 
 
@@ -43,7 +43,7 @@ def deadline_for(nbytes: int) -> float:
 
 async def receive_body_message(receive: Receive, deadline: float | None = None) -> dict:
     """The next ASGI message of a request body, waiting at most
-    ``VLLM_SHM_EMBEDS_BODY_TIMEOUT_S`` seconds, and never past ``deadline``
+    ``config.BODY_TIMEOUT_S`` seconds, and never past ``deadline``
     (``time.monotonic()``; :func:`deadline_for`).
 
     Raises:
@@ -70,7 +70,7 @@ class InFlight:
     arrive (``gate.Body``), never by what a client declares.
 
     :meth:`take` charges bytes if the total stays within
-    ``VLLM_SHM_EMBEDS_INFLIGHT_BYTES``; :meth:`room` tells whether a new
+    ``config.inflight_bytes()``; :meth:`room` tells whether a new
     body may start; :meth:`give_back` returns a body's charge once it is in.
     Thread-safe; only ever touched on the event loop in practice.
     """

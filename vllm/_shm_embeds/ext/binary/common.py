@@ -82,7 +82,7 @@ class ServerContext:
         dtype: the model dtype; tensors of another datatype are cast to it.
         enable_prompt_embeds: ``--enable-prompt-embeds``.
         max_body_bytes: bytes; cap on the tensors of one binary body
-            (``VLLM_SHM_EMBEDS_BINARY_MAX_BYTES``).
+            (``config.binary_max_bytes``).
         hash_block_tokens: rows per prefix-cache digest
             (``cache_config.hash_block_size``, else ``block_size``), or None
             when prefix caching is off (nothing to hash).

@@ -15,8 +15,8 @@ import torch
 
 from vllm._shm_embeds import extensions
 from vllm._shm_embeds.ext.binary.placeholders import current_upload, resolve_placeholder
-from vllm._shm_embeds.lifetime import process
 from vllm._shm_embeds.lifetime.streamed import is_streamed
+from vllm._shm_embeds.lifetime.transfer import is_held
 from vllm._shm_embeds.sites.site import Site
 
 digests = extensions.require("digests", "digests")
@@ -70,8 +70,7 @@ def wrap_load_chat_embeds_async(orig: Callable) -> Callable:
 
 def _ours(tensor: torch.Tensor) -> bool:
     """A binary or JSON-path body's segment, or a registered region's tensor."""
-    regions = process.current().regions
-    return is_streamed(tensor) or (regions is not None and regions.is_region_tensor(tensor))
+    return is_streamed(tensor) or is_held(tensor)
 
 
 def _assemble(tensors: list[torch.Tensor], positions: list[tuple[int, int]],

@@ -353,7 +353,7 @@ def _close(buf: mmap.mmap) -> None:
 
 def max_json_body_bytes(ctx: ServerContext) -> int:
     """Largest ``Content-Length`` the JSON path takes (bytes): the base64 of
-    :attr:`ServerContext.max_body_bytes` (``VLLM_SHM_EMBEDS_BINARY_MAX_BYTES``,
+    :attr:`ServerContext.max_body_bytes` (``config.binary_max_bytes``,
     by default ``max_model_len x hidden_size x 4``) plus :data:`JSON_SLACK_BYTES`
     for the rest of the JSON and ``torch.save``'s framing. A larger body (a
     batch of many prompts, say) goes to the stock app unchanged."""
@@ -366,7 +366,7 @@ class JsonFormat:
     It claims only ``application/json`` bodies of at least
     ``VLLM_SHM_EMBEDS_MIN_BYTES`` and at most :func:`max_json_body_bytes`
     with ``--enable-prompt-embeds`` on; the whole body is held in memory
-    while it arrives (over ``VLLM_SHM_EMBEDS_INFLIGHT_BYTES``: vLLM's own
+    while it arrives (over ``config.inflight_bytes()``: vLLM's own
     path). It refuses by itself only a body that stalls or trickles (the
     gate's 408); any other body it cannot take goes to vLLM's app unchanged.
     """

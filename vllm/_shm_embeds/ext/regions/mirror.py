@@ -42,7 +42,7 @@ _TIMEOUT_S = 10.0
 
 class RegionMirror:
     """Duck-types the request side of ``RegionRegistry`` (``lease``, ``find``,
-    ``is_region_tensor``, ``close``, ``stats``) for an API server that does not
+    ``is_held``, ``close``, ``stats``) for an API server that does not
     serve the regions socket at ``path``.
 
     Args:
@@ -51,6 +51,8 @@ class RegionMirror:
         on_mirrored: ``(tensor, answer)`` for each region mapped here (the
             integration attaches the digests in the answer).
     """
+
+    holds = "regions"  # service.current() finds it among the holders by this
 
     remote = True  # lookups are socket round trips: callers keep them off the event loop
 
@@ -139,8 +141,8 @@ class RegionMirror:
         """``(pid, fd, inode)`` of a region mapped here for a request in flight."""
         return self._local.find(tensor)
 
-    def is_region_tensor(self, tensor: Any) -> bool:
-        return self._local.is_region_tensor(tensor)
+    def is_held(self, tensor: Any) -> bool:
+        return self._local.is_held(tensor)
 
     def send_view(self, tensor: Any) -> torch.Tensor | None:
         """As ``RegionRegistry.send_view``, for a region mapped here."""

@@ -27,9 +27,8 @@ from vllm.logger import init_logger
 from vllm._shm_embeds import extensions
 from vllm._shm_embeds.config import regions_path, regions_refs_max
 from vllm._shm_embeds.counters import Event, count_many, count_reason
-from vllm._shm_embeds.lifetime import process
 from vllm._shm_embeds.ext.regions.registry import RegionError
-from vllm._shm_embeds.ext.regions.service import start_regions, stop_regions
+from vllm._shm_embeds.ext.regions.service import current, start_regions, stop_regions
 
 _body_limits = extensions.require("binary", "body_limits")
 byte_count = _body_limits.byte_count
@@ -66,7 +65,7 @@ def lease_refs(path: str, body: Any, registry: Any) -> Upload | None:
 
     Raises:
         regions.RegionError: a reference that does not match a registration,
-            more than ``VLLM_SHM_EMBEDS_REGIONS_REFS_MAX`` references (``refs``),
+            more than ``config.REGIONS_REFS_MAX`` references (``refs``),
             or the server's leases are all in use (``leases``) (client-safe
             message; the leases taken so far are released).
     """
@@ -137,7 +136,7 @@ class RegionRefsFormat:
         """A JSON body of at most :data:`MAX_BODY_BYTES` while regions are
         served. Not charged to the in-flight cap: most such bodies are
         ordinary small requests, which stock takes whatever the cap."""
-        if process.current().regions is None or content_type(h) != JSON_TYPE:
+        if current() is None or content_type(h) != JSON_TYPE:
             return None
         length = byte_count(h.get("content-length"))
         if length is None or length > MAX_BODY_BYTES:
@@ -149,7 +148,7 @@ class RegionRefsFormat:
         """Lease every region the body names; a body that names none is
         offered on as it came."""
         raw = await body.rest(MAX_BODY_BYTES)
-        registry = process.current().regions
+        registry = current()
         parsed = None
         if REF_KEY in raw and registry is not None:
             try:
@@ -192,5 +191,5 @@ class RegionRefsFormat:
 
     def shutdown(self) -> None:
         server, self.server = self.server, None
-        if server is not None or process.current().regions is not None:
+        if server is not None or current() is not None:
             stop_regions(server)

@@ -150,7 +150,10 @@ class Lease:
 class RegionRegistry:
     """The regions of one API server. ``on_registered(tensor)`` runs for each
     new region before its id is returned (the integration computes prefix-cache
-    digests there); if it raises, the registration is refused, the fd closed."""
+    digests there); if it raises, the registration is refused, the fd closed.
+    One of ``process.current().holders`` while it serves (``service.py``)."""
+
+    holds = "regions"  # service.current() finds it among the holders by this
 
     def __init__(self, limits: RegionLimits,
                  on_registered: Callable[[torch.Tensor], None] | None = None,
@@ -462,7 +465,7 @@ class RegionRegistry:
         with self._lock:
             return {i for i in region_ids if i in self._regions}
 
-    def is_region_tensor(self, tensor: Any) -> bool:  # find(tensor) is not None
+    def is_held(self, tensor: Any) -> bool:  # find(tensor) is not None
         return self.find(tensor) is not None
 
     def stats(self) -> dict[str, Any]:

@@ -101,7 +101,7 @@ class RegionServer:
             if the answer would be over ``MAX_LOOKUP_REPLY`` bytes.
         idle_timeout_s: seconds a producer connection holding no registered
             region may send nothing before it is closed; None:
-            ``VLLM_SHM_EMBEDS_REGIONS_IDLE_S``.
+            ``config.REGIONS_IDLE_S``.
     """
 
     def __init__(self, path: str, registry: RegionRegistry, group: str | None = None,

@@ -5,7 +5,7 @@
 model and serves it on the registration socket (``server.py``), or, when a
 sibling API server (``--api-server-count`` > 1) already serves the path,
 looks regions up there (``mirror.py``); either becomes
-``process.current().regions``, which the request side
+``current()`` (one of ``process.current().holders``), which the request side
 (``ext/regions/region_refs.py``) leases from. :func:`stop_regions` closes them.
 Digests computed at registration ride along with a sibling's answers.
 
@@ -66,6 +66,20 @@ def _served_by_sibling(path: str) -> bool:
         sock.close()
 
 
+def current() -> Any:
+    """This process's registry (or sibling's mirror), else None: the one of
+    ``process.current().holders`` (the core hands the held files it finds
+    there over at hop 1 by descriptor) that is ours."""
+    return next((h for h in process.current().holders
+                 if getattr(h, "holds", None) == "regions"), None)
+
+
+def _install(registry: Any) -> None:
+    holders = process.current().holders
+    holders[:] = [h for h in holders if getattr(h, "holds", None) != "regions"]
+    holders.append(registry)
+
+
 def start_regions(path: str, ctx: Any) -> Any:
     """Serve registrations on ``path`` for the model of ``ctx`` (the served
     model: ``http.common.ServerContext``, or anything with its ``dtype``,
@@ -73,7 +87,7 @@ def start_regions(path: str, ctx: Any) -> Any:
     started ``server.RegionServer``, or None when a sibling API server
     serves ``path`` (requests here then look regions up there:
     ``mirror.RegionMirror``). The registry (or the mirror) becomes
-    ``process.current().regions``. Never waits (it runs on the event loop): a
+    :func:`current`. Never waits (it runs on the event loop): a
     sibling holding the start-up lock may still be starting; the mirror's
     lookups fail cleanly (400) until it serves. Raises OSError if the path
     cannot be used."""
@@ -103,14 +117,14 @@ def start_regions(path: str, ctx: Any) -> Any:
         if not held_by_sibling and not _served_by_sibling(path):
             raise OSError(errno.EADDRINUSE, "another process, not an API server of this "
                           "vllm serve, holds the regions socket", path) from None
-        process.current().regions = mirror.RegionMirror(path, limits, _on_mirrored)
+        _install(mirror.RegionMirror(path, limits, _on_mirrored))
         logger.info("shm-embeds: registered prompt_embeds regions are served on %s by "
                     "another API server; requests here look them up there", path)
         return None
     except BaseException:
         regs.close()
         raise
-    process.current().regions = regs
+    _install(regs)
     logger.info("shm-embeds: registered prompt_embeds regions served on %s (datatype %s, "
                 "shape [T, %d]; uids %s, at most %d regions and %d bytes per uid, idle TTL "
                 "%g s)", path, datatype, ctx.hidden_size, sorted(limits.allowed_uids),
@@ -121,8 +135,9 @@ def start_regions(path: str, ctx: Any) -> Any:
 def stop_regions(server: Any | None) -> None:
     """Close the socket server and the registry (regions in use by requests
     keep their memory until those end); never raises."""
-    state = process.current()
-    registry, state.regions = state.regions, None
+    registry = current()
+    if registry is not None:
+        process.current().holders.remove(registry)
     try:
         if server is not None:
             server.close()

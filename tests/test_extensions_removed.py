@@ -1,0 +1,161 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Proof that the extensions can be deleted (issue 38): on a copy of the package
+with folders of ``ext/`` deleted, loaded in every process instead of this tree's.
+
+* each extension deleted in turn (and all of them): the plugin imports and
+  applies in an API server's process; the core's groups are patched, the
+  deleted extension's are gone, and what needs it is off and says why;
+* every extension deleted: an offline TP=2 engine carries ``prompt_embeds``
+  through both hops by shared memory (counters), with answers equal to the
+  token ids'; and the core's own tests pass against that copy.
+
+The copy is put first by a ``sitecustomize`` on ``PYTHONPATH`` (every process
+of the engine inherits it): a finder that loads ``vllm._shm_embeds`` from the
+copy; its submodules then follow the copy's ``__path__``.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from helpers import REPO, SITECUSTOMIZE, by_role, run_offline, tiny_model
+
+from vllm._shm_embeds import extensions
+
+PACKAGE = os.path.join(REPO, "vllm", "_shm_embeds")
+# The core's own tests: none imports an extension.
+CORE_TESTS = ("test_mechanism.py", "test_lifecycle.py", "test_census.py",
+              "test_private_dir.py")
+
+_SITECUSTOMIZE = r'''
+import importlib.machinery, os, sys
+_ROOT = {root!r}
+
+class _CopyFinder:
+    """vllm._shm_embeds from the copy at _ROOT (never this repository's)."""
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "vllm._shm_embeds":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, [os.path.join(_ROOT, "vllm")])
+        if spec is None:
+            raise ModuleNotFoundError(fullname)
+        with open(os.path.join(_ROOT, "loaded-by"), "a") as f:  # one line per process
+            f.write(f"{{os.getpid()}}\n")
+        return spec
+
+sys.meta_path.insert(0, _CopyFinder())
+'''
+
+
+def stripped_tree(tmp: str, deleted: tuple[str, ...]) -> dict[str, str]:
+    """A copy of the package under ``tmp`` without the folders of
+    ``deleted`` extensions; returns the environment that loads it."""
+    dst = os.path.join(tmp, "tree", "vllm", "_shm_embeds")
+    shutil.copytree(PACKAGE, dst, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in deleted:
+        shutil.rmtree(os.path.join(dst, extensions.EXTENSIONS[name]))
+    site = os.path.join(tmp, "site")
+    os.makedirs(site)
+    with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+        f.write(_SITECUSTOMIZE.format(root=os.path.join(tmp, "tree")))
+        if os.environ.get("SHM_EMBEDS_TEST_HOOKS"):  # the suite's engine hooks too
+            f.write(SITECUSTOMIZE)
+    return {"PYTHONPATH": os.pathsep.join(
+        [site, os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")])}
+
+
+_PROBE = textwrap.dedent("""
+    import json, os
+    import vllm.entrypoints.launchers.app  # an API server's process: every group considered
+    import vllm._shm_embeds as pkg
+    from vllm._shm_embeds import extensions, plugin, sites
+    from vllm._shm_embeds.sites.site import STATUS
+    plugin.register()
+    print("PROBE " + json.dumps({"file": pkg.__file__, "status": STATUS,
+                                 "loaded": list(extensions.loaded()),
+                                 "missing": extensions.MISSING,
+                                 "groups": list(sites.GROUPS)}))
+""")
+
+
+def _probe(env: dict[str, str]) -> dict:
+    env = {**os.environ, **env, "VLLM_SHM_EMBEDS": "1"}
+    out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("PROBE ")]
+    assert line, out.stdout[-2000:] + out.stderr[-3000:]
+    return json.loads(line[-1][len("PROBE "):])
+
+
+def _needing(name: str) -> set[str]:
+    """The extensions that cannot load without ``name``, directly or not."""
+    out = {name}
+    for other in extensions.EXTENSIONS:  # in load order: needs come first
+        if set(extensions.loaded()[other].needs) & out:
+            out.add(other)
+    return out
+
+
+@pytest.mark.parametrize("deleted", [*[(n,) for n in extensions.EXTENSIONS],
+                                     tuple(extensions.EXTENSIONS)],
+                         ids=[*extensions.EXTENSIONS, "all"])
+def test_plugin_applies_with_extensions_deleted(tmp_path, deleted):
+    got = _probe(stripped_tree(str(tmp_path), deleted))
+    assert got["file"].startswith(str(tmp_path))  # the copy was loaded, not this tree
+    off = set().union(*(_needing(n) for n in deleted))
+    assert set(got["loaded"]) == set(extensions.EXTENSIONS) - off
+    for name in deleted:
+        assert got["missing"][name] == "not installed (its folder is absent)"
+    for name in off - set(deleted):
+        assert got["missing"][name].startswith("needs ")
+    gone = {g for n in off for g in extensions.loaded()[n].groups}
+    assert not gone & set(got["groups"])
+    # The core's hops and every group of what is left are patched.
+    assert got["status"]["hop1"] == [] and got["status"]["hop2"] == []
+    kept = {g for n in got["loaded"] for g in extensions.loaded()[n].groups} - {"regions"}
+    assert all(got["status"][g] == [] for g in kept), got["status"]
+
+
+@pytest.mark.integration
+@pytest.mark.xdist_group("offline_core")
+def test_core_alone_carries_embeds_through_both_hops(tmp_path):
+    """Every extension deleted: an offline TP=2 engine on the tiny model
+    answers ``prompt_embeds`` as it answers the same token ids, and both hops
+    carried every tensor by shared memory (counted, not logged)."""
+    env = stripped_tree(str(tmp_path), tuple(extensions.EXTENSIONS))
+    out, _, _ = run_offline(tmp_path, True, tiny_model(), (40, 300), env=env)
+    assert out["embeds"] == out["token_ids"]
+    stats = out["stats_after_generate"]
+    n, total = len(out["embeds_bytes"]), sum(out["embeds_bytes"])
+    [client], [engine] = by_role(stats, "client"), by_role(stats, "engine")
+    workers = by_role(stats, "worker")
+    assert len(workers) == 2
+    assert client.get("hop1_shm_tensors") == n and client.get("hop1_shm_bytes") == total
+    assert "hop1_stock_tensors" not in client
+    assert engine.get("hop1_adopted_tensors") == n
+    assert engine.get("hop2_shm_tensors") == n and "hop2_stock_tensors" not in engine
+    for w in workers:
+        assert w.get("hop2_shm_tensors") == n and w.get("hop2_shm_bytes") == total
+    # The copy's package, not this tree's, in every process (client, EngineCore, 2 workers).
+    with open(tmp_path / "tree" / "loaded-by") as f:
+        assert len(set(f.read().split())) >= 4
+
+
+@pytest.mark.xdist_group("offline_core")
+def test_core_tests_pass_without_extensions(tmp_path):
+    env = {**os.environ, **stripped_tree(str(tmp_path), tuple(extensions.EXTENSIONS))}
+    probe = subprocess.run(
+        [sys.executable, "-c", "import vllm._shm_embeds as p; print(p.__file__)"],
+        env=env, capture_output=True, text=True, timeout=120)
+    assert probe.stdout.strip().startswith(str(tmp_path)), probe.stderr[-2000:]
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not integration",
+         *[os.path.join(REPO, "tests", t) for t in CORE_TESTS]],
+        env=env, capture_output=True, text=True, timeout=900, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout and " failed" not in out.stdout
