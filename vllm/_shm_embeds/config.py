@@ -1,16 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Every ``VLLM_SHM_EMBEDS*`` setting and fixed limit, declared once and parsed with one rule.
 
-:data:`SETTINGS` declares each variable a user sets once (name, kind, default, unit,
-meaning); :data:`LIMITS` the fixed limits (constants, each with the reason it is
-not a setting), which only the test suite and benchmarks change, through the one
-internal variable :data:`TEST_LIMITS`. From them come the parsing
-(:func:`settings`), the :class:`Settings` attributes, the getters the rest of the
-package imports, the table handed to vLLM's ``envs`` (:data:`ENV_VARS`) and
-``docs/configuration.md``'s table (``python -m vllm._shm_embeds.config --markdown``).
-
-The environment is read only here. A bad value never raises: the default is used
-and :attr:`Settings.problems` says so (the plugin logs it at start).
+:data:`SETTINGS` declares each variable (name, kind, default, unit, meaning);
+:data:`LIMITS` the fixed limits, changed only by tests and benchmarks through
+:data:`TEST_LIMITS`. From them come :func:`settings`, the :class:`Settings` attributes,
+the getters, vLLM's ``envs`` table (:data:`ENV_VARS`) and ``docs/configuration.md``'s
+table (``python -m vllm._shm_embeds.config --markdown``). The environment is read only
+here; a bad value never raises: the default is used, :attr:`Settings.problems` says so.
 
 Base layer: may import the other base modules and vLLM's logger; no HTTP.
 Design notes: docs/design.md, "Module notes".
@@ -36,14 +32,9 @@ RING_RESERVE_BYTES = 64 << 20  # left free for vLLM's own broadcast rings
 
 @dataclasses.dataclass(frozen=True)
 class Kind:
-    """How a variable's text becomes a value.
-
-    Attributes:
-        adapter: the pydantic validator, or None: the text itself is the value.
-        what: what a bad value "is not", in the problem message.
-        strip: surrounding spaces are dropped before anything else (paths of
-            the segment and counters directories are taken as given).
-    """
+    """How a variable's text becomes a value: ``adapter``, the pydantic validator (None:
+    the text is the value); ``what`` a bad value "is not", in the problem message;
+    ``strip``: drop surrounding spaces first (the directories' paths are taken as given)."""
 
     adapter: pydantic.TypeAdapter | None = None
     what: str = ""
@@ -80,10 +71,9 @@ class Setting:
     Attributes:
         name: the environment variable; a limit's name in :data:`TEST_LIMITS`.
         kind: how its text is parsed (:class:`Kind`).
-        default: the value when unset, blank or bad; a callable is asked at
-            each parse. None where the real default is derived elsewhere
-            (:func:`budget_bytes`, :func:`inflight_bytes`,
-            :func:`binary_max_bytes`).
+        default: the value when unset, blank or bad; a callable is asked at each
+            parse; None where derived elsewhere (:func:`budget_bytes`,
+            :func:`inflight_bytes`, :func:`binary_max_bytes`).
         unit: what the value counts (bytes, seconds, ...).
         doc: what it does: the "meaning" cell of ``docs/configuration.md``.
         shown: the default as the doc says it, where the value alone does not.
@@ -195,10 +185,8 @@ SETTINGS: tuple[Setting, ...] = (
         "sets it), leave it off in production."),
 )
 
-# The fixed limits. They were settings until issue 38 ("fewer knobs"); each is a
-# constant now, for the reason on its line. Only the test suite and benchmarks
-# change them, through TEST_LIMITS. Computed ones are the callables and the None
-# defaults of LIMITS below (their getters say how).
+# The fixed limits (settings until issue 38, "fewer knobs"), each a constant for the
+# reason on its line; only tests and benchmarks change them, through TEST_LIMITS.
 MAX_SEGMENTS = 4096  # far beyond what running requests hold; 4096 x 5 VMAs < vm.max_map_count
 BODY_TIMEOUT_S = 30.0  # a body that sends no byte for 30 s is stalled on any network
 BODY_MIN_RATE = 1 << 20  # 1 MiB/s on average after that grace: any working link is faster
@@ -211,9 +199,7 @@ REGIONS_REFS_MAX = 64  # per request, as many as a uid may register (2 fds, 2 ma
 REGIONS_LEASES_MAX = 1024  # per API server, freed as responses start: only a flood meets it
 DEFAULT_REGIONS_LEASES_MAX = REGIONS_LEASES_MAX  # the registry's default
 
-# Changed only by TEST_LIMITS ("NAME=value,..."); the name is the key there. The
-# callables and None are the computed ones: the machine, the model and the
-# budget decide them.
+# Changed only by TEST_LIMITS ("NAME=value,..."); callables and None are computed.
 LIMITS: tuple[Setting, ...] = (
     Setting("WRITERS", WRITER_COUNT, _default_writers, "threads",  # the machine's CPUs decide
         f"1 to {MAX_WRITERS} threads that write one tensor of 8 MiB or more into its segment, "
@@ -322,23 +308,16 @@ def _parse(raw: tuple[str | None, ...]) -> Settings:
 
 
 class ProcessCache:
-    """What this process has worked out from its environment, until :meth:`reset`.
-
-    Attributes:
-        parsed: (the raw values of :data:`VARIABLES`, their :class:`Settings`),
-            or None; replaced whole when a value changes.
-        budget: segment directory -> default budget (bytes), fixed the first
-            time it is asked (:func:`budget_bytes`).
-        shares: segment directory -> on the file system of ``/dev/shm``
-            (:func:`shares_dev_shm`).
-    """
+    """What this process worked out from its environment, until :meth:`reset`:
+    ``parsed`` (the raw :data:`VARIABLES` and their :class:`Settings`, or None),
+    ``budget`` (segment directory -> default budget in bytes, fixed when first asked)
+    and ``shares`` (segment directory -> on ``/dev/shm``'s file system)."""
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
-        """Forget everything: the next question reads the environment and the
-        file systems again."""
+        """Forget everything: the next question reads environment and file systems again."""
         self.parsed: tuple[tuple[str | None, ...], Settings] | None = None
         self.budget: dict[str, int] = {}
         self.shares: dict[str, bool] = {}
@@ -391,10 +370,9 @@ strict = _getter("strict")
 
 
 def shm_dir() -> str:
-    """The segment directory: ``VLLM_SHM_EMBEDS_DIR`` itself when only this uid
-    can enter it, else this server's private directory in it
-    (``private_dir.resolve``: made by the first process that asks, inherited by
-    the rest). Raises OSError if no private directory can be made there."""
+    """The segment directory: ``VLLM_SHM_EMBEDS_DIR`` if only this uid can enter it, else
+    this server's private directory in it (``private_dir.resolve``: made by the first
+    process that asks). Raises OSError if none can be made there."""
     return private_dir.resolve(settings().dir)
 
 
@@ -460,15 +438,13 @@ def inflight_bytes() -> int:
 
 
 def regions_allowed_uids() -> frozenset[int]:
-    """Uids that may register regions: this process's and
-    ``VLLM_SHM_EMBEDS_REGIONS_UIDS``."""
+    """Uids that may register regions: this process's and ``VLLM_SHM_EMBEDS_REGIONS_UIDS``."""
     return frozenset((os.getuid(), *settings().regions_uids))
 
 
-# What vLLM's ``vllm/envs.py`` ``environment_variables`` table gets (name ->
-# getter), so that ``Platform.validate_environ`` knows our variables; where a
-# default is derived, the getter gives the value in use. TEST_LIMITS is there
-# too (its text), so that vLLM does not warn about it either.
+# What vLLM's ``vllm/envs.py`` ``environment_variables`` gets (name -> getter; a derived
+# default gives the value in use), so ``Platform.validate_environ`` knows our variables;
+# TEST_LIMITS too (its text), so that vLLM does not warn about it either.
 ENV_VARS: dict[str, Callable[[], Any]] = {
     s.name: _getter(s.field) for s in SETTINGS
 } | {"VLLM_SHM_EMBEDS_MAX_BYTES": budget_bytes, TEST_LIMITS: lambda: os.environ.get(TEST_LIMITS)}

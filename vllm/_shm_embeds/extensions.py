@@ -1,11 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """The one seam between the core and its extensions: :data:`EXTENSIONS`.
 
-Every folder of ``ext/`` is an extension and may be deleted. The core never
-imports one by name: it reads :data:`EXTENSIONS`, loads what is there
-(:func:`loaded`), and reaches an extension's module only through :func:`get`
-(None when absent). An extension reaches another the same way, and only the
-modules that one lists in its ``api``. ``docs/design.md``, "Extensions".
+Every folder of ``ext/`` is an extension and may be deleted. The core never imports
+one by name: it loads those present (:func:`loaded`) and reaches their modules only
+through :func:`get` (None when absent); so does an extension, and only the modules the
+other lists in its ``api``. ``docs/design.md``, "Extensions".
 
 May import: base (this module imports nothing of the package but logging).
 """
@@ -41,15 +40,14 @@ class Group(NamedTuple):
     """A group of sites, patched all or none.
 
     Attributes:
-        needs: groups that must not be off (a group not considered in this
-            process does not count); checked in the order of :data:`GROUPS`.
+        needs: groups that must not be off (one not considered here does not
+            count); checked in :data:`GROUPS` order.
         server_only: considered only in an API server.
         message: the warning when it stays stock (pid, problems).
         covers: what it is, for the generated table in ``docs/design.md``.
-        wanted: None, or a check of the configuration: a group not wanted
-            is not considered (no status, no warning).
-        before_patch: None, or what to run once its sites hold, before they
-            are patched (metrics makes its directory).
+        wanted: None, or a configuration check: a group not wanted is not
+            considered (no status, no warning).
+        before_patch: None, or what to run once its sites hold, before patching.
     """
 
     needs: tuple[str, ...]
@@ -104,10 +102,9 @@ def _module_name(name: str, module: str = "") -> str:
 
 
 def loaded() -> dict[str, Extension]:
-    """Every extension present whose needs are loaded, in :data:`EXTENSIONS`
-    order (computed once, from each one's ``__init__`` alone: its modules are
-    imported when used). Never raises: one whose declaration fails to load
-    is logged and left out, and so is what needs it."""
+    """Every extension present whose needs are loaded, in :data:`EXTENSIONS` order
+    (computed once, from each ``__init__`` alone). Never raises: one whose declaration
+    fails to load is logged and left out, and so is what needs it."""
     global _LOADED
     if _LOADED is not None:
         return _LOADED
@@ -141,9 +138,8 @@ def _drop(name: str, why: str) -> None:
 
 
 def get(name: str, module: str) -> ModuleType | None:
-    """Module ``module`` of extension ``name`` (one of its ``api``), or None
-    when that extension is not loaded. Raises ValueError for a module it does
-    not publish (a programming error)."""
+    """Module ``module`` of extension ``name`` (one of its ``api``), None when it is not
+    loaded. Raises ValueError for a module it does not publish (a programming error)."""
     ext = loaded().get(name)
     if ext is None:
         return None
@@ -168,9 +164,8 @@ def provided(registry: str) -> list[tuple[str, Any]]:
 
 
 def site_modules() -> list[ModuleType]:
-    """The modules of the loaded extensions that declare ``SITES`` (imported
-    once). An extension one of whose site modules fails to import is left
-    out (:func:`_drop`): its groups are never patched in part."""
+    """The loaded extensions' modules that declare ``SITES`` (imported once); an
+    extension one of which fails to import is left out (:func:`_drop`), never half patched."""
     for name, ext in list(loaded().items()):
         if name in _SITE_MODULES or name not in loaded():
             continue

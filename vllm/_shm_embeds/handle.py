@@ -1,13 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Segment names and :class:`SharedTensorHandle`: what crosses a hop instead of bytes.
 
-Pure data and parsing; no file is opened here (``files/segment.py`` does the I/O).
-A segment is a 4096-byte header (magic, one reader flag byte per reader and
-broadcast) then the tensor's bytes, C-contiguous; a large one is *striped* over K
-files (``<name>``, ``<name>p1``, ...) that readers map back to back.
-:class:`SegmentName` says who owns a segment:
-``vllm-shm-embeds.<pidns>.<pid>.<start>.<seq>[p<part>]``, so a sweep can tell a
-dead owner's segments from a live one's even after pid reuse.
+Pure data and parsing, no I/O (``files/segment.py``). A segment is a 4096-byte header
+(magic, reader flags) then the tensor's bytes, C-contiguous, maybe striped over files
+``<name>``, ``<name>p1``, ...; :class:`SegmentName` says who owns it.
 
 Base layer: may import the other base modules and vLLM's logger; no HTTP.
 Design notes: docs/design.md, "Module notes".
@@ -29,10 +25,9 @@ from vllm._shm_embeds.procfs import pid_namespace
 SEGMENT_PREFIX = "vllm-shm-embeds"
 HEADER_BYTES = 4096
 MAGIC = b"SHMEMB01"
-# The hop-2 wire format: the pickled forms of SharedTensorHandle, EmbedsPlaceholder
-# and InlineEmbeds, and the per-step agreement. Bump it whenever any of them
-# changes: a worker that answers another number keeps its engine's hop 2 stock
-# (``sites/multiproc_executor._workers_join``), instead of failing to unpickle.
+# The hop-2 wire format (pickled SharedTensorHandle, EmbedsPlaceholder, InlineEmbeds,
+# the per-step agreement): bump on any change; a worker answering another number keeps
+# its engine's hop 2 stock (``sites/multiproc_executor._workers_join``).
 HOP2_WIRE = 2  # 2: the agreement within a stage, then StageChain (was an all-reduce over PP)
 READER_FLAGS_OFFSET = 64
 MAX_READERS = HEADER_BYTES - READER_FLAGS_OFFSET  # flag bytes per segment
@@ -47,10 +42,9 @@ class ShmEmbedsError(RuntimeError):
 # --------------------------------------------------------------------------
 # names
 
-# Canonical numbers only, so that a name parses to one that prints back the
-# same: ASCII digits (``\d`` would take any Unicode digit, which ``int``
-# reads as well), no leading zero, 20 digits at most (``int`` refuses over
-# 4300; no field of ours is longer), no part 0.
+# Canonical numbers only, so a name parses to one that prints back the same: ASCII
+# digits (``\d`` takes any Unicode digit, ``int`` reads those), no leading zero, at
+# most 20 digits (``int`` refuses over 4300), no part 0.
 _NUM = r"(0|[1-9][0-9]{0,19})"
 _NAME_RE = re.compile(
     rf"{re.escape(SEGMENT_PREFIX)}\.{_NUM}\.{_NUM}\.{_NUM}\.{_NUM}(?:p([1-9][0-9]{{0,19}}))?",
@@ -60,15 +54,10 @@ _NAME_RE = re.compile(
 
 @dataclasses.dataclass(frozen=True)
 class SegmentName:
-    """The parts of a segment file name; the only place names are built and parsed.
-
-    Attributes:
-        pidns: owner's PID namespace id (inode of ``/proc/<pid>/ns/pid``), or 0.
-        pid: owner's pid inside that namespace.
-        start: owner's start time in clock ticks since boot; 0 if unknown.
-        seq: per-owner sequence number.
-        part: file index of a striped segment (0: the segment's own name).
-    """
+    """The parts of a segment file name; the only place names are built and parsed:
+    the owner's ``pidns`` (inode of ``/proc/<pid>/ns/pid``, or 0), ``pid`` in it,
+    ``start`` time (clock ticks since boot; 0 if unknown), a per-owner ``seq``, and
+    ``part``, the file index of a striped segment (0: the segment's own name)."""
 
     pidns: int
     pid: int
@@ -104,11 +93,8 @@ def part_name(name: str, index: int) -> str:
 
 
 def torch_dtype(name: str, what: str = "handle") -> torch.dtype:
-    """The torch dtype called ``name`` (``"bfloat16"``, no ``torch.`` prefix).
-
-    Raises:
-        ShmEmbedsError: no such dtype (``what`` names the object in the message).
-    """
+    """The torch dtype called ``name`` (``"bfloat16"``); raises ShmEmbedsError if
+    there is none (``what`` names the object in the message)."""
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
         raise ShmEmbedsError(f"{what} names an unknown dtype {name!r}")
@@ -123,25 +109,21 @@ class SharedTensorHandle:
         name: segment file name (no directory part); file 0 when striped.
         dtype: torch dtype name without the ``torch.`` prefix, e.g. ``"bfloat16"``.
         shape: tensor shape, e.g. ``(num_tokens, hidden_size)``.
-        split: data byte offsets where files 1, 2, ... of a striped segment
-            begin (increasing multiples of the page size, inside the data);
-            empty for a one-file segment.
-        flag_base: hop 2: where this broadcast's reader flags start (reader
-            ``i`` sets byte ``64 + flag_base + i``); every broadcast of a
-            segment gets flags of its own.
-        owner_pid: hop 2: pid of the owner that holds ``owner_files`` open
-            until every reader of this broadcast has set its flag (0: none).
-        owner_files: hop 2: ``(fd, inode)`` per file, so that readers open
-            ``/proc/<owner_pid>/fd/<fd>``: that works even if something else
-            unlinked the name, and the inode check rules out a reused fd.
-        readers: hop 2: how many readers this broadcast has flags for (reader
-            indices ``[0, readers)``); 0: not a broadcast (hop 1), unchecked.
-        held: a held file: ``(pid, fd, inode)`` of the sender's descriptor of
-            a sealed memfd that holds the tensor's bytes from offset 0 (e.g. a
-            registered region of the ``regions`` extension). File 0 is then the
-            header alone (``HEADER_BYTES``) and the memfd is file 1: it has no
-            name, so it is opened only through ``/proc`` (hop 1: the sender's
-            fd; hop 2: the owner's ``owner_files``) and mapped read-only.
+        split: data byte offsets where files 1, 2, ... of a striped segment begin
+            (increasing page multiples inside the data); empty for one file.
+        flag_base: hop 2: this broadcast's first reader flag (reader ``i`` sets
+            byte ``64 + flag_base + i``); each broadcast gets flags of its own.
+        owner_pid: hop 2: pid of the owner holding ``owner_files`` open until
+            every reader of this broadcast set its flag (0: none).
+        owner_files: hop 2: ``(fd, inode)`` per file; readers open
+            ``/proc/<owner_pid>/fd/<fd>`` (works after an unlink; the inode
+            rules out a reused fd).
+        readers: hop 2: readers this broadcast has flags for (``[0, readers)``);
+            0: not a broadcast (hop 1), unchecked.
+        held: ``(pid, fd, inode)`` of the sender's sealed memfd holding the bytes
+            from offset 0 (e.g. a registered region): file 0 is then the header
+            alone and the nameless memfd is file 1, opened only through ``/proc``
+            (hop 1: the sender's fd; hop 2: ``owner_files``), mapped read-only.
     """
 
     name: str
@@ -192,11 +174,10 @@ class SharedTensorHandle:
 
     @classmethod
     def from_meta(cls, meta: Any) -> SharedTensorHandle:
-        """Inverse of :meth:`to_meta`; raises ``ShmEmbedsError`` (and nothing
-        else) on malformed input: not a dict, a field of the wrong type, a
-        negative dimension, a name that is not a segment name of ours, a
-        split that is not increasing page multiples inside the data, or a
-        held file that is not a descriptor of the name's owner."""
+        """Inverse of :meth:`to_meta`. Raises ``ShmEmbedsError`` (only) on malformed
+        input: not a dict, a wrong field type, a negative dimension, not our segment
+        name, a split not increasing page multiples in the data, or a held file not
+        a descriptor of the name's owner."""
         try:
             name, dtype, shape = meta["name"], meta["dtype"], meta["shape"]
             split, held = meta.get("split", ()), meta.get("held", ())
@@ -234,17 +215,9 @@ class SharedTensorHandle:
 
 @dataclasses.dataclass(frozen=True)
 class EmbedsPlaceholder:
-    """Stands for a ``prompt_embeds`` tensor a reader never reads: a few dozen
-    bytes pickled, no tensor bytes.
-
-    Sent (hop 2) to broadcast readers on other nodes when none of them is on
-    the first pipeline stage; each one builds :func:`placeholder_tensor` of
-    this dtype and shape (later stages read only the length).
-
-    Attributes:
-        dtype: torch dtype name without the ``torch.`` prefix, e.g. ``"bfloat16"``.
-        shape: tensor shape, e.g. ``(num_tokens, hidden_size)``.
-    """
+    """Stands for a ``prompt_embeds`` tensor a reader never reads (hop 2: readers on
+    other nodes, none on the first stage), who builds :func:`placeholder_tensor` of
+    ``dtype`` (a name, e.g. ``"bfloat16"``) and ``shape`` (``(num_tokens, hidden_size)``)."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -256,23 +229,17 @@ class EmbedsPlaceholder:
 
 @dataclasses.dataclass(frozen=True)
 class InlineEmbeds:
-    """A ``prompt_embeds`` tensor sent by value (hop 2) to broadcast readers on
-    other nodes when one of them is on the first pipeline stage (TP spanning
-    nodes): the wrapper tells the receiving worker that the step carries
-    embeds (every rank then joins the same agreement), which unwraps it.
-
-    Attributes:
-        tensor: the tensor itself (vLLM's broadcast pickles its bytes out of band).
-    """
+    """A ``prompt_embeds`` tensor sent by value (hop 2) to readers on other nodes
+    when one is on the first stage: the wrapper tells the worker the step carries
+    embeds, so every rank joins the agreement. ``tensor``: vLLM's broadcast pickles
+    its bytes out of band."""
 
     tensor: torch.Tensor
 
 
 def placeholder_tensor(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A tensor of ``shape`` and ``dtype`` that costs one element: every
-    element is the same NaN (zero strides), a tripwire: if a later pipeline
-    stage ever read the values, its outputs would differ from stock's.
-    Integer dtypes (never prompt_embeds) get 0."""
+    """A ``shape``/``dtype`` tensor costing one element: one NaN everywhere (zero
+    strides), a tripwire should a later stage read the values; integer dtypes get 0."""
     fill = float("nan") if (dtype.is_floating_point or dtype.is_complex) else 0
     return torch.full((), fill, dtype=dtype).expand(tuple(shape))
 

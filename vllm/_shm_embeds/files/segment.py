@@ -1,10 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """All file I/O on segments: create, write, map, open, rename, unlink.
 
-This module knows files and the handle format (``handle.py``), not vLLM,
-not HTTP and not who owns what (``lifetime/owned.py``, ``lifetime/transfer.py``). Every
-function takes the segment directory as an argument and keeps no process
-state besides the ``libc`` handle.
+Knows files and the handle format, not vLLM, HTTP or ownership (``lifetime/``); every
+function takes the segment directory and keeps no state besides the ``libc`` handle.
 """
 
 from __future__ import annotations
@@ -50,8 +48,7 @@ class TooManySegments(OSError):
 
 
 def fallback_reason(e: OSError) -> str:
-    """The counter reason for a segment that could not be made: ``budget``
-    (:class:`BudgetExceeded`), ``segments`` (:class:`TooManySegments`),
+    """The counter reason for a segment not made: ``budget``, ``segments``,
     ``no_space`` (ENOSPC: the directory is full or too small) or ``os_error``."""
     if isinstance(e, BudgetExceeded):
         return "budget"
@@ -68,12 +65,9 @@ _MAX_IO = 0x7FFFF000  # Linux moves at most this many bytes per write call
 
 
 def pwrite_all(fd: int, buf: memoryview, offset: int, failed: list | None = None) -> None:
-    """Write all of ``buf`` at ``offset``; stop early once ``failed`` is non-empty.
-
-    ``failed`` is shared by the writers of one segment: a writer that raises
-    appends to it so that the others stop at their next chunk
-    (:data:`WRITE_CHUNK_BYTES`). Raises OSError (e.g. ENOSPC).
-    """
+    """Write all of ``buf`` at ``offset``; raises OSError (e.g. ENOSPC). ``failed`` is
+    shared by one segment's writers: one that raises appends to it, and the others
+    stop at their next chunk (:data:`WRITE_CHUNK_BYTES`)."""
     done = 0
     step = min(_MAX_IO, WRITE_CHUNK_BYTES)
     try:
@@ -95,20 +89,11 @@ def write_segment(
 ) -> list[int]:
     """Create the files of ``handle`` in ``directory`` and write header and data.
 
-    The data goes in with ``pwrite`` (one kernel copy into the tmpfs pages, no
-    page faults in this process; a full tmpfs is ``OSError(ENOSPC)``, never a
-    SIGBUS). File 0 is written by the calling thread, files 1.. by ``pool``.
-    Every writer has returned before any descriptor is closed or any file
-    unlinked, also when one of them fails.
-
-    Args:
-        handle: name, shape, dtype and ``split`` of the segment to create.
-        data: ``handle.nbytes`` bytes, C-contiguous.
-        pool: runs the writers of files 1..; may be None for a one-file segment.
-    Returns:
-        the open descriptors of the files, in order (the caller closes them).
-    Raises:
-        OSError: the files created so far are removed first.
+    ``pwrite``: one kernel copy, no page faults here; a full tmpfs is ENOSPC, never
+    SIGBUS. File 0 is written by the calling thread, files 1.. by ``pool`` (None for
+    one file). ``data``: ``handle.nbytes`` bytes, C-contiguous. Returns the open fds
+    in order (the caller closes them). Raises OSError, after removing the files made
+    (every writer has returned before any fd is closed or file unlinked).
     """
     parts = handle.parts()
     fds: list[int] = []
@@ -182,12 +167,10 @@ def _base(mm: mmap.mmap) -> int:
 def map_files(fds: list[int], sizes: list[int], prot: int | list[int]) -> mmap.mmap:
     """Map the files of a segment back to back as one mapping.
 
-    An anonymous reservation of the whole size (Python's ``mmap``, so
-    ``munmap`` of the whole range follows the Python object), then each file
-    over its slice with ``MAP_FIXED`` and ``prot`` (one for all files, or one
-    per file). Every file but the last has a page-multiple size. Unlike
-    ``mmap.mmap(fd)`` this keeps no dup of the fd, so :func:`drop_pages` can
-    let go of the file's pages.
+    An anonymous reservation of the whole size (so ``munmap`` follows the Python
+    object), then each file over its slice with ``MAP_FIXED`` and ``prot`` (one, or
+    one per file); all but the last file are page multiples. Keeps no dup of the fd
+    (unlike ``mmap.mmap(fd)``), so :func:`drop_pages` can let go of the pages.
     """
     prots = prot if isinstance(prot, list) else [prot] * len(fds)
     mm = mmap.mmap(-1, sum(sizes),
@@ -204,31 +187,20 @@ def map_files(fds: list[int], sizes: list[int], prot: int | list[int]) -> mmap.m
 
 
 def drop_pages(mm: mmap.mmap) -> None:
-    """Let go of a segment's pages in this process; ``mm`` stays valid memory.
-
-    Maps read-only private zero pages over all of ``mm`` (from
-    :func:`map_files`): this process no longer holds the files' pages, while
-    every tensor over ``mm`` stays valid and reads zeros. For a request that
-    has ended. Read-only pages are never charged to the commit limit (no
-    hole for want of memory); a write to them faults. Raises OSError.
-    """
+    """Map read-only private zero pages over all of ``mm`` (from :func:`map_files`):
+    this process lets go of the files' pages, tensors over ``mm`` stay valid and read
+    zeros (a request that ended). Read-only pages are never charged to the commit
+    limit; a write faults. Raises OSError."""
     if not mm.closed:
         _mmap_fixed(_base(mm), len(mm), mmap.PROT_READ,
                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1)
 
 
 def open_held(pid: int, fd: int, inode: int, nbytes: int) -> int:
-    """Open a held file (a sealed memfd) through ``/proc/<pid>/fd/<fd>``
-    read-only (hop 1: the sender's descriptor); the inode and size must match.
-
-    The number may have been reused meanwhile (the request was aborted and
-    the API server closed its fd): ``O_NONBLOCK`` so that a FIFO never blocks
-    the open, and nothing but a memfd (by its ``/proc`` link, before any
-    I/O on it) with that inode and size is taken.
-
-    Raises:
-        ShmEmbedsError: gone (its holder let it go and the request ended),
-            another file under that number, or the wrong size.
+    """Open a held file (a sealed memfd) read-only via ``/proc/<pid>/fd/<fd>`` (hop 1:
+    the sender's fd). The number may have been reused: ``O_NONBLOCK`` (a FIFO never
+    blocks), and only a memfd (by its link, before any I/O) of that inode and size.
+    Raises ShmEmbedsError: gone (its holder let it go), another file, or the wrong size.
     """
     path = f"/proc/{pid}/fd/{fd}"
     try:
@@ -265,11 +237,9 @@ def _open_by_owner_fd(handle: SharedTensorHandle, writable_first: bool) -> list[
 def open_files(
     directory: str, handle: SharedTensorHandle, reader: bool
 ) -> list[int]:
-    """Open every file of ``handle``: by the owner's fds when given, else by name.
-
-    File 0 is opened read/write (readers set their flag in it), the others
-    read-only for a reader. Raises ShmEmbedsError if a file is missing.
-    """
+    """Open every file of ``handle``, by the owner's fds when given, else by name; file
+    0 read/write (readers set their flag), the others read-only for a reader. Raises
+    ShmEmbedsError if a file is missing."""
     fds = _open_by_owner_fd(handle, writable_first=True) if reader else None
     if fds is not None:
         return fds
@@ -303,16 +273,11 @@ def map_segment(
 ) -> mmap.mmap:
     """Map an existing segment (all its files) after checking sizes and magic.
 
-    With ``reader_index`` (a reader, not the owner) the mapping is read-only
-    and the reader's flag ``64 + handle.flag_base + reader_index`` is set with
-    ``pwrite``: a stray in-place write in one TP rank faults there instead of
-    changing what the others read. The owner maps read/write.
-
-    Args:
-        fds: already open descriptors of the files (kept open); else the
-            files are opened (:func:`open_files`) and closed again.
-    Raises:
-        ShmEmbedsError: a file is missing, has the wrong size, or no header.
+    With ``reader_index`` (a reader) the mapping is read-only (a stray write in one TP
+    rank faults there) and the flag ``64 + handle.flag_base + reader_index`` is set by
+    ``pwrite``; the owner maps read/write. ``fds``: open descriptors of the files
+    (kept open); else they are opened (:func:`open_files`) and closed again. Raises
+    ShmEmbedsError: a file is missing, has the wrong size, or no header.
     """
     reader = reader_index is not None
     prot = mmap.PROT_READ if reader else mmap.PROT_READ | mmap.PROT_WRITE
@@ -345,12 +310,9 @@ def map_segment(
 
 
 def tensor_view(mm: mmap.mmap, handle: SharedTensorHandle) -> tuple[torch.Tensor, Any]:
-    """Zero-copy tensor over the data part of a mapped segment.
-
-    Returns ``(tensor, anchor)``: ``anchor`` is the buffer object the tensor's
-    storage keeps alive; it dies (weakref callbacks run) exactly when the
-    last tensor or view over that storage is gone.
-    """
+    """Zero-copy tensor over a mapped segment's data: ``(tensor, anchor)``, ``anchor``
+    the buffer the storage keeps alive; it dies (weakref callbacks run) exactly when
+    the last tensor or view over that storage is gone."""
     nbytes = handle.nbytes
     anchor = memoryview(mm)
     if nbytes == 0:
@@ -372,14 +334,10 @@ def within(mm: mmap.mmap, tensor: torch.Tensor) -> bool:
 
 
 def view_within(mm: mmap.mmap, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """A tensor equal to ``tensor`` (same pages, dtype, shape and strides; ``tensor``
-    lies in ``mm``: :func:`within`) whose storage has an anchor of its own.
-
-    Returns ``(view, anchor)`` as :func:`tensor_view` does: ``anchor`` dies
-    (weakref callbacks run) when the last tensor, view or exported buffer
-    (e.g. a ZMQ frame's) over ``view``'s storage is gone, whatever holds
-    ``tensor``.
-    """
+    """A tensor equal to ``tensor`` (in ``mm``: same pages, dtype, shape, strides) whose
+    storage has an anchor of its own: ``(view, anchor)`` as :func:`tensor_view`;
+    ``anchor`` dies when the last tensor, view or exported buffer (e.g. a ZMQ frame's)
+    over ``view``'s storage is gone, whatever holds ``tensor``."""
     storage = tensor.untyped_storage()
     anchor = memoryview(mm)
     with warnings.catch_warnings():
@@ -427,13 +385,11 @@ _renameat2: Any = None  # the libc function, False where it is missing
 
 
 def rename_noreplace(src: str, dst: str) -> None:
-    """Rename ``src`` to ``dst`` unless ``dst`` exists (then ``FileExistsError``).
+    """Rename ``src`` to ``dst`` unless ``dst`` exists (``FileExistsError``); OSError.
 
-    ``renameat2(RENAME_NOREPLACE)`` (glibc 2.28+, Linux 3.15+, tmpfs): a
-    name planted at ``dst`` (a directory, another user's file, a symlink)
-    is never replaced or followed. Where that call is missing or the file
-    system refuses the flag, ``link`` + ``unlink`` does the same (``link``
-    never replaces either; both names exist for a moment). Raises OSError.
+    ``renameat2(RENAME_NOREPLACE)`` (glibc 2.28+, Linux 3.15+): a name planted at
+    ``dst`` is never replaced or followed. Where that is missing or refused, ``link``
+    + ``unlink`` (``link`` never replaces; both names exist for a moment).
     """
     global _renameat2
     if _renameat2 is None:

@@ -1,16 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Hop 1, API server -> EngineCore: ``prompt_embeds`` as a handle in vLLM's msgpack.
 
-vLLM's ``MsgpackEncoder`` (``vllm/v1/serial_utils.py``, 0.32/0.33) offers
-every large tensor of a message to an out-of-band *consumer*, which may
-return metadata to send instead of the bytes; the EngineCore's decoder gives
-that metadata to an out-of-band *provider*, which returns the tensor.
-:class:`HandleOOBConsumer` takes only the request's ``prompt_embeds`` (the
-tensor it was *armed* with), copies it once into a segment (or hands over
-the segment a request body was written into) and sends the handle;
-:class:`HandleOOBProvider` adopts the segment (``transfer.adopt_tensor``: a
-``rename``, then ``mmap``, no copy). Prefix-cache digests computed in the
-API server ride along in the metadata (the ``digests`` extension).
+vLLM's ``MsgpackEncoder`` (``vllm/v1/serial_utils.py``, 0.32/0.33) offers every large
+tensor to an out-of-band *consumer*, which may return metadata to send instead; the
+EngineCore's decoder gives it to a *provider*, which returns the tensor.
+:class:`HandleOOBConsumer` copies the request's ``prompt_embeds`` once into a segment
+(or hands over a streamed one) and sends the handle, with any prefix-cache digests;
+:class:`HandleOOBProvider` adopts the segment (``rename``, ``mmap``, no copy).
 
 Duck-types vLLM's protocols; imports nothing of vLLM's classes or HTTP.
 """
@@ -38,7 +34,6 @@ from vllm._shm_embeds.lifetime.transfer import (
 )
 
 
-
 def _digests() -> Any:
     """The ``digests`` extension's module, or None without it (the EngineCore
     then hashes as stock vLLM does)."""
@@ -50,15 +45,11 @@ META_KEY = "shm_embeds"
 
 
 class HandleOOBConsumer:
-    """Sender side of hop 1: sends the *armed* tensor as a segment handle.
-
-    Duck-types the out-of-band tensor consumer of vLLM's ``MsgpackEncoder``
-    (``vllm/v1/serial_utils.py``, 0.32/0.33: ``__call__(tensor) -> dict | None``
-    and ``new_message()``). Only the tensor passed to :meth:`arm` (the
-    request's ``prompt_embeds``) is taken; every other tensor goes to
-    ``inner`` (e.g. vLLM's multimodal ``TensorIpcSender``) or inline.
-    Segments made for a message are remembered until :meth:`take_created`,
-    so that the caller can remove them if encoding or sending fails.
+    """Sender side of hop 1: sends the tensor passed to :meth:`arm` (the request's
+    ``prompt_embeds``) as a segment handle; every other tensor goes to ``inner`` (e.g.
+    vLLM's ``TensorIpcSender``) or inline. Duck-types ``MsgpackEncoder``'s consumer
+    (``__call__(tensor) -> dict | None``, ``new_message()``). Segments made for a message
+    are kept until :meth:`take_created`, so the caller can remove them on failure.
     """
 
     def __init__(self, inner: Any = None, block_tokens: int | None = None,
@@ -132,11 +123,9 @@ class HandleOOBConsumer:
             count_reason(Event.FALLBACK, reason, hop="1")
         return self.inner(tensor) if self.inner is not None else None
 
-
     def _copy(self, tensor: torch.Tensor) -> tuple[SharedTensorHandle, Any]:
-        """Copy ``tensor`` into a new segment, hashing its blocks meanwhile
-        (when prefix caching is on and no digests are attached yet); returns
-        the handle and the digests (or None). Raises OSError from the copy."""
+        """Copy ``tensor`` into a new segment, hashing its blocks meanwhile (prefix caching
+        on, no digests attached yet): the handle and digests (or None). Raises OSError."""
         hashing = None
         digests = _digests()
         if (self.block_tokens and digests is not None and tensor.dim() == 2
@@ -161,23 +150,19 @@ ADOPT_FAILED_MESSAGE = (
 
 
 class HandleOOBProvider:
-    """Receiver side of hop 1: adopts segments named in OOB tensor metadata.
-
-    Duck-types vLLM's ``OOBTensorProvider`` (``(dtype, shape, meta) ->
-    tensor``). Metadata without our key goes to ``inner``. A handle that cannot
-    be adopted yields an empty tensor that :func:`is_failed` recognizes, so the
-    caller can reject the request instead of crashing its input thread.
-    """
+    """Receiver side of hop 1: adopts segments named in OOB tensor metadata (duck-types
+    vLLM's ``OOBTensorProvider``: ``(dtype, shape, meta) -> tensor``); other metadata
+    goes to ``inner``. A handle not adopted yields an empty tensor :meth:`is_failed`
+    knows, so the caller rejects the request instead of crashing its input thread."""
 
     def __init__(self, inner: Any = None) -> None:
         self.inner = inner
         self._failed: dict[int, weakref.ref] = {}
 
     def __call__(self, dtype: str, shape: tuple[int, ...], meta: dict) -> torch.Tensor:
-        """The tensor for one out-of-band tensor's metadata. Runs on vLLM's
-        input-socket thread: never raises for metadata of ours (any error
-        gives a failed tensor, counted ``fallback`` ``adopt_failed`` on hop 1,
-        and the request is rejected); other metadata is ``inner``'s."""
+        """The tensor for one out-of-band tensor's metadata, on vLLM's input-socket thread:
+        never raises for ours (an error gives a failed tensor, counted ``fallback``
+        ``adopt_failed``, hop 1; the request is rejected); other metadata is ``inner``'s."""
         if not isinstance(meta, dict) or META_KEY not in meta:
             if self.inner is not None:
                 return self.inner(dtype, shape, meta)

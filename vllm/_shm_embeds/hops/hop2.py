@@ -2,17 +2,14 @@
 """Hop 2, EngineCore -> every TP worker: handles instead of tensors in the broadcast.
 
 Around the ``SchedulerOutput`` broadcast (``sites/multiproc_executor.py``),
-:func:`externalize_prompt_embeds` swaps each eligible ``NewRequestData.prompt_embeds``
-for a :class:`SharedTensorHandle` while the message is enqueued
-(:func:`restore_prompt_embeds` puts the tensors back); each worker maps them again
-with :func:`internalize_prompt_embeds` before its model runner sees the step.
-:func:`reader_plan` says what each kind of reader gets (local, later stage, other
-node); :func:`all_ranks_ok` and :class:`StageChain` make every rank end a step the
-same way when one rank could not map.
+:func:`externalize_prompt_embeds` swaps each eligible ``prompt_embeds`` for a handle
+while the message is enqueued (:func:`restore_prompt_embeds` puts it back); each worker
+maps it again (:func:`internalize_prompt_embeds`) before its model runner sees the
+step. :func:`reader_plan` says what each kind of reader gets; :func:`all_ranks_ok` and
+:class:`StageChain` make every rank end a step the same way when one could not map.
 
-Works on any objects with a ``prompt_embeds`` attribute; knows nothing of
-vLLM's classes or of HTTP.
-Design notes: docs/design.md, "Module notes".
+Works on any objects with a ``prompt_embeds`` attribute; knows nothing of vLLM's
+classes or of HTTP. Design notes: docs/design.md, "Module notes".
 """
 
 from __future__ import annotations
@@ -56,18 +53,12 @@ logger = init_logger(__name__)
 def externalize(tensor: torch.Tensor, readers: int) -> SharedTensorHandle:
     """Handle for ``tensor`` to broadcast to ``readers`` local readers (hop 2).
 
-    A tensor that already lives in a segment this process owns (adopted at
-    hop 1, or sent before and still linked) is sent without a copy; any other
-    tensor is copied once into a new segment. This broadcast gets reader
-    flags of its own, and the name is unlinked once all its readers (and
-    those of any other pending broadcast of it) have mapped it and the
-    request is done with ``tensor`` (``owned.OwnedSegments.collect``,
-    ``transfer.release_adopted``).
-
-    Raises:
-        OSError: a new segment could not be created; the caller keeps the
-            stock path.
-        ValueError: ``readers`` exceeds :data:`MAX_READERS`.
+    A tensor already in a segment this process owns is sent without a copy, any other
+    copied once into a new one. This broadcast gets reader flags of its own; the name
+    is unlinked once all readers of its broadcasts mapped it and the request is done
+    with ``tensor`` (``owned.OwnedSegments.collect``, ``transfer.release_adopted``).
+    Raises OSError (no new segment: the caller keeps the stock path) or ValueError
+    (``readers`` over :data:`MAX_READERS`).
     """
     if not 0 < readers <= MAX_READERS:
         raise ValueError(f"readers must be in 1..{MAX_READERS}, got {readers}")
@@ -104,14 +95,13 @@ class ReaderPlan:
     """What each reader of one engine's broadcast gets (hop 2).
 
     Attributes:
-        handle_readers: local readers on the first pipeline stage: they map
-            the handles, and each broadcast has flags for them alone.
-        local_later: local readers on later stages: they get the same
-            handles (one ring message for all local readers) and map nothing.
+        handle_readers: local first-stage readers: they map the handles; each
+            broadcast has flags for them alone.
+        local_later: local later-stage readers: the same handles (one ring message
+            for all local readers), mapped by none.
         remote: readers on other nodes (one socket, one message for all).
-        remote_bytes: True if some remote reader is on the first stage: the
-            remote readers get the tensor (:class:`InlineEmbeds`), else an
-            :class:`EmbedsPlaceholder`.
+        remote_bytes: some remote reader is on the first stage: the remote readers
+            get :class:`InlineEmbeds`, else an :class:`EmbedsPlaceholder`.
     """
 
     handle_readers: int
@@ -130,16 +120,13 @@ def reader_plan(first_stage: int, n_local: int, n_remote: int) -> ReaderPlan:
     """The :class:`ReaderPlan` of a broadcast queue.
 
     Args:
-        first_stage: ranks on the first pipeline stage (TP x PCP): ranks
-            ``[0, first_stage)`` (``rank = pp_rank * tp * pcp + ...``,
-            ``vllm/distributed/parallel_state.py`` 0.32).
-        n_local: local readers: ranks ``[0, n_local)`` (a local reader's
-            index is its rank: ``MessageQueue(world_size, local_world_size)``
-            in ``v1/executor/multiproc_executor.py`` 0.32).
+        first_stage: ranks ``[0, first_stage)``, the first pipeline stage (TP x PCP;
+            ``rank = pp_rank * tp * pcp + ...``, ``vllm/distributed/parallel_state.py`` 0.32).
+        n_local: local readers, ranks ``[0, n_local)`` (index = rank: ``MessageQueue(
+            world_size, local_world_size)``, ``v1/executor/multiproc_executor.py`` 0.32).
         n_remote: readers on other nodes (all other ranks).
     Raises:
-        ValueError: no local reader, or more first-stage readers than
-            :data:`MAX_READERS`.
+        ValueError: no local reader, or over :data:`MAX_READERS` first-stage readers.
     """
     if n_local < 1 or first_stage < 1 or n_remote < 0:
         raise ValueError(f"no reader plan for {first_stage=} {n_local=} {n_remote=}")
@@ -151,9 +138,8 @@ def reader_plan(first_stage: int, n_local: int, n_remote: int) -> ReaderPlan:
 
 
 def remote_form(tensor: torch.Tensor, plan: ReaderPlan) -> EmbedsPlaceholder | InlineEmbeds:
-    """What the remote readers of ``plan`` get instead of ``tensor``'s handle:
-    the bytes (over a ``transfer.send_view``: sent without a copy) or a
-    placeholder."""
+    """What ``plan``'s remote readers get instead of the handle: the bytes (over a
+    ``transfer.send_view``: no copy) or a placeholder."""
     if plan.remote_bytes:
         return InlineEmbeds(send_view(tensor))
     return EmbedsPlaceholder(dtype_name(tensor.dtype), tuple(tensor.shape))
@@ -177,21 +163,13 @@ def carries_embeds(new_reqs: Iterable[Any] | None) -> bool:
                for r in new_reqs or ())
 
 
-
 def externalize_prompt_embeds(
     new_reqs: Iterable[Any], readers: int
 ) -> list[tuple[Any, torch.Tensor]]:
-    """Swap each eligible ``prompt_embeds`` tensor on ``new_reqs`` for a handle.
-
-    ``new_reqs`` are objects with a ``prompt_embeds`` attribute (vLLM's
-    ``NewRequestData`` in ``SchedulerOutput.scheduled_new_reqs``). Ineligible
-    tensors, or any that cannot be placed in shared memory, stay in place
-    (stock path) and are counted as ``hop2_stock_*``.
-
-    Returns:
-        ``(obj, tensor)`` pairs to give to :func:`restore_prompt_embeds` once
-        the message has been serialized.
-    """
+    """Swap each eligible ``prompt_embeds`` tensor on ``new_reqs`` (e.g. vLLM's
+    ``NewRequestData`` of ``SchedulerOutput.scheduled_new_reqs``) for a handle; the
+    others stay (stock path, counted ``hop2_stock_*``). Returns ``(obj, tensor)`` pairs
+    for :func:`restore_prompt_embeds` once the message is serialized."""
     swapped: list[tuple[Any, torch.Tensor]] = []
     for req in new_reqs:
         tensor = getattr(req, "prompt_embeds", None)
@@ -218,13 +196,9 @@ def externalize_prompt_embeds(
 
 
 def send_views(new_reqs: Iterable[Any]) -> list[tuple[Any, torch.Tensor]]:
-    """Swap each ``prompt_embeds`` tensor left on ``new_reqs`` that a mapping
-    of ours holds (hop 2 stock for it) for its ``transfer.send_view``, so that
-    its pages stay while vLLM's zero-copy send reads them.
-
-    Returns:
-        ``(obj, tensor)`` pairs for :func:`restore_prompt_embeds`.
-    """
+    """Swap each ``prompt_embeds`` tensor left on ``new_reqs`` (hop 2 stock) that a
+    mapping of ours holds for its ``transfer.send_view``, so its pages stay while vLLM's
+    zero-copy send reads them; ``(obj, tensor)`` pairs for :func:`restore_prompt_embeds`."""
     swapped: list[tuple[Any, torch.Tensor]] = []
     for req in new_reqs:
         tensor = getattr(req, "prompt_embeds", None)
@@ -244,21 +218,16 @@ def restore_prompt_embeds(swapped: list[tuple[Any, torch.Tensor]]) -> None:
 
 def internalize_prompt_embeds(new_reqs: Iterable[Any], reader_index: int | None,
                               first_stage: bool = True) -> int:
-    """Replace each of our forms in ``new_reqs[i].prompt_embeds`` by a tensor.
-
-    Runs in each worker before the model runner sees the step. On the first
-    pipeline stage (``first_stage``) a :class:`SharedTensorHandle` is mapped
-    and an :class:`InlineEmbeds` unwrapped; on a later stage every form
-    becomes :func:`handle.placeholder_tensor` of its dtype and shape, and
-    nothing is mapped or flagged (counted ``hop2_placeholder_tensors``).
-    Every form is tried; returns the number of tensors mapped.
+    """Replace each of our forms in ``new_reqs[i].prompt_embeds`` by a tensor, in each
+    worker before the model runner sees the step; returns the number mapped. On the
+    first stage a handle is mapped and :class:`InlineEmbeds` unwrapped; on a later one
+    every form becomes :func:`handle.placeholder_tensor` (nothing mapped or flagged;
+    counted ``hop2_placeholder_tensors``).
 
     Raises:
-        ShmEmbedsError: a segment could not be mapped, a handle names a
-            reader index beyond its broadcast's readers, or a first-stage
-            reader got an :class:`EmbedsPlaceholder` (the first error); the
-            other handles were still mapped and flagged, so the owner's
-            bookkeeping stays consistent.
+        ShmEmbedsError: the first error (a segment not mapped, a reader index beyond
+            the broadcast's readers, a placeholder on the first stage); every form is
+            still tried, so the owner's books stay consistent.
     """
     n = placeholders = 0
     first: ShmEmbedsError | None = None
@@ -299,12 +268,8 @@ def internalize_prompt_embeds(new_reqs: Iterable[Any], reader_index: int | None,
 
 
 def internalize(handle: SharedTensorHandle, reader_index: int | None = None) -> torch.Tensor:
-    """The tensor a hop-2 handle names, mapped read-only, no copy (the public
-    reader side of :func:`externalize`; ``transfer.open_tensor``).
-
-    Raises:
-        ShmEmbedsError: the segment is gone, or does not match the handle.
-    """
+    """The tensor a hop-2 handle names, mapped read-only, no copy (the public reader side
+    of :func:`externalize`). Raises ShmEmbedsError: the segment is gone or mismatched."""
     return open_tensor(handle, reader_index)
 
 
@@ -316,20 +281,13 @@ STAGE_TAG = 0x53484D45
 class StageChain:
     """Carries each embeds step's outcome down the pipeline stages (hop 2).
 
-    Each stage's ranks agree among themselves first (:func:`all_ranks_ok`
-    over TP and PCP, groups within one stage). Then a later stage waits for
-    the outcome of the stage before it (``recv`` from ``prev_rank``), which
-    it would wait for anyway: that stage's intermediate tensors of the same
-    step come after it. A stage never waits for a later one: it sends its
-    outcome with ``isend`` and goes on. So the first stage starts step N
-    while the last is still in N-1, as in stock; a rank that could not map
-    still ends the step the same way on every rank of every stage.
-
-    ``pp`` is vLLM's PP ``GroupCoordinator`` (``world_size``,
-    ``is_first_rank``, ``is_last_rank``, ``prev_rank``, ``next_rank``
-    (global ranks), ``cpu_group``: ``vllm/distributed/parallel_state.py``
-    0.32/0.33). Every rank calls :meth:`agree` once per step carrying
-    embeds, in the same order.
+    Each stage agrees within itself first (:func:`all_ranks_ok`); a later stage then
+    waits for the one before it (``recv``; it waits for its intermediate tensors anyway)
+    and sends on with ``isend``, never waiting for a later stage, so the first stage
+    may start step N while the last is in N-1, as in stock. ``pp``: vLLM's PP
+    ``GroupCoordinator`` (``world_size``, ``is_first_rank``, ``is_last_rank``,
+    ``prev_rank``, ``next_rank``, ``cpu_group``; ``vllm/distributed/parallel_state.py``
+    0.32/0.33). Every rank calls :meth:`agree` once per embeds step, in the same order.
     """
 
     def __init__(self) -> None:
@@ -355,13 +313,10 @@ class StageChain:
 
 
 def all_ranks_ok(ok: bool, groups: Iterable[Any]) -> bool:
-    """True if every rank of every group in ``groups`` says ``ok``.
-
-    One ``all_reduce`` of a flag per group (vLLM's ``GroupCoordinator``
-    objects: ``world_size`` and ``cpu_group``, ``vllm/distributed/
-    parallel_state.py`` 0.32/0.33); groups of one rank are skipped. Every
-    rank must call it in the same order (once per step carrying handles).
-    """
+    """True if every rank of every group in ``groups`` says ``ok``: one ``all_reduce``
+    per group of more than one rank (vLLM's ``GroupCoordinator``: ``world_size``,
+    ``cpu_group``, ``vllm/distributed/parallel_state.py`` 0.32/0.33). Every rank calls
+    it in the same order (once per step carrying handles)."""
     import torch.distributed as dist
 
     flag = torch.tensor([0 if ok else 1], dtype=torch.int32)

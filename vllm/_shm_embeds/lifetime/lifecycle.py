@@ -1,15 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """The lifecycle of a segment this process owns: kinds, states, transitions.
 
-Every segment in ``owned.OwnedSegments``'s index has a :class:`Kind` (how it came
-to this process) and a :class:`State` (``HELD``, ``BROADCAST``, ``FREED``,
-``MAPPED``, ``DRAINING``, ``GONE``); it moves between states only by the events of
-:data:`TRANSITIONS`, each named as the ``OwnedSegments`` method that makes it (the
-same word in ``lifetime/transfer.py``), or, for what happens to a segment rather
-than by a call (:data:`OBSERVED`), as what the books see at a safe point.
-
-An event not in the table is a bug of ours: :func:`check` logs it and refuses the
-move, or raises :class:`IllegalTransition` with ``VLLM_SHM_EMBEDS_STRICT`` on.
+Every segment in ``owned.OwnedSegments``'s index has a :class:`Kind` and a
+:class:`State`; it moves only by the events of :data:`TRANSITIONS` (``OwnedSegments``
+methods, the same words in ``lifetime/transfer.py``, or :data:`OBSERVED` ones). An
+event not in the table is a bug of ours: :func:`check` logs and refuses it, or raises
+:class:`IllegalTransition` with ``VLLM_SHM_EMBEDS_STRICT`` on.
 
 Knows segments, not vLLM and not HTTP.
 Design notes: docs/design.md, "Module notes" (the state diagram).
@@ -71,16 +67,14 @@ class StorageDied(NamedTuple):
 
 
 class SourceDied(NamedTuple):
-    """Finalizer record: the tensor a hop-2 copy was made from was freed
-    (``ptr``: its data address, a key of the index)."""
+    """Finalizer record: a hop-2 copy's source tensor (data address ``ptr``) was freed."""
 
     name: str
     ptr: int
 
 
 class SendDone(NamedTuple):
-    """Finalizer record: a zero-copy send of a mapped segment's bytes is done
-    (the storage of its ``send_view`` was freed)."""
+    """Finalizer record: a zero-copy send of a segment's bytes is done (``send_view`` freed)."""
 
     name: str
 
@@ -108,16 +102,14 @@ OBSERVED = frozenset({
     "sent",  # the last zero-copy send of its bytes is done (a finalizer's record)
 })
 
-# The only moves a segment makes. Events are ``OwnedSegments`` methods, or
-# :data:`OBSERVED`.
+# The only moves a segment makes (events: ``OwnedSegments`` methods, or OBSERVED).
 TRANSITIONS: tuple[Transition, ...] = (
     _row("own", None, {HELD}, ALL),
     _row("broadcast", HELD, {BROADCAST}, SENT),
     _row("broadcast", BROADCAST, {BROADCAST}, SENT),
     # (vLLM freed the request on another thread since hop 2 looked it up)
     _row("broadcast", FREED, {FREED}, SENT),
-    # the readers are done: still in use, unlinked (pages still mapped here
-    # when nothing tells the end of the request), or gone
+    # readers done: still in use, unlinked (pages mapped here if nothing tells the end), gone
     _row("settle", BROADCAST, {HELD, MAPPED, GONE}, SENT),
     _row("settle", FREED, {GONE, DRAINING}, SENT),
     # another process removed the name before hop 2 could reuse it
@@ -144,22 +136,19 @@ _ALLOWED: dict[tuple[str, State | None], Transition] = {
 
 
 def allowed(kind: Kind, event: str, source: State | None, to: State) -> bool:
-    """True if :data:`TRANSITIONS` lets ``event`` move a ``kind`` segment
-    from ``source`` to ``to``."""
+    """True if :data:`TRANSITIONS` lets ``event`` move a ``kind`` segment ``source`` -> ``to``."""
     t = _ALLOWED.get((event, source))
     return t is not None and to in t.to and kind in t.kinds
 
 
 def strict() -> bool:
-    """``VLLM_SHM_EMBEDS_STRICT``: raise on an illegal transition instead of
-    logging and refusing it (default off; tests/conftest.py turns it on)."""
+    """``VLLM_SHM_EMBEDS_STRICT``: raise on an illegal transition (tests/conftest.py sets it)."""
     return config.strict()
 
 
 def check(kind: Kind, event: str, source: State | None, to: State, name: str = "") -> bool:
-    """Whether the move is allowed; if not, raise :class:`IllegalTransition`
-    when :func:`strict`, else log it and return False (the caller refuses the move).
-    """
+    """Whether the move is allowed; if not, raise :class:`IllegalTransition` when
+    :func:`strict`, else log it and return False (the caller refuses the move)."""
     if allowed(kind, event, source, to):
         return True
     what = (f"illegal segment transition {event}: {source and source.name} -> {to.name} "
@@ -177,20 +166,18 @@ class OwnedSegment:
     Attributes:
         handle: its base handle (no broadcast fields).
         mm: a mapping whose first page is the header (reader flags).
-        kind: how it came here (``lifecycle.Kind``).
-        key: its address in the index: the data address of the tensor that
-            maps it here, or of the tensor a copy was made from.
-        state: where it is in its life (``lifecycle.State``).
-        data_ptr: address of the data in this process's mapping of it, while
-            a tensor maps it here; else None (a copy, or its storage died).
+        kind, state: how it came here; where it is in its life.
+        key: its address in the index: the data address of the tensor that maps
+            it here, or of the tensor a copy was made from.
+        data_ptr: its data's address here while a tensor maps it, else None.
         source: the tensor that was copied into it (copies), else None.
-        fds: the files, held open while broadcasts are pending (a
-            held file's for as long as the name: its memfd has no name).
-        broadcasts: ``(flag_base, readers)`` of broadcasts whose readers have
-            not all set their flags (non-empty in ``BROADCAST`` and ``FREED``).
+        fds: its files, open while broadcasts are pending (a held file's as long
+            as the name: its memfd has no name).
+        broadcasts: ``(flag_base, readers)`` of broadcasts not all flagged
+            (non-empty in ``BROADCAST`` and ``FREED``).
         next_flag: first unused flag byte.
-        sends: zero-copy sends of its bytes not done yet (live
-            ``send_view`` storages); its pages are not dropped while > 0.
+        sends: zero-copy sends not done (live ``send_view`` storages); its pages
+            stay while > 0.
     """
 
     handle: SharedTensorHandle
@@ -206,15 +193,13 @@ class OwnedSegment:
     sends: int = 0
 
     def maps(self, tensor: torch.Tensor) -> bool:
-        """True if ``tensor`` is exactly this segment's mapping here (same
-        address, dtype and shape)."""
+        """True if ``tensor`` is exactly this segment's mapping (address, dtype, shape)."""
         return (self.data_ptr == tensor.data_ptr() and tensor.dtype == self.handle.torch_dtype
                 and tuple(tensor.shape) == self.handle.shape)
 
     def in_use(self, release_known: bool) -> bool:
-        """True while the request still uses the segment here: its tensor
-        (mapped here) or the tensor it copies (hop 2) is alive and vLLM has
-        not freed the request (``release_known``: something tells when)."""
+        """True while the request uses it here: its tensor, or the one it copies, is
+        alive and vLLM has not freed the request (``release_known``: something tells)."""
         if self.state is FREED or not release_known:
             return False
         return self.data_ptr is not None or (self.source is not None
@@ -232,13 +217,10 @@ class OwnedSegment:
 
 
 class Index:
-    """The one index of a process's segments: every one not ``GONE`` by name,
-    and those in the books (not ``MAPPED``) also by :attr:`OwnedSegment.key`.
-
-    Only :meth:`move` changes a state, checked against
-    ``lifecycle.TRANSITIONS``; it keeps both maps in step. Lock held by the
-    caller (``OwnedSegments._lock``) for every method.
-    """
+    """The one index of a process's segments: every one not ``GONE`` by name, those in
+    the books (not ``MAPPED``) also by key. Only :meth:`move` changes a state (checked
+    against the table), keeping both maps in step; the caller holds
+    ``OwnedSegments._lock``."""
 
     def __init__(self) -> None:
         self._names: dict[str, OwnedSegment] = {}
@@ -268,9 +250,8 @@ class Index:
         return [e for e in self._names.values() if e.state not in (MAPPED, DRAINING)]
 
     def containing(self, tensor: torch.Tensor) -> OwnedSegment | None:
-        """The segment whose mapping here holds all of ``tensor``'s storage
-        (a tensor maps it here and its request is not done), if any: the one
-        keyed at its address first (a request's own tensor), else a scan."""
+        """The segment whose mapping here holds all of ``tensor``'s storage (mapped,
+        request not done), if any: the one keyed at its address first, else a scan."""
         def holds(e: OwnedSegment | None) -> bool:
             return (e is not None and e.data_ptr is not None and e.mm is not None
                     and e.state not in (DRAINING, GONE) and seg.within(e.mm, tensor))
@@ -286,8 +267,7 @@ class Index:
                      if e.state is MAPPED and e.maps(tensor)), None)
 
     def move(self, entry: OwnedSegment, event: str, to: State) -> bool:
-        """Make ``event`` move ``entry`` to ``to`` if the table allows it
-        (else False: refused, see ``lifecycle.check``)."""
+        """Make ``event`` move ``entry`` to ``to`` if the table allows it (else False)."""
         name = entry.handle.name
         if not check(entry.kind, event, entry.state, to, name):
             return False

@@ -1,13 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The books of the segments one process owns, and when their names may go.
 
-A name stays for as long as the segment's pages are in use by a request: until
-every reader of every broadcast of it has set its flag *and* the request is done
-with it here (:meth:`OwnedSegments.release_adopted`). Bookkeeping happens under a
-lock in ordinary code; finalizers only record (:func:`on_release`), and the work is
-done at the next safe point (:meth:`OwnedSegments.collect`). Each segment's kind
-and state and the moves allowed are ``lifetime/lifecycle.py``'s; every public verb
-here is one event of ``lifecycle.TRANSITIONS``.
+A name stays until every reader of every broadcast set its flag *and* the request is
+done with it here. Bookkeeping is under a lock in ordinary code; finalizers only record
+(:func:`on_release`), the work is done at the next safe point (``collect``).
 
 Knows segments and handles, not vLLM and not HTTP.
 Design notes: docs/design.md, "Module notes".
@@ -57,23 +53,17 @@ class ProcessState(Protocol):
 
     pid: int
     released: collections.deque
-    # Whether something tells the books when a request is freed
-    # (:meth:`OwnedSegments.release_adopted`, from vLLM's ``Scheduler._free_request``
-    # in ``sites/scheduler.py``). Without it a name goes once every reader
-    # mapped it, as it is unknown when the request ends.
+    # Whether something tells the books when a request is freed (``release_adopted``,
+    # from ``Scheduler._free_request``); else a name goes once every reader mapped it.
     release_known: bool
 
     def owns_name(self, name: SegmentName) -> bool: ...
 
 
 def on_release(state: ProcessState, record: StorageDied | SourceDied | SendDone) -> None:
-    """Finalizer: record that a tracked object died. Only records.
-
-    Runs from garbage collection, on whatever thread dropped the last
-    reference, possibly inside one of our locks: it must take no lock and
-    do no I/O. ``deque.append`` is atomic. In a forked child the state is
-    not the child's, so nothing is recorded there.
-    """
+    """Finalizer: record that a tracked object died. Runs from GC on any thread, maybe
+    inside one of our locks: no lock, no I/O (``deque.append`` is atomic). Records
+    nothing in a forked child (the state is not the child's)."""
     if state.pid == os.getpid():
         state.released.append(record)
 
@@ -90,23 +80,16 @@ def _settles(verb: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class OwnedSegments:
-    """Segments this process owns, and when to unlink their names.
-
-    A name is unlinked once no broadcast of it is pending (every reader set
-    its flag) and the request no longer uses it here (:meth:`OwnedSegment.in_use`):
-    so a name is linked for as long as a request holds the pages, and the
-    budget can count them by name. All bookkeeping happens under ``_lock``
-    in ordinary code; finalizers only queue (:func:`on_release`). Each
-    public verb is one event of ``lifecycle.TRANSITIONS``.
-    """
+    """Segments this process owns; a name is unlinked once no broadcast of it is
+    pending and the request no longer uses it here (:meth:`OwnedSegment.in_use`), so
+    the budget can count the pages requests hold by name."""
 
     def __init__(self, state: ProcessState) -> None:
         self._state = state
         self._index = Index()
         self._lock = threading.Lock()
-        # Held by each verb that moves segments to ``GONE`` across its unlink
-        # (taken before ``_lock``): a verb that returns has seen every unlink
-        # of those moves done, also of one the reaper thread made meanwhile.
+        # Held by each verb that moves segments to ``GONE`` across its unlink (before
+        # ``_lock``): a verb returns only once every such unlink is done, the reaper's too.
         self._settling = threading.RLock()
         # Files a request body is being written into (``streamed.StreamedFile``).
         self._streams: set = set()
@@ -117,14 +100,10 @@ class OwnedSegments:
 
     def own(self, kind: Kind, handle: SharedTensorHandle, mm: mmap.mmap,
             tensor: torch.Tensor, anchor: Any = None, fds: list[int] | None = None) -> None:
-        """Own a segment: ``HELD`` until released, or until its tensor dies.
-
-        ``tensor``: the tensor that maps it here (``anchor``: the buffer
-        object its storage keeps alive, ``segment.tensor_view``), or for a
-        ``COPY`` the tensor copied into it (only its header is mapped here).
-        ``fds``: its files, held open from now on (a held file's memfd can be
-        opened only by fd; a copy's until its broadcasts settle).
-        """
+        """Own a segment: ``HELD`` until released, or until its tensor dies. ``tensor``
+        maps it here (``anchor``: the buffer its storage keeps alive), or for a ``COPY``
+        is the tensor copied into it (only the header is mapped here). ``fds``: its files,
+        held open (a held file's memfd opens only by fd; a copy's until it settles)."""
         name = handle.name
         ptr = tensor.data_ptr()
         if kind is Kind.COPY:
@@ -140,8 +119,7 @@ class OwnedSegments:
     # -- safe points
 
     def _apply_records(self) -> list[OwnedSegment]:
-        """Apply the finalizers' records (event ``die``); return the
-        segments to unlink (lock held)."""
+        """Apply the finalizers' records (event ``die``); the segments to unlink (lock held)."""
         gone = []
         index, records = self._index, self._state.released
         while records:
@@ -184,8 +162,7 @@ class OwnedSegments:
             count(Event.SEGMENTS_UNLINKED, n)
 
     def _unlink_one(self, entry: OwnedSegment) -> bool:
-        """Unlink ``entry``'s files; the budget's census learns it at once. True
-        if file 0 was still there."""
+        """Unlink ``entry``'s files (the census learns it); True if file 0 was there."""
         try:
             directory = shm_dir()
         except OSError:  # the directory is gone (removed by someone), its files with it
@@ -196,8 +173,7 @@ class OwnedSegments:
         return gone
 
     def _drop(self, entry: OwnedSegment) -> bool:
-        """Drop this process's pages of ``entry``'s mapping (lock not held);
-        False if they could not be dropped (they then go with the tensor)."""
+        """Drop our pages of ``entry`` (lock not held); False: they go with the tensor."""
         try:
             seg.drop_pages(entry.mm)
         except OSError as e:
@@ -206,14 +182,12 @@ class OwnedSegments:
         return True
 
     def _finish(self, entry: OwnedSegment) -> State:
-        """Where a request's end takes ``entry``, whose pages would be dropped:
-        ``GONE``, or ``DRAINING`` while a zero-copy send may still read them."""
+        """A request's end: ``GONE``, or ``DRAINING`` while a zero-copy send may read it."""
         return DRAINING if entry.sends else GONE
 
     def _drop_drained(self) -> None:
-        """Drop the pages of segments whose last send is done (lock not held);
-        the EngineCore's count as ``engine_pages_released`` (a request body's
-        segment in the API server does not, as ``release_streamed`` counts none)."""
+        """Drop the pages of segments whose last send is done (lock not held); counted
+        ``engine_pages_released`` except a streamed one (``release_streamed`` counts none)."""
         with self._lock:
             drained, self._drained = self._drained, []
         for entry in drained:
@@ -265,20 +239,11 @@ class OwnedSegments:
     # -- zero-copy sends
 
     def send_view(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """``tensor`` for a message vLLM may send without a copy, or None if
-        no mapping of this process's books holds it.
-
-        vLLM sends large tensors as ZMQ frames with ``copy=False``
-        (``MessageQueue.enqueue``, ``vllm/distributed/device_communicators/
-        shm_broadcast.py``; ``_send_input``, ``vllm/v1/engine/core_client.py``,
-        0.32): ZMQ reads the memory after the call returns, for as long as the
-        peer does not read, and the frame keeps the tensor's storage alive.
-        Alive is not enough here: at a request's end this process's pages of
-        its mapping are replaced by zero pages (``segment.drop_pages``). The
-        view returned has the same pages, dtype, shape and strides and a
-        storage of its own; until that storage is freed (the frames sent and
-        released), the segment's pages stay: a request freed meanwhile goes
-        ``DRAINING``, and the pages go at the first safe point after the send.
+        """``tensor`` for a message vLLM may send without a copy, or None if no mapping of
+        these books holds it: a view (same pages, dtype, shape, strides) with a storage
+        of its own; until that is freed (the frames sent), the pages stay (a request freed
+        meanwhile goes ``DRAINING``). vLLM's ``copy=False`` frames: ``MessageQueue.enqueue``
+        (``shm_broadcast.py``), ``_send_input`` (``v1/engine/core_client.py``), 0.32.
         """
         with self._lock:
             entry = self._index.containing(tensor)
@@ -312,12 +277,9 @@ class OwnedSegments:
 
     @_settles
     def broadcast(self, entry: OwnedSegment, readers: int) -> SharedTensorHandle | None:
-        """Reserve flags and hold the files for one more broadcast of ``entry``.
-
-        Returns the handle to send, or None if the segment cannot be reused
-        (its name vanished: event ``vanish``, or its flag bytes are used up):
-        the caller copies.
-        """
+        """Reserve flags and hold the files for one more broadcast of ``entry``: the
+        handle to send, or None if the segment cannot be reused (its name vanished:
+        event ``vanish``, or its flags are used up): the caller copies."""
         with self._lock:
             if (self._index.get(entry.handle.name) is not entry or entry.state is MAPPED
                     or entry.next_flag + readers > MAX_READERS):
@@ -378,20 +340,16 @@ class OwnedSegments:
 
     @_settles
     def release_adopted(self, tensor: torch.Tensor) -> bool:
-        """The EngineCore is done with ``tensor`` (vLLM freed its request):
-        unlink the name of the segment it adopted at hop 1, or of the hop-2
-        copy made from it, and drop this process's pages of an adopted one
-        (the TP workers have mappings of their own, dropped at their next
-        step). While a broadcast of it is pending (its readers' flags live in
-        the mapping) both happen at the safe point after the readers are
-        done (:meth:`collect`: ``FREED``). True if pages were dropped here now."""
+        """The EngineCore is done with ``tensor`` (vLLM freed its request): unlink its
+        adopted segment's name or its hop-2 copy's, and drop this process's pages of an
+        adopted one; with a broadcast pending (its flags are in the mapping), both at the
+        safe point after its readers (:meth:`collect`: ``FREED``). True if dropped now."""
         adopted: list[OwnedSegment] = []
         copies: list[OwnedSegment] = []
         with self._lock:
             gone = self._apply_records()  # (sends done by now: no DRAINING for them)
-            # Every segment of it: the adopted one, and copies (made when its
-            # flags ran out or its name vanished, which left it ``MAPPED``);
-            # a scan of the running requests' segments.
+            # Every segment of it: the adopted one and copies (made when its flags ran
+            # out or its name vanished, leaving it ``MAPPED``); a scan of running ones.
             for entry in self._index.linked():
                 copy = (entry.kind is Kind.COPY and entry.source is not None
                         and entry.source() is tensor)
@@ -419,14 +377,10 @@ class OwnedSegments:
 
     @_settles
     def release_streamed(self, tensor: torch.Tensor) -> bool:
-        """This process is done with ``tensor``, a streamed segment (its request ended).
-
-        Unlinks the segment now if it was not handed over, and drops this
-        process's pages of it either way (``segment.drop_pages``: the tensor
-        stays valid and reads zeros), so that the memory comes back as soon
-        as the peer that took it lets go, whatever here still holds the
-        tensor object. Returns True if ``tensor`` was such a segment.
-        """
+        """This process is done with ``tensor``, a streamed segment (its request ended):
+        unlink it if not handed over, and drop its pages here either way (the tensor
+        reads zeros), so the memory is back once the peer lets go, whatever holds the
+        tensor object. True if ``tensor`` was such a segment."""
         with self._lock:
             gone = self._apply_records()  # (sends done by now: no DRAINING for them)
             entry = self._streamed(tensor)
@@ -458,9 +412,8 @@ class OwnedSegments:
             self._streams.discard(f)
 
     def pending_stream_bytes(self) -> int:
-        """Bytes this process's bodies still arriving were granted by the budget
-        and have not written yet (``streamed.StreamedSegment``: a bounded
-        look-ahead each, not their whole size)."""
+        """Bytes this process's bodies still arriving were granted by the budget and
+        have not written yet (a bounded look-ahead each: ``streamed.StreamedSegment``)."""
         with self._lock:
             return sum(max(0, f.reserved - f.filled) for f in self._streams)
 
@@ -479,9 +432,8 @@ class OwnedSegments:
 
     @_settles
     def unlink_all(self) -> int:
-        """Unlink every name this process still owns (shutdown: every segment
-        goes ``GONE``), also un-adopted hop-1 segments it created. Returns
-        how many segments went."""
+        """Unlink every name this process still owns (shutdown: all go ``GONE``), also
+        un-adopted hop-1 segments it created; how many segments went."""
         with self._lock:
             gone = self._index.linked()  # MAPPED ones were unlinked already
             for entry in self._index.all():

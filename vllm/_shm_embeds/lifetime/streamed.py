@@ -1,15 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Streamed segments: tensors written from a byte stream (a request body),
-handed over at hop 1 by handle.
+"""Streamed segments: tensors written from a byte stream (a request body), handed over
+at hop 1 by handle.
 
-:class:`StreamedFile` is the file I/O (created empty at its final size,
-filled in order with ``pwrite``, then mapped; ``files/segment.py``'s helpers);
-:class:`StreamedSegment` adds ownership and the budget: a name of this
-process, the books of ``lifetime/owned.py``, a grant renewed as it fills. Then
-:func:`hand_over` (hop 1 sender, no copy) or :func:`release_streamed`
-(the request ended).
+:class:`StreamedFile` is the file I/O; :class:`StreamedSegment` adds a name of this
+process, the books of ``lifetime/owned.py`` and the budget (a grant renewed as it
+fills). Then :func:`hand_over` (hop 1 sender, no copy) or :func:`release_streamed`.
 
 Knows segments and ownership, not vLLM and not HTTP.
+Design notes: docs/design.md, "Module notes".
 """
 
 from __future__ import annotations
@@ -31,26 +29,18 @@ from vllm._shm_embeds.lifetime.lifecycle import Kind
 
 
 class StreamedFile:
-    """A one-file segment created empty at its final size and filled in order.
-
-    ``ftruncate`` first (no memory is used until bytes arrive), then
-    :meth:`write` appends with ``pwrite`` (one kernel copy from the caller's
-    buffer into the tmpfs pages; ENOSPC is an ``OSError``, never a SIGBUS).
-    :meth:`finish` maps it; :meth:`abort` closes and unlinks it.
-
-    Args:
-        directory: the segment directory.
-        handle: name, dtype and shape of the segment (one file, no split).
-    Raises:
-        OSError: the file could not be created or sized (nothing is left).
+    """A one-file segment (``handle``: no split) created empty at its final size
+    (``ftruncate``: no memory used until bytes arrive) and filled in order by
+    ``pwrite`` (one kernel copy; ENOSPC is an ``OSError``, never a SIGBUS); :meth:`finish`
+    maps it, :meth:`abort` unlinks it. Raises OSError if the file could not be created
+    or sized (nothing is left).
     """
 
     def __init__(self, directory: str, handle: SharedTensorHandle) -> None:
         self.handle = handle
         self.nbytes = handle.nbytes
         self.filled = 0
-        # Bytes the segment budget granted this file so far (its owner,
-        # :class:`StreamedSegment`, renews it as the file fills).
+        # Bytes the budget granted so far (its owner, StreamedSegment, renews it as it fills).
         self.reserved = 0
         self._path = os.path.join(directory, handle.name)
         self._fd: int | None = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -66,13 +56,8 @@ class StreamedFile:
         return self._fd is not None
 
     def write(self, data: bytes | memoryview) -> None:
-        """Append ``data`` (at most the bytes still missing).
-
-        Raises:
-            ShmEmbedsError: already finished or aborted.
-            ValueError: more bytes than the segment holds.
-            OSError: e.g. ENOSPC (the caller aborts).
-        """
+        """Append ``data`` (at most the bytes still missing). Raises ShmEmbedsError
+        (finished or aborted), ValueError (too many bytes), OSError (e.g. ENOSPC)."""
         if self._fd is None:
             raise ShmEmbedsError("segment already finished or aborted")
         if self.filled + len(data) > self.nbytes:
@@ -85,13 +70,8 @@ class StreamedFile:
         self.filled = self.nbytes
 
     def finish(self, writable: bool) -> mmap.mmap:
-        """Map the filled file and close it; the file stays linked.
-
-        Raises:
-            ShmEmbedsError: already closed, or not every byte was written.
-            OSError: the mapping failed.
-            On an error the file stays as it was: the caller aborts.
-        """
+        """Map the filled file and close it (it stays linked). Raises ShmEmbedsError (closed,
+        or not every byte written) or OSError (mapping); the file is then as it was."""
         if self._fd is None or self.filled != self.nbytes:
             raise ShmEmbedsError(f"segment holds {self.filled} of {self.nbytes} bytes")
         mm = map_files([self._fd], [HEADER_BYTES + self.nbytes],
@@ -102,10 +82,7 @@ class StreamedFile:
 
     def read_back(self, out: memoryview) -> None:
         """Copy the bytes written so far into ``out`` (at least :attr:`filled` bytes).
-
-        Raises:
-            ShmEmbedsError: already finished or aborted; OSError: the read failed.
-        """
+        Raises ShmEmbedsError (finished or aborted) or OSError (the read failed)."""
         if self._fd is None:
             raise ShmEmbedsError("segment already finished or aborted")
         done = 0
@@ -127,31 +104,19 @@ STREAM_GRANT_BYTES = 64 << 20  # budget a body still arriving holds beyond what 
 
 
 class StreamedSegment:
-    """A one-file segment that a request body is written into, chunk by chunk.
+    """A one-file segment a request body is written into, chunk by chunk: ``shape``
+    (e.g. ``(num_tokens, hidden_size)``) of ``dtype``, validated by the caller first.
 
-    The file I/O is :class:`StreamedFile`'s; this adds ownership: the
-    segment gets a name of this process, :meth:`finish` maps it and returns
-    the tensor, and the segment stays owned here until :func:`hand_over`
-    passes it to a peer (hop 1, by handle, no copy). It is unlinked when the
-    tensor's storage is freed before that (next safe point), by
-    :func:`release_streamed`, or by :meth:`abort`. The caller must have
-    validated ``shape`` and ``dtype`` against its own limits first.
+    :meth:`finish` maps it and returns the tensor, owned here until :func:`hand_over`
+    passes it on (hop 1, no copy); unlinked if its storage dies first, by
+    :func:`release_streamed`, or by :meth:`abort`.
 
-    Budget (``transfer.check_budget``): the whole size must fit when the segment
-    is made, but it is charged by what it has written plus a grant of at
-    most :data:`STREAM_GRANT_BYTES` ahead, renewed as it fills: a slow
-    upload does not hold budget for bytes it has not sent. When a renewal
-    does not fit (other segments took the room meanwhile), :meth:`write`
-    raises ``segment.BudgetExceeded`` (an ``OSError``) and writes nothing;
-    the caller goes on the stock way (the binary path reads the bytes
-    back into private memory; the JSON path gives vLLM the body) and aborts
-    this segment: nothing is left.
-
-    Args:
-        dtype: element type of the bytes that will be written.
-        shape: tensor shape, e.g. ``(num_tokens, hidden_size)``.
-    Raises:
-        OSError: the file could not be created or sized (nothing is left).
+    Budget (``transfer.check_budget``): the whole size must fit at creation; it is
+    charged by what it wrote plus a grant of up to :data:`STREAM_GRANT_BYTES` ahead,
+    renewed as it fills. A renewal that does not fit makes :meth:`write` raise
+    ``segment.BudgetExceeded`` (writing nothing); the caller goes the stock way and
+    aborts this segment. Raises OSError if the file could not be created or sized
+    (nothing is left).
     """
 
     def __init__(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
@@ -171,12 +136,8 @@ class StreamedSegment:
         return self._file.filled
 
     def write(self, data: bytes | memoryview) -> None:
-        """Append ``data`` (see :meth:`StreamedFile.write` for the errors).
-
-        Raises:
-            segment.BudgetExceeded: the next grant does not fit the budget
-                (nothing written; see the class docstring).
-        """
+        """Append ``data`` (errors: :meth:`StreamedFile.write`); raises
+        ``segment.BudgetExceeded`` if the next grant does not fit (nothing written)."""
         f = self._file
         end = f.filled + len(data)
         if end > f.reserved and f.open:
@@ -191,14 +152,9 @@ class StreamedSegment:
         self._file.read_back(out)
 
     def finish(self, writable: bool = True) -> torch.Tensor:
-        """Map the filled segment; returns the segment-backed tensor.
-
-        Counts the bytes written as ``copied_bytes`` (the one copy).
-        ``writable=False`` maps it read-only (a write through the tensor
-        faults): for bytes that were hashed as they were written.
-        Raises:
-            ShmEmbedsError: not every byte was written (the segment is removed).
-        """
+        """Map the filled segment: the segment-backed tensor (read-only unless ``writable``:
+        for bytes hashed as written). Counts the bytes as ``copied_bytes`` (the one copy).
+        Raises ShmEmbedsError if not every byte was written (the segment is removed)."""
         try:
             mm = self._file.finish(writable)
         except BaseException:
@@ -222,12 +178,9 @@ class StreamedSegment:
 
 
 def streamed_tensor_like(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A new writable segment-backed tensor (for a dtype conversion into shm).
-
-    The caller fills it (e.g. ``out.copy_(src)``; counted here as
-    ``copied_bytes``); it is handed over or unlinked like a streamed one.
-    Raises OSError (nothing left) if the segment cannot be created.
-    """
+    """A new writable segment-backed tensor (a dtype conversion into shm), handed over or
+    unlinked like a streamed one; the caller fills it (``out.copy_(src)``; counted
+    ``copied_bytes``). Raises OSError (nothing left) if it cannot be created."""
     streamed = StreamedSegment(dtype, shape)
     streamed._file.assume_filled()  # filled by the caller through the mapping
     return streamed.finish()
@@ -239,13 +192,9 @@ def is_streamed(tensor: Any) -> bool:
 
 
 def hand_over(tensor: Any) -> SharedTensorHandle | None:
-    """Hop 1 sender: the handle of ``tensor``'s streamed segment, ownership passed on.
-
-    If ``tensor`` (same data pointer, dtype and shape) is a streamed segment
-    this process owns, it leaves this process's books (the peer adopts it by
-    ``rename``, exactly as a ``transfer.share_tensor`` segment) and its handle is
-    returned: no copy. Otherwise None (the caller copies as usual).
-    """
+    """Hop 1 sender: if ``tensor`` is exactly (pointer, dtype, shape) a streamed segment
+    this process owns, it leaves the books (the peer adopts it by ``rename``, as a
+    ``transfer.share_tensor`` one) and its handle is returned, no copy; else None."""
     if not isinstance(tensor, torch.Tensor):
         return None
     handle = process.current().owned.hand_over(tensor)
@@ -255,15 +204,9 @@ def hand_over(tensor: Any) -> SharedTensorHandle | None:
 
 
 def release_streamed(tensor: Any) -> bool:
-    """This process is done with ``tensor``'s streamed segment (its request ended).
-
-    Unlinks it now if hop 1 did not hand it over (rejected, failed,
-    disconnected), and lets go of this process's pages of it either way
-    (``OwnedSegments.release_streamed``): the tensor stays valid but reads zeros, and
-    the memory is back once the EngineCore and TP workers are done with it,
-    even if something here keeps the tensor object alive. True if ``tensor``
-    was a streamed segment of this process.
-    """
+    """This process is done with ``tensor``'s streamed segment (its request ended): unlink
+    it if hop 1 did not hand it over, and drop its pages here either way (it reads
+    zeros: ``OwnedSegments.release_streamed``). True if it was a streamed segment of ours."""
     if not isinstance(tensor, torch.Tensor):
         return False
     return process.current().owned.release_streamed(tensor)

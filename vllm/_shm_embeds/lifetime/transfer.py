@@ -1,18 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """Moving tensors into and out of segments: share, adopt, hand over, open.
 
-One owner per segment, one copy in total:
-
-* hop 1 sender: :func:`share_tensor` copies a tensor once into a new segment
-  whose ownership passes with its handle; a ``streamed.StreamedSegment`` (a
-  request body written straight into a segment) is handed over without a
-  copy (``streamed.hand_over``).
-* hop 1 receiver (EngineCore): :func:`adopt_tensor` takes the segment over by
-  an atomic ``rename`` to its own name, then maps it; no copy.
-* readers (TP workers): :func:`open_tensor` maps read-only and sets the
-  reader's flag.
+One owner per segment, one copy in total: a hop-1 sender copies a tensor once into a
+new segment whose ownership passes with its handle (:func:`share_tensor`; a streamed
+segment goes without a copy: ``streamed.hand_over``); the EngineCore takes it over by
+an atomic ``rename`` to its own name, then maps it (:func:`adopt_tensor`); TP workers
+map it read-only and set their flag (:func:`open_tensor`).
 
 Knows segments and ownership, not vLLM and not HTTP.
+Design notes: docs/design.md, "Module notes".
 """
 
 from __future__ import annotations
@@ -48,11 +44,8 @@ from vllm._shm_embeds.lifetime.lifecycle import Kind
 
 
 def eligible(tensor: Any) -> str | None:
-    """Why ``tensor`` must keep the stock path, or None if it can use shm.
-
-    Only dense (strided), CPU, C-contiguous tensors of at least
-    :func:`min_bytes` bytes qualify.
-    """
+    """Why ``tensor`` must keep the stock path, or None: only dense (strided), CPU,
+    C-contiguous tensors of at least :func:`min_bytes` bytes qualify."""
     if not isinstance(tensor, torch.Tensor):
         return "not_a_tensor"
     if tensor.layout != torch.strided:
@@ -70,21 +63,10 @@ def eligible(tensor: Any) -> str | None:
 
 def check_budget(nbytes: int) -> None:
     """Raise :class:`~vllm._shm_embeds.files.segment.BudgetExceeded` if ``nbytes`` more
-    would take our segments in the directory over ``config.budget_bytes()``.
-
-    Counted: what our files hold now (every process of the server; a body
-    still arriving by what it has written; ``census.Census``: the last walk
-    of the directory, made off the caller's thread, plus what this process
-    wrote since) plus the look-ahead this
-    process's bodies still arriving were granted and have not written yet
-    (at most ``streamed.STREAM_GRANT_BYTES`` each: ``streamed.StreamedSegment``). A
-    segment keeps its name until its request is freed
-    (``owned.OwnedSegments``), so the named files are what the server's
-    requests hold; the TP workers drop their mappings at the step after
-    that (vLLM runs one at once to clear finished requests). On a file
-    system of its own (``VLLM_SHM_EMBEDS_DIR`` not on ``/dev/shm``'s) all
-    that is in use there counts as ours, which covers that step too.
-    """
+    would take our segments over ``config.budget_bytes()``. Counted: what our files hold
+    now (all the server's processes: ``census.Census``), plus the look-ahead granted to
+    this process's bodies still arriving (``streamed.STREAM_GRANT_BYTES`` each at most);
+    on a file system of its own (not ``/dev/shm``'s), all that is in use there."""
     budget = budget_bytes()
     directory = shm_dir()
     held = process.current().census(directory).held()  # never a walk on the caller's thread
@@ -96,11 +78,8 @@ def check_budget(nbytes: int) -> None:
 
 
 def create_segment(tensor: torch.Tensor) -> tuple[SharedTensorHandle, list[int]]:
-    """Copy ``tensor`` into a new segment of this process (one copy, counted).
-
-    Returns the handle and the open descriptors of its files (the caller
-    closes them). Raises OSError (e.g. ENOSPC); nothing is left behind then.
-    """
+    """Copy ``tensor`` into a new segment of this process (one copy, counted): its handle
+    and open fds (the caller closes them). Raises OSError (nothing is left behind)."""
     check_budget(tensor.nbytes)
     state = process.current()
     handle = SharedTensorHandle(
@@ -118,18 +97,10 @@ def create_segment(tensor: torch.Tensor) -> tuple[SharedTensorHandle, list[int]]
 
 
 def share_tensor(tensor: torch.Tensor) -> SharedTensorHandle:
-    """Copy ``tensor`` into a new segment and hand its ownership to the caller's peer.
-
-    Used by hop 1 senders: the segment is *not* tracked here (the receiver
-    adopts it with :func:`adopt_tensor`); if no peer adopts it,
-    :func:`discard_shared`, :func:`shutdown` or a later sweep removes it.
-    One copy of ``tensor.nbytes`` bytes.
-
-    Args:
-        tensor: dense, CPU, C-contiguous tensor of any dtype and shape.
-    Raises:
-        OSError: the segment could not be created (e.g. ENOSPC).
-    """
+    """Hop 1 sender: copy ``tensor`` (dense, CPU, C-contiguous) once into a new segment
+    whose ownership passes to the peer that adopts it (:func:`adopt_tensor`); untracked
+    here: :func:`discard_shared`, :func:`shutdown` or a sweep removes one not adopted.
+    Raises OSError (e.g. ENOSPC) if the segment could not be created."""
     handle, fds = create_segment(tensor)
     for fd in fds:
         os.close(fd)
@@ -137,15 +108,10 @@ def share_tensor(tensor: torch.Tensor) -> SharedTensorHandle:
 
 
 def share_held(tensor: torch.Tensor, holder: tuple[int, int, int]) -> SharedTensorHandle:
-    """Hop 1 sender: a handle for ``tensor``, whose bytes are a sealed memfd
-    this process holds (:func:`held_by` gave ``holder``: this process's pid,
-    its descriptor, the memfd's inode). No copy: a header-only segment
-    (``HEADER_BYTES``, for hop 2's reader flags) is made, and its ownership
-    passes with the handle as with :func:`share_tensor`.
-
-    Raises:
-        OSError: the header file could not be created (nothing is left).
-    """
+    """Hop 1 sender, no copy: a handle for ``tensor``, whose bytes are a sealed memfd
+    this process holds (``holder`` from :func:`held_by`: pid, fd, inode). A header-only
+    segment (for hop 2's reader flags) passes with it as with :func:`share_tensor`.
+    Raises OSError if the header file could not be created (nothing is left)."""
     state = process.current()
     name = state.new_name()
     header = SharedTensorHandle(name, "uint8", (0,))
@@ -170,22 +136,16 @@ ADOPT_NAME_TRIES = 8  # names tried when something sits at the one drawn
 
 
 def adopt_tensor(handle: SharedTensorHandle) -> torch.Tensor:
-    """Take ownership of a peer's segment and map it as a tensor (no copy).
+    """Take ownership of a peer's segment and map it (no copy): a ``handle.dtype``/
+    ``handle.shape`` tensor, which hop 2 then sends on as it is.
 
-    The segment is renamed to a fresh name of this process
-    (``segment.rename_noreplace``: a file, directory or symlink someone
-    planted there is never replaced; another name is drawn), so a crash of
-    either side leaves it attributable. The returned tensor is remembered, so
-    :func:`externalize` sends it onwards (hop 2) without copying it again;
-    the name is unlinked when vLLM frees the request (:func:`release_adopted`)
-    or the storage is freed, once no broadcast of it is pending. When this
-    process owns ``config.MAX_SEGMENTS`` segments already, or the
-    mapping fails (e.g. ENOMEM at ``vm.max_map_count``), the bytes are read
-    into this process's memory instead (what stock holds; counted
-    ``fallback`` ``segments``/``map_failed`` on hop 1) and the files go.
+    Renamed to a fresh name of ours (``segment.rename_noreplace``: nothing planted is
+    replaced; another name is drawn), so a crash leaves it attributable; unlinked when
+    vLLM frees the request (:func:`release_adopted`) or the storage dies, once no
+    broadcast is pending. Over ``config.MAX_SEGMENTS``, or if the mapping fails (e.g.
+    ENOMEM at ``vm.max_map_count``), the bytes are read into memory instead (counted
+    ``fallback`` ``segments``/``map_failed``, hop 1) and the files go.
 
-    Returns:
-        tensor of ``handle.dtype`` and ``handle.shape`` backed by the segment.
     Raises:
         ShmEmbedsError: missing segment, wrong size or header, not a regular
             file of ours, or any OSError of the adoption (nothing is left
@@ -232,10 +192,9 @@ def adopt_tensor(handle: SharedTensorHandle) -> torch.Tensor:
 
 def _rename_part(directory: str, handle: SharedTensorHandle, mine: SharedTensorHandle,
                  i: int) -> SharedTensorHandle:
-    """Rename part ``i`` of the peer's segment to ``mine``'s; if something sits
-    at the name drawn for part 0 (planted), draw another one (bounded).
-    Returns the handle under the name used. Raises OSError (FileExistsError
-    after :data:`ADOPT_NAME_TRIES` names)."""
+    """Rename part ``i`` of the peer's segment to ``mine``'s, drawing another name while
+    something sits at part 0's; the handle under the name used. Raises OSError
+    (FileExistsError after :data:`ADOPT_NAME_TRIES` names)."""
     src = os.path.join(directory, part_name(handle.name, i))
     st = os.lstat(src)  # the peer's file: a regular file of our user, never a link
     if not segment_dir.our_file(st):
@@ -309,11 +268,9 @@ def _read_part(fd: int, i: int, length: int, dst: memoryview, held: tuple) -> No
 
 
 def _adopt_held(handle: SharedTensorHandle) -> torch.Tensor:
-    """:func:`adopt_tensor` of a held file: take over the header file by
-    renaming it to a fresh name of ours, open the memfd through the sender's
-    descriptor, and map both (the memfd read-only). The
-    files stay open here, so that hop 2's readers open them through this
-    process's fds."""
+    """:func:`adopt_tensor` of a held file: rename the header file to a fresh name of
+    ours, open the memfd via the sender's fd, map both (the memfd read-only); the files
+    stay open so that hop 2's readers open them through this process's fds."""
     directory = shm_dir()
     mine = handle.renamed(process.current().new_name(capped=False))
     try:
@@ -344,21 +301,11 @@ def _adopt_held(handle: SharedTensorHandle) -> torch.Tensor:
 
 
 def open_tensor(handle: SharedTensorHandle, reader_index: int | None = None) -> torch.Tensor:
-    """Map a segment as a tensor (reader side, no copy) and set the reader's flag.
-
-    The mapping is read-only: an in-place write to the tensor faults. The
-    files are opened through the owner's descriptors when the handle carries
-    them (hop 2), else by name.
-
-    Args:
-        handle: from the owner.
-        reader_index: 0-based index of this reader among the broadcast's
-            readers, or None not to mark.
-    Returns:
-        tensor of ``handle.dtype``/``handle.shape``; it stays valid after the
-        owner unlinks the name, until the tensor is freed.
-    Raises:
-        ShmEmbedsError: missing segment, wrong size or header, bad index.
+    """Reader side: map a segment read-only as a tensor (no copy; a write faults) and set
+    the flag of ``reader_index`` (0-based; None: no flag). The files are opened via the
+    owner's fds when the handle has them (hop 2), else by name. The tensor stays valid
+    after the owner unlinks the name, until it is freed. Raises ShmEmbedsError: missing
+    segment, wrong size or header, bad index.
     """
     if reader_index is not None and not 0 <= handle.flag_base + reader_index < MAX_READERS:
         raise ShmEmbedsError(f"reader index {reader_index} out of range")
@@ -374,10 +321,9 @@ def dense_nbytes(tensor: Any) -> int:
 
 
 def send_view(tensor: Any) -> Any:
-    """What to put in a message vLLM may send without a copy in place of
-    ``tensor``: a view with a storage of its own if a mapping of ours holds
-    it (``OwnedSegments.send_view``, or a holder's ``send_view``: its pages
-    then stay until the send is done), else ``tensor`` itself."""
+    """``tensor`` for a message vLLM may send without a copy: a view with a storage of its
+    own if a mapping of ours or a holder's holds it (its pages then stay until the send
+    is done: ``OwnedSegments.send_view``), else ``tensor`` itself."""
     if not isinstance(tensor, torch.Tensor):
         return tensor
     state = process.current()
@@ -389,9 +335,8 @@ def send_view(tensor: Any) -> Any:
 
 
 def held_by(tensor: Any) -> tuple[int, int, int] | None:
-    """``(pid, fd, inode)`` of the sealed memfd that is exactly ``tensor``'s
-    bytes, if one of this process's holders (``process.current().holders``:
-    an extension's registry, e.g. registered regions) has it, else None."""
+    """``(pid, fd, inode)`` of the sealed memfd that is exactly ``tensor``'s bytes, if one
+    of ``process.current().holders`` (e.g. the regions registry) has it, else None."""
     for holder in process.current().holders:
         if (found := holder.find(tensor)) is not None:
             return found
@@ -404,17 +349,11 @@ def is_held(tensor: Any) -> bool:
 
 
 def release_adopted(tensor: Any) -> bool:
-    """EngineCore: vLLM freed the request whose ``prompt_embeds`` is ``tensor``.
-
-    Unlinks the name of its segment (adopted at hop 1, or the hop-2 copy made
-    from it; a name lasts as long as its request so that the budget counts
-    it) and lets go of this process's pages of an adopted one
-    (``OwnedSegments.release_adopted``): whatever still holds the tensor
-    object afterwards (vLLM keeps the last request it received until the
-    next message) reads zeros and holds no page of the file. With a
-    broadcast still pending both happen at the next safe point. True if
-    pages were dropped now (counted ``engine_pages_released``).
-    """
+    """EngineCore: vLLM freed the request whose ``prompt_embeds`` is ``tensor``: unlink
+    its segment's name (adopted, or the hop-2 copy) and drop this process's pages of an
+    adopted one (``OwnedSegments.release_adopted``; whatever still holds the tensor, e.g.
+    vLLM's last request until the next message, reads zeros). With a broadcast pending,
+    at the next safe point. True if pages were dropped now (``engine_pages_released``)."""
     if not isinstance(tensor, torch.Tensor):
         return False
     if not process.current().owned.release_adopted(tensor):

