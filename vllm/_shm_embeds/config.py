@@ -197,7 +197,6 @@ REGIONS_TTL_S = 600.0  # 10 min unnamed: outlives any request; the producer can 
 REGIONS_IDLE_S = 60.0  # a connection holding no region has a minute to register one
 REGIONS_REFS_MAX = 64  # per request, as many as a uid may register (2 fds, 2 maps each)
 REGIONS_LEASES_MAX = 1024  # per API server, freed as responses start: only a flood meets it
-DEFAULT_REGIONS_LEASES_MAX = REGIONS_LEASES_MAX  # the registry's default
 
 # Changed only by TEST_LIMITS ("NAME=value,..."); callables and None are computed.
 LIMITS: tuple[Setting, ...] = (

@@ -34,7 +34,7 @@ from vllm._shm_embeds.lifetime.transfer import (
 )
 
 
-def _digests() -> Any:
+def digests_module() -> Any:
     """The ``digests`` extension's module, or None without it (the EngineCore
     then hashes as stock vLLM does)."""
     return extensions.get("digests", "digests")
@@ -116,7 +116,7 @@ class HandleOOBConsumer:
                     count_many({Event.HOP1_SHM_TENSORS: 1, Event.HOP1_SHM_BYTES: tensor.nbytes})
                     meta = handle.to_meta()
                     # digests our own code computed over exactly these bytes
-                    if (digests := _digests()) is not None:
+                    if (digests := digests_module()) is not None:
                         meta.update(digests.handover_meta(tensor, found))
                     return {META_KEY: meta}
             count_many({Event.HOP1_STOCK_TENSORS: 1, Event.HOP1_STOCK_BYTES: dense_nbytes(tensor)})
@@ -127,7 +127,7 @@ class HandleOOBConsumer:
         """Copy ``tensor`` into a new segment, hashing its blocks meanwhile (prefix caching
         on, no digests attached yet): the handle and digests (or None). Raises OSError."""
         hashing = None
-        digests = _digests()
+        digests = digests_module()
         if (self.block_tokens and digests is not None and tensor.dim() == 2
                 and tensor.shape[0] and digests.attached(tensor) is None):
             try:
@@ -179,7 +179,7 @@ class HandleOOBProvider:
         count_many({Event.HOP1_SHM_TENSORS: 1, Event.HOP1_SHM_BYTES: handle.nbytes,
                     Event.HOP1_ADOPTED_TENSORS: 1})
         try:
-            if (digests := _digests()) is not None:
+            if (digests := digests_module()) is not None:
                 digests.adopt_meta(tensor, meta[META_KEY])  # prefix-cache digests
         except Exception:  # vLLM hashes it itself then
             logger.debug("shm-embeds: hop 1 digests dropped", exc_info=True)

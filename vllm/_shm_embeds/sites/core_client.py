@@ -14,7 +14,7 @@ from vllm._shm_embeds import extensions
 from vllm._shm_embeds.config import min_bytes
 from vllm._shm_embeds.counters import set_role
 from vllm._shm_embeds.files import sizing
-from vllm._shm_embeds.hops.hop1 import HandleOOBConsumer
+from vllm._shm_embeds.hops.hop1 import HandleOOBConsumer, digests_module
 from vllm._shm_embeds.lifetime import process
 from vllm._shm_embeds.lifetime.transfer import discard_shared, send_view
 from vllm._shm_embeds.sites.records import ClientRecord, peek, record
@@ -77,7 +77,7 @@ def _send_view(request: Any) -> Any:
         view = send_view(tensor)
         if view is tensor:
             return None
-        if (digests := extensions.get("digests", "digests")) is not None:
+        if (digests := digests_module()) is not None:
             digests.attach(view, digests.attached(tensor))  # the same bytes
         request.prompt_embeds = view
         return tensor
@@ -162,7 +162,7 @@ def wrap_client_init(orig: Callable) -> Callable:
                 return
             set_role("client")
             local = local_engines(self.vllm_config)
-            digests = extensions.get("digests", "digests")
+            digests = digests_module()
             consumer = HandleOOBConsumer(
                 self.encoder.oob_tensor_consumer,
                 None if digests is None else

@@ -73,7 +73,7 @@ class RegionLimits:
     max_bytes_per_uid: int
     idle_ttl_s: float
     datatype: str | None = None
-    max_leases: int = config.DEFAULT_REGIONS_LEASES_MAX
+    max_leases: int = config.REGIONS_LEASES_MAX
 
     @classmethod
     def from_config(cls, hidden_size: int, max_tokens: int,
