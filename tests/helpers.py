@@ -28,7 +28,8 @@ from vllm._shm_embeds.handle import SegmentName
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The one internal variable that changes the plugin's fixed limits (config.LIMITS)
+# The one internal variable that changes the plugin's fixed limits (config.LIMITS and
+# each extension's EXTENSION.limits)
 TEST_LIMITS = "VLLM_SHM_EMBEDS_TEST_LIMITS"
 
 

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""config.py: each variable is declared once (``config.SETTINGS``), each fixed
-limit too (``config.LIMITS``, changed only by ``VLLM_SHM_EMBEDS_TEST_LIMITS``),
-and those declarations drive the parsing, its problem messages, the getters the
+"""config.py: each variable is declared once (the core's in ``config.SETTINGS``, an
+extension's in its ``EXTENSION.settings``), each fixed limit too (``config.LIMITS``,
+``EXTENSION.limits``; changed only by ``VLLM_SHM_EMBEDS_TEST_LIMITS``), and those
+declarations (``config.declared()``) drive the parsing, its problem messages, the getters the
 package imports, vLLM's ``environment_variables`` entries and the variables table
 of ``docs/configuration.md``."""
 
@@ -13,19 +14,23 @@ import sys
 
 import pytest
 
-from vllm._shm_embeds import config
+from vllm._shm_embeds import config, extensions
+from vllm._shm_embeds.ext.binary import settings as binary_settings
+from vllm._shm_embeds.ext.json import json_on
+from vllm._shm_embeds.ext.regions import settings as regions_settings
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "configuration.md"
 PACKAGE = ROOT / "vllm" / "_shm_embeds"
-BY_NAME = {s.name: s for s in config.SETTINGS + config.LIMITS}
+DECLARED = config.declared()
+BY_NAME = {s.name: s for s in DECLARED.settings + DECLARED.limits}
 TEST_LIMITS = "VLLM_SHM_EMBEDS_TEST_LIMITS"
 
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
     """No variable of ours set, and this process's cache left as it was found."""
-    for name in config.VARIABLES:
+    for name in DECLARED.variables:
         monkeypatch.delenv(name, raising=False)
     cache = config.CACHE
     saved = (cache.parsed, dict(cache.budget), dict(cache.shares))
@@ -36,7 +41,7 @@ def clean_env(monkeypatch):
 
 def _doc_table() -> str:
     text = DOC.read_text()
-    m = re.search(r"<!-- generated from config\.SETTINGS: [^\n]*-->\n(.*?)"
+    m = re.search(r"<!-- generated from config\.SETTINGS[^\n]*-->\n(.*?)"
                   r"<!-- end of generated table -->", text, re.S)
     assert m, f"{DOC} lost the markers around its variables table"
     return m.group(1)
@@ -44,7 +49,7 @@ def _doc_table() -> str:
 
 def test_doc_table_is_what_the_declarations_give():
     assert _doc_table() == config.markdown_table(), (
-        "docs/configuration.md's variables table differs from config.SETTINGS: "
+        "docs/configuration.md's variables table differs from the declarations: "
         "paste the output of `python -m vllm._shm_embeds.config --markdown`")
 
 
@@ -55,21 +60,44 @@ def test_markdown_command_prints_the_table():
 
 
 def test_declarations_are_consistent():
-    names = [s.name for s in config.SETTINGS]
-    limits = [s.name for s in config.LIMITS]
-    fields = [s.field for s in config.SETTINGS + config.LIMITS]
+    names = [s.name for s in DECLARED.settings]
+    limits = [s.name for s in DECLARED.limits]
+    fields = [s.field for s in DECLARED.settings + DECLARED.limits]
     assert len(set(names + limits)) == len(names + limits) and len(set(fields)) == len(fields)
     assert all(n == "VLLM_SHM_EMBEDS" or n.startswith("VLLM_SHM_EMBEDS_") for n in names)
     assert not any(n.startswith("VLLM_") for n in limits)  # no variable of their own
-    assert all(s.unit and s.doc and "|" not in s.doc for s in config.SETTINGS + config.LIMITS)
+    assert all(s.unit and s.doc and "|" not in s.doc for s in DECLARED.settings + DECLARED.limits)
     # issue 38, "fewer knobs": 23 settings before, these 10 after
     assert len(names) == 10 and len(limits) == 13
+    # the core declares its own; each extension's are in its EXTENSION, in EXTENSIONS order
+    assert DECLARED.extensions == tuple(extensions.EXTENSIONS)
+    assert names[:len(config.SETTINGS)] == [s.name for s in config.SETTINGS]
+    assert limits[:len(config.LIMITS)] == [s.name for s in config.LIMITS] == [
+        "WRITERS", "MAX_SEGMENTS"]
+    assert names[len(config.SETTINGS):] == [
+        "VLLM_SHM_EMBEDS_JSON", *(s.name for s in regions_settings.SETTINGS)]
+    assert limits[len(config.LIMITS):] == [s.name for s in
+                                           binary_settings.LIMITS + regions_settings.LIMITS]
     assert config.TEST_LIMITS == TEST_LIMITS
-    assert config.VARIABLES == (*names, TEST_LIMITS)
-    assert list(config.ENV_VARS) == [*names, TEST_LIMITS]  # vLLM warns about none of them
-    for name, getter in config.ENV_VARS.items():
+    assert DECLARED.variables == (*names, TEST_LIMITS)
+    env_vars = config.env_vars()
+    assert list(env_vars) == [*names, TEST_LIMITS]  # vLLM warns about none of them
+    for name, getter in env_vars.items():
         getter()  # vLLM may call any of them: none raises with nothing set
-    assert config.ENV_VARS["VLLM_SHM_EMBEDS_MAX_BYTES"] is config.budget_bytes
+    assert env_vars["VLLM_SHM_EMBEDS_MAX_BYTES"] is config.budget_bytes
+
+
+def test_settings_follow_the_loaded_extensions(monkeypatch):
+    """Settings parsed while the extensions were still loading are never reused, and an
+    extension's getter gives its default while its extension is not loaded."""
+    loaded = extensions.loaded()
+    full = config.settings()
+    monkeypatch.setattr(extensions, "_LOADED", {})  # as while the extensions load
+    partial = config.settings()
+    assert partial is not full and not hasattr(partial, "json") and hasattr(partial, "dir")
+    assert json_on() is True and regions_settings.regions_max() == regions_settings.REGIONS_MAX
+    monkeypatch.setattr(extensions, "_LOADED", loaded)
+    assert config.settings() is not partial and config.settings().json is True
 
 
 def test_vllm_does_not_warn_about_the_test_limits(monkeypatch):
@@ -93,7 +121,7 @@ def test_changelog_lists_every_former_setting():
     """docs/configuration.md says what each limit was and what it is now."""
     text = DOC.read_text()
     changelog = text[text.index("## Changelog"):]
-    for limit in config.LIMITS:
+    for limit in DECLARED.limits:
         row = f"| `VLLM_SHM_EMBEDS_{limit.name}` | {limit.default_text()} | {limit.unit} | "
         assert row in changelog, limit.name
     assert TEST_LIMITS in text and TEST_LIMITS not in _doc_table()
@@ -102,14 +130,15 @@ def test_changelog_lists_every_former_setting():
 def test_unset_means_the_declared_defaults():
     s = config.settings()
     assert s.problems == () and s.fatal == ()
-    for setting in config.SETTINGS + config.LIMITS:
+    for setting in DECLARED.settings + DECLARED.limits:
         default = setting.default
         expected = default() if callable(default) else default
         assert getattr(s, setting.field) == expected, setting.name
     assert (s.enabled, s.min_bytes, s.dir, s.json, s.max_segments) == (
         False, 1 << 20, "/dev/shm", True, 4096)
-    assert (config.max_segments(), config.body_timeout_s(), config.regions_leases_max()) == (
-        config.MAX_SEGMENTS, config.BODY_TIMEOUT_S, config.REGIONS_LEASES_MAX)
+    assert (config.max_segments(), binary_settings.body_timeout_s(),
+            regions_settings.regions_leases_max()) == (
+        config.MAX_SEGMENTS, binary_settings.BODY_TIMEOUT_S, regions_settings.REGIONS_LEASES_MAX)
 
 
 # The messages the start-up log prints (``shm-embeds: <message>``), as they were
@@ -159,22 +188,26 @@ def test_bad_test_limit_gives_the_constant_and_one_message(monkeypatch, name, ra
 
 def test_test_limits_override_only_what_they_name(monkeypatch):
     monkeypatch.setenv(TEST_LIMITS, " BODY_TIMEOUT_S=2, inflight_bytes = 1048576 ,")
-    assert config.body_timeout_s() == 2.0 and config.inflight_bytes() == 1 << 20
+    assert binary_settings.body_timeout_s() == 2.0 and binary_settings.inflight_bytes() == 1 << 20
     assert config.settings().problems == ()
     assert config.max_segments() == config.MAX_SEGMENTS  # not named: the constant
-    assert config.body_deadline_s(1 << 20) == 3.0  # 2 s + 1 MiB at the constant 1 MiB/s
+    assert binary_settings.body_deadline_s(1 << 20) == 3.0  # 2 s + 1 MiB at the constant 1 MiB/s
     # a bad entry: that limit keeps its constant, the others still apply, one message each
     monkeypatch.setenv(TEST_LIMITS, "BODY_TIMEOUT_S=soon,REGIONS_MAX=3,NO_SUCH=1,WRITERS")
     s = config.settings()
-    assert (config.body_timeout_s(), config.regions_max()) == (config.BODY_TIMEOUT_S, 3)
+    assert (binary_settings.body_timeout_s(), regions_settings.regions_max()) == (
+        binary_settings.BODY_TIMEOUT_S, 3)
     assert s.problems == (
-        f"{TEST_LIMITS}: 'NO_SUCH=1' is not NAME=value with NAME one of config.LIMITS; ignored",
-        f"{TEST_LIMITS}: 'WRITERS' is not NAME=value with NAME one of config.LIMITS; ignored",
+        f"{TEST_LIMITS}: 'NO_SUCH=1' is not NAME=value with NAME one of the declared limits; "
+        "ignored",
+        f"{TEST_LIMITS}: 'WRITERS' is not NAME=value with NAME one of the declared limits; "
+        "ignored",
         f"{TEST_LIMITS}: BODY_TIMEOUT_S='soon' is not a number of seconds; using 30.0")
     # the old variables are no longer read
     monkeypatch.delenv(TEST_LIMITS)
     monkeypatch.setenv("VLLM_SHM_EMBEDS_" + "BODY_TIMEOUT_S", "2")
-    assert config.body_timeout_s() == config.BODY_TIMEOUT_S and config.settings().problems == ()
+    assert binary_settings.body_timeout_s() == binary_settings.BODY_TIMEOUT_S
+    assert config.settings().problems == ()
 
 
 @pytest.mark.parametrize("raw,ok", [("", True), ("2", True), ("0", False), ("x", False),
@@ -213,8 +246,9 @@ def test_text_settings(monkeypatch, tmp_path):
     monkeypatch.setenv("VLLM_SHM_EMBEDS_REGIONS_GROUP", "   ")
     monkeypatch.setenv("VLLM_SHM_EMBEDS_REGIONS_UIDS", " 1001, 1002,")
     assert config.shm_dir() == str(tmp_path) and config.settings().fatal == ()
-    assert config.regions_path() == "/run/r.sock" and config.regions_group() is None
-    assert config.regions_allowed_uids() == {os.getuid(), 1001, 1002}
+    assert regions_settings.regions_path() == "/run/r.sock"
+    assert regions_settings.regions_group() is None
+    assert regions_settings.regions_allowed_uids() == {os.getuid(), 1001, 1002}
     monkeypatch.setenv("VLLM_SHM_EMBEDS_DIR", str(tmp_path / "missing"))
     assert config.settings().fatal == (
         f"segment directory {tmp_path / 'missing'} is missing or not writable",)
@@ -222,18 +256,19 @@ def test_text_settings(monkeypatch, tmp_path):
 
 
 def test_binary_max_bytes_zero_means_the_model(monkeypatch):
-    assert config.binary_max_bytes(10, 4) == 160
+    assert binary_settings.binary_max_bytes(10, 4) == 160
     monkeypatch.setenv(TEST_LIMITS, "BINARY_MAX_BYTES=0")
-    assert config.binary_max_bytes(10, 4) == 160 and config.settings().problems == ()
+    assert binary_settings.binary_max_bytes(10, 4) == 160 and config.settings().problems == ()
     monkeypatch.setenv(TEST_LIMITS, "BINARY_MAX_BYTES=1000")
-    assert config.binary_max_bytes(10, 4) == 1000
+    assert binary_settings.binary_max_bytes(10, 4) == 1000
 
 
 def test_body_deadline(monkeypatch):
-    assert config.body_deadline_s(1 << 20) == 31.0  # the constants: 30 s + 1 MiB at 1 MiB/s
+    deadline = binary_settings.body_deadline_s
+    assert deadline(1 << 20) == 31.0  # the constants: 30 s + 1 MiB at 1 MiB/s
     monkeypatch.setenv(TEST_LIMITS, "BODY_TIMEOUT_S=2.5,BODY_MIN_RATE=100")
-    assert config.body_timeout_s() == 2.5
-    assert config.body_deadline_s(1000) == 12.5 and config.body_deadline_s(-1) == 2.5
+    assert binary_settings.body_timeout_s() == 2.5
+    assert deadline(1000) == 12.5 and deadline(-1) == 2.5
 
 
 @pytest.mark.parametrize("shared,free,budget", [
@@ -252,11 +287,12 @@ def test_default_budget(monkeypatch, shared, free, budget):
     monkeypatch.setattr(config, "shares_dev_shm", lambda: shared)
     assert config.budget_bytes() == budget
     assert config.budget_bytes() == budget and asked == ["/dev/shm"]  # asked once
-    assert config.inflight_bytes() == max(1 << 30, budget)
+    inflight = binary_settings.inflight_bytes
+    assert inflight() == max(1 << 30, budget)
     monkeypatch.setenv("VLLM_SHM_EMBEDS_MAX_BYTES", "12345")
-    assert config.budget_bytes() == 12345 and config.inflight_bytes() == 1 << 30
+    assert config.budget_bytes() == 12345 and inflight() == 1 << 30
     monkeypatch.setenv(TEST_LIMITS, "INFLIGHT_BYTES=777")
-    assert config.budget_bytes() == 12345 and config.inflight_bytes() == 777
+    assert config.budget_bytes() == 12345 and inflight() == 777
 
 
 def test_cache_parses_again_only_on_change(monkeypatch):

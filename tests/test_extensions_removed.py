@@ -159,3 +159,21 @@ def test_core_tests_pass_without_extensions(tmp_path):
         env=env, capture_output=True, text=True, timeout=900, cwd=str(tmp_path))
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert " passed" in out.stdout and " failed" not in out.stdout
+
+
+def test_extension_whose_site_module_fails_is_left_out_whole(tmp_path):
+    """An extension whose site module raises on import (here binary's renderers)
+    is left out with everything that needs it: none of their groups is patched,
+    in part or whole, and the core's hops still are."""
+    env = stripped_tree(str(tmp_path), ())
+    broken = tmp_path / "tree" / "vllm" / "_shm_embeds" / "ext" / "binary" / "site_renderers.py"
+    broken.write_text('raise RuntimeError("planted: this site module cannot load")\n'
+                      + broken.read_text())
+    got = _probe(env)
+    off = _needing("binary")
+    assert set(got["loaded"]) == set(extensions.EXTENSIONS) - off
+    assert got["missing"]["binary"] == "failed to load"
+    assert all(got["missing"][n] == "needs binary" for n in off - {"binary"})
+    gone = {g for n in off for g in extensions.loaded()[n].groups}
+    assert not gone & set(got["groups"]) and not gone & set(got["status"])
+    assert got["status"]["hop1"] == [] and got["status"]["hop2"] == []

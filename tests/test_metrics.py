@@ -186,6 +186,23 @@ def test_aggregate_attributes_hops_to_senders_and_sums_processes(tmp_path):
     assert v["dir_size_bytes"][()] == st.f_blocks * st.f_frsize
 
 
+def test_a_deleted_extensions_families_are_absent(tmp_path, monkeypatch):
+    """With only the core's events declared (every extension deleted), the
+    extensions' families are not on /metrics, their stale counts are ignored, and
+    the core's families are as before."""
+    core = [e for e in counters.events() if type(e) is counters.Event]
+    monkeypatch.setattr(counters, "events", lambda: core)
+    values = {(counters.Key("binary_bodies"), "client"): 2,
+              (counters.Key("copied_bytes"), "client"): 5,
+              (counters.Key("hop1_handover_tensors"), "client"): 1}
+    v = hmetrics.aggregate(values, set(), str(tmp_path))
+    assert not any(m.startswith(("binary_", "json_", "region")) for m in v), sorted(v)
+    assert v["copied_bytes"] == {(): 5} and v["reused_tensors"] == {("1",): 1, ("2",): 0}
+    assert set(v) == set(hmetrics.families()) and "dir_held_bytes" in v
+    text = hmetrics.exposition().decode()
+    assert "vllm:shm_embeds_copied_bytes" in text and "binary_bodies" not in text
+
+
 def test_metrics_route_appends_families_equal_to_files(tmp_path, monkeypatch):
     """vLLM's own /metrics route (attach_router) with our wrapper: its metrics
     stay, ours are appended and equal the files; gzip asked or not; other

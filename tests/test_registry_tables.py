@@ -2,10 +2,12 @@
 """Tables declared once, and what is generated from or checked against them.
 
 * counter events: every event counted anywhere in the package is a declared
-  :class:`counters.Event`, counted the way it is declared (plain or
-  labelled), and reaches ``/metrics`` exactly as declared (its family, or
-  none for the summary-only ones); ``ext/metrics/metrics.py`` maps only declared
-  events; ``docs/metrics.md`` names each;
+  one (``counters.events()``: the core's :class:`counters.Event` and each
+  extension's ``events``; an extension counts only its own and the core's),
+  counted the way it is declared (plain or labelled), and reaches
+  ``/metrics`` exactly as declared (its family, or none for the summary-only
+  ones); ``ext/metrics/metrics.py`` maps only declared events;
+  ``docs/metrics.md`` names each;
 * vLLM sites: each says what, why and what would retire it;
   ``docs/design.md``'s sites tables are what ``tools/check_sites.py --doc``
   generates from ``SITES`` and ``GROUPS``; ``tools/vllm_sites.md``'s letters
@@ -30,8 +32,8 @@ from typing import NamedTuple
 import pytest
 from helpers import REPO
 
-from vllm._shm_embeds import counters, sites
-from vllm._shm_embeds.counters import Event, Key
+from vllm._shm_embeds import counters, extensions, sites
+from vllm._shm_embeds.counters import Event, EventKind, Key
 from vllm._shm_embeds.ext.metrics import metrics
 
 sys.path.insert(0, os.path.join(REPO, "tools"))
@@ -56,19 +58,29 @@ def _package_files() -> list[str]:
     return sorted(out)
 
 
-def _event_of(node: ast.expr, where: str) -> Event:
-    """The declared event an argument names: ``Event.X`` or a string value."""
+def _event_kinds() -> dict[str, type[EventKind]]:
+    """Class name -> every declared event class (``E``: the core's, as metrics.py names it)."""
+    kinds = {type(e).__name__: type(e) for e in counters.events()}
+    return {**kinds, "E": Event}
+
+
+def _event_of(node: ast.expr, where: str) -> EventKind:
+    """The declared event an argument names: ``Event.X`` (or an extension's
+    ``BinaryEvent.X``...) or a string value."""
+    kinds = _event_kinds()
     if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-            and node.value.id in ("Event", "E")):
-        assert node.attr in Event.__members__, f"{where}: no Event.{node.attr}"
-        return Event[node.attr]
+            and node.value.id in kinds):
+        kind = kinds[node.value.id]
+        assert node.attr in kind.__members__, f"{where}: no {node.value.id}.{node.attr}"
+        return kind[node.attr]
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        assert node.value in Event._value2member_map_, f"{where}: undeclared {node.value!r}"
-        return Event(node.value)
+        declared = {e.value: e for e in counters.events()}
+        assert node.value in declared, f"{where}: undeclared {node.value!r}"
+        return declared[node.value]
     raise AssertionError(f"{where}: the event is not named ({ast.dump(node)})")
 
 
-def counted_events() -> list[tuple[Event, bool, str]]:
+def counted_events() -> list[tuple[EventKind, bool, str]]:
     """``(event, labelled, where)`` for every count call in the package."""
     found = []
     for rel in _package_files():
@@ -102,14 +114,29 @@ def counted_events() -> list[tuple[Event, bool, str]]:
 def test_every_counted_event_is_declared_and_counted_as_declared():
     found = counted_events()
     assert len(found) > 60  # the scan sees the call sites (about 85 events counted)
+    loaded = extensions.loaded()
     for event, labelled, where in found:
         assert bool(event.labels) == labelled, (
             f"{where}: {event} is declared with labels {event.labels}")
+        # An extension counts its own events and the core's, never another's.
+        ext = where.split(os.sep)[1] if where.startswith("ext" + os.sep) else None
+        assert type(event) is Event or (ext is not None and type(event) is loaded[ext].events), (
+            f"{where}: {event} is {type(event).__name__}'s, not {ext or 'the core'}'s")
     # Every declared event is counted somewhere (none left over after a rename).
-    assert {e for e, _, _ in found} == set(Event)
+    assert {e for e, _, _ in found} == set(counters.events())
 
 
-def _families_fed(event: Event, tmp_path) -> set[str]:
+def test_events_are_the_cores_and_the_extensions():
+    """``counters.events()``: the core's, then each loaded extension's; one stored
+    name each."""
+    loaded = extensions.loaded()
+    kinds = [Event] + [ext.events for ext in loaded.values() if ext.events is not None]
+    assert len(kinds) > 1 and all(issubclass(k, EventKind) for k in kinds)
+    assert counters.events() == [e for k in kinds for e in k]
+    assert len({e.value for e in counters.events()}) == len(counters.events())
+
+
+def _families_fed(event: EventKind, tmp_path) -> set[str]:
     """The /metrics families whose values change when ``event`` is counted once
     by a sending process (no role)."""
     key = Key(event.value, "1" if "hop" in event.labels else "",
@@ -124,25 +151,28 @@ def test_each_event_reaches_metrics_as_declared(tmp_path):
     """An event declared for a family feeds that family (and only it); one
     declared summary-only (``metric=None``) feeds none: /metrics maps
     exactly what the declarations say."""
-    for event in Event:
+    for event in counters.events():
         fed = _families_fed(event, tmp_path)
         want = {event.metric} if event.metric else set()
         assert fed == want, f"{event}: feeds {fed}, declared {want}"
     # Every counter family of /metrics is fed by some declared event.
     counter_families = {m for m, (kind, _, _) in metrics.METRICS.items() if kind == "counter"}
+    assert metrics.families() == metrics.METRICS  # every extension loaded
     fed_by_receiver = {"received_tensors"}  # hop shm tensors counted by a receiver
-    assert counter_families - fed_by_receiver == {e.metric for e in Event if e.metric}
+    assert counter_families - fed_by_receiver == {
+        e.metric for e in counters.events() if e.metric}
 
 
 def test_metrics_maps_only_declared_events():
-    tables = [*metrics._HOP_EVENTS, *metrics._REUSED, *metrics._REASONS, *metrics._PLAIN,
-              *metrics._HOP2_PLAIN]
-    assert tables and all(isinstance(e, Event) for e in tables)
+    assert metrics._HOP_EVENTS and all(isinstance(e, Event) for e in metrics._HOP_EVENTS)
+    declared = {e.value for e in counters.events()}
+    named = {*metrics._HOW, *metrics._COUNTED_IN, *metrics._COUNTED_IN.values()}
+    assert named <= declared, named - declared
 
 
 def test_every_event_is_in_the_metrics_doc():
     doc = _read("docs", "metrics.md")
-    missing = [e.value for e in Event if f"`{e.value}" not in doc]
+    missing = [e.value for e in counters.events() if f"`{e.value}" not in doc]
     assert not missing, f"docs/metrics.md does not name {missing}"
 
 
@@ -196,9 +226,9 @@ def test_vllm_sites_md_letters_name_real_sites():
 def test_group_that_needs_an_off_group_is_off(monkeypatch, failing):
     """In an API server, JSON and regions ride on the binary group's
     middleware: with it off they say so (and the middleware adds neither)."""
-    from vllm._shm_embeds import config
+    from vllm._shm_embeds.ext.regions import settings as regions_settings
 
-    monkeypatch.setattr(config, "regions_path", lambda: "/tmp/socket")
+    monkeypatch.setattr(regions_settings, "regions_path", lambda: "/tmp/socket")
     monkeypatch.setattr(sites, "STATUS", {})
     monkeypatch.setitem(sys.modules, sites.APP_MODULE, types.ModuleType("app"))
     monkeypatch.setattr(sites, "check", lambda group: (
@@ -210,9 +240,9 @@ def test_group_that_needs_an_off_group_is_off(monkeypatch, failing):
 
 
 def test_regions_group_only_when_configured(monkeypatch):
-    from vllm._shm_embeds import config
+    from vllm._shm_embeds.ext.regions import settings as regions_settings
 
-    monkeypatch.setattr(config, "regions_path", lambda: "")
+    monkeypatch.setattr(regions_settings, "regions_path", lambda: "")
     monkeypatch.setattr(sites, "STATUS", {})
     monkeypatch.setitem(sys.modules, sites.APP_MODULE, types.ModuleType("app"))
     monkeypatch.setattr(sites, "check", lambda group: ([], []))
@@ -222,20 +252,20 @@ def test_regions_group_only_when_configured(monkeypatch):
 def test_a_body_format_only_with_its_group_and_setting(monkeypatch):
     """The body gate gets the formats of ``formats.formats()`` whose sites
     group is patched and whose setting is on, in the registry's order."""
-    from vllm._shm_embeds import config
+    from vllm._shm_embeds.ext.regions import settings as regions_settings
     from vllm._shm_embeds.ext.binary.formats import formats as all_formats
     from vllm._shm_embeds.ext.binary import site_entrypoints as entrypoints
 
     def names():
         return [f.name for f in entrypoints.body_formats()]
 
-    monkeypatch.setattr(config, "regions_path", lambda: "/tmp/socket")
+    monkeypatch.setattr(regions_settings, "regions_path", lambda: "/tmp/socket")
     for f in all_formats():
         monkeypatch.setitem(entrypoints.STATUS, f.group, [])
     assert names() == [f.name for f in all_formats()] == ["binary", "regions", "json"]
     monkeypatch.setitem(entrypoints.STATUS, "regions", ["binary is off"])
     assert names() == ["binary", "json"]
-    monkeypatch.setattr(config, "regions_path", lambda: "")
+    monkeypatch.setattr(regions_settings, "regions_path", lambda: "")
     monkeypatch.setitem(entrypoints.STATUS, "regions", [])
     monkeypatch.setenv("VLLM_SHM_EMBEDS_JSON", "0")
     assert names() == ["binary"]

@@ -3,8 +3,9 @@
 
 A count is an in-memory add plus, with ``VLLM_SHM_EMBEDS_STATS_DIR`` set, a write to
 this process's ``prometheus_client`` multiprocess file (all read by :func:`read_server`,
-:func:`read_stats_dir`). Events are declared once, in :class:`Event`; callers name them.
-Never count from a finalizer (this takes a lock).
+:func:`read_stats_dir`). Events are declared once, in :class:`Event` or an extension's
+``events`` (:func:`events`); callers name them. Never count from a finalizer (this
+takes a lock).
 
 Base layer: may import the other base modules and vLLM's logger; no HTTP.
 Design notes: docs/design.md, "Module notes".
@@ -21,29 +22,34 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from vllm._shm_embeds import config
+from vllm._shm_embeds import config, extensions
 
 FAMILY = "shm_embeds_event"
 _LABELS = ("event", "role", "hop", "reason")
 _HELP = "shm-embeds events of one process (internal; see vllm:shm_embeds_* on /metrics)"
 
 
-class Event(enum.StrEnum):
-    """Every event counted (bytes in bytes); the value is the stored name (``event``
-    label, :meth:`Key.flat`). ``metric``: the ``vllm:shm_embeds_*`` family it feeds
+class EventKind(enum.StrEnum):
+    """A counted event (bytes in bytes); the value is the stored name (``event`` label,
+    :meth:`Key.flat`). ``metric``: the ``vllm:shm_embeds_*`` family it feeds
     (``ext/metrics/metrics.py``, no prefix), None: summary and tests only; ``labels``:
-    :func:`count_reason`'s, () for :func:`count`; ``doc``: what it counts."""
+    :func:`count_reason`'s, () for :func:`count`; ``doc``: what it counts. Memberless:
+    the core's are :class:`Event`, an extension's its ``EXTENSION.events``."""
 
     metric: str | None
     labels: tuple[str, ...]
     doc: str
 
     def __new__(cls, value: str, metric: str | None, doc: str,
-                labels: tuple[str, ...] = ()) -> Event:
+                labels: tuple[str, ...] = ()) -> EventKind:
         member = str.__new__(cls, value)
         member._value_ = value
         member.metric, member.doc, member.labels = metric, doc, labels
         return member
+
+
+class Event(EventKind):
+    """The core's events (:class:`EventKind`)."""
 
     # hops (the sender counts tensors/bytes; a receiver's *_shm_tensors are received)
     HOP1_SHM_TENSORS = ("hop1_shm_tensors", "tensors",
@@ -92,52 +98,9 @@ class Event(enum.StrEnum):
     ENGINE_PAGES_RELEASED = ("engine_pages_released", None,
                              "adopted segments whose pages the EngineCore let go of "
                              "once vLLM freed the request")
-    # binary bodies
-    BINARY_BODIES = ("binary_bodies", "binary_bodies", "binary request bodies accepted")
-    BINARY_TENSORS = ("binary_tensors", None, "their tensors")
-    BINARY_BYTES = ("binary_bytes", "binary_bytes", "their tensor bytes")
-    BINARY_CONVERTED_BYTES = ("binary_converted_bytes", None,
-                              "bytes of binary tensors cast to the model's dtype")
-    BINARY_REJECTED = ("binary_rejected", "binary_rejected", "binary bodies rejected", ("reason",))
-    BINARY_FALLBACK = ("binary_fallback", "binary_fallbacks",
-                       "binary tensors received into private memory", ("reason",))
-    # JSON path
-    JSON_BODIES = ("json_bodies", None, "base64 JSON bodies the JSON path decoded")
-    JSON_TENSORS = ("json_tensors", "json_tensors", "their tensors (how: loader)")
-    JSON_DIRECT_TENSORS = ("json_direct_tensors", "json_tensors",
-                           "those of them decoded straight into shared memory (how: direct)")
-    JSON_BYTES = ("json_bytes", None, "their bytes")
-    JSON_FALLBACK = ("json_fallback", "json_fallbacks",
-                     "large JSON bodies left to vLLM's decode", ("reason",))
-    JSON_DIRECT_DECLINED = ("json_direct_declined", "json_direct_declined",
-                            "JSON payloads left to vLLM's loader", ("reason",))
-    # registered regions
-    REGIONS_REGISTERED = ("regions_registered", "regions_registered", "regions registered")
-    REGION_BYTES = ("region_bytes", "region_bytes", "their bytes")
-    REGION_LEASES = ("region_leases", "region_leases", "uses of regions by requests")
-    REGION_LOOKUPS = ("region_lookups", "region_lookups",
-                      "regions looked up at the sibling API server")
-    REGION_LOOKUP_TRIMMED = ("region_lookup_trimmed", "region_lookup_trimmed",
-                             "lookup answers sent without digests")
-    REGIONS_FREED = ("regions_freed", "regions_freed", "regions whose memory was let go")
-    REGION_REQUESTS = ("region_requests", None, "requests that referenced regions")
-    REGION_TENSORS = ("region_tensors", None, "their region references")
-    REGION_UNREGISTERED = ("region_unregistered", "region_unregistered",
-                           "regions unregistered", ("reason",))
-    REGION_REFUSED = ("region_refused", "region_refused",
-                      "registrations and references refused", ("reason",))
-    REGION_LEASE_REFUSED = ("region_lease_refused", "region_lease_refused",
-                            "references that matched no registration", ("reason",))
-    # prefix-cache digests
-    HASH_API_TENSORS = ("hash_api_tensors", None, "tensors the API server hashed")
-    HASH_API_BLOCKS = ("hash_api_blocks", None, "their blocks")
-    HASH_SENT_TENSORS = ("hash_sent_tensors", None, "tensors sent with their digests")
-    HASH_ADOPTED_TENSORS = ("hash_adopted_tensors", None,
-                            "tensors whose digests the EngineCore took")
+    # prefix-cache digests the EngineCore refused (hops/hop1.py, ext/digests)
     HASH_REJECTED_META = ("hash_rejected_meta", None,
                           "digests the EngineCore refused (it hashes itself)")
-    HASH_REUSED_BLOCKS = ("hash_reused_blocks", None, "blocks whose digest was reused")
-    HASH_ENGINE_BLOCKS = ("hash_engine_blocks", None, "blocks vLLM hashed itself")
 
 
 class Key(NamedTuple):
@@ -239,7 +202,15 @@ def roles() -> list[str]:
     return sorted(_state.roles)
 
 
-def count(event: Event | None = None, n: int = 1, /, **by_name: int) -> None:
+def events() -> list[EventKind]:
+    """Every declared event: the core's, then each loaded extension's (metrics, tests)."""
+    out: list[EventKind] = list(Event)
+    for ext in extensions.loaded().values():
+        out += list(ext.events or ())
+    return out
+
+
+def count(event: EventKind | None = None, n: int = 1, /, **by_name: int) -> None:
     """Add ``n`` to a plain event; ``by_name``: ``count(segments_swept=2)`` (tests)."""
     deltas = {Key(name): v for name, v in by_name.items()}
     if event is not None:
@@ -247,12 +218,12 @@ def count(event: Event | None = None, n: int = 1, /, **by_name: int) -> None:
     _state.add(deltas)
 
 
-def count_many(deltas: Mapping[Event, int]) -> None:
+def count_many(deltas: Mapping[EventKind, int]) -> None:
     """Add to several plain events at once (one lock)."""
     _state.add({Key(event.value): n for event, n in deltas.items()})
 
 
-def count_reason(event: Event | str, reason: str, hop: str = "", n: int = 1) -> None:
+def count_reason(event: EventKind | str, reason: str, hop: str = "", n: int = 1) -> None:
     """Add ``n`` to a labelled event, e.g. ``count_reason(Event.FALLBACK, "small", hop="1")``."""
     _state.add({Key(str(event), hop, reason): n})
 

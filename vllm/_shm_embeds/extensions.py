@@ -70,6 +70,9 @@ class Extension:
         groups: its site groups, ``name ->`` :class:`Group`, patched all or none.
         provides: entries for other extensions' registries, by registry name
             (e.g. ``body_formats``: the binary extension's gate offers bodies to them).
+        settings: its ``VLLM_SHM_EMBEDS_*`` variables (``config.Setting``).
+        limits: its fixed limits (``config.Setting``; changed only by tests).
+        events: its counted events (a ``counters.EventKind`` enum), or None.
     """
 
     what: str
@@ -78,6 +81,9 @@ class Extension:
     sites: tuple[str, ...] = ()
     groups: dict[str, Group] = dataclasses.field(default_factory=dict)
     provides: dict[str, tuple] = dataclasses.field(default_factory=dict)
+    settings: tuple = ()
+    limits: tuple = ()
+    events: Any = None
 
 
 _LOADED: dict[str, Extension] | None = None

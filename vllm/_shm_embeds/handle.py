@@ -25,9 +25,8 @@ from vllm._shm_embeds.procfs import pid_namespace
 SEGMENT_PREFIX = "vllm-shm-embeds"
 HEADER_BYTES = 4096
 MAGIC = b"SHMEMB01"
-# The hop-2 wire format (pickled SharedTensorHandle, EmbedsPlaceholder, InlineEmbeds,
-# the per-step agreement): bump on any change; a worker answering another number keeps
-# its engine's hop 2 stock (``sites/multiproc_executor._workers_join``).
+# The hop-2 wire format (pickled handles and forms, the per-step agreement): bump on any
+# change; a worker answering another number keeps its engine's hop 2 stock.
 HOP2_WIRE = 2  # 2: the agreement within a stage, then StageChain (was an all-reduce over PP)
 READER_FLAGS_OFFSET = 64
 MAX_READERS = HEADER_BYTES - READER_FLAGS_OFFSET  # flag bytes per segment
@@ -39,12 +38,10 @@ class ShmEmbedsError(RuntimeError):
     """A segment could not be created, found or mapped."""
 
 
-# --------------------------------------------------------------------------
-# names
+# -- names
 
-# Canonical numbers only, so a name parses to one that prints back the same: ASCII
-# digits (``\d`` takes any Unicode digit, ``int`` reads those), no leading zero, at
-# most 20 digits (``int`` refuses over 4300), no part 0.
+# Canonical numbers only (ASCII digits, no leading zero, at most 20 digits, no part 0),
+# so a name parses to one that prints back the same.
 _NUM = r"(0|[1-9][0-9]{0,19})"
 _NAME_RE = re.compile(
     rf"{re.escape(SEGMENT_PREFIX)}\.{_NUM}\.{_NUM}\.{_NUM}\.{_NUM}(?:p([1-9][0-9]{{0,19}}))?",
@@ -54,10 +51,9 @@ _NAME_RE = re.compile(
 
 @dataclasses.dataclass(frozen=True)
 class SegmentName:
-    """The parts of a segment file name; the only place names are built and parsed:
-    the owner's ``pidns`` (inode of ``/proc/<pid>/ns/pid``, or 0), ``pid`` in it,
-    ``start`` time (clock ticks since boot; 0 if unknown), a per-owner ``seq``, and
-    ``part``, the file index of a striped segment (0: the segment's own name)."""
+    """The parts of a segment file name (the only place names are built and parsed):
+    owner's ``pidns`` (inode of ``/proc/<pid>/ns/pid``, or 0), ``pid``, ``start`` (clock
+    ticks since boot; 0 if unknown), ``seq``, and ``part`` (file index; 0: file 0)."""
 
     pidns: int
     pid: int
@@ -88,13 +84,11 @@ def part_name(name: str, index: int) -> str:
     return name if index == 0 else f"{name}p{index}"
 
 
-# --------------------------------------------------------------------------
-# handles
+# -- handles
 
 
 def torch_dtype(name: str, what: str = "handle") -> torch.dtype:
-    """The torch dtype called ``name`` (``"bfloat16"``); raises ShmEmbedsError if
-    there is none (``what`` names the object in the message)."""
+    """The torch dtype called ``name`` (``"bfloat16"``); raises ShmEmbedsError if none."""
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
         raise ShmEmbedsError(f"{what} names an unknown dtype {name!r}")
@@ -109,21 +103,13 @@ class SharedTensorHandle:
         name: segment file name (no directory part); file 0 when striped.
         dtype: torch dtype name without the ``torch.`` prefix, e.g. ``"bfloat16"``.
         shape: tensor shape, e.g. ``(num_tokens, hidden_size)``.
-        split: data byte offsets where files 1, 2, ... of a striped segment begin
-            (increasing page multiples inside the data); empty for one file.
-        flag_base: hop 2: this broadcast's first reader flag (reader ``i`` sets
-            byte ``64 + flag_base + i``); each broadcast gets flags of its own.
-        owner_pid: hop 2: pid of the owner holding ``owner_files`` open until
-            every reader of this broadcast set its flag (0: none).
-        owner_files: hop 2: ``(fd, inode)`` per file; readers open
-            ``/proc/<owner_pid>/fd/<fd>`` (works after an unlink; the inode
-            rules out a reused fd).
-        readers: hop 2: readers this broadcast has flags for (``[0, readers)``);
-            0: not a broadcast (hop 1), unchecked.
-        held: ``(pid, fd, inode)`` of the sender's sealed memfd holding the bytes
-            from offset 0 (e.g. a registered region): file 0 is then the header
-            alone and the nameless memfd is file 1, opened only through ``/proc``
-            (hop 1: the sender's fd; hop 2: ``owner_files``), mapped read-only.
+        split: data byte offsets where files 1, 2, ... begin (page multiples).
+        flag_base: hop 2: reader ``i`` sets byte ``64 + flag_base + i``.
+        owner_pid, owner_files: hop 2: the owner and its ``(fd, inode)`` per file;
+            readers open ``/proc/<owner_pid>/fd/<fd>`` (0, (): by name).
+        readers: hop 2: readers this broadcast has flags for (0: hop 1, unchecked).
+        held: ``(pid, fd, inode)`` of the sender's sealed memfd holding the bytes: file
+            0 is then the header alone and the nameless memfd is file 1.
     """
 
     name: str
@@ -149,8 +135,7 @@ class SharedTensorHandle:
         return n * self.torch_dtype.itemsize
 
     def parts(self) -> list[tuple[str, int, int]]:
-        """``(file name, first data byte, data bytes)`` for each file of the segment
-        (a held file 1 has no name in the directory: see :attr:`held`)."""
+        """``(file name, first data byte, data bytes)`` for each file of the segment."""
         if self.held:
             return [(self.name, 0, 0), (part_name(self.name, 1), 0, self.nbytes)]
         bounds = [0, *self.split, self.nbytes]
@@ -175,9 +160,7 @@ class SharedTensorHandle:
     @classmethod
     def from_meta(cls, meta: Any) -> SharedTensorHandle:
         """Inverse of :meth:`to_meta`. Raises ``ShmEmbedsError`` (only) on malformed
-        input: not a dict, a wrong field type, a negative dimension, not our segment
-        name, a split not increasing page multiples in the data, or a held file not
-        a descriptor of the name's owner."""
+        input (types, negative sizes, not our name, a bad split or held file)."""
         try:
             name, dtype, shape = meta["name"], meta["dtype"], meta["shape"]
             split, held = meta.get("split", ()), meta.get("held", ())
@@ -209,15 +192,13 @@ class SharedTensorHandle:
         return handle
 
 
-# --------------------------------------------------------------------------
-# what hop-2 readers that map nothing receive instead of a handle
+# -- what hop-2 readers that map nothing receive instead of a handle
 
 
 @dataclasses.dataclass(frozen=True)
 class EmbedsPlaceholder:
-    """Stands for a ``prompt_embeds`` tensor a reader never reads (hop 2: readers on
-    other nodes, none on the first stage), who builds :func:`placeholder_tensor` of
-    ``dtype`` (a name, e.g. ``"bfloat16"``) and ``shape`` (``(num_tokens, hidden_size)``)."""
+    """Stands for a ``prompt_embeds`` tensor a hop-2 reader never reads; it builds a
+    :func:`placeholder_tensor` of ``dtype`` (a name) and ``shape``."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -229,17 +210,14 @@ class EmbedsPlaceholder:
 
 @dataclasses.dataclass(frozen=True)
 class InlineEmbeds:
-    """A ``prompt_embeds`` tensor sent by value (hop 2) to readers on other nodes
-    when one is on the first stage: the wrapper tells the worker the step carries
-    embeds, so every rank joins the agreement. ``tensor``: vLLM's broadcast pickles
-    its bytes out of band."""
+    """A ``prompt_embeds`` tensor sent by value (hop 2) to readers on other nodes when
+    one is on the first stage; the wrapper makes every rank join the agreement."""
 
     tensor: torch.Tensor
 
 
 def placeholder_tensor(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A ``shape``/``dtype`` tensor costing one element: one NaN everywhere (zero
-    strides), a tripwire should a later stage read the values; integer dtypes get 0."""
+    """A ``shape``/``dtype`` tensor of one element (zero strides): NaN, or 0 for integers."""
     fill = float("nan") if (dtype.is_floating_point or dtype.is_complex) else 0
     return torch.full((), fill, dtype=dtype).expand(tuple(shape))
 

@@ -27,7 +27,7 @@ def _declare_env_vars() -> None:
 
     table = getattr(envs, "environment_variables", None)
     if isinstance(table, dict):
-        for name, getter in config.ENV_VARS.items():
+        for name, getter in config.env_vars().items():
             table.setdefault(name, getter)
         # internal: the private segment directory, which the server's processes inherit
         table.setdefault(private_dir.ENV, lambda: os.environ.get(private_dir.ENV))

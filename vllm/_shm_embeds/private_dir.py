@@ -2,10 +2,8 @@
 """The server's private segment directory: made once, found by its processes, gone at exit.
 
 In a shared mount (``VLLM_SHM_EMBEDS_DIR``) the first process that asks makes
-``<mount>/vllm-shm-embeds-<random>/`` (mode 0700: ``owner``, ``segments/``) and exports
-it as :data:`ENV` for the server's processes (checked by :func:`_check_dir`). The maker
-removes it at exit (:func:`remove_made`); a dead maker's goes at the next start-up
-(:func:`sweep_dead`). A mount that is already private is used as is.
+``<mount>/vllm-shm-embeds-<random>/`` (mode 0700) and exports it as :data:`ENV`; the
+maker removes it at exit. A mount that is already private is used as is.
 
 Knows directories and ``/proc`` only: no segment format, not vLLM, not HTTP.
 Design notes: docs/design.md, "Module notes".
@@ -45,8 +43,8 @@ def _is_private(st: os.stat_result) -> bool:
 
 
 def _parent_is_safe(path: str) -> bool:
-    """True if no other uid can rename or replace ``path``: its parent is sticky
-    (``/dev/shm``, ``/tmp``), or writable only by its owner, this uid or root."""
+    """True if no other uid can rename or replace ``path`` (its parent is sticky, or
+    writable only by its owner, this uid or root)."""
     try:
         st = os.stat(os.path.dirname(os.path.abspath(path)) or "/")
     except OSError:
@@ -79,8 +77,7 @@ def _mkdir_private(path: str) -> None:
 
 
 def _make(mount: str) -> str:
-    """Make ``<mount>/<PREFIX><random>/segments``; returns the outer directory. Raises
-    OSError (:class:`UnsafeDirectory`, EEXIST after :data:`_TRIES` names, ENOSPC ...)."""
+    """Make ``<mount>/<PREFIX><random>/segments``; the outer directory. Raises OSError."""
     if not _parent_is_safe(os.path.join(mount, "x")):
         raise UnsafeDirectory(errno.EPERM, "other users may rename entries of the directory "
                               "(writable by them and not sticky)")
@@ -113,10 +110,8 @@ def resolve(mount: str) -> str:
         found = _resolved.get(mount)
         if found is not None and (_state["closed"] or os.path.isdir(found)
                                   or not _remade_here(mount, found)):
-            # Once removed at exit, never made again (it would be left behind). A
-            # process that did not make it (EngineCore, worker) does not remake it: its
-            # maker removed it as the server exits, and this process may be killed
-            # first (vLLM SIGKILLs an offline EngineCore 5 s after SIGTERM). Stock path.
+            # Never remade once removed at exit, nor by a process that did not make it:
+            # it would be left behind (vLLM may SIGKILL an EngineCore). Stock path.
             return found
         st = os.lstat(mount)
         if _is_private(st) and _parent_is_safe(mount):
@@ -139,8 +134,7 @@ def resolve(mount: str) -> str:
 
 
 def _remade_here(mount: str, found: str) -> bool:
-    """True if ``found`` (now gone) may be replaced here: the mount itself, or a
-    directory this very process made (not inherited, nor its parent's before a fork)."""
+    """True if ``found`` (now gone) is the mount or a directory this very process made."""
     return found == mount or _made.get(os.path.dirname(found)) == os.getpid()
 
 
@@ -166,8 +160,7 @@ def remove_made() -> int:
 
 
 def read_owner(outer: str) -> tuple[int, int, int] | None:
-    """The maker recorded in ``outer``'s owner file, or None. Never blocks: opened
-    ``O_NONBLOCK``, read only if a regular file (a planted FIFO would hang a read)."""
+    """The maker recorded in ``outer``'s owner file, or None. Never blocks (on a FIFO)."""
     try:
         fd = os.open(os.path.join(outer, OWNER_FILE),
                      os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
@@ -183,8 +176,7 @@ def read_owner(outer: str) -> tuple[int, int, int] | None:
 
 def sweep_dead(mount: str) -> int:
     """Remove this uid's private directories in ``mount`` whose maker (in this PID
-    namespace) is certainly dead: what a killed server left; anything else at a name
-    like ours is left alone. Never raises. Returns the number removed."""
+    namespace) is certainly dead; how many. Never raises."""
     removed = 0
     ns = pid_namespace()
     try:

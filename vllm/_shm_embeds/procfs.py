@@ -20,9 +20,8 @@ def pid_namespace() -> int:
 
 
 def proc_stat(pid: int) -> list[bytes] | None:
-    """Fields 3 onwards of ``/proc/<pid>/stat`` (``proc(5)``: [0] the state,
-    [1] the parent pid, [19] the start time in clock ticks since boot); None
-    if ``pid`` is gone, unreadable or a zombie (killed, not yet reaped).
+    """Fields 3 onwards of ``/proc/<pid>/stat`` (``proc(5)``: [0] state, [1] parent pid,
+    [19] start time in clock ticks since boot); None if gone, unreadable or a zombie.
     Raises ValueError: the file does not read as ``proc(5)`` says."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -48,9 +47,7 @@ def proc_start_time(pid: int) -> int | None:
 
 def owner_is_dead(pid: int, start: int) -> bool:
     """True only when process ``pid``, started at ``start`` (clock ticks since boot, 0 if
-    unknown), is certainly gone: ``kill(pid, 0)`` says ESRCH, or ``/proc`` shows a zombie
-    or another start time. With ``/proc`` unreadable or ``start`` 0 a pid that exists is
-    alive: a sweep must never remove a live owner's segment."""
+    unknown), is certainly gone; when in doubt (``/proc`` unreadable, ``start`` 0) False."""
     if not 0 < pid < 1 << 22:  # PID_MAX_LIMIT: no such process can exist
         return False  # not a name of ours: keep it
     try:

@@ -3,7 +3,6 @@
 
 May import: base.
 
-(base: the modules at the package's top.) Of vLLM only ``vllm.logger``; nothing of
-lifetime, hops or sites. ``tests/test_registry_tables.py`` (``LAYERS``) fails on any
-other import.
+(base: the modules at the package's top.) Of vLLM only ``vllm.logger``; checked by
+``LAYERS`` in ``tests/test_registry_tables.py``.
 """

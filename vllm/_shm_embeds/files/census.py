@@ -1,11 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """What our segment files hold in the segment directory, counted off every caller's thread.
 
-For the budget (``transfer.check_budget``): this process's writes and unlinks count at
-once (:meth:`Census.wrote`, :meth:`Census.unlinked`), the other processes' files by a
-walk (``segment_dir.held_bytes``) on a thread of its own, one at a time, started by a
-count older than :data:`MIN_INTERVAL_S`. Every error but the others' newest files is on
-the safe side (more counted, the stock path sooner).
+For the budget: this process's writes and unlinks count at once, the other processes'
+files by a walk on a thread of its own, started by a count older than
+:data:`MIN_INTERVAL_S`. Errors are on the safe side (more counted).
 
 Knows segment files, not vLLM and not HTTP.
 Design notes: docs/design.md, "Module notes".

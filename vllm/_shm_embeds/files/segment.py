@@ -31,8 +31,7 @@ WRITE_CHUNK_BYTES = 64 << 20  # writers check for a peer's failure this often
 
 
 class BudgetExceeded(OSError):
-    """A new segment would take this server's segments over their budget
-    (``VLLM_SHM_EMBEDS_MAX_BYTES``); an ENOSPC of our own making."""
+    """ENOSPC: a new segment would exceed ``VLLM_SHM_EMBEDS_MAX_BYTES``."""
 
     def __init__(self, nbytes: int, held: int, budget: int) -> None:
         super().__init__(errno.ENOSPC, f"{nbytes} more bytes would take shm-embeds' segments "
@@ -48,8 +47,7 @@ class TooManySegments(OSError):
 
 
 def fallback_reason(e: OSError) -> str:
-    """The counter reason for a segment not made: ``budget``, ``segments``,
-    ``no_space`` (ENOSPC: the directory is full or too small) or ``os_error``."""
+    """The counter reason: ``budget``, ``segments``, ``no_space`` or ``os_error``."""
     if isinstance(e, BudgetExceeded):
         return "budget"
     if isinstance(e, TooManySegments):
@@ -57,17 +55,15 @@ def fallback_reason(e: OSError) -> str:
     return "no_space" if e.errno == errno.ENOSPC else "os_error"
 
 
-# --------------------------------------------------------------------------
-# writing
+# -- writing
 
 HEADER = MAGIC.ljust(HEADER_BYTES, b"\0")  # a new segment's first page
 _MAX_IO = 0x7FFFF000  # Linux moves at most this many bytes per write call
 
 
 def pwrite_all(fd: int, buf: memoryview, offset: int, failed: list | None = None) -> None:
-    """Write all of ``buf`` at ``offset``; raises OSError (e.g. ENOSPC). ``failed`` is
-    shared by one segment's writers: one that raises appends to it, and the others
-    stop at their next chunk (:data:`WRITE_CHUNK_BYTES`)."""
+    """Write all of ``buf`` at ``offset``; raises OSError (e.g. ENOSPC). ``failed``,
+    shared by one segment's writers: an error is appended, and the others stop."""
     done = 0
     step = min(_MAX_IO, WRITE_CHUNK_BYTES)
     try:
@@ -87,13 +83,9 @@ def write_segment(
     data: memoryview,
     pool: concurrent.futures.Executor | None,
 ) -> list[int]:
-    """Create the files of ``handle`` in ``directory`` and write header and data.
-
-    ``pwrite``: one kernel copy, no page faults here; a full tmpfs is ENOSPC, never
-    SIGBUS. File 0 is written by the calling thread, files 1.. by ``pool`` (None for
-    one file). ``data``: ``handle.nbytes`` bytes, C-contiguous. Returns the open fds
-    in order (the caller closes them). Raises OSError, after removing the files made
-    (every writer has returned before any fd is closed or file unlinked).
+    """Create the files of ``handle`` and ``pwrite`` header and ``data`` (``handle.nbytes``
+    bytes, C-contiguous); files 1.. are written by ``pool``. Returns the open fds (the
+    caller closes them). Raises OSError (ENOSPC, never SIGBUS), after removing the files.
     """
     parts = handle.parts()
     fds: list[int] = []
@@ -119,8 +111,7 @@ def write_segment(
         error = e
         failed.append(e)
     finally:
-        # Every writer must be done before a descriptor is closed: a closed
-        # fd number can be reused at once, and a late pwrite would land there.
+        # A closed fd number can be reused at once: a late pwrite would land there.
         concurrent.futures.wait(futures)
     for f in futures:
         if error is None and f.exception() is not None:
@@ -133,8 +124,7 @@ def write_segment(
     return fds
 
 
-# --------------------------------------------------------------------------
-# mapping
+# -- mapping
 
 _MAP_FIXED = 0x10  # Linux, every architecture vLLM runs on
 _MAP_NORESERVE = 0x4000
@@ -165,13 +155,9 @@ def _base(mm: mmap.mmap) -> int:
 
 
 def map_files(fds: list[int], sizes: list[int], prot: int | list[int]) -> mmap.mmap:
-    """Map the files of a segment back to back as one mapping.
-
-    An anonymous reservation of the whole size (so ``munmap`` follows the Python
-    object), then each file over its slice with ``MAP_FIXED`` and ``prot`` (one, or
-    one per file); all but the last file are page multiples. Keeps no dup of the fd
-    (unlike ``mmap.mmap(fd)``), so :func:`drop_pages` can let go of the pages.
-    """
+    """Map the files of a segment back to back as one mapping (``MAP_FIXED`` over an
+    anonymous reservation), ``prot`` one or one per file; all but the last file are page
+    multiples. Keeps no dup of the fd, so :func:`drop_pages` can let go of the pages."""
     prots = prot if isinstance(prot, list) else [prot] * len(fds)
     mm = mmap.mmap(-1, sum(sizes),
                    flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
@@ -187,21 +173,17 @@ def map_files(fds: list[int], sizes: list[int], prot: int | list[int]) -> mmap.m
 
 
 def drop_pages(mm: mmap.mmap) -> None:
-    """Map read-only private zero pages over all of ``mm`` (from :func:`map_files`):
-    this process lets go of the files' pages, tensors over ``mm`` stay valid and read
-    zeros (a request that ended). Read-only pages are never charged to the commit
-    limit; a write faults. Raises OSError."""
+    """Map read-only zero pages over all of ``mm``: the files' pages are let go, tensors
+    over ``mm`` stay valid and read zeros. Raises OSError."""
     if not mm.closed:
         _mmap_fixed(_base(mm), len(mm), mmap.PROT_READ,
                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1)
 
 
 def open_held(pid: int, fd: int, inode: int, nbytes: int) -> int:
-    """Open a held file (a sealed memfd) read-only via ``/proc/<pid>/fd/<fd>`` (hop 1:
-    the sender's fd). The number may have been reused: ``O_NONBLOCK`` (a FIFO never
-    blocks), and only a memfd (by its link, before any I/O) of that inode and size.
-    Raises ShmEmbedsError: gone (its holder let it go), another file, or the wrong size.
-    """
+    """Open a held file (a sealed memfd) read-only via ``/proc/<pid>/fd/<fd>``; the number
+    may have been reused, so only a memfd of that inode and size is accepted.
+    Raises ShmEmbedsError: gone, another file, or the wrong size."""
     path = f"/proc/{pid}/fd/{fd}"
     try:
         if not os.readlink(path).startswith("/memfd:"):
@@ -237,9 +219,8 @@ def _open_by_owner_fd(handle: SharedTensorHandle, writable_first: bool) -> list[
 def open_files(
     directory: str, handle: SharedTensorHandle, reader: bool
 ) -> list[int]:
-    """Open every file of ``handle``, by the owner's fds when given, else by name; file
-    0 read/write (readers set their flag), the others read-only for a reader. Raises
-    ShmEmbedsError if a file is missing."""
+    """Open every file of ``handle``, by the owner's fds when given, else by name (file 0
+    read/write). Raises ShmEmbedsError if a file is missing."""
     fds = _open_by_owner_fd(handle, writable_first=True) if reader else None
     if fds is not None:
         return fds
@@ -271,13 +252,10 @@ def map_segment(
     reader_index: int | None = None,
     fds: list[int] | None = None,
 ) -> mmap.mmap:
-    """Map an existing segment (all its files) after checking sizes and magic.
-
-    With ``reader_index`` (a reader) the mapping is read-only (a stray write in one TP
-    rank faults there) and the flag ``64 + handle.flag_base + reader_index`` is set by
-    ``pwrite``; the owner maps read/write. ``fds``: open descriptors of the files
-    (kept open); else they are opened (:func:`open_files`) and closed again. Raises
-    ShmEmbedsError: a file is missing, has the wrong size, or no header.
+    """Map an existing segment after checking sizes and magic: read-only with a
+    ``reader_index`` (its flag is then set), else read/write. ``fds``: the files, kept
+    open; else opened and closed again.
+    Raises ShmEmbedsError: a file is missing, has the wrong size, or no header.
     """
     reader = reader_index is not None
     prot = mmap.PROT_READ if reader else mmap.PROT_READ | mmap.PROT_WRITE
@@ -310,8 +288,7 @@ def map_segment(
 
 
 def tensor_view(mm: mmap.mmap, handle: SharedTensorHandle) -> tuple[torch.Tensor, Any]:
-    """Zero-copy tensor over a mapped segment's data: ``(tensor, anchor)``, ``anchor``
-    the buffer the storage keeps alive; it dies (weakref callbacks run) exactly when
+    """Zero-copy ``(tensor, anchor)`` over a mapped segment's data; ``anchor`` dies when
     the last tensor or view over that storage is gone."""
     nbytes = handle.nbytes
     anchor = memoryview(mm)
@@ -334,10 +311,8 @@ def within(mm: mmap.mmap, tensor: torch.Tensor) -> bool:
 
 
 def view_within(mm: mmap.mmap, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """A tensor equal to ``tensor`` (in ``mm``: same pages, dtype, shape, strides) whose
-    storage has an anchor of its own: ``(view, anchor)`` as :func:`tensor_view`;
-    ``anchor`` dies when the last tensor, view or exported buffer (e.g. a ZMQ frame's)
-    over ``view``'s storage is gone, whatever holds ``tensor``."""
+    """``(view, anchor)`` as :func:`tensor_view`: ``view`` equals ``tensor`` (same pages,
+    dtype, shape, strides in ``mm``) with a storage and anchor of its own."""
     storage = tensor.untyped_storage()
     anchor = memoryview(mm)
     with warnings.catch_warnings():
@@ -355,8 +330,7 @@ def read_flags(mm: mmap.mmap, flag_base: int, readers: int) -> bytes:
     return mm[start : start + readers]
 
 
-# --------------------------------------------------------------------------
-# unlinking and renaming
+# -- unlinking and renaming
 
 
 def unlink_quietly(path: str) -> bool:
@@ -376,8 +350,7 @@ def unlink_segment(directory: str, name: str, nparts: int) -> bool:
     return first
 
 
-# --------------------------------------------------------------------------
-# adopting a peer's file under a name of ours
+# -- adopting a peer's file under a name of ours
 
 _RENAME_NOREPLACE = 1  # <linux/fs.h>
 _AT_FDCWD = -100
@@ -386,10 +359,7 @@ _renameat2: Any = None  # the libc function, False where it is missing
 
 def rename_noreplace(src: str, dst: str) -> None:
     """Rename ``src`` to ``dst`` unless ``dst`` exists (``FileExistsError``); OSError.
-
-    ``renameat2(RENAME_NOREPLACE)`` (glibc 2.28+, Linux 3.15+): a name planted at
-    ``dst`` is never replaced or followed. Where that is missing or refused, ``link``
-    + ``unlink`` (``link`` never replaces; both names exist for a moment).
+    ``renameat2(RENAME_NOREPLACE)`` (glibc 2.28+, Linux 3.15+), else ``link`` + ``unlink``.
     """
     global _renameat2
     if _renameat2 is None:

@@ -17,8 +17,7 @@ from vllm._shm_embeds.procfs import owner_is_dead
 
 
 def our_file(st: os.stat_result) -> bool:
-    """True if ``st`` (``os.lstat``) is a regular file of this user, the only kind a
-    segment of ours can be; anything else at a name like ours is left alone."""
+    """True if ``st`` (``os.lstat``) is a regular file of this user (a segment of ours)."""
     return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
 
 
@@ -37,9 +36,7 @@ def list_segments(directory: str) -> list[tuple[str, SegmentName]]:
 
 
 def sweep(directory: str, pidns: int) -> int:
-    """Unlink the :func:`our_file` files in ``directory`` whose owner, in PID namespace
-    ``pidns`` only, is certainly dead (``procfs.owner_is_dead``). Never raises. Returns
-    the number of segments (file 0s) removed."""
+    """Unlink our files whose owner (in ``pidns``) is certainly dead; how many. Never raises."""
     removed = 0
     verdict: dict[tuple[int, int], bool] = {}
     for n, parsed in list_segments(directory):
@@ -61,8 +58,8 @@ def sweep(directory: str, pidns: int) -> int:
 
 def held_bytes(directory: str, owners: set[int] | None = None,
                pidns: int | None = None) -> int:
-    """Bytes (allocated blocks) our :func:`our_file` segment files in ``directory`` hold
-    now; with ``owners``, only those pids' files in PID namespace ``pidns``."""
+    """Bytes (allocated blocks) our segment files in ``directory`` hold; with ``owners``,
+    only those pids' in PID namespace ``pidns``."""
     held = 0
     for name, parsed in list_segments(directory):
         if owners is not None and (parsed.pid not in owners or parsed.pidns != pidns):

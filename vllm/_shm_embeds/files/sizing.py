@@ -27,10 +27,8 @@ def _human(n: float) -> str:
 
 
 def check_dir_size(vllm_config: Any, directory: str | None = None) -> str | None:
-    """The start-up warning if the directory's file system (``statvfs``) is smaller than
-    :func:`dir_need_bytes` of ``scheduler_config.max_num_seqs``, ``model_config``'s
-    ``max_model_len``, ``get_hidden_size()``, ``dtype`` and
-    ``parallel_config.data_parallel_size_local`` (vllm 0.32/0.33); else None."""
+    """The start-up warning if the directory's file system is smaller than
+    :func:`dir_need_bytes` for ``vllm_config`` (vLLM 0.32/0.33 field names); else None."""
     directory = directory or shm_dir()
     mc, sc = vllm_config.model_config, vllm_config.scheduler_config
     pc = vllm_config.parallel_config

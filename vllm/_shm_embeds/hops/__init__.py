@@ -7,6 +7,5 @@ that cross hop 2 and their version (``HOP2_WIRE``) are ``handle.py``'s.
 
 May import: base, files, lifetime.
 
-Of vLLM only ``vllm.logger`` (its protocols are duck-typed);
-``tests/test_registry_tables.py`` (``LAYERS``) fails on any other import.
+Of vLLM only ``vllm.logger``, its protocols duck-typed (``LAYERS`` in the tests).
 """

@@ -3,10 +3,8 @@
 
 vLLM's ``MsgpackEncoder`` (``vllm/v1/serial_utils.py``, 0.32/0.33) offers every large
 tensor to an out-of-band *consumer*, which may return metadata to send instead; the
-EngineCore's decoder gives it to a *provider*, which returns the tensor.
-:class:`HandleOOBConsumer` copies the request's ``prompt_embeds`` once into a segment
-(or hands over a streamed one) and sends the handle, with any prefix-cache digests;
-:class:`HandleOOBProvider` adopts the segment (``rename``, ``mmap``, no copy).
+decoder gives that to a *provider*, which returns the tensor. :class:`HandleOOBConsumer`
+sends a segment handle; :class:`HandleOOBProvider` adopts the segment, no copy.
 
 Duck-types vLLM's protocols; imports nothing of vLLM's classes or HTTP.
 """
@@ -35,8 +33,7 @@ from vllm._shm_embeds.lifetime.transfer import (
 
 
 def digests_module() -> Any:
-    """The ``digests`` extension's module, or None without it (the EngineCore
-    then hashes as stock vLLM does)."""
+    """The ``digests`` extension's module, or None without it."""
     return extensions.get("digests", "digests")
 
 logger = init_logger(__name__)
@@ -45,32 +42,27 @@ META_KEY = "shm_embeds"
 
 
 class HandleOOBConsumer:
-    """Sender side of hop 1: sends the tensor passed to :meth:`arm` (the request's
-    ``prompt_embeds``) as a segment handle; every other tensor goes to ``inner`` (e.g.
-    vLLM's ``TensorIpcSender``) or inline. Duck-types ``MsgpackEncoder``'s consumer
-    (``__call__(tensor) -> dict | None``, ``new_message()``). Segments made for a message
-    are kept until :meth:`take_created`, so the caller can remove them on failure.
-    """
+    """Sender side of hop 1: sends the tensor passed to :meth:`arm` as a segment handle;
+    every other tensor goes to ``inner`` (e.g. vLLM's ``TensorIpcSender``) or inline.
+    Duck-types ``MsgpackEncoder``'s consumer (``__call__(tensor) -> dict | None``,
+    ``new_message()``)."""
 
     def __init__(self, inner: Any = None, block_tokens: int | None = None,
                  local_engines: frozenset[bytes] | None = None) -> None:
         self.inner = inner
         self.block_tokens = block_tokens  # prefix-cache rows per digest, None: off
-        # EngineCores that share this host's segments (ZMQ identities), None: all.
-        self.local_engines = local_engines
+        self.local_engines = local_engines  # this host's EngineCores' ZMQ identities; None: all
         self._armed: torch.Tensor | None = None
         self._created: list[SharedTensorHandle] = []
         self._to_local = True
 
     def send_to(self, engine: bytes | None) -> None:
-        """The next messages go to ``engine`` (a ZMQ identity; None: this
-        client's only or first one): one on another node gets the bytes."""
+        """The next messages go to ``engine`` (a ZMQ identity; None: the first one)."""
         self._to_local = (self.local_engines is None or engine is None
                           or engine in self.local_engines)
 
     def arm(self, tensor: torch.Tensor | None) -> None:
-        """Mark the tensor to send through shm in the next encoded message
-        (not for an EngineCore on another node: counted stock, ``remote_engine``)."""
+        """Mark the tensor to send through shm in the next message (not to another node)."""
         if tensor is not None and not self._to_local:
             if isinstance(tensor, torch.Tensor):
                 count_many({Event.HOP1_STOCK_TENSORS: 1,
@@ -92,8 +84,7 @@ class HandleOOBConsumer:
         if tensor is self._armed:
             self._armed = None
             holder = held_by(tensor)
-            # A streamed segment (binary body) goes as it is, whatever its size;
-            # a held file (e.g. a registered region) by the sender's descriptor of it.
+            # a streamed segment goes as it is, whatever its size; a held file by its fd
             handover = hand_over(tensor) if holder is None else None
             reason = None if handover is not None or holder is not None else eligible(tensor)
             if reason is None:
@@ -124,8 +115,8 @@ class HandleOOBConsumer:
         return self.inner(tensor) if self.inner is not None else None
 
     def _copy(self, tensor: torch.Tensor) -> tuple[SharedTensorHandle, Any]:
-        """Copy ``tensor`` into a new segment, hashing its blocks meanwhile (prefix caching
-        on, no digests attached yet): the handle and digests (or None). Raises OSError."""
+        """Copy ``tensor`` into a new segment, hashing its blocks meanwhile if asked: the
+        handle and digests (or None). Raises OSError."""
         hashing = None
         digests = digests_module()
         if (self.block_tokens and digests is not None and tensor.dim() == 2
@@ -151,18 +142,15 @@ ADOPT_FAILED_MESSAGE = (
 
 class HandleOOBProvider:
     """Receiver side of hop 1: adopts segments named in OOB tensor metadata (duck-types
-    vLLM's ``OOBTensorProvider``: ``(dtype, shape, meta) -> tensor``); other metadata
-    goes to ``inner``. A handle not adopted yields an empty tensor :meth:`is_failed`
-    knows, so the caller rejects the request instead of crashing its input thread."""
+    vLLM's ``OOBTensorProvider``); other metadata goes to ``inner``. A handle not adopted
+    yields a tensor :meth:`is_failed` knows, so the caller rejects the request."""
 
     def __init__(self, inner: Any = None) -> None:
         self.inner = inner
         self._failed: dict[int, weakref.ref] = {}
 
     def __call__(self, dtype: str, shape: tuple[int, ...], meta: dict) -> torch.Tensor:
-        """The tensor for one out-of-band tensor's metadata, on vLLM's input-socket thread:
-        never raises for ours (an error gives a failed tensor, counted ``fallback``
-        ``adopt_failed``, hop 1; the request is rejected); other metadata is ``inner``'s."""
+        """The tensor for one out-of-band tensor's metadata; never raises for ours."""
         if not isinstance(meta, dict) or META_KEY not in meta:
             if self.inner is not None:
                 return self.inner(dtype, shape, meta)
@@ -187,8 +175,7 @@ class HandleOOBProvider:
         return tensor
 
     def _fail(self, e: Exception | str) -> torch.Tensor:
-        """A failed tensor (:meth:`is_failed`) for a handle that could not be
-        adopted; logged and counted. Never raises."""
+        """A failed tensor (:meth:`is_failed`), logged and counted. Never raises."""
         logger.warning("shm-embeds: rejecting a request's prompt_embeds: %s", e,
                        exc_info=not isinstance(e, (str, ShmEmbedsError)))
         count_reason(Event.FALLBACK, "adopt_failed", hop="1")
@@ -199,8 +186,7 @@ class HandleOOBProvider:
         return tensor
 
     def is_failed(self, tensor: Any) -> str | None:
-        """A client-safe error message if ``tensor`` stands for a handle that
-        could not be adopted (no segment name or path in it), else None."""
+        """A client-safe error message if ``tensor`` is a failed one, else None."""
         ref = self._failed.get(id(tensor))
         if ref is None or ref() is not tensor:
             return None

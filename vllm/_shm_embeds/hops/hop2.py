@@ -1,12 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Hop 2, EngineCore -> every TP worker: handles instead of tensors in the broadcast.
 
-Around the ``SchedulerOutput`` broadcast (``sites/multiproc_executor.py``),
-:func:`externalize_prompt_embeds` swaps each eligible ``prompt_embeds`` for a handle
-while the message is enqueued (:func:`restore_prompt_embeds` puts it back); each worker
-maps it again (:func:`internalize_prompt_embeds`) before its model runner sees the
-step. :func:`reader_plan` says what each kind of reader gets; :func:`all_ranks_ok` and
-:class:`StageChain` make every rank end a step the same way when one could not map.
+:func:`externalize_prompt_embeds` swaps each eligible ``prompt_embeds`` for a handle while
+the ``SchedulerOutput`` is enqueued; each worker maps it back
+(:func:`internalize_prompt_embeds`), and all ranks agree whether all could.
 
 Works on any objects with a ``prompt_embeds`` attribute; knows nothing of vLLM's
 classes or of HTTP. Design notes: docs/design.md, "Module notes".
@@ -51,15 +48,10 @@ logger = init_logger(__name__)
 
 
 def externalize(tensor: torch.Tensor, readers: int) -> SharedTensorHandle:
-    """Handle for ``tensor`` to broadcast to ``readers`` local readers (hop 2).
-
-    A tensor already in a segment this process owns is sent without a copy, any other
-    copied once into a new one. This broadcast gets reader flags of its own; the name
-    is unlinked once all readers of its broadcasts mapped it and the request is done
-    with ``tensor`` (``owned.OwnedSegments.collect``, ``transfer.release_adopted``).
-    Raises OSError (no new segment: the caller keeps the stock path) or ValueError
-    (``readers`` over :data:`MAX_READERS`).
-    """
+    """Handle for ``tensor`` to broadcast to ``readers`` local readers (hop 2), with
+    reader flags of its own: a segment this process owns is reused, else ``tensor`` is
+    copied once into a new one. Raises OSError (no new segment) or ValueError (``readers``
+    over :data:`MAX_READERS`)."""
     if not 0 < readers <= MAX_READERS:
         raise ValueError(f"readers must be in 1..{MAX_READERS}, got {readers}")
     owned = process.current().owned
@@ -70,8 +62,7 @@ def externalize(tensor: torch.Tensor, readers: int) -> SharedTensorHandle:
         return handle
     new, fds = create_segment(tensor)
     try:
-        # (no dup of the fd, unlike mmap.mmap(fd): the fds close once the
-        # broadcasts settle, while the request keeps the name)
+        # (no dup of the fd, unlike mmap.mmap(fd): the fds close once the broadcasts settle)
         mm = seg.map_files(fds[:1], [HEADER_BYTES], mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         for fd in fds:
@@ -86,8 +77,7 @@ def externalize(tensor: torch.Tensor, readers: int) -> SharedTensorHandle:
     return handle
 
 
-# --------------------------------------------------------------------------
-# who reads the broadcast
+# -- who reads the broadcast
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,13 +85,11 @@ class ReaderPlan:
     """What each reader of one engine's broadcast gets (hop 2).
 
     Attributes:
-        handle_readers: local first-stage readers: they map the handles; each
-            broadcast has flags for them alone.
-        local_later: local later-stage readers: the same handles (one ring message
-            for all local readers), mapped by none.
-        remote: readers on other nodes (one socket, one message for all).
-        remote_bytes: some remote reader is on the first stage: the remote readers
-            get :class:`InlineEmbeds`, else an :class:`EmbedsPlaceholder`.
+        handle_readers: local first-stage readers, which map the handles (and have flags).
+        local_later: local later-stage readers: the same handles, mapped by none.
+        remote: readers on other nodes.
+        remote_bytes: remote readers get :class:`InlineEmbeds` (some is on the first
+            stage), else an :class:`EmbedsPlaceholder`.
     """
 
     handle_readers: int
@@ -138,8 +126,7 @@ def reader_plan(first_stage: int, n_local: int, n_remote: int) -> ReaderPlan:
 
 
 def remote_form(tensor: torch.Tensor, plan: ReaderPlan) -> EmbedsPlaceholder | InlineEmbeds:
-    """What ``plan``'s remote readers get instead of the handle: the bytes (over a
-    ``transfer.send_view``: no copy) or a placeholder."""
+    """What ``plan``'s remote readers get instead of the handle: the bytes or a placeholder."""
     if plan.remote_bytes:
         return InlineEmbeds(send_view(tensor))
     return EmbedsPlaceholder(dtype_name(tensor.dtype), tuple(tensor.shape))
@@ -157,8 +144,7 @@ EMBEDS_FORMS = (SharedTensorHandle, EmbedsPlaceholder, InlineEmbeds)
 
 
 def carries_embeds(new_reqs: Iterable[Any] | None) -> bool:
-    """True if some ``prompt_embeds`` of ``new_reqs`` is one of ours
-    (:data:`EMBEDS_FORMS`): then every rank must join :func:`all_ranks_ok`."""
+    """True if some ``prompt_embeds`` of ``new_reqs`` is one of :data:`EMBEDS_FORMS`."""
     return any(isinstance(getattr(r, "prompt_embeds", None), EMBEDS_FORMS)
                for r in new_reqs or ())
 
@@ -166,10 +152,9 @@ def carries_embeds(new_reqs: Iterable[Any] | None) -> bool:
 def externalize_prompt_embeds(
     new_reqs: Iterable[Any], readers: int
 ) -> list[tuple[Any, torch.Tensor]]:
-    """Swap each eligible ``prompt_embeds`` tensor on ``new_reqs`` (e.g. vLLM's
-    ``NewRequestData`` of ``SchedulerOutput.scheduled_new_reqs``) for a handle; the
-    others stay (stock path, counted ``hop2_stock_*``). Returns ``(obj, tensor)`` pairs
-    for :func:`restore_prompt_embeds` once the message is serialized."""
+    """Swap each eligible ``prompt_embeds`` tensor on ``new_reqs`` (vLLM's
+    ``NewRequestData``) for a handle; ``(obj, tensor)`` pairs for
+    :func:`restore_prompt_embeds`."""
     swapped: list[tuple[Any, torch.Tensor]] = []
     for req in new_reqs:
         tensor = getattr(req, "prompt_embeds", None)
@@ -196,9 +181,8 @@ def externalize_prompt_embeds(
 
 
 def send_views(new_reqs: Iterable[Any]) -> list[tuple[Any, torch.Tensor]]:
-    """Swap each ``prompt_embeds`` tensor left on ``new_reqs`` (hop 2 stock) that a
-    mapping of ours holds for its ``transfer.send_view``, so its pages stay while vLLM's
-    zero-copy send reads them; ``(obj, tensor)`` pairs for :func:`restore_prompt_embeds`."""
+    """Swap each ``prompt_embeds`` tensor on ``new_reqs`` that a mapping of ours holds for
+    its ``transfer.send_view``; ``(obj, tensor)`` pairs for :func:`restore_prompt_embeds`."""
     swapped: list[tuple[Any, torch.Tensor]] = []
     for req in new_reqs:
         tensor = getattr(req, "prompt_embeds", None)
@@ -218,16 +202,13 @@ def restore_prompt_embeds(swapped: list[tuple[Any, torch.Tensor]]) -> None:
 
 def internalize_prompt_embeds(new_reqs: Iterable[Any], reader_index: int | None,
                               first_stage: bool = True) -> int:
-    """Replace each of our forms in ``new_reqs[i].prompt_embeds`` by a tensor, in each
-    worker before the model runner sees the step; returns the number mapped. On the
-    first stage a handle is mapped and :class:`InlineEmbeds` unwrapped; on a later one
-    every form becomes :func:`handle.placeholder_tensor` (nothing mapped or flagged;
-    counted ``hop2_placeholder_tensors``).
+    """Replace each of our forms in ``new_reqs[i].prompt_embeds`` by a tensor (worker);
+    returns the number mapped. On a later stage every form becomes a
+    :func:`handle.placeholder_tensor`.
 
     Raises:
-        ShmEmbedsError: the first error (a segment not mapped, a reader index beyond
-            the broadcast's readers, a placeholder on the first stage); every form is
-            still tried, so the owner's books stay consistent.
+        ShmEmbedsError: the first error (segment not mapped, reader index out of range,
+            placeholder on the first stage), after every form was tried.
     """
     n = placeholders = 0
     first: ShmEmbedsError | None = None
@@ -268,8 +249,7 @@ def internalize_prompt_embeds(new_reqs: Iterable[Any], reader_index: int | None,
 
 
 def internalize(handle: SharedTensorHandle, reader_index: int | None = None) -> torch.Tensor:
-    """The tensor a hop-2 handle names, mapped read-only, no copy (the public reader side
-    of :func:`externalize`). Raises ShmEmbedsError: the segment is gone or mismatched."""
+    """The tensor a hop-2 handle names, mapped read-only. Raises ShmEmbedsError."""
     return open_tensor(handle, reader_index)
 
 
@@ -281,12 +261,8 @@ STAGE_TAG = 0x53484D45
 class StageChain:
     """Carries each embeds step's outcome down the pipeline stages (hop 2).
 
-    Each stage agrees within itself first (:func:`all_ranks_ok`); a later stage then
-    waits for the one before it (``recv``; it waits for its intermediate tensors anyway)
-    and sends on with ``isend``, never waiting for a later stage, so the first stage
-    may start step N while the last is in N-1, as in stock. ``pp``: vLLM's PP
-    ``GroupCoordinator`` (``world_size``, ``is_first_rank``, ``is_last_rank``,
-    ``prev_rank``, ``next_rank``, ``cpu_group``; ``vllm/distributed/parallel_state.py``
+    A stage ``recv``s the one before it and ``isend``s on, never waiting for a later
+    stage. ``pp``: vLLM's PP ``GroupCoordinator`` (``vllm/distributed/parallel_state.py``
     0.32/0.33). Every rank calls :meth:`agree` once per embeds step, in the same order.
     """
 
@@ -313,10 +289,7 @@ class StageChain:
 
 
 def all_ranks_ok(ok: bool, groups: Iterable[Any]) -> bool:
-    """True if every rank of every group in ``groups`` says ``ok``: one ``all_reduce``
-    per group of more than one rank (vLLM's ``GroupCoordinator``: ``world_size``,
-    ``cpu_group``, ``vllm/distributed/parallel_state.py`` 0.32/0.33). Every rank calls
-    it in the same order (once per step carrying handles)."""
+    """True if every rank of every ``GroupCoordinator`` says ``ok`` (all call in order)."""
     import torch.distributed as dist
 
     flag = torch.tensor([0 if ok else 1], dtype=torch.int32)

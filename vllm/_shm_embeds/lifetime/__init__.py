@@ -8,6 +8,5 @@ body written into a segment as it arrives, handed over at hop 1 without a copy).
 
 May import: base, files.
 
-Of vLLM only ``vllm.logger``; ``tests/test_registry_tables.py`` (``LAYERS``) fails on
-any other import.
+Of vLLM only ``vllm.logger`` (``LAYERS`` in ``tests/test_registry_tables.py``).
 """

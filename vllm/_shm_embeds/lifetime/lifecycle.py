@@ -1,11 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The lifecycle of a segment this process owns: kinds, states, transitions.
 
-Every segment in ``owned.OwnedSegments``'s index has a :class:`Kind` and a
-:class:`State`; it moves only by the events of :data:`TRANSITIONS` (``OwnedSegments``
-methods, the same words in ``lifetime/transfer.py``, or :data:`OBSERVED` ones). An
-event not in the table is a bug of ours: :func:`check` logs and refuses it, or raises
-:class:`IllegalTransition` with ``VLLM_SHM_EMBEDS_STRICT`` on.
+Every owned segment has a :class:`Kind` and a :class:`State` and moves only by the
+events of :data:`TRANSITIONS`; any other move is refused by :func:`check`.
 
 Knows segments, not vLLM and not HTTP.
 Design notes: docs/design.md, "Module notes" (the state diagram).
@@ -51,8 +48,7 @@ class State(enum.Enum):
 
 
 class Transition(NamedTuple):
-    """One row of :data:`TRANSITIONS`: ``event`` moves a segment of one of
-    ``kinds`` from ``source`` (None: not yet in the index) to one of ``to``."""
+    """``event`` moves a segment of ``kinds`` from ``source`` (None: new) to one of ``to``."""
 
     event: str
     source: State | None
@@ -142,13 +138,12 @@ def allowed(kind: Kind, event: str, source: State | None, to: State) -> bool:
 
 
 def strict() -> bool:
-    """``VLLM_SHM_EMBEDS_STRICT``: raise on an illegal transition (tests/conftest.py sets it)."""
+    """``VLLM_SHM_EMBEDS_STRICT``: raise on an illegal transition."""
     return config.strict()
 
 
 def check(kind: Kind, event: str, source: State | None, to: State, name: str = "") -> bool:
-    """Whether the move is allowed; if not, raise :class:`IllegalTransition` when
-    :func:`strict`, else log it and return False (the caller refuses the move)."""
+    """Whether the move is allowed; if not, log it (raise if :func:`strict`)."""
     if allowed(kind, event, source, to):
         return True
     what = (f"illegal segment transition {event}: {source and source.name} -> {to.name} "
@@ -164,20 +159,12 @@ class OwnedSegment:
     """One segment this process owns (or, ``MAPPED``, still maps).
 
     Attributes:
-        handle: its base handle (no broadcast fields).
         mm: a mapping whose first page is the header (reader flags).
-        kind, state: how it came here; where it is in its life.
-        key: its address in the index: the data address of the tensor that maps
-            it here, or of the tensor a copy was made from.
+        key: the data address of the tensor that maps it here, or a copy's source's.
         data_ptr: its data's address here while a tensor maps it, else None.
-        source: the tensor that was copied into it (copies), else None.
-        fds: its files, open while broadcasts are pending (a held file's as long
-            as the name: its memfd has no name).
-        broadcasts: ``(flag_base, readers)`` of broadcasts not all flagged
-            (non-empty in ``BROADCAST`` and ``FREED``).
-        next_flag: first unused flag byte.
-        sends: zero-copy sends not done (live ``send_view`` storages); its pages
-            stay while > 0.
+        fds: its files, open while broadcasts are pending (a held file's always).
+        broadcasts: ``(flag_base, readers)`` of broadcasts not all flagged.
+        sends: zero-copy sends not done; its pages stay while > 0.
     """
 
     handle: SharedTensorHandle
@@ -198,8 +185,7 @@ class OwnedSegment:
                 and tuple(tensor.shape) == self.handle.shape)
 
     def in_use(self, release_known: bool) -> bool:
-        """True while the request uses it here: its tensor, or the one it copies, is
-        alive and vLLM has not freed the request (``release_known``: something tells)."""
+        """True while its tensor (or a copy's source) lives and vLLM has not freed it."""
         if self.state is FREED or not release_known:
             return False
         return self.data_ptr is not None or (self.source is not None
@@ -217,10 +203,8 @@ class OwnedSegment:
 
 
 class Index:
-    """The one index of a process's segments: every one not ``GONE`` by name, those in
-    the books (not ``MAPPED``) also by key. Only :meth:`move` changes a state (checked
-    against the table), keeping both maps in step; the caller holds
-    ``OwnedSegments._lock``."""
+    """A process's segments not ``GONE``, by name and (not ``MAPPED``) by key; only
+    :meth:`move` changes a state. The caller holds ``OwnedSegments._lock``."""
 
     def __init__(self) -> None:
         self._names: dict[str, OwnedSegment] = {}
@@ -250,8 +234,7 @@ class Index:
         return [e for e in self._names.values() if e.state not in (MAPPED, DRAINING)]
 
     def containing(self, tensor: torch.Tensor) -> OwnedSegment | None:
-        """The segment whose mapping here holds all of ``tensor``'s storage (mapped,
-        request not done), if any: the one keyed at its address first, else a scan."""
+        """The segment whose live mapping here holds all of ``tensor``'s storage, if any."""
         def holds(e: OwnedSegment | None) -> bool:
             return (e is not None and e.data_ptr is not None and e.mm is not None
                     and e.state not in (DRAINING, GONE) and seg.within(e.mm, tensor))

@@ -53,17 +53,15 @@ class ProcessState(Protocol):
 
     pid: int
     released: collections.deque
-    # Whether something tells the books when a request is freed (``release_adopted``,
-    # from ``Scheduler._free_request``); else a name goes once every reader mapped it.
+    # ``release_adopted`` is called when a request is freed (else: once readers mapped it)
     release_known: bool
 
     def owns_name(self, name: SegmentName) -> bool: ...
 
 
 def on_release(state: ProcessState, record: StorageDied | SourceDied | SendDone) -> None:
-    """Finalizer: record that a tracked object died. Runs from GC on any thread, maybe
-    inside one of our locks: no lock, no I/O (``deque.append`` is atomic). Records
-    nothing in a forked child (the state is not the child's)."""
+    """Finalizer: record that a tracked object died (no lock, no I/O: it may run inside
+    one of our locks); nothing in a forked child."""
     if state.pid == os.getpid():
         state.released.append(record)
 
@@ -80,30 +78,24 @@ def _settles(verb: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class OwnedSegments:
-    """Segments this process owns; a name is unlinked once no broadcast of it is
-    pending and the request no longer uses it here (:meth:`OwnedSegment.in_use`), so
-    the budget can count the pages requests hold by name."""
+    """Segments this process owns; a name goes once no broadcast or request needs it."""
 
     def __init__(self, state: ProcessState) -> None:
         self._state = state
         self._index = Index()
         self._lock = threading.Lock()
-        # Held by each verb that moves segments to ``GONE`` across its unlink (before
-        # ``_lock``): a verb returns only once every such unlink is done, the reaper's too.
+        # Held across unlinks (before ``_lock``): a verb returns once every unlink is done.
         self._settling = threading.RLock()
-        # Files a request body is being written into (``streamed.StreamedFile``).
-        self._streams: set = set()
-        # ``DRAINING`` segments whose last send is done: pages to drop (lock held).
-        self._drained: list[OwnedSegment] = []
+        self._streams: set = set()  # ``streamed.StreamedFile``s being filled
+        self._drained: list[OwnedSegment] = []  # DRAINING, last send done: pages to drop
 
     # -- own
 
     def own(self, kind: Kind, handle: SharedTensorHandle, mm: mmap.mmap,
             tensor: torch.Tensor, anchor: Any = None, fds: list[int] | None = None) -> None:
-        """Own a segment: ``HELD`` until released, or until its tensor dies. ``tensor``
-        maps it here (``anchor``: the buffer its storage keeps alive), or for a ``COPY``
-        is the tensor copied into it (only the header is mapped here). ``fds``: its files,
-        held open (a held file's memfd opens only by fd; a copy's until it settles)."""
+        """Own a segment, ``HELD`` until released or its tensor dies. ``tensor`` maps it
+        (``anchor``: the buffer its storage keeps alive), or for a ``COPY`` is the tensor
+        copied into it. ``fds``: its files, held open."""
         name = handle.name
         ptr = tensor.data_ptr()
         if kind is Kind.COPY:
@@ -186,8 +178,7 @@ class OwnedSegments:
         return DRAINING if entry.sends else GONE
 
     def _drop_drained(self) -> None:
-        """Drop the pages of segments whose last send is done (lock not held); counted
-        ``engine_pages_released`` except a streamed one (``release_streamed`` counts none)."""
+        """Drop the pages of segments whose last send is done (lock not held)."""
         with self._lock:
             drained, self._drained = self._drained, []
         for entry in drained:
@@ -196,8 +187,7 @@ class OwnedSegments:
 
     @_settles
     def collect(self) -> int:
-        """Safe point (event ``settle``): unlink the names that no reader and
-        no request needs any more; returns how many segments went."""
+        """Safe point: unlink the names no reader or request needs; how many went."""
         if not self._index and not self._state.released:
             return 0
         idle_fds: list[int] = []
@@ -218,8 +208,7 @@ class OwnedSegments:
                         idle_fds += entry.fds
                         entry.fds = None
                     continue
-                # still mapped here as a tensor: dropped now if vLLM freed the
-                # request meanwhile, else when it is released (or dies)
+                # still mapped here: dropped now if vLLM freed the request meanwhile
                 mapped = entry.data_ptr is not None and entry.state is not FREED
                 freed = entry.data_ptr is not None and not mapped
                 to = MAPPED if mapped else self._finish(entry) if freed else GONE
@@ -239,12 +228,9 @@ class OwnedSegments:
     # -- zero-copy sends
 
     def send_view(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """``tensor`` for a message vLLM may send without a copy, or None if no mapping of
-        these books holds it: a view (same pages, dtype, shape, strides) with a storage
-        of its own; until that is freed (the frames sent), the pages stay (a request freed
-        meanwhile goes ``DRAINING``). vLLM's ``copy=False`` frames: ``MessageQueue.enqueue``
-        (``shm_broadcast.py``), ``_send_input`` (``v1/engine/core_client.py``), 0.32.
-        """
+        """A view of ``tensor`` (same pages, dtype, shape, strides) with a storage of its
+        own that keeps the pages until freed, or None if no mapping here holds it. For
+        vLLM's ``copy=False`` frames (``MessageQueue.enqueue``, ``_send_input``; 0.32)."""
         with self._lock:
             entry = self._index.containing(tensor)
             if entry is None:
@@ -277,9 +263,8 @@ class OwnedSegments:
 
     @_settles
     def broadcast(self, entry: OwnedSegment, readers: int) -> SharedTensorHandle | None:
-        """Reserve flags and hold the files for one more broadcast of ``entry``: the
-        handle to send, or None if the segment cannot be reused (its name vanished:
-        event ``vanish``, or its flags are used up): the caller copies."""
+        """Reserve flags and hold the files for one more broadcast of ``entry``: the handle
+        to send, or None (name vanished or flags used up: the caller copies)."""
         with self._lock:
             if (self._index.get(entry.handle.name) is not entry or entry.state is MAPPED
                     or entry.next_flag + readers > MAX_READERS):
@@ -326,8 +311,7 @@ class OwnedSegments:
 
     @_settles
     def hand_over(self, tensor: torch.Tensor) -> SharedTensorHandle | None:
-        """Give up a streamed segment to a peer (``MAPPED`` here until
-        released); its handle, or None if ``tensor`` is not one."""
+        """Give up a streamed segment to a peer: its handle, or None if not one."""
         with self._lock:
             gone = self._apply_records()
             entry = self._streamed(tensor)
@@ -340,16 +324,14 @@ class OwnedSegments:
 
     @_settles
     def release_adopted(self, tensor: torch.Tensor) -> bool:
-        """The EngineCore is done with ``tensor`` (vLLM freed its request): unlink its
-        adopted segment's name or its hop-2 copy's, and drop this process's pages of an
-        adopted one; with a broadcast pending (its flags are in the mapping), both at the
-        safe point after its readers (:meth:`collect`: ``FREED``). True if dropped now."""
+        """vLLM freed ``tensor``'s request: unlink its adopted segment or hop-2 copies and
+        drop our pages of an adopted one (deferred to :meth:`collect` while a broadcast
+        is pending). True if pages were dropped now."""
         adopted: list[OwnedSegment] = []
         copies: list[OwnedSegment] = []
         with self._lock:
             gone = self._apply_records()  # (sends done by now: no DRAINING for them)
-            # Every segment of it: the adopted one and copies (made when its flags ran
-            # out or its name vanished, leaving it ``MAPPED``); a scan of running ones.
+            # the adopted segment and its copies (made when flags ran out or it vanished)
             for entry in self._index.linked():
                 copy = (entry.kind is Kind.COPY and entry.source is not None
                         and entry.source() is tensor)
@@ -377,10 +359,8 @@ class OwnedSegments:
 
     @_settles
     def release_streamed(self, tensor: torch.Tensor) -> bool:
-        """This process is done with ``tensor``, a streamed segment (its request ended):
-        unlink it if not handed over, and drop its pages here either way (the tensor
-        reads zeros), so the memory is back once the peer lets go, whatever holds the
-        tensor object. True if ``tensor`` was such a segment."""
+        """``tensor``'s request ended: unlink the streamed segment if not handed over and
+        drop its pages here either way. True if ``tensor`` was such a segment."""
         with self._lock:
             gone = self._apply_records()  # (sends done by now: no DRAINING for them)
             entry = self._streamed(tensor)
@@ -412,28 +392,24 @@ class OwnedSegments:
             self._streams.discard(f)
 
     def pending_stream_bytes(self) -> int:
-        """Bytes this process's bodies still arriving were granted by the budget and
-        have not written yet (a bounded look-ahead each: ``streamed.StreamedSegment``)."""
+        """Bytes granted to bodies still arriving and not written yet."""
         with self._lock:
             return sum(max(0, f.reserved - f.filled) for f in self._streams)
 
     def live(self) -> int:
-        """Segments this process owns or still maps (the per-process cap):
-        in the books, ``MAPPED`` here, and bodies arriving."""
+        """Segments this process owns or maps, and bodies arriving (the per-process cap)."""
         with self._lock:
             return len(self._index) + len(self._streams)
 
     def pending(self, streamed_only: bool = False) -> int:
-        """Names this process owns and has not unlinked (only streamed ones:
-        not handed over yet)."""
+        """Names this process owns and has not unlinked (or only streamed ones)."""
         with self._lock:
             return sum(1 for e in self._index.linked()
                        if e.kind is Kind.STREAMED or not streamed_only)
 
     @_settles
     def unlink_all(self) -> int:
-        """Unlink every name this process still owns (shutdown: all go ``GONE``), also
-        un-adopted hop-1 segments it created; how many segments went."""
+        """Shutdown: unlink every name this process owns (un-adopted ones too); how many."""
         with self._lock:
             gone = self._index.linked()  # MAPPED ones were unlinked already
             for entry in self._index.all():

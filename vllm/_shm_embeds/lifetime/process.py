@@ -1,11 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Per-process state of shm-embeds: one object that a forked child replaces.
 
-:class:`Process` holds what this process owns, its segment-name tag, threads and flags;
-a forked child gets a new one (:meth:`Process.forked` says what it keeps) and owns,
-unlinks and runs nothing of its parent's. At exit the owner unlinks what is left
-(:func:`shutdown`); every process sweeps dead owners' segments at start-up, the
-EngineCore every :data:`SWEEP_INTERVAL_S` seconds (:func:`sweep_stale_segments`).
+:class:`Process` holds what this process owns, its name tag, threads and flags; a forked
+child owns nothing of its parent's. At exit the owner unlinks what is left; dead owners'
+segments are swept at start-up and by the EngineCore (:func:`sweep_stale_segments`).
 
 Knows segments, not vLLM and not HTTP.
 Design notes: docs/design.md, "Module notes".
@@ -50,20 +48,11 @@ class Process:
     """Everything this process knows about shm-embeds; a forked child gets a new one.
 
     Attributes:
-        pid: the process this state belongs to (finalizers check it).
-        owned: segments this process owns; ``released``: finalizers' records
-            (``lifecycle.StorageDied``/``SourceDied``), applied at safe points.
-        pool, hasher: writer (``transfer.create_segment``) and hashing (``ext/digests``)
-            threads, made on first use.
+        released: finalizers' records, applied at safe points.
         holders: registries of sealed memfds an extension holds (the API server's
-            registered regions): ``find``, ``is_held``, ``send_view``, ``settle``
-            (``transfer.held_by``).
-        censuses: segment directory -> its ``census.Census`` (the budget's count).
-        release_known: vLLM tells when a request is freed (group ``release`` on); else a
-            name goes once every reader mapped it. Kept by a forked child.
-        model_name: the metrics' ``model_name`` label. Kept by a forked child.
-        stats_dir_made: the metrics directory this process made (removed at exit), or None.
-        fd_closer: queue of the thread closing received fds (:meth:`close_later`).
+            regions): ``find``, ``is_held``, ``send_view``, ``settle``.
+        release_known: vLLM tells when a request is freed (group ``release`` on).
+        stats_dir_made: the metrics directory this process made (removed at exit).
     """
 
     def __init__(self) -> None:
@@ -100,9 +89,8 @@ class Process:
             return self.censuses[directory]
 
     def new_name(self, capped: bool = True) -> str:
-        """A fresh segment name owned by this process; its sequence number is random (64
-        bits) so no other user can plant a file at a name about to be used. ``capped``:
-        :meth:`check_segments` first (raises ``segment.TooManySegments``, an OSError)."""
+        """A fresh segment name of this process, with a random 64-bit sequence number so
+        that no other user can plant a file at it. ``capped``: :meth:`check_segments`."""
         if capped:
             self.check_segments()
         if self.tag is None:
@@ -199,8 +187,7 @@ def _after_fork_in_child() -> None:
 
 
 def collect() -> int:
-    """Safe point (``owned.OwnedSegments.collect``): apply finalizer records, unlink names
-    no reader or running request needs; per broadcast and by the reaper. Returns how many."""
+    """Safe point: unlink the names no reader or request needs; how many went."""
     return _state.owned.collect()
 
 
@@ -215,9 +202,8 @@ def start_engine_reaper() -> None:
 
 
 def placement_failed(hop: str, nbytes: int, e: OSError) -> str:
-    """Log why a segment could not be created; returns the fallback reason. ``no_space``
-    (ENOSPC) warns once per server (the first process creates :data:`NO_SPACE_MARKER` in
-    the stats dir; once per process without one), others once per process; later: debug."""
+    """Log why a segment could not be created; the fallback reason. ENOSPC warns once per
+    server (:data:`NO_SPACE_MARKER`), others once per process; later ones at debug."""
     state = _state
     reason = seg.fallback_reason(e)
     no_space = reason == "no_space"
@@ -238,8 +224,7 @@ def placement_failed(hop: str, nbytes: int, e: OSError) -> str:
 
 
 def _first_in_server(marker: str) -> bool:
-    """True for the first process of this server to claim ``marker`` (a file in
-    ``VLLM_SHM_EMBEDS_STATS_DIR``); True when that is unset or unusable."""
+    """True for the first process to create ``marker`` in the stats dir (or if none)."""
     directory = stats_dir()
     if not directory:
         return True
@@ -253,9 +238,7 @@ def _first_in_server(marker: str) -> bool:
 
 
 def sweep_stale_segments(expected: bool = False) -> int:
-    """Unlink segments in :func:`shm_dir` whose owner (this PID namespace) is certainly gone
-    (``procfs.owner_is_dead``). ``expected``: after children just stopped, or the
-    EngineCore's periodic sweep: logged at info, not warning. Returns the number removed."""
+    """Unlink segments of certainly dead owners; how many (``expected``: log at info)."""
     removed = segment_dir.sweep(shm_dir(), pid_namespace())
     if removed:
         (logger.info if expected else logger.warning)(
@@ -282,14 +265,12 @@ def shutdown() -> None:
 
 
 def _at_exit() -> None:
-    """Process exit: unlink what this process owns, then (feature on) sweep what dead
-    processes left: ``vllm serve``'s launcher force-killed its EngineCores first."""
+    """Process exit: unlink what we own, then sweep what force-killed children left."""
     shutdown()
     if enabled():
         try:
             sweep_stale_segments(expected=True)
-            # A child just force-killed (vllm serve kills its EngineCores
-            # without waiting) may not be dead yet: wait for it a moment.
+            # vllm serve kills its EngineCores without waiting: wait a moment for them
             deadline = time.monotonic() + EXIT_WAIT_S
             waited = False
             while _children_holding_segments() and time.monotonic() < deadline:
@@ -320,9 +301,7 @@ class _ExitToken:
 _EXIT_TOKEN = _ExitToken()
 
 atexit.register(_at_exit)
-# The maker removes the private directory only after vLLM stopped the other processes:
-# an offline LLM stops them from a weakref.finalize, whose atexit hook usually runs after
-# _at_exit. Finalizers run newest first and this one is made at plugin load, before any
-# engine's, so it runs after vLLM's (docs/design.md, "Module notes").
+# Runs after vLLM's own finalizers stop the engines (newest first; this one is made at
+# plugin load): docs/design.md, "Module notes".
 _PRIVATE_DIR_REMOVAL = weakref.finalize(_EXIT_TOKEN, private_dir.remove_made)
 os.register_at_fork(after_in_child=_after_fork_in_child)

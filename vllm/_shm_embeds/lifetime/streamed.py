@@ -29,19 +29,15 @@ from vllm._shm_embeds.lifetime.lifecycle import Kind
 
 
 class StreamedFile:
-    """A one-file segment (``handle``: no split) created empty at its final size
-    (``ftruncate``: no memory used until bytes arrive) and filled in order by
-    ``pwrite`` (one kernel copy; ENOSPC is an ``OSError``, never a SIGBUS); :meth:`finish`
-    maps it, :meth:`abort` unlinks it. Raises OSError if the file could not be created
-    or sized (nothing is left).
-    """
+    """A one-file segment created empty at its final size and filled in order by
+    ``pwrite`` (ENOSPC is an OSError, never a SIGBUS). Raises OSError if the file could
+    not be created or sized (nothing is left)."""
 
     def __init__(self, directory: str, handle: SharedTensorHandle) -> None:
         self.handle = handle
         self.nbytes = handle.nbytes
         self.filled = 0
-        # Bytes the budget granted so far (its owner, StreamedSegment, renews it as it fills).
-        self.reserved = 0
+        self.reserved = 0  # bytes the budget granted so far
         self._path = os.path.join(directory, handle.name)
         self._fd: int | None = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -70,8 +66,8 @@ class StreamedFile:
         self.filled = self.nbytes
 
     def finish(self, writable: bool) -> mmap.mmap:
-        """Map the filled file and close it (it stays linked). Raises ShmEmbedsError (closed,
-        or not every byte written) or OSError (mapping); the file is then as it was."""
+        """Map the filled file and close it (it stays linked). Raises ShmEmbedsError (closed
+        or not filled) or OSError (mapping)."""
         if self._fd is None or self.filled != self.nbytes:
             raise ShmEmbedsError(f"segment holds {self.filled} of {self.nbytes} bytes")
         mm = map_files([self._fd], [HEADER_BYTES + self.nbytes],
@@ -81,8 +77,7 @@ class StreamedFile:
         return mm
 
     def read_back(self, out: memoryview) -> None:
-        """Copy the bytes written so far into ``out`` (at least :attr:`filled` bytes).
-        Raises ShmEmbedsError (finished or aborted) or OSError (the read failed)."""
+        """Copy the bytes written so far into ``out``. Raises ShmEmbedsError, OSError."""
         if self._fd is None:
             raise ShmEmbedsError("segment already finished or aborted")
         done = 0
@@ -107,16 +102,9 @@ class StreamedSegment:
     """A one-file segment a request body is written into, chunk by chunk: ``shape``
     (e.g. ``(num_tokens, hidden_size)``) of ``dtype``, validated by the caller first.
 
-    :meth:`finish` maps it and returns the tensor, owned here until :func:`hand_over`
-    passes it on (hop 1, no copy); unlinked if its storage dies first, by
-    :func:`release_streamed`, or by :meth:`abort`.
-
-    Budget (``transfer.check_budget``): the whole size must fit at creation; it is
-    charged by what it wrote plus a grant of up to :data:`STREAM_GRANT_BYTES` ahead,
-    renewed as it fills. A renewal that does not fit makes :meth:`write` raise
-    ``segment.BudgetExceeded`` (writing nothing); the caller goes the stock way and
-    aborts this segment. Raises OSError if the file could not be created or sized
-    (nothing is left).
+    The whole size must fit the budget at creation; it is charged by what it wrote plus
+    a grant of up to :data:`STREAM_GRANT_BYTES` ahead, renewed as it fills. Raises
+    ``segment.BudgetExceeded``, or OSError if the file could not be created or sized.
     """
 
     def __init__(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
@@ -136,8 +124,8 @@ class StreamedSegment:
         return self._file.filled
 
     def write(self, data: bytes | memoryview) -> None:
-        """Append ``data`` (errors: :meth:`StreamedFile.write`); raises
-        ``segment.BudgetExceeded`` if the next grant does not fit (nothing written)."""
+        """Append ``data``; raises ``segment.BudgetExceeded`` if the next grant does not
+        fit (nothing written), else as :meth:`StreamedFile.write`."""
         f = self._file
         end = f.filled + len(data)
         if end > f.reserved and f.open:
@@ -152,9 +140,8 @@ class StreamedSegment:
         self._file.read_back(out)
 
     def finish(self, writable: bool = True) -> torch.Tensor:
-        """Map the filled segment: the segment-backed tensor (read-only unless ``writable``:
-        for bytes hashed as written). Counts the bytes as ``copied_bytes`` (the one copy).
-        Raises ShmEmbedsError if not every byte was written (the segment is removed)."""
+        """The segment-backed tensor (read-only unless ``writable``). Raises ShmEmbedsError
+        if not every byte was written (the segment is removed)."""
         try:
             mm = self._file.finish(writable)
         except BaseException:
@@ -178,9 +165,7 @@ class StreamedSegment:
 
 
 def streamed_tensor_like(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A new writable segment-backed tensor (a dtype conversion into shm), handed over or
-    unlinked like a streamed one; the caller fills it (``out.copy_(src)``; counted
-    ``copied_bytes``). Raises OSError (nothing left) if it cannot be created."""
+    """A new writable streamed segment's tensor for the caller to fill. Raises OSError."""
     streamed = StreamedSegment(dtype, shape)
     streamed._file.assume_filled()  # filled by the caller through the mapping
     return streamed.finish()
@@ -192,9 +177,8 @@ def is_streamed(tensor: Any) -> bool:
 
 
 def hand_over(tensor: Any) -> SharedTensorHandle | None:
-    """Hop 1 sender: if ``tensor`` is exactly (pointer, dtype, shape) a streamed segment
-    this process owns, it leaves the books (the peer adopts it by ``rename``, as a
-    ``transfer.share_tensor`` one) and its handle is returned, no copy; else None."""
+    """Hop 1 sender, no copy: the handle of the streamed segment that is exactly ``tensor``
+    (it leaves the books; the peer adopts it), else None."""
     if not isinstance(tensor, torch.Tensor):
         return None
     handle = process.current().owned.hand_over(tensor)
@@ -204,9 +188,8 @@ def hand_over(tensor: Any) -> SharedTensorHandle | None:
 
 
 def release_streamed(tensor: Any) -> bool:
-    """This process is done with ``tensor``'s streamed segment (its request ended): unlink
-    it if hop 1 did not hand it over, and drop its pages here either way (it reads
-    zeros: ``OwnedSegments.release_streamed``). True if it was a streamed segment of ours."""
+    """``tensor``'s request ended: unlink its streamed segment if not handed over and drop
+    its pages here (it reads zeros). True if it was a streamed segment of ours."""
     if not isinstance(tensor, torch.Tensor):
         return False
     return process.current().owned.release_streamed(tensor)

@@ -1,11 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Moving tensors into and out of segments: share, adopt, hand over, open.
 
-One owner per segment, one copy in total: a hop-1 sender copies a tensor once into a
-new segment whose ownership passes with its handle (:func:`share_tensor`; a streamed
-segment goes without a copy: ``streamed.hand_over``); the EngineCore takes it over by
-an atomic ``rename`` to its own name, then maps it (:func:`adopt_tensor`); TP workers
-map it read-only and set their flag (:func:`open_tensor`).
+One owner per segment, one copy in total: a hop-1 sender copies a tensor into a new
+segment (:func:`share_tensor`), the EngineCore renames it to its own name and maps it
+(:func:`adopt_tensor`), TP workers map it read-only (:func:`open_tensor`).
 
 Knows segments and ownership, not vLLM and not HTTP.
 Design notes: docs/design.md, "Module notes".
@@ -62,11 +60,9 @@ def eligible(tensor: Any) -> str | None:
 
 
 def check_budget(nbytes: int) -> None:
-    """Raise :class:`~vllm._shm_embeds.files.segment.BudgetExceeded` if ``nbytes`` more
-    would take our segments over ``config.budget_bytes()``. Counted: what our files hold
-    now (all the server's processes: ``census.Census``), plus the look-ahead granted to
-    this process's bodies still arriving (``streamed.STREAM_GRANT_BYTES`` each at most);
-    on a file system of its own (not ``/dev/shm``'s), all that is in use there."""
+    """Raise ``segment.BudgetExceeded`` if ``nbytes`` more would take our segments over
+    ``config.budget_bytes()``: held by all the server's files, plus the grants of bodies
+    still streaming (on a file system of its own: all that is in use there)."""
     budget = budget_bytes()
     directory = shm_dir()
     held = process.current().census(directory).held()  # never a walk on the caller's thread
@@ -97,10 +93,8 @@ def create_segment(tensor: torch.Tensor) -> tuple[SharedTensorHandle, list[int]]
 
 
 def share_tensor(tensor: torch.Tensor) -> SharedTensorHandle:
-    """Hop 1 sender: copy ``tensor`` (dense, CPU, C-contiguous) once into a new segment
-    whose ownership passes to the peer that adopts it (:func:`adopt_tensor`); untracked
-    here: :func:`discard_shared`, :func:`shutdown` or a sweep removes one not adopted.
-    Raises OSError (e.g. ENOSPC) if the segment could not be created."""
+    """Hop 1 sender: copy ``tensor`` once into a new segment whose ownership passes to the
+    peer that adopts it (untracked here). Raises OSError (e.g. ENOSPC)."""
     handle, fds = create_segment(tensor)
     for fd in fds:
         os.close(fd)
@@ -108,10 +102,9 @@ def share_tensor(tensor: torch.Tensor) -> SharedTensorHandle:
 
 
 def share_held(tensor: torch.Tensor, holder: tuple[int, int, int]) -> SharedTensorHandle:
-    """Hop 1 sender, no copy: a handle for ``tensor``, whose bytes are a sealed memfd
-    this process holds (``holder`` from :func:`held_by`: pid, fd, inode). A header-only
-    segment (for hop 2's reader flags) passes with it as with :func:`share_tensor`.
-    Raises OSError if the header file could not be created (nothing is left)."""
+    """Hop 1 sender, no copy: a handle for ``tensor``, held in a sealed memfd (``holder``:
+    pid, fd, inode, from :func:`held_by`), plus a header-only segment for hop 2's reader
+    flags. Raises OSError if the header file could not be created."""
     state = process.current()
     name = state.new_name()
     header = SharedTensorHandle(name, "uint8", (0,))
@@ -124,8 +117,7 @@ def share_held(tensor: torch.Tensor, holder: tuple[int, int, int]) -> SharedTens
 
 
 def discard_shared(handle: SharedTensorHandle) -> bool:
-    """Remove a segment made by :func:`share_tensor` that will never be adopted
-    (encode or send failed). True if it was still there."""
+    """Remove a segment that will never be adopted. True if it was still there."""
     gone = seg.unlink_segment(shm_dir(), handle.name, len(handle.parts()))
     if gone:
         count(Event.SEGMENTS_UNLINKED)
@@ -136,20 +128,13 @@ ADOPT_NAME_TRIES = 8  # names tried when something sits at the one drawn
 
 
 def adopt_tensor(handle: SharedTensorHandle) -> torch.Tensor:
-    """Take ownership of a peer's segment and map it (no copy): a ``handle.dtype``/
-    ``handle.shape`` tensor, which hop 2 then sends on as it is.
-
-    Renamed to a fresh name of ours (``segment.rename_noreplace``: nothing planted is
-    replaced; another name is drawn), so a crash leaves it attributable; unlinked when
-    vLLM frees the request (:func:`release_adopted`) or the storage dies, once no
-    broadcast is pending. Over ``config.MAX_SEGMENTS``, or if the mapping fails (e.g.
-    ENOMEM at ``vm.max_map_count``), the bytes are read into memory instead (counted
-    ``fallback`` ``segments``/``map_failed``, hop 1) and the files go.
+    """Take ownership of a peer's segment (renamed to a fresh name of ours) and map it,
+    no copy: a ``handle.dtype``/``handle.shape`` tensor. Over ``config.MAX_SEGMENTS`` or
+    if mapping fails (e.g. ENOMEM), the bytes are read into memory instead.
 
     Raises:
-        ShmEmbedsError: missing segment, wrong size or header, not a regular
-            file of ours, or any OSError of the adoption (nothing is left
-            behind: the peer's files are removed).
+        ShmEmbedsError: missing segment, wrong size or header, not a regular file of
+            ours, or any OSError (the peer's files are removed).
     """
     state = process.current()
     nparts = len(handle.parts())
@@ -212,8 +197,7 @@ def _rename_part(directory: str, handle: SharedTensorHandle, mine: SharedTensorH
 
 
 def _unlink_peer(directory: str, name: str, nparts: int) -> None:
-    """Remove what is left of a peer's segment that cannot be adopted (only
-    regular files of ours); never raises."""
+    """Remove a peer's segment that cannot be adopted (only our files); never raises."""
     for i in range(nparts):
         path = os.path.join(directory, part_name(name, i))
         try:
@@ -224,9 +208,8 @@ def _unlink_peer(directory: str, name: str, nparts: int) -> None:
 
 
 def _adopt_by_copy(handle: SharedTensorHandle) -> torch.Tensor:
-    """Read a peer's segment (or held file) into this process's memory (what
-    stock holds) and remove its files: for when it cannot be mapped here.
-    Counted as one copy. Raises ShmEmbedsError (the files go either way)."""
+    """Read a peer's segment (or held file) into memory and remove its files (one copy).
+    Raises ShmEmbedsError (the files go either way)."""
     directory = shm_dir()
     parts = handle.parts()
     try:
@@ -251,8 +234,8 @@ def _adopt_by_copy(handle: SharedTensorHandle) -> torch.Tensor:
 
 
 def _read_part(fd: int, i: int, length: int, dst: memoryview, held: tuple) -> None:
-    """Check file ``i`` of a segment (size, owner, header) and read its
-    ``length`` data bytes into ``dst``. Raises OSError, ShmEmbedsError."""
+    """Check file ``i`` and read its ``length`` data bytes into ``dst``. Raises OSError,
+    ShmEmbedsError."""
     st = os.fstat(fd)
     want = length + (HEADER_BYTES if i == 0 else 0)
     if not (segment_dir.our_file(st) or (i and held)) or st.st_size != want:
@@ -301,12 +284,9 @@ def _adopt_held(handle: SharedTensorHandle) -> torch.Tensor:
 
 
 def open_tensor(handle: SharedTensorHandle, reader_index: int | None = None) -> torch.Tensor:
-    """Reader side: map a segment read-only as a tensor (no copy; a write faults) and set
-    the flag of ``reader_index`` (0-based; None: no flag). The files are opened via the
-    owner's fds when the handle has them (hop 2), else by name. The tensor stays valid
-    after the owner unlinks the name, until it is freed. Raises ShmEmbedsError: missing
-    segment, wrong size or header, bad index.
-    """
+    """Reader side: map a segment read-only as a tensor (no copy) and set the flag of
+    ``reader_index`` (0-based; None: no flag); valid after the owner unlinks the name.
+    Raises ShmEmbedsError: missing segment, wrong size or header, bad index."""
     if reader_index is not None and not 0 <= handle.flag_base + reader_index < MAX_READERS:
         raise ShmEmbedsError(f"reader index {reader_index} out of range")
     mm = seg.map_segment(shm_dir(), handle, reader_index)
@@ -321,9 +301,8 @@ def dense_nbytes(tensor: Any) -> int:
 
 
 def send_view(tensor: Any) -> Any:
-    """``tensor`` for a message vLLM may send without a copy: a view with a storage of its
-    own if a mapping of ours or a holder's holds it (its pages then stay until the send
-    is done: ``OwnedSegments.send_view``), else ``tensor`` itself."""
+    """A view of ``tensor`` with its own storage, kept until vLLM's send is done, if a
+    mapping of ours or a holder's holds it; else ``tensor`` itself."""
     if not isinstance(tensor, torch.Tensor):
         return tensor
     state = process.current()
@@ -335,8 +314,7 @@ def send_view(tensor: Any) -> Any:
 
 
 def held_by(tensor: Any) -> tuple[int, int, int] | None:
-    """``(pid, fd, inode)`` of the sealed memfd that is exactly ``tensor``'s bytes, if one
-    of ``process.current().holders`` (e.g. the regions registry) has it, else None."""
+    """``(pid, fd, inode)`` of a holder's sealed memfd that is exactly ``tensor``, or None."""
     for holder in process.current().holders:
         if (found := holder.find(tensor)) is not None:
             return found
@@ -349,11 +327,9 @@ def is_held(tensor: Any) -> bool:
 
 
 def release_adopted(tensor: Any) -> bool:
-    """EngineCore: vLLM freed the request whose ``prompt_embeds`` is ``tensor``: unlink
-    its segment's name (adopted, or the hop-2 copy) and drop this process's pages of an
-    adopted one (``OwnedSegments.release_adopted``; whatever still holds the tensor, e.g.
-    vLLM's last request until the next message, reads zeros). With a broadcast pending,
-    at the next safe point. True if pages were dropped now (``engine_pages_released``)."""
+    """EngineCore: vLLM freed the request whose ``prompt_embeds`` is ``tensor``: unlink its
+    segment and drop our pages of an adopted one (later reads see zeros); deferred while a
+    broadcast is pending. True if pages were dropped now."""
     if not isinstance(tensor, torch.Tensor):
         return False
     if not process.current().owned.release_adopted(tensor):

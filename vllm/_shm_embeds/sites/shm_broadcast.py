@@ -2,12 +2,10 @@
 """Site in ``vllm/distributed/device_communicators/shm_broadcast.py``: hop 2 with
 readers on other nodes (group ``remote``).
 
-``MessageQueue.enqueue`` (0.32/0.33) pickles once and sends the same buffers to local
-readers (the ring, or a local socket) and remote ones (one XPUB socket). While
-``multiproc_executor.py`` has a plan for the queue (``records.QueueRecord``),
-:func:`wrap_enqueue` calls it twice: remote readers hidden (``n_remote_reader = 0``;
-the handles), then local readers hidden (``n_local_reader = 0``; ``hop2.remote_form``:
-a placeholder or the bytes). Counts and requests are restored whatever happens.
+``MessageQueue.enqueue`` (0.32/0.33) sends the same buffers to local and remote readers.
+While ``multiproc_executor.py`` has a plan for the queue (``records.QueueRecord``),
+:func:`wrap_enqueue` calls it twice: to the local readers alone (the handles), then to
+the remote ones alone (``hop2.remote_form``); counts and requests are restored after.
 """
 
 from __future__ import annotations

@@ -12,12 +12,9 @@ from typing import Any
 
 WRAPPED = "__shm_embeds_wrapped__"
 
-# group -> problems (empty: patched) in this process, by ``sites.apply``; no entry: not
-# considered here.
+# group -> problems (empty: patched) in this process; no entry: not considered here.
 STATUS: dict[str, list[str]] = {}
-# ``sites.apply``, registered by ``sites/__init__.py``: a group decided late
-# (``prompt_embeds.maybe_patch``) calls :func:`apply_again`, not the registry package
-# (which imports every site module: no import cycle).
+# ``sites.apply``, registered by ``sites/__init__.py`` (no import cycle).
 APPLY: list[Callable[[], Any]] = []
 
 
@@ -37,19 +34,15 @@ class Site:
     """One vLLM attribute we check, and wrap if ``wrap`` is given (keywords only).
 
     Attributes:
-        key: short name, unique in the registry.
         group: a key of ``sites.GROUPS``; patched only if all its sites hold.
-        module: e.g. ``"vllm.v1.engine.core_client"``; ``alt_modules``: its other
-            paths, tried in order after it (vLLM moved some between 0.32 and 0.33).
+        module: e.g. ``"vllm.v1.engine.core_client"``; ``alt_modules``: other paths
+            tried after it (vLLM moved some between 0.32 and 0.33).
         qualname: ``"Class.method"``, or ``"function"`` (module-level, or a global).
-        params: parameter names it must accept; ``marks``: strings its source must
-            contain (behaviour we rely on).
+        params: parameter names it must accept; ``marks``: strings its source must contain.
         wrap: builds the replacement from the original; None: checked only.
-        patch_in: a module that imported the function by name: its global (which
-            must be vLLM's function) is replaced, not the defining module's.
-        what, why, retire: what the plugin does (or relies on) there, what vLLM does
-            there that it avoids or needs, the upstream change that would retire it;
-            written only here (``tools/check_sites.py --doc`` makes design.md's tables).
+        patch_in: a module that imported the function by name: its global is replaced.
+        what, why, retire: what the plugin does there, why, and the upstream change that
+            would retire it (``tools/check_sites.py --doc`` makes design.md's tables).
     """
 
     key: str
@@ -66,8 +59,7 @@ class Site:
     retire: str = ""
 
     def resolve(self) -> tuple[Any, str, Callable]:
-        """``(owner, attribute name, function)``; owner is a class or a module. Raises
-        LookupError (module, class, function or a mark missing), TypeError (a parameter)."""
+        """``(owner, attribute name, function)``. Raises LookupError or TypeError."""
         errors = []
         for module in (self.module, *self.alt_modules):
             try:

@@ -27,7 +27,8 @@ from vllm.logger import init_logger
 
 from vllm._shm_embeds import extensions
 from vllm._shm_embeds.files import segment as seg
-from vllm._shm_embeds.counters import Event, count, count_many, count_reason
+from vllm._shm_embeds.counters import count, count_many, count_reason
+from vllm._shm_embeds.ext.binary.events import BinaryEvent
 from vllm._shm_embeds.ext.binary.binary_header import (  # noqa: F401 (re-exported)
     CONTENT_TYPE,
     DATATYPES,
@@ -96,7 +97,7 @@ def _open_sink(spec: TensorSpec) -> StreamedSegment | _Private:
 def _fall_back(segment: StreamedSegment | None, spec: TensorSpec, e: OSError) -> _Private:
     """Move a tensor's body bytes from a segment that failed to private memory."""
     reason = seg.fallback_reason(e)
-    count_reason(Event.BINARY_FALLBACK, reason)
+    count_reason(BinaryEvent.BINARY_FALLBACK, reason)
     logger.debug("shm-embeds: a binary body's tensor goes the stock way (%s): %s", reason, e)
     private = _Private(spec.dtype, spec.shape)
     if segment is not None:
@@ -196,8 +197,8 @@ class BinaryFormat:
             if any(t.dtype != ctx.dtype for t in tensors):
                 upload.tensors = await asyncio.get_running_loop().run_in_executor(
                     None, _convert, tensors, ctx.dtype)
-            count_many({Event.BINARY_BODIES: 1, Event.BINARY_TENSORS: len(tensors),
-                        Event.BINARY_BYTES: sum(t.nbytes for t in tensors)})
+            count_many({BinaryEvent.BINARY_BODIES: 1, BinaryEvent.BINARY_TENSORS: len(tensors),
+                        BinaryEvent.BINARY_BYTES: sum(t.nbytes for t in tensors)})
             del tensors
         finally:  # (before the gate counts: the counter says it is clean)
             for s in segs:
@@ -209,7 +210,7 @@ class BinaryFormat:
                        content_type=b"application/json")
 
     def counted(self, reason: str) -> None:
-        count_reason(Event.BINARY_REJECTED, reason)
+        count_reason(BinaryEvent.BINARY_REJECTED, reason)
 
 
 def _hasher(spec: TensorSpec, limits: ServerContext, sink: StreamedSegment | _Private,
@@ -240,11 +241,11 @@ def _convert(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tens
         try:
             dst = streamed_tensor_like(dtype, tuple(t.shape))
         except OSError as e:  # no room: cast in private memory, the stock way
-            count_reason(Event.BINARY_FALLBACK, seg.fallback_reason(e))
+            count_reason(BinaryEvent.BINARY_FALLBACK, seg.fallback_reason(e))
             dst = t.to(dtype)
         else:
             dst.copy_(t)
-        count(Event.BINARY_CONVERTED_BYTES, dst.nbytes)
+        count(BinaryEvent.BINARY_CONVERTED_BYTES, dst.nbytes)
         release_streamed(t)
         out.append(dst)
     return out

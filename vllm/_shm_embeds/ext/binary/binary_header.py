@@ -9,7 +9,7 @@ bytes go.
 Bounds on the JSON header, all checked before ``json.loads`` builds anything
 (:func:`check_json_bounds`, a pre-scan in C): at most :data:`MAX_JSON_BYTES`
 bytes, :func:`max_json_values` values and keys (grows with
-``config.BINARY_MAX_TENSORS``), :data:`MAX_JSON_DEPTH` containers
+``settings.BINARY_MAX_TENSORS``), :data:`MAX_JSON_DEPTH` containers
 open at once. Every descriptor field is type-checked before it is used
 (:func:`parse_spec`): any malformed header is a :class:`BinaryBodyError`,
 never another exception.
@@ -28,11 +28,11 @@ import torch
 from shm_embeds_client import wire
 from starlette.datastructures import Headers
 
-from vllm._shm_embeds.config import binary_max_tensors
 from vllm._shm_embeds.ext.binary.body_limits import byte_count
 from vllm._shm_embeds.ext.binary.common import ServerContext, content_type, embeds_slots
 from vllm._shm_embeds.ext.binary.gate import Refused
 from vllm._shm_embeds.ext.binary.placeholders import new_token, placeholder
+from vllm._shm_embeds.ext.binary.settings import binary_max_tensors
 
 # The client's spellings (shm_embeds_client.wire), as the server compares them.
 HEADER_NAME = wire.HEADER_LENGTH.lower()
@@ -102,7 +102,7 @@ def _shown(x: Any) -> str:
 def max_json_values() -> int:
     """Values and keys a binary body's JSON header may hold (count):
     :data:`MAX_JSON_BASE_VALUES` plus :data:`MAX_JSON_VALUES_PER_TENSOR` per
-    tensor ``config.BINARY_MAX_TENSORS`` allows."""
+    tensor ``settings.BINARY_MAX_TENSORS`` allows."""
     return MAX_JSON_BASE_VALUES + MAX_JSON_VALUES_PER_TENSOR * binary_max_tensors()
 
 
@@ -245,7 +245,7 @@ def parse_header(
     Raises:
         BinaryBodyError: 400 (bad JSON, over the bounds of
             :func:`check_json_bounds`, bad descriptor, more than
-            ``config.BINARY_MAX_TENSORS`` tensors, sizes that do not
+            ``settings.BINARY_MAX_TENSORS`` tensors, sizes that do not
             add up to ``Content-Length``), 413 (over
             :attr:`ServerContext.max_body_bytes`); never another exception.
     """

@@ -15,8 +15,8 @@ import re
 import threading
 import time
 
-from vllm._shm_embeds.config import body_deadline_s, body_timeout_s, inflight_bytes
 from vllm._shm_embeds.ext.binary.common import Receive
+from vllm._shm_embeds.ext.binary.settings import body_deadline_s, body_timeout_s, inflight_bytes
 
 _BYTE_COUNT = re.compile(r"[0-9]{1,19}")  # ASCII digits only ("²".isdigit() is True)
 
@@ -31,19 +31,19 @@ def byte_count(value: str | None) -> int | None:
 
 
 class Stalled(Exception):
-    """The client sent no body bytes for ``config.BODY_TIMEOUT_S`` seconds,
+    """The client sent no body bytes for ``settings.BODY_TIMEOUT_S`` seconds,
     or the body took longer in all than :func:`deadline_for` allows."""
 
 
 def deadline_for(nbytes: int) -> float:
     """The ``time.monotonic()`` by which a body of ``nbytes`` must have arrived
-    (``config.body_deadline_s``: timeout plus size over the minimum rate)."""
+    (``settings.body_deadline_s``: timeout plus size over the minimum rate)."""
     return time.monotonic() + body_deadline_s(nbytes)
 
 
 async def receive_body_message(receive: Receive, deadline: float | None = None) -> dict:
     """The next ASGI message of a request body, waiting at most
-    ``config.BODY_TIMEOUT_S`` seconds, and never past ``deadline``
+    ``settings.BODY_TIMEOUT_S`` seconds, and never past ``deadline``
     (``time.monotonic()``; :func:`deadline_for`).
 
     Raises:
@@ -70,7 +70,7 @@ class InFlight:
     arrive (``gate.Body``), never by what a client declares.
 
     :meth:`take` charges bytes if the total stays within
-    ``config.inflight_bytes()``; :meth:`room` tells whether a new
+    ``settings.inflight_bytes()``; :meth:`room` tells whether a new
     body may start; :meth:`give_back` returns a body's charge once it is in.
     Thread-safe; only ever touched on the event loop in practice.
     """

@@ -24,7 +24,7 @@ import torch
 from starlette.datastructures import Headers
 
 from vllm._shm_embeds import extensions
-from vllm._shm_embeds.config import binary_max_bytes
+from vllm._shm_embeds.ext.binary.settings import binary_max_bytes
 
 _digests = extensions.require("digests", "digests")
 block_tokens_of = _digests.block_tokens_of
@@ -82,7 +82,7 @@ class ServerContext:
         dtype: the model dtype; tensors of another datatype are cast to it.
         enable_prompt_embeds: ``--enable-prompt-embeds``.
         max_body_bytes: bytes; cap on the tensors of one binary body
-            (``config.binary_max_bytes``).
+            (``settings.binary_max_bytes``).
         hash_block_tokens: rows per prefix-cache digest
             (``cache_config.hash_block_size``, else ``block_size``), or None
             when prefix caching is off (nothing to hash).

@@ -6,7 +6,7 @@ their one registry is ``formats.py``) says only what is its own, as a
 :class:`BodyFormat`: whether a request is its (:meth:`~BodyFormat.claim`, from the
 headers alone) and what to make of its bytes (:meth:`~BodyFormat.prepare`). The
 gate does the rest once for all of them: the routes and served model, the bytes in
-flight against ``config.inflight_bytes()``, the one reader (:class:`Body`)
+flight against ``settings.inflight_bytes()``, the one reader (:class:`Body`)
 with its timeouts, refusals (:class:`Refused`) in vLLM's error shape, and calling
 vLLM's app with the prepared body. A format may hand a body back
 (:attr:`Outcome.offer_on`) for the next format of the registry.
@@ -25,10 +25,10 @@ from typing import Any, Literal, Protocol
 from starlette.datastructures import Headers
 from vllm.logger import init_logger
 
-from vllm._shm_embeds.config import body_deadline_s
 from vllm._shm_embeds.ext.binary.body_limits import IN_FLIGHT, Stalled, deadline_for, receive_body_message
 from vllm._shm_embeds.ext.binary.common import Receive, Send, ServerContext, headers, route, send_error
 from vllm._shm_embeds.ext.binary.placeholders import Upload, call_with_body, prefixed, replay
+from vllm._shm_embeds.ext.binary.settings import body_deadline_s
 
 logger = init_logger(__name__)
 
@@ -139,7 +139,7 @@ class BodyFormat(Protocol):
 class Body:
     """The request body from ``receive()``, piece by piece, never joined.
 
-    Each ``receive()`` waits at most ``config.BODY_TIMEOUT_S``
+    Each ``receive()`` waits at most ``settings.BODY_TIMEOUT_S``
     seconds and never past the deadline of a body of ``nbytes``
     (``body_limits.deadline_for``); either raises :class:`Refused` (408).
     A disconnect raises :class:`Disconnected`. The first ``charge`` bytes

@@ -9,9 +9,11 @@ May import: the core.
 """
 
 from vllm._shm_embeds.extensions import Extension, Group
+from vllm._shm_embeds.ext.digests.events import DigestEvent
 
 EXTENSION = Extension(
     what="prefix-cache digests of prompt_embeds computed in the API server",
+    events=DigestEvent,
     api=("digests",),
     sites=("site_kv_cache_utils",),
     groups={"digests": Group(("hop1",), False, "shm-embeds: API-server prefix-cache "

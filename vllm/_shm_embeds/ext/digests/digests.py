@@ -27,6 +27,7 @@ import torch
 
 from vllm._shm_embeds.config import writers
 from vllm._shm_embeds.counters import Event, count, count_many
+from vllm._shm_embeds.ext.digests.events import DigestEvent
 from vllm._shm_embeds.lifetime import process
 from vllm._shm_embeds.lifetime.streamed import StreamedSegment
 
@@ -129,7 +130,8 @@ def write_chunks_and_digest(chunks: Iterable[memoryview | bytes], segment: Strea
     if not futures:
         return None
     digests = b"".join(d for f in futures for d in f.result())
-    count_many({Event.HASH_API_TENSORS: 1, Event.HASH_API_BLOCKS: len(digests) // DIGEST_BYTES})
+    count_many({DigestEvent.HASH_API_TENSORS: 1,
+                DigestEvent.HASH_API_BLOCKS: len(digests) // DIGEST_BYTES})
     return BlockDigests(block_tokens, rows, digests)
 
 
@@ -238,8 +240,8 @@ class StreamHasher:
             except BaseException as e:  # pragma: no cover - hashlib does not fail
                 done.set_exception(e)
                 return
-            count_many({Event.HASH_API_TENSORS: 1,
-                        Event.HASH_API_BLOCKS: len(digests) // DIGEST_BYTES})
+            count_many({DigestEvent.HASH_API_TENSORS: 1,
+                        DigestEvent.HASH_API_BLOCKS: len(digests) // DIGEST_BYTES})
             done.set_result(BlockDigests(self.block_tokens, self.rows, digests))
 
         if not futures:
@@ -285,7 +287,8 @@ def hash_tensor_here(tensor: torch.Tensor, block_tokens: int) -> BlockDigests:
     data = memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
     block_bytes = tensor.shape[1] * tensor.element_size() * block_tokens
     digests = b"".join(_hash_pieces([data], block_bytes))
-    count_many({Event.HASH_API_TENSORS: 1, Event.HASH_API_BLOCKS: len(digests) // DIGEST_BYTES})
+    count_many({DigestEvent.HASH_API_TENSORS: 1,
+                DigestEvent.HASH_API_BLOCKS: len(digests) // DIGEST_BYTES})
     return BlockDigests(block_tokens, tensor.shape[0], digests)
 
 
@@ -343,7 +346,7 @@ def handover_meta(tensor: torch.Tensor, d: BlockDigests | None = None) -> dict[s
     d = d if d is not None and d.valid_for(tensor) else attached(tensor)
     if d is None:
         return {}
-    count(Event.HASH_SENT_TENSORS)
+    count(DigestEvent.HASH_SENT_TENSORS)
     return {META_FIELD: {"block": d.block_tokens, "rows": d.rows, "digests": d.digests}}
 
 
@@ -364,7 +367,7 @@ def adopt_meta(tensor: torch.Tensor, meta: dict[str, Any]) -> None:
         count(Event.HASH_REJECTED_META)
         return
     setattr(tensor, ATTR, d)
-    count(Event.HASH_ADOPTED_TENSORS)
+    count(DigestEvent.HASH_ADOPTED_TENSORS)
 
 
 def fill_segment(dtype: torch.dtype, shape: tuple[int, ...],

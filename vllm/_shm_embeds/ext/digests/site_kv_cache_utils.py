@@ -10,7 +10,8 @@ from collections.abc import Callable
 
 from vllm.logger import init_logger
 
-from vllm._shm_embeds.counters import Event, count
+from vllm._shm_embeds.counters import count
+from vllm._shm_embeds.ext.digests.events import DigestEvent
 from vllm._shm_embeds.ext.digests import digests
 from vllm._shm_embeds.sites.site import Site
 
@@ -37,9 +38,9 @@ def wrap_gen_prompt_embeds_extra_hash_keys(orig: Callable) -> Callable:
                     (start_token_idx, end_token_idx) not in cache:
                 n = digests.fill_block_cache(cache, embeds, start_token_idx, end_token_idx)
                 if n is not None:
-                    count(Event.HASH_REUSED_BLOCKS, n)
+                    count(DigestEvent.HASH_REUSED_BLOCKS, n)
                 elif start_token_idx < getattr(embeds, "shape", (0,))[0]:
-                    count(Event.HASH_ENGINE_BLOCKS)  # vLLM hashes this block itself
+                    count(DigestEvent.HASH_ENGINE_BLOCKS)  # vLLM hashes this block itself
         except Exception:  # never into vLLM's scheduler: vLLM hashes the block
             logger.debug("shm-embeds: digests not used for a block", exc_info=True)
         return orig(request, start_token_idx, end_token_idx, *args, **kwargs)

@@ -8,11 +8,18 @@ the rest). A body format of the ``binary`` extension.
 May import: the core; of vLLM ``vllm.logger`` and ``vllm.renderers.embed_utils``.
 """
 
-from vllm._shm_embeds import config
+from vllm._shm_embeds.config import FLAG, Setting, getter
 from vllm._shm_embeds.extensions import Extension, Group
+from vllm._shm_embeds.ext.json.events import JsonEvent
+
+JSON = Setting("VLLM_SHM_EMBEDS_JSON", FLAG, True, "flag",
+    "off leaves JSON bodies to vLLM's own decode (the [JSON path](json-path.md) off; the "
+    "EngineCore computes the prefix-cache digests again).")
+json_on = getter(JSON)
 
 EXTENSION = Extension(
     what="base64 JSON prompt_embeds decoded off the event loop into shared memory",
+    events=JsonEvent,
     needs=("digests", "binary"),
     api=("json_body", "torch_save"),
     sites=("site_embed_utils",),
@@ -20,6 +27,7 @@ EXTENSION = Extension(
                           "pid %d: %s", "base64 JSON bodies (API server)")},
     provides={"body_formats": ({
         "name": "json", "target": "json_body:JsonFormat", "group": "json", "order": 30,
-        "enabled": lambda: config.settings().json,
+        "enabled": lambda: json_on(),
         "what": "base64 JSON prompt_embeds decoded off the event loop into shared memory"},)},
+    settings=(JSON,),
 )

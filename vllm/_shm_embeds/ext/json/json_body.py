@@ -31,7 +31,8 @@ from vllm.logger import init_logger
 
 from vllm._shm_embeds import extensions
 from vllm._shm_embeds.config import min_bytes
-from vllm._shm_embeds.counters import Event, count_many, count_reason
+from vllm._shm_embeds.counters import count_many, count_reason
+from vllm._shm_embeds.ext.json.events import JsonEvent
 from vllm._shm_embeds.files import segment as seg
 from vllm._shm_embeds.ext.json import torch_save
 from vllm._shm_embeds.ext.json.json_read import body_buffer, read_body  # noqa: F401
@@ -336,8 +337,8 @@ def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext) -> Prepared:
         view.release()
     written = [t for t in tensors if t is not None and is_streamed(t)]
     if written:
-        count_many({Event.JSON_BODIES: 1, Event.JSON_TENSORS: len(written),
-                    Event.JSON_BYTES: sum(t.nbytes for t in written)})
+        count_many({JsonEvent.JSON_BODIES: 1, JsonEvent.JSON_TENSORS: len(written),
+                    JsonEvent.JSON_BYTES: sum(t.nbytes for t in written)})
     reason = next((reasons[i] for i in keep if i in reasons), None)
     return Prepared(skeleton, Upload(token, tensors, ctx.hash_block_tokens, errors=errors),
                     reason)
@@ -353,7 +354,7 @@ def _close(buf: mmap.mmap) -> None:
 
 def max_json_body_bytes(ctx: ServerContext) -> int:
     """Largest ``Content-Length`` the JSON path takes (bytes): the base64 of
-    :attr:`ServerContext.max_body_bytes` (``config.binary_max_bytes``,
+    :attr:`ServerContext.max_body_bytes` (binary's ``settings.binary_max_bytes``,
     by default ``max_model_len x hidden_size x 4``) plus :data:`JSON_SLACK_BYTES`
     for the rest of the JSON and ``torch.save``'s framing. A larger body (a
     batch of many prompts, say) goes to the stock app unchanged."""
@@ -366,7 +367,7 @@ class JsonFormat:
     It claims only ``application/json`` bodies of at least
     ``VLLM_SHM_EMBEDS_MIN_BYTES`` and at most :func:`max_json_body_bytes`
     with ``--enable-prompt-embeds`` on; the whole body is held in memory
-    while it arrives (over ``config.inflight_bytes()``: vLLM's own
+    while it arrives (over binary's ``settings.inflight_bytes()``: vLLM's own
     path). It refuses by itself only a body that stalls or trickles (the
     gate's 408); any other body it cannot take goes to vLLM's app unchanged.
     """
@@ -381,7 +382,7 @@ class JsonFormat:
                 or not ctx.enable_prompt_embeds):
             return None
         if length > max_json_body_bytes(ctx):
-            count_reason(Event.JSON_FALLBACK, "too_large")
+            count_reason(JsonEvent.JSON_FALLBACK, "too_large")
             return None
         return Claim(length=length, in_memory=length, when_busy="stock")
 
@@ -389,7 +390,7 @@ class JsonFormat:
                       claim: Claim) -> Outcome:
         raw = await read_body(body, claim.length)
         if isinstance(raw, bytes):
-            count_reason(Event.JSON_FALLBACK, "body")
+            count_reason(JsonEvent.JSON_FALLBACK, "body")
             return Outcome(raw)
         try:
             prepared = await asyncio.get_running_loop().run_in_executor(
@@ -400,8 +401,8 @@ class JsonFormat:
         finally:
             _close(raw)
         if prepared.reason is not None:
-            count_reason(Event.JSON_FALLBACK, prepared.reason)
+            count_reason(JsonEvent.JSON_FALLBACK, prepared.reason)
         return Outcome(prepared.body, prepared.upload)
 
     def counted(self, reason: str) -> None:
-        count_reason(Event.JSON_FALLBACK, reason)
+        count_reason(JsonEvent.JSON_FALLBACK, reason)

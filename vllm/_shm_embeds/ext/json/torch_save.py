@@ -31,7 +31,8 @@ import torch
 
 from vllm._shm_embeds import extensions
 from vllm._shm_embeds.config import min_bytes
-from vllm._shm_embeds.counters import Event, count, count_reason
+from vllm._shm_embeds.counters import count, count_reason
+from vllm._shm_embeds.ext.json.events import JsonEvent
 from vllm._shm_embeds.ext.json import pickle_scan
 
 digests = extensions.require("digests", "digests")
@@ -276,7 +277,7 @@ def layout_or_reason(ctx: Any, outline: _Outline
 
 def _declined(reason: str) -> None:
     """Count why a payload is left to vLLM's loader; None."""
-    count_reason(Event.JSON_DIRECT_DECLINED, reason)
+    count_reason(JsonEvent.JSON_DIRECT_DECLINED, reason)
     return None
 
 
@@ -387,7 +388,7 @@ def direct_decode(ctx: Any, piece: memoryview,
         out = digests.fill_segment(dtype, (rows, hidden), write)
     except ValueError:
         return _declined("base64")  # not valid base64 after all: vLLM's loader says so
-    count(Event.JSON_DIRECT_TENSORS)
+    count(JsonEvent.JSON_DIRECT_TENSORS)
     return out
 
 

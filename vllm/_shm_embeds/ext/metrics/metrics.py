@@ -178,79 +178,79 @@ def set_model_name(name: Any) -> None:
 # --------------------------------------------------------------------------
 # aggregation: the public families from every process's events
 
-E = counters.Event  # every event name below is a declared one (a typo: AttributeError)
+E = counters.Event  # the core's events named below (a typo: AttributeError)
 _HOP_EVENTS = {E(f"hop{h}_{p}_{w}"): (h, p, w) for h in "12" for p in ("shm", "stock")
                for w in ("tensors", "bytes")}
 _RECEIVER = {"1": "engine", "2": "worker"}  # role of a hop's receiving process
-_REUSED = {E.HOP1_HANDOVER_TENSORS: "1", E.HOP1_REGION_TENSORS: "1",
-           E.HOP2_REUSED_TENSORS: "2"}
-_REASONS = {E.FALLBACK: "fallbacks", E.BINARY_REJECTED: "binary_rejected",
-            E.BINARY_FALLBACK: "binary_fallbacks", E.JSON_FALLBACK: "json_fallbacks",
-            E.JSON_DIRECT_DECLINED: "json_direct_declined",
-            E.REGION_REFUSED: "region_refused", E.REGION_LEASE_REFUSED: "region_lease_refused",
-            E.REGION_UNREGISTERED: "region_unregistered"}
-_HOP2_PLAIN = {E.HOP2_REMOTE_BYTES: "remote_bytes",
-               E.HOP2_PLACEHOLDER_TENSORS: "placeholder_tensors"}
-_PLAIN = (E.COPIED_BYTES, E.SEGMENTS_CREATED, E.SEGMENTS_UNLINKED, E.SEGMENTS_SWEPT,
-          E.ADOPT_NAMES_TAKEN,
-          E.BINARY_BODIES, E.BINARY_BYTES, E.REGIONS_REGISTERED, E.REGION_BYTES,
-          E.REGION_LEASES, E.REGION_LOOKUPS, E.REGION_LOOKUP_TRIMMED, E.REGIONS_FREED)
+# The json extension's tensors, by ``how`` (no event carries it): json_tensors counts
+# every one, json_direct_tensors those decoded directly (moved from loader to direct).
+_HOW = {"json_tensors": "loader", "json_direct_tensors": "direct"}
+_COUNTED_IN = {"json_direct_tensors": "json_tensors"}
+
+
+def _labels(event: counters.EventKind, key: counters.Key | None) -> tuple[str, ...] | None:
+    """The label values of ``event``'s family for a count of ``key``; None: they
+    depend on the count (hop, reason) and ``key`` is None."""
+    if event.labels:
+        return None if key is None else tuple(
+            key.hop if name == "hop" else key.reason for name in event.labels)
+    wanted = METRICS[event.metric][2]
+    if wanted == ("hop",):  # hopN_*: hop N
+        return (event.value[3],)
+    if wanted == ("how",):
+        return (_HOW[event.value],)
+    return ()
+
+
+def families() -> dict[str, tuple[str, str, tuple[str, ...]]]:
+    """The families of :data:`METRICS` on ``/metrics`` now: the gauges, and the
+    counters some loaded event feeds (a deleted extension's are absent)."""
+    fed = {e.metric for e in counters.events() if e.metric} | {"received_tensors"}
+    return {k: v for k, v in METRICS.items() if v[0] == "gauge" or k in fed}
 
 
 def aggregate(values: dict[tuple[counters.Key, str], float], pids: set[int],
               seg_dir: str | None = None) -> dict[str, dict[tuple[str, ...], float]]:
     """Metric values from the server's events (``counters.read_server``).
 
-    Returns ``{metric: {label values: value}}`` for every name in
-    :data:`METRICS` (label values in the order of its label names). Hop
+    Returns ``{metric: {label values: value}}`` for every name of
+    :func:`families` (label values in the order of its label names): each
+    declared event (``counters.events()``) feeds the family it names. Hop
     tensors/bytes come from the sender only: hop 1 from processes that are
     not an EngineCore, hop 2 from processes that are not a TP worker. The
     gauges are read from ``seg_dir`` (default: the segment directory) now;
     ``dir_held_bytes`` counts the allocated bytes of segment files whose
     owner is one of ``pids`` (the server's processes).
     """
-    out: dict[str, dict[tuple[str, ...], float]] = {k: {} for k in METRICS}
+    declared = {e.value: e for e in counters.events()}
+    out: dict[str, dict[tuple[str, ...], float]] = {k: {} for k in families()}
     for hop in ("1", "2"):
         for path in ("shm", "stock"):
             out["tensors"][(hop, path)] = 0
             out["bytes"][(hop, path)] = 0
         out["received_tensors"][(hop,)] = 0
-        out["reused_tensors"][(hop,)] = 0
-    out["remote_bytes"][("2",)] = 0
-    out["placeholder_tensors"][("2",)] = 0
-    for how in ("direct", "loader"):
-        out["json_tensors"][(how,)] = 0
-    for name in _PLAIN:
-        out[name.value][()] = 0
+    for event in declared.values():  # zero where the labels are fixed
+        if event.metric and event not in _HOP_EVENTS and not event.labels:
+            out[event.metric][_labels(event, None)] = 0
 
     def add(metric: str, labels: tuple[str, ...], value: float) -> None:
         out[metric][labels] = out[metric].get(labels, 0) + value
 
     for (key, role), value in values.items():
-        event = key.event
-        if event == E.FALLBACK:
-            add("fallbacks", (key.hop, key.reason), value)
-        elif event == E.HOP2_READER_TENSORS:
-            add("reader_tensors", (key.hop, key.reason), value)
-        elif event in _HOP2_PLAIN:
-            add(_HOP2_PLAIN[event], ("2",), value)
-        elif event in _REASONS:
-            add(_REASONS[event], (key.reason,), value)
-        elif event == E.JSON_TENSORS:
-            add("json_tensors", ("loader",), value)
-        elif event == E.JSON_DIRECT_TENSORS:  # counted in json_tensors too
-            add("json_tensors", ("direct",), value)
-            add("json_tensors", ("loader",), -value)
-        elif event in _PLAIN:
-            add(event, (), value)
-        elif event in _REUSED:
-            add("reused_tensors", (_REUSED[event],), value)
-        elif event in _HOP_EVENTS:
+        event = declared.get(key.event)
+        if event is None or not event.metric:  # summary only, or no longer declared
+            continue
+        if event in _HOP_EVENTS:
             hop, path, what = _HOP_EVENTS[event]
             if _RECEIVER[hop] not in role.split("+"):
                 add(what, (hop, path), value)
             elif what == "tensors" and path == "shm":
                 add("received_tensors", (hop,), value)
+            continue
+        add(event.metric, _labels(event, key), value)
+        if event.value in _COUNTED_IN:  # counted in the other one too
+            other = declared[_COUNTED_IN[event.value]]
+            add(other.metric, _labels(other, key), -value)
     seg_dir = seg_dir or config.shm_dir()
     out["dir_held_bytes"][()] = segment_dir.held_bytes(seg_dir, pids, pid_namespace())
     try:
@@ -273,7 +273,7 @@ class ShmEmbedsCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         model_name = process.current().model_name
-        for name, (kind, doc, labels) in METRICS.items():
+        for name, (kind, doc, labels) in families().items():
             cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             family = cls(PREFIX + name, doc, labels=["model_name", *labels])
             for label_values, value in sorted((values or {}).get(name, {}).items()):

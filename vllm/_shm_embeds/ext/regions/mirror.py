@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from vllm._shm_embeds.counters import Event, count
+from vllm._shm_embeds.counters import count
+from vllm._shm_embeds.ext.regions.events import RegionEvent
 from vllm._shm_embeds.ext.regions.registry import (
     UNKNOWN_REGION,
     Lease,
@@ -134,7 +135,7 @@ class RegionMirror:
                 self._local.unregister(region.id)  # freed when the lease ends
             except RegionError:
                 pass  # closed meanwhile (shutdown): already unregistered
-        count(Event.REGION_LOOKUPS)
+        count(RegionEvent.REGION_LOOKUPS)
         return lease
 
     def find(self, tensor: torch.Tensor) -> tuple[int, int, int] | None:

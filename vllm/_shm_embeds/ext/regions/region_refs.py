@@ -25,10 +25,11 @@ from shm_embeds_client.wire import JSON_CONTENT_TYPE, REGION, REGION_BYTE_SIZE, 
 from vllm.logger import init_logger
 
 from vllm._shm_embeds import extensions
-from vllm._shm_embeds.config import regions_path, regions_refs_max
-from vllm._shm_embeds.counters import Event, count_many, count_reason
+from vllm._shm_embeds.counters import count_many, count_reason
+from vllm._shm_embeds.ext.regions.events import RegionEvent
 from vllm._shm_embeds.ext.regions.registry import RegionError
 from vllm._shm_embeds.ext.regions.service import current, start_regions, stop_regions
+from vllm._shm_embeds.ext.regions.settings import regions_path, regions_refs_max
 
 _body_limits = extensions.require("binary", "body_limits")
 byte_count = _body_limits.byte_count
@@ -65,7 +66,7 @@ def lease_refs(path: str, body: Any, registry: Any) -> Upload | None:
 
     Raises:
         regions.RegionError: a reference that does not match a registration,
-            more than ``config.REGIONS_REFS_MAX`` references (``refs``),
+            more than ``settings.REGIONS_REFS_MAX`` references (``refs``),
             or the server's leases are all in use (``leases``) (client-safe
             message; the leases taken so far are released).
     """
@@ -165,12 +166,12 @@ class RegionRefsFormat:
         if upload is None:
             return Outcome(raw, offer_on=True)
         upload.hash_block_tokens = getattr(ctx, "hash_block_tokens", None)
-        count_many({Event.REGION_REQUESTS: 1, Event.REGION_TENSORS: len(upload.leases)})
+        count_many({RegionEvent.REGION_REQUESTS: 1, RegionEvent.REGION_TENSORS: len(upload.leases)})
         return Outcome(json.dumps(parsed).encode(), upload)
 
     def counted(self, reason: str) -> None:
         if reason == "reference":
-            count_reason(Event.REGION_REFUSED, "reference")
+            count_reason(RegionEvent.REGION_REFUSED, "reference")
 
     def startup(self, scope: dict) -> None:
         """Start the registry and the socket server; never raises."""

@@ -33,10 +33,11 @@ import torch
 from shm_embeds_client.wire import DATATYPES, REGION
 from vllm.logger import init_logger
 
-from vllm._shm_embeds import config
-from vllm._shm_embeds.counters import Event, count, count_many, count_reason
+from vllm._shm_embeds.counters import count, count_many, count_reason
+from vllm._shm_embeds.ext.regions.events import RegionEvent
 from vllm._shm_embeds.files import segment as seg
 from vllm._shm_embeds.ext.regions import memfd
+from vllm._shm_embeds.ext.regions import settings
 from vllm._shm_embeds.ext.regions.memfd import NOT_MEMFD, RegionError  # noqa: F401 (the API)
 from vllm._shm_embeds.ext.regions.sockets import discard_fd
 
@@ -73,7 +74,7 @@ class RegionLimits:
     max_bytes_per_uid: int
     idle_ttl_s: float
     datatype: str | None = None
-    max_leases: int = config.REGIONS_LEASES_MAX
+    max_leases: int = settings.REGIONS_LEASES_MAX
 
     @classmethod
     def from_config(cls, hidden_size: int, max_tokens: int,
@@ -82,9 +83,9 @@ class RegionLimits:
         the model's (``"FP32"``/``"FP16"``/``"BF16"``) or None (any)."""
         if datatype is not None and datatype not in DTYPES:
             raise ValueError(f"datatype must be one of {', '.join(DTYPES)} or None")
-        return cls(hidden_size, max_tokens, config.regions_allowed_uids(),
-                   config.regions_max(), config.regions_max_bytes(), config.regions_ttl_s(),
-                   datatype, config.regions_leases_max())
+        return cls(hidden_size, max_tokens, settings.regions_allowed_uids(),
+                   settings.regions_max(), settings.regions_max_bytes(),
+                   settings.regions_ttl_s(), datatype, settings.regions_leases_max())
 
 
 @dataclasses.dataclass(eq=False, repr=False)
@@ -261,10 +262,10 @@ class RegionRegistry:
                     self._unreserve(uid, reserved)
             discard_fd(fd)
             if isinstance(e, RegionError):
-                count_reason(Event.REGION_REFUSED, e.reason)
+                count_reason(RegionEvent.REGION_REFUSED, e.reason)
             raise
         if self.counted:
-            count_many({Event.REGIONS_REGISTERED: 1, Event.REGION_BYTES: nbytes})
+            count_many({RegionEvent.REGIONS_REGISTERED: 1, RegionEvent.REGION_BYTES: nbytes})
         return region
 
     # ------------------------------------------------------------ unregister
@@ -285,7 +286,7 @@ class RegionRegistry:
         """Drop the mapping's pages and close the fd (lock not held)."""
         memfd.unmap(region.mm)  # region.tensor is alive: drops the pages
         os.close(region.fd)
-        count(Event.REGIONS_FREED)
+        count(RegionEvent.REGIONS_FREED)
 
     def _unregister(self, regions: Iterable[Region], reason: str,
                     pick: Callable[[Region], bool] | None = None) -> int:
@@ -297,7 +298,7 @@ class RegionRegistry:
         for r in free:
             self._free(r)
         if regions:
-            count_reason(Event.REGION_UNREGISTERED, reason, n=len(regions))
+            count_reason(RegionEvent.REGION_UNREGISTERED, reason, n=len(regions))
         return len(regions)
 
     def unregister(self, region_id: str, uid: int | None = None) -> None:
@@ -371,9 +372,9 @@ class RegionRegistry:
                 region.leases += 1
                 region.last_used = time.monotonic()
         except RegionError as e:
-            count_reason(Event.REGION_LEASE_REFUSED, e.reason)
+            count_reason(RegionEvent.REGION_LEASE_REFUSED, e.reason)
             raise
-        count(Event.REGION_LEASES)
+        count(RegionEvent.REGION_LEASES)
         return Lease(self, region)
 
     def lookup(self, region_id: Any) -> Lease:

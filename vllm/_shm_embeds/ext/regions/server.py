@@ -31,9 +31,10 @@ from typing import Any, NamedTuple
 from shm_embeds_client import wire
 from vllm.logger import init_logger
 
-from vllm._shm_embeds import config
-from vllm._shm_embeds.counters import Event, count, count_reason
+from vllm._shm_embeds.counters import count, count_reason
+from vllm._shm_embeds.ext.regions.events import RegionEvent
 from vllm._shm_embeds.ext.regions.memfd import NOT_MEMFD, RegionError
+from vllm._shm_embeds.ext.regions import settings
 from vllm._shm_embeds.ext.regions.registry import Lease, RegionRegistry
 from vllm._shm_embeds.ext.regions.sockets import (  # peer_is_sibling: public here too
     ANC_BYTES,
@@ -101,7 +102,7 @@ class RegionServer:
             if the answer would be over ``MAX_LOOKUP_REPLY`` bytes.
         idle_timeout_s: seconds a producer connection holding no registered
             region may send nothing before it is closed; None:
-            ``config.REGIONS_IDLE_S``.
+            ``settings.REGIONS_IDLE_S``.
     """
 
     def __init__(self, path: str, registry: RegionRegistry, group: str | None = None,
@@ -109,7 +110,7 @@ class RegionServer:
                  describe: Callable[[Any], dict] | None = None,
                  idle_timeout_s: float | None = None) -> None:
         self.path = path
-        self.idle_timeout_s = (config.regions_idle_s() if idle_timeout_s is None
+        self.idle_timeout_s = (settings.regions_idle_s() if idle_timeout_s is None
                                else idle_timeout_s)
         self.describe = describe
         self._lock_sock: socket.socket | None = None
@@ -249,7 +250,7 @@ class RegionServer:
                 continue
             conn.regions = self.registry.registered(conn.regions)  # expired ones go
             if not conn.regions:
-                count_reason(Event.REGION_REFUSED, "idle_connection")
+                count_reason(RegionEvent.REGION_REFUSED, "idle_connection")
                 self._close_conn(sel, conn, "disconnect")
 
     def _drain_wake(self) -> None:
@@ -305,19 +306,19 @@ class RegionServer:
                 logger.warning("shm-embeds: regions connection from uid %d (pid %d), which "
                                "is not allowed (VLLM_SHM_EMBEDS_REGIONS_UIDS), closed", uid,
                                pid)
-                count_reason(Event.REGION_REFUSED, "uid")
+                count_reason(RegionEvent.REGION_REFUSED, "uid")
                 self._send(sock, {"error": "this user may not register regions"})
                 self._retire(sock)  # what it queued is released off this thread
                 return True
             if not conn.sibling and sum(
                     not c.sibling for c in self._conns) >= self.max_connections:
-                count_reason(Event.REGION_REFUSED, "connections")
+                count_reason(RegionEvent.REGION_REFUSED, "connections")
                 self._send(sock, {"error": "too many connections"})
                 self._retire(sock)
                 return True
             if not conn.sibling and sum(not c.sibling and c.pid == pid for c in self._conns
                                         ) >= MAX_CONNECTIONS_PER_PRODUCER:
-                count_reason(Event.REGION_REFUSED, "producer_connections")
+                count_reason(RegionEvent.REGION_REFUSED, "producer_connections")
                 self._send(sock, {"error": "too many connections from this process"})
                 self._retire(sock)
                 return True
@@ -357,7 +358,7 @@ class RegionServer:
         connection closed, its fds still queued (released on the closer thread)."""
         try:
             if closer_busy() and carries_fds(conn.sock):
-                count_reason(Event.REGION_REFUSED, "closer_busy")
+                count_reason(RegionEvent.REGION_REFUSED, "closer_busy")
                 self._send(conn.sock, {"error": "the server takes no file descriptors now; "
                                                 "retry later"})
                 self._close_conn(sel, conn, "disconnect")
@@ -378,7 +379,7 @@ class RegionServer:
         # answered and closed: each such fd costs the closer thread a close.
         hostile = True
         if not all(map(is_memfd, fds)):
-            count_reason(Event.REGION_REFUSED, "not_memfd")
+            count_reason(RegionEvent.REGION_REFUSED, "not_memfd")
             reply = Reply({"error": NOT_MEMFD})
         else:
             hostile = False
@@ -403,7 +404,7 @@ class RegionServer:
             try:
                 if self._stop:
                     discard_fd(fd)
-                    count_reason(Event.REGION_REFUSED, "closed")
+                    count_reason(RegionEvent.REGION_REFUSED, "closed")
                     raise RegionError("the server is shutting down", "closed")
                 region = self.registry.register(fd, conn.uid, msg.get("datatype"),
                                                 msg.get("shape"))
@@ -447,7 +448,7 @@ class RegionServer:
                 raise RegionError('unknown op: expected "register" or "unregister"', "op")
             return op(self, sel, conn, msg, fds)
         except RegionError as e:
-            count_reason(Event.REGION_REFUSED, e.reason)
+            count_reason(RegionEvent.REGION_REFUSED, e.reason)
             return Reply({"error": str(e)})
         except Exception:
             logger.exception("shm-embeds: a regions message failed")
@@ -506,7 +507,7 @@ class RegionServer:
             if len(json.dumps(extra)) <= MAX_LOOKUP_REPLY:
                 reply = extra
             else:  # the sibling does without (e.g. computes the digests)
-                count(Event.REGION_LOOKUP_TRIMMED)
+                count(RegionEvent.REGION_LOOKUP_TRIMMED)
         except Exception:
             logger.exception("shm-embeds: describing a region failed")
         return Reply(reply, lease)

@@ -19,7 +19,7 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm._shm_embeds import extensions
-from vllm._shm_embeds.config import regions_group
+from vllm._shm_embeds.ext.regions.settings import regions_group
 from vllm._shm_embeds.lifetime import process
 
 digests = extensions.require("digests", "digests")
