@@ -42,3 +42,10 @@ REGION_OFFSET = "shared_memory_offset"
 REGIONS_ENV = "VLLM_SHM_EMBEDS_REGIONS"  # the server's socket path
 MAX_MESSAGE = 64 * 1024  # bytes of one JSON message, either way
 MEMFD_NAME = "shm-embeds-region"  # the name of a producer's memfd
+
+# Conversations (docs/conversations.md): keep a request's prompt_embeds, then
+# name them as the prefix of a later request that sends only the rows after it.
+KEEP_HEADER = "Shm-Embeds-Keep"  # request: keep its prompt_embeds this many seconds
+KEPT_HEADER = "Shm-Embeds-Kept"  # response: the opaque id of the kept prompt_embeds
+PREFIX = "shm_embeds_prefix"  # descriptor parameter: the kept rows this tensor follows
+PREFIX_NOT_FOUND = "PrefixNotFound"  # error type (HTTP 404): unknown, expired or evicted
