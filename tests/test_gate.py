@@ -64,6 +64,7 @@ class Echo(Upper):
 class _Upload:
     released = False
     leases = ()
+    keeps = ()
 
     def release(self):
         self.released = True

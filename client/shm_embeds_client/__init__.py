@@ -43,6 +43,18 @@ by the server or sent over HTTP (``docs/regions.md``)::
         with rc.seal(t) as region2:               # unregistered on exit
             out = sec.chat("http://localhost:8000", "my-model", region2, max_tokens=16)
 
+A conversation sends only each turn's new rows: the server keeps a
+request's ``prompt_embeds`` for ``ttl_s`` seconds (``Shm-Embeds-Keep``) and
+the next request names them as its prefix (``sec.Continuation``); a server
+without the feature, or a kept prefix expired or evicted, costs one resend
+of the whole history (``conversation.py``, ``docs/conversations.md``)::
+
+    conv = sec.Conversation("http://localhost:8000", "my-model", ttl_s=600)
+    out = conv.complete(turn1, max_tokens=16)   # the whole tensor, kept
+    out = conv.complete(turn2, max_tokens=16)   # only turn2's rows after it
+    branch = conv.fork()                        # another turn from the same prefix
+    out = await sec.AsyncConversation(...).acomplete(turn1, max_tokens=16)
+
 For a client that must keep the OpenAI JSON wire format (a server without
 the plugin): ``sec.complete_openai_json(...)`` and ``sec.chat_openai_json``
 (async: ``acomplete_openai_json``, ``achat_openai_json``) send base64 of
@@ -56,10 +68,10 @@ with each byte written once (``openai_json.py``)::
 Install it alone (no vLLM) with ``pip install ./client`` from a checkout of
 the repository. It needs ``httpx`` and ``torch`` (the tensors are torch
 tensors, sent from their own memory; numpy is not needed). The package is
-split by transport: ``http`` (sync), ``aio`` (async), ``regions``, and
-``wire`` (the constants both sides spell; the standard library only). The
-names here import their submodule on first use, so ``import
-shm_embeds_client.wire`` needs neither torch nor httpx.
+split by transport: ``http`` (sync), ``aio`` (async), ``regions``,
+``conversation``, and ``wire`` (the constants both sides spell; the standard
+library only). The names here import their submodule on first use, so
+``import shm_embeds_client.wire`` needs neither torch nor httpx.
 """
 
 from __future__ import annotations
@@ -67,7 +79,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["Region", "RegionClient", "RegionRefused", "achat", "achat_openai_json",
+__all__ = ["AsyncConversation", "Continuation", "Conversation",
+           "Region", "RegionClient", "RegionRefused", "achat", "achat_openai_json",
            "acomplete", "acomplete_openai_json", "chat", "chat_openai_json", "complete",
            "complete_openai_json", "connect_regions", "frame", "openai_json_body"]
 
@@ -75,7 +88,8 @@ __all__ = ["Region", "RegionClient", "RegionRefused", "achat", "achat_openai_jso
 _SUBMODULE = {
     "complete": "http", "chat": "http",
     "acomplete": "aio", "achat": "aio",
-    "frame": "_framing",
+    "frame": "_framing", "Continuation": "_framing",
+    "Conversation": "conversation", "AsyncConversation": "conversation",
     "complete_openai_json": "http", "chat_openai_json": "http",
     "acomplete_openai_json": "aio", "achat_openai_json": "aio",
     "openai_json_body": "openai_json",

@@ -1,21 +1,46 @@
 # SPDX-License-Identifier: Apache-2.0
 """Request bodies shared by the sync (``http.py``) and async (``aio.py``)
 clients: a binary body framed from tensors (:func:`frame`), or a plain JSON
-body of :class:`~shm_embeds_client.regions.Region` references. torch only."""
+body of :class:`~shm_embeds_client.regions.Region` references. torch only.
+
+A :class:`Continuation` in place of a completions tensor sends only the rows
+after a kept prefix (``docs/conversations.md``; ``conversation.py`` keeps the
+history and the id)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from shm_embeds_client._tensors import _bytes_of, _wire
 from shm_embeds_client.regions import Region
-from shm_embeds_client.wire import CONTENT_TYPE, HEADER_LENGTH, JSON_CONTENT_TYPE
+from shm_embeds_client.wire import CONTENT_TYPE, HEADER_LENGTH, JSON_CONTENT_TYPE, PREFIX
 
 _CHUNK = 1 << 20
+
+
+@dataclass(frozen=True, eq=False)
+class Continuation:
+    """The rows of a completions request's ``prompt_embeds`` that follow a kept
+    prefix: the server serves the kept rows (``prefix``, the id a response's
+    ``Shm-Embeds-Kept`` header gave) then ``rows`` as the whole tensor.
+
+    Accepted by :func:`frame` (and ``complete``/``acomplete``) wherever a
+    completions tensor is, as the request's only tensor; its descriptor is
+    ``rows``'s with ``parameters["shm_embeds_prefix"] = prefix``. The request
+    must carry the ``cache_salt`` of the request that was kept (or none).
+    """
+
+    prefix: str
+    rows: torch.Tensor = field(repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefix, str) or not self.prefix:
+            raise ValueError("Continuation.prefix must be a non-empty kept id (str)")
 
 
 def frame(body: dict, route: str = "completions") -> tuple[dict[str, str], list, int]:
@@ -31,18 +56,31 @@ def frame(body: dict, route: str = "completions") -> tuple[dict[str, str], list,
         ``pieces`` (the JSON bytes, then each tensor's bytes as a memoryview
         over the tensor's own memory), ``length`` bytes in all.
     Raises:
-        ValueError: no tensor, or a tensor that is not 2-D floating point.
+        ValueError: no tensor, or a tensor that is not 2-D floating point; a
+            :class:`Continuation` in a chat request or beside another tensor.
     """
     tensors: list[torch.Tensor] = []
+    continued = False
 
     def take(t: Any) -> dict:
-        wire, desc = _wire(t)
+        nonlocal continued
+        if isinstance(t, Continuation):
+            if route != "completions":
+                raise ValueError("a Continuation (rows after a kept prefix) is for "
+                                 "/v1/completions only")
+            wire, desc = _wire(t.rows)
+            desc["parameters"][PREFIX] = t.prefix
+            continued = True
+        else:
+            wire, desc = _wire(t)
         tensors.append(wire)
         return desc
 
     body = _map_embeds(body, route, take)
     if not tensors:
         raise ValueError("no prompt_embeds tensor in the request")
+    if continued and len(tensors) > 1:
+        raise ValueError("a Continuation must be the request's only prompt_embeds tensor")
     header = json.dumps(body).encode()
     pieces: list = [header]
     for t in tensors:

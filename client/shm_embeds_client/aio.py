@@ -15,10 +15,20 @@ from shm_embeds_client.openai_json import openai_json_request
 __all__ = ["achat", "achat_openai_json", "acomplete", "acomplete_openai_json"]
 
 
-async def _asend(route, url, model, tensor, timeout, headers, kwargs):
+async def _apost(route: str, url: str, model: str, tensor: Any, timeout: float | None,
+                 headers: dict | None, kwargs: dict,
+                 client: httpx.AsyncClient | None = None) -> httpx.Response:
+    """Async :func:`~shm_embeds_client.http._post`: the response, whatever its status."""
     h, content = _body(route, model, tensor, kwargs, headers, True)
+    if client is not None:
+        return await client.post(_url(url, route), content=content, headers=h,
+                                 timeout=timeout)
     async with httpx.AsyncClient(timeout=timeout) as c:
-        r = await c.post(_url(url, route), content=content, headers=h)
+        return await c.post(_url(url, route), content=content, headers=h)
+
+
+async def _asend(route, url, model, tensor, timeout, headers, kwargs):
+    r = await _apost(route, url, model, tensor, timeout, headers, kwargs)
     return _result(r, bool(kwargs.get("stream")))
 
 

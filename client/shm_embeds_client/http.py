@@ -35,10 +35,20 @@ def _result(r: httpx.Response, stream: bool) -> Any:
             if line.startswith("data: ") and line != "data: [DONE]"]
 
 
-def _send(route, url, model, tensor, timeout, headers, kwargs):
+def _post(route: str, url: str, model: str, tensor: Any, timeout: float | None,
+          headers: dict | None, kwargs: dict,
+          client: httpx.Client | None = None) -> httpx.Response:
+    """The response to the request, whatever its status (read whole, not
+    streamed): through ``client`` if given (left open), else a client of its own."""
     h, content = _body(route, model, tensor, kwargs, headers, False)
+    if client is not None:
+        return client.post(_url(url, route), content=content, headers=h, timeout=timeout)
     with httpx.Client(timeout=timeout) as c:
-        r = c.post(_url(url, route), content=content, headers=h)
+        return c.post(_url(url, route), content=content, headers=h)
+
+
+def _send(route, url, model, tensor, timeout, headers, kwargs):
+    r = _post(route, url, model, tensor, timeout, headers, kwargs)
     return _result(r, bool(kwargs.get("stream")))
 
 
@@ -51,7 +61,9 @@ def complete(url: str, model: str, tensor: Any, *, timeout: float | None = 600,
         url: server base URL (``http://host:port``, ``/v1`` optional).
         tensor: ``(T, H)`` tensor, or a list of them (one choice set per
             prompt); or a :class:`Region`, or a list of Regions (sent as
-            references, ``application/json``; no tensor byte is sent).
+            references, ``application/json``; no tensor byte is sent); or a
+            :class:`~shm_embeds_client._framing.Continuation` (the rows after
+            a kept prefix; ``conversation.py`` does the bookkeeping).
         completion_args: the usual fields (``max_tokens``, ``temperature``, ...).
     Returns:
         the response JSON (a dict), or with ``stream=True`` the list of chunks.

@@ -33,6 +33,7 @@ EXTENSIONS: dict[str, str] = {
     "binary": "ext/binary",
     "json": "ext/json",
     "regions": "ext/regions",
+    "conversations": "ext/conversations",
 }
 
 

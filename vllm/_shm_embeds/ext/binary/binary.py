@@ -18,8 +18,11 @@ Design notes: docs/design.md, "Module notes"; docs/binary-protocol.md.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import importlib
 import json
 import sys
+from typing import Any
 
 import torch
 from starlette.datastructures import Headers
@@ -57,6 +60,32 @@ from vllm._shm_embeds.lifetime.streamed import (
 digests = extensions.require("digests", "digests")
 
 logger = init_logger(__name__)
+
+_HOOKS: dict[str, Any] | None = None
+
+
+def prefix_hooks() -> dict[str, Any]:
+    """Descriptor parameter -> the hook of the extension that provides it
+    (``binary_prefixes`` entries: ``{"target": "<module>:<attr>"}``). A hook
+    has ``parameter``, ``resolve(value, body, dtype, hidden)`` (the kept rows
+    a tensor starts with: ``.tensor``, ``.rows``, ``.digests``, ``.release()``;
+    raises ``gate.Refused``) and ``keep_request(headers, path, body, ntensors)``
+    (None, or ``.start(tensor)``, ``.wait()``, ``async response_headers(status)``,
+    ``.close()``). One that fails to load is left out (its parameter is then refused)."""
+    global _HOOKS
+    if _HOOKS is None:
+        _HOOKS = {}
+        for ext, entry in extensions.provided("binary_prefixes"):
+            module, _, attr = entry["target"].partition(":")
+            try:
+                hook = getattr(importlib.import_module(
+                    f"{extensions.package_of(ext)}.{module}"), attr)
+            except Exception:
+                logger.warning("shm-embeds: extension %s's binary hook not loaded", ext,
+                               exc_info=True)
+                continue
+            _HOOKS[hook.parameter] = hook
+    return _HOOKS
 
 
 # --------------------------------------------------------------------------
@@ -163,49 +192,77 @@ class BinaryFormat:
         # A deadline (timeout + size / minimum rate) for the JSON header first,
         # then for the tensor bytes the validated header says follow: sizes
         # the server bounds, never the client's Content-Length.
-        return Claim(length=json_len, in_memory=json_len, when_busy="refuse", state=framing)
+        return Claim(length=json_len, in_memory=json_len, when_busy="refuse",
+                     state=(framing, h))
 
     async def prepare(self, path: str, body: Body, ctx: ServerContext | None,
                       claim: Claim) -> Outcome:
-        json_len, content_length = claim.state
+        (json_len, content_length), h = claim.state
+        hooks = prefix_hooks()
         segs: list[StreamedSegment | _Private] = []
         hashers: list[digests.StreamHasher | None] = []
+        prefixes: list[Any] = []
+        keeps: list[Any] = []
         try:
-            parsed = parse_header(await _read_exact(body, json_len), path, ctx, content_length)
+            parsed = parse_header(await _read_exact(body, json_len), path, ctx, content_length,
+                                  frozenset(hooks))
+            keeps = [k for hook in hooks.values() if (k := hook.keep_request(
+                h, path, parsed.body, len(parsed.specs))) is not None]
+            for spec in parsed.specs:  # every reference resolved before a byte is read
+                prefixes.append(None)
+                for name, value in spec.extra:
+                    prefixes[-1] = hooks[name].resolve(value, parsed.body, spec.dtype,
+                                                       spec.shape[1])
             body.extend(sum(s.nbytes for s in parsed.specs))
-            for spec in parsed.specs:
-                segs.append(_open_sink(spec))
-                hashers.append(_hasher(spec, ctx, segs[-1], path))
+            for spec, pre in zip(parsed.specs, prefixes):
+                full = _after(spec, pre, ctx)
+                segs.append(_open_sink(full))
+                hashers.append(_hasher(full, ctx, segs[-1], path, pre))
                 try:
+                    if pre is not None:
+                        await _write_prefix(segs[-1], pre, hashers[-1])
                     await _copy_into(body, segs[-1], hashers[-1])
                 except OSError as e:  # e.g. ENOSPC midway: go on in private memory
                     if hashers[-1] is not None:
                         hashers[-1].abort()
                         hashers[-1] = None
-                    segs[-1] = _fall_back(segs[-1], spec, e)
+                    segs[-1] = _fall_back(segs[-1], full, e)
+                    if pre is not None and segs[-1].filled == 0:
+                        await _write_prefix(segs[-1], pre)
                     await _copy_into(body, segs[-1])
             if not await body.at_end():
                 raise _bad("extra", "extra bytes after the last tensor")
             # Hashed bytes are mapped read-only: nothing here can change them.
             tensors = [s.finish(writable=h is None) for s, h in zip(segs, hashers)]
             segs = []
-            for t, h in zip(tensors, hashers):
-                if h is not None:
-                    digests.attach(t, await asyncio.wrap_future(h.result()))
+            for t, hs, pre in zip(tensors, hashers, prefixes):
+                if hs is not None:
+                    digests.attach(t, _joined(pre, await asyncio.wrap_future(hs.result())))
             hashers = []
             upload = Upload(parsed.token, tensors, ctx.hash_block_tokens)
+            for keep in keeps:  # a copy, on a thread, while vLLM serves the request
+                keep.start(tensors[0])
+                upload.keeps.append(keep)
+            keeps = []
             if any(t.dtype != ctx.dtype for t in tensors):
+                for keep in upload.keeps:
+                    keep.wait()  # the cast lets the source's pages go
                 upload.tensors = await asyncio.get_running_loop().run_in_executor(
                     None, _convert, tensors, ctx.dtype)
             count_many({BinaryEvent.BINARY_BODIES: 1, BinaryEvent.BINARY_TENSORS: len(tensors),
-                        BinaryEvent.BINARY_BYTES: sum(t.nbytes for t in tensors)})
+                        BinaryEvent.BINARY_BYTES: sum(s.nbytes for s in parsed.specs)})
             del tensors
         finally:  # (before the gate counts: the counter says it is clean)
             for s in segs:
                 s.abort()
-            for h in hashers:
-                if h is not None:
-                    h.abort()
+            for hs in hashers:
+                if hs is not None:
+                    hs.abort()
+            for pre in prefixes:
+                if pre is not None:
+                    pre.release()
+            for keep in keeps:
+                keep.close()
         return Outcome(json.dumps(parsed.body).encode(), upload,
                        content_type=b"application/json")
 
@@ -213,8 +270,51 @@ class BinaryFormat:
         count_reason(BinaryEvent.BINARY_REJECTED, reason)
 
 
+def _after(spec: TensorSpec, pre: Any, ctx: ServerContext) -> TensorSpec:
+    """The whole tensor of ``spec`` after the kept rows ``pre`` (None: ``spec``).
+    Raises BinaryBodyError (400) past the model's context."""
+    if pre is None:
+        return spec
+    tokens = pre.rows + spec.shape[0]
+    if tokens > ctx.max_model_len:
+        raise _bad("too_long", f"{tokens} prompt_embeds tokens (kept prefix included) exceed "
+                   f"the maximum context length of {ctx.max_model_len} tokens")
+    return dataclasses.replace(spec, shape=(tokens, spec.shape[1]),
+                               nbytes=spec.nbytes // spec.shape[0] * tokens)
+
+
+def _reused_blocks(pre: Any, block_tokens: int) -> int:
+    """Whole blocks of ``pre`` whose kept digests hold for the whole tensor too."""
+    d = pre.digests if pre is not None else None
+    return pre.rows // block_tokens if d is not None and d.block_tokens == block_tokens else 0
+
+
+async def _write_prefix(sink: StreamedSegment | _Private, pre: Any,
+                        hasher: digests.StreamHasher | None = None) -> None:
+    """Write the kept rows into ``sink`` (on a thread: one copy) and give ``hasher``
+    the rows after the last whole block whose digest is reused."""
+    data = memoryview(pre.tensor.reshape(-1).view(torch.uint8).numpy())
+    await asyncio.get_running_loop().run_in_executor(None, sink.write, data)
+    if hasher is not None:
+        row_bytes = data.nbytes // pre.rows
+        tail = data[_reused_blocks(pre, hasher.block_tokens) * hasher.block_tokens * row_bytes:]
+        if (wait := hasher.feed(tail)) is not None:
+            await asyncio.wrap_future(wait)
+
+
+def _joined(pre: Any, found: Any) -> Any:
+    """The whole tensor's digests: the kept rows' reused, then ``found`` (hashed here)."""
+    reused = _reused_blocks(pre, found.block_tokens)
+    if not reused:
+        return found
+    b = found.block_tokens
+    return digests.BlockDigests(b, reused * b + found.rows,
+                                pre.digests.digests[:reused * digests.DIGEST_BYTES]
+                                + found.digests)
+
+
 def _hasher(spec: TensorSpec, limits: ServerContext, sink: StreamedSegment | _Private,
-            path: str) -> digests.StreamHasher | None:
+            path: str, pre: Any = None) -> digests.StreamHasher | None:
     """A hasher for a completions tensor that goes to the EngineCore as it
     arrives (its segment, in the model's dtype, prefix caching on), else None:
     a chat part is hashed once the prompt is assembled
@@ -223,8 +323,9 @@ def _hasher(spec: TensorSpec, limits: ServerContext, sink: StreamedSegment | _Pr
     if (isinstance(sink, _Private) or spec.dtype != limits.dtype
             or not limits.hash_block_tokens or path != COMPLETIONS):
         return None
-    tokens = spec.shape[0]
-    return digests.StreamHasher(tokens, spec.nbytes // tokens, limits.hash_block_tokens)
+    tokens, b = spec.shape[0], limits.hash_block_tokens
+    skip = _reused_blocks(pre, b) * b
+    return digests.StreamHasher(tokens - skip, spec.nbytes // tokens, b)
 
 
 def _convert(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:

@@ -59,11 +59,13 @@ class BinaryBodyError(Refused):
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
-    """One validated descriptor: ``dtype`` and ``shape`` ``(T, H)``; ``nbytes`` = T*H*itemsize."""
+    """One validated descriptor: ``dtype`` and ``shape`` ``(T, H)``; ``nbytes`` = T*H*itemsize
+    (the bytes in the body); ``extra``: the parameters an extension's hook reads."""
 
     dtype: torch.dtype
     shape: tuple[int, int]
     nbytes: int
+    extra: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclasses.dataclass
@@ -186,12 +188,15 @@ def check_json_bounds(json_bytes: bytes | bytearray) -> None:
         depth = int(levels[-1])
 
 
-def parse_spec(desc: Any, limits: ServerContext, where: str) -> TensorSpec:
+def parse_spec(desc: Any, limits: ServerContext, where: str,
+               accepted: frozenset[str] = frozenset()) -> TensorSpec:
     """Validate one descriptor (see the module docstring) against ``limits``.
 
     ``desc`` is any JSON value: every field's type is checked before it is
     used (``datatype`` a str, ``shape`` a list of two ints, ``parameters`` an
-    object whose ``binary_data_size`` is an int; booleans are not ints).
+    object whose ``binary_data_size`` is an int; booleans are not ints). A
+    parameter besides ``binary_data_size`` and those in ``accepted`` (the loaded
+    extensions' hooks read them) is refused: never served as if it were absent.
 
     Raises:
         BinaryBodyError: 400 naming what is wrong (``where`` says which value);
@@ -227,11 +232,17 @@ def parse_spec(desc: Any, limits: ServerContext, where: str) -> TensorSpec:
     if not _is_int(size) or size != want:
         raise _bad("size", f"{where}: parameters.binary_data_size must be {want} "
                    f"({datatype} x {tokens} x {hidden}); got {_shown(size)}")
-    return TensorSpec(dtype, (tokens, hidden), want)
+    unknown = sorted(k for k in params if k != wire.BINARY_DATA_SIZE and k not in accepted)
+    if unknown:
+        raise _bad("parameter", f"{where}: parameter {_shown(unknown[0])} is not one this "
+                   "server reads")
+    extra = tuple((k, params[k]) for k in sorted(params) if k in accepted)
+    return TensorSpec(dtype, (tokens, hidden), want, extra)
 
 
 def parse_header(
-    json_bytes: bytes, route: str, limits: ServerContext, content_length: int | None
+    json_bytes: bytes, route: str, limits: ServerContext, content_length: int | None,
+    accepted: frozenset[str] = frozenset(),
 ) -> ParsedHeader:
     """Parse and validate the JSON header of a binary body; allocates nothing.
 
@@ -240,6 +251,7 @@ def parse_header(
         route: ``/v1/completions`` or ``/v1/chat/completions``.
         limits: the served model's limits.
         content_length: the request's ``Content-Length`` (None if chunked).
+        accepted: descriptor parameters the loaded extensions read (:func:`parse_spec`).
     Returns:
         the body with placeholders, and the specs of the tensors that follow.
     Raises:
@@ -269,7 +281,7 @@ def parse_header(
                    f"than the server's limit of {binary_max_tensors()}")
     for where, container, key in slots:
         specs.append(parse_spec(container.get(key) if isinstance(container, dict)
-                                else container[key], limits, where))
+                                else container[key], limits, where, accepted))
         container[key] = placeholder(token, len(specs) - 1)
     if not specs:
         raise _bad("no_tensor", "a binary request body needs at least one "

@@ -12,7 +12,7 @@ class BinaryEvent(EventKind):
 
     BINARY_BODIES = ("binary_bodies", "binary_bodies", "binary request bodies accepted")
     BINARY_TENSORS = ("binary_tensors", None, "their tensors")
-    BINARY_BYTES = ("binary_bytes", "binary_bytes", "their tensor bytes")
+    BINARY_BYTES = ("binary_bytes", "binary_bytes", "their tensor bytes (as they arrived)")
     BINARY_CONVERTED_BYTES = ("binary_converted_bytes", None,
                               "bytes of binary tensors cast to the model's dtype")
     BINARY_REJECTED = ("binary_rejected", "binary_rejected", "binary bodies rejected", ("reason",))

@@ -59,6 +59,9 @@ class Upload:
             (the JSON path decoded it once already): its placeholder raises
             it again where vLLM would have decoded it, so vLLM answers as
             stock without decoding the payload a second time.
+        keeps: what an extension's hook does with the request's tensors while
+            vLLM serves it (``binary.prefix_hooks``): headers at the response's
+            start, closed before the tensors' pages go.
     """
 
     token: str
@@ -67,6 +70,7 @@ class Upload:
     made: list[torch.Tensor] = dataclasses.field(default_factory=list)
     leases: list[Any] = dataclasses.field(default_factory=list)
     errors: dict[int, BaseException] = dataclasses.field(default_factory=dict)
+    keeps: list[Any] = dataclasses.field(default_factory=list)
 
     def responding(self) -> None:
         """vLLM has started the response body (the request's engines hold what
@@ -79,6 +83,9 @@ class Upload:
         """The request has ended: unlink what vLLM did not take over (hop 1
         hands the rest over), let go of this process's pages of every
         tensor (``streamed.release_streamed``) and end the region leases."""
+        for keep in self.keeps:
+            keep.close()  # its copy done before the pages go
+        self.keeps.clear()
         borrowed = {id(lease.tensor) for lease in self.leases}
         for t in [*self.tensors, *self.made]:
             if t is not None and id(t) not in borrowed:
@@ -159,10 +166,17 @@ def prefixed(received: bytes, more: bool, receive: Receive) -> Receive:
 def _settling(send: Send, upload: Upload) -> Send:
     """``send`` that settles ``upload``'s leases at the first response body
     message: vLLM sends none before the request's first output (an error
-    answer aside), so its engines hold the regions by then."""
+    answer aside), so its engines hold the regions by then; and adds the
+    headers of ``upload.keeps`` to the response's start."""
 
     async def settling_send(message: dict) -> None:
-        if message.get("type") == "http.response.body":
+        kind = message.get("type")
+        if kind == "http.response.start" and upload.keeps:
+            added = [hv for keep in upload.keeps
+                     for hv in await keep.response_headers(message.get("status", 0))]
+            if added:
+                message = dict(message, headers=[*message.get("headers", ()), *added])
+        if kind == "http.response.body":
             upload.responding()
         await send(message)
 
@@ -184,7 +198,8 @@ async def call_with_body(app: Callable, scope: dict, receive: Receive, send: Sen
     token = _current.set(upload) if upload is not None else None
     try:
         await app(dict(scope, headers=hdrs), replay(payload, receive),
-                  _settling(send, upload) if upload is not None and upload.leases else send)
+                  _settling(send, upload) if upload is not None
+                  and (upload.leases or upload.keeps) else send)
     finally:
         if token is not None:
             _current.reset(token)

@@ -1,0 +1,215 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Conversations on binary bodies: the ``binary_prefixes`` hook (:data:`HOOK`).
+
+A request with ``Shm-Embeds-Keep: <seconds>`` has its one ``prompt_embeds`` tensor
+copied into a kept segment while vLLM serves it (:class:`KeepRequest`); a 200
+answer then carries ``Shm-Embeds-Kept: <id>``. A later descriptor with
+``parameters.shm_embeds_prefix: <id>`` sends only the rows after those kept:
+the binary format writes the kept rows, then the body's, into the request's
+segment (:meth:`Hook.resolve`), with the kept rows' block digests reused. An id
+the store does not hold under the request's ``cache_salt`` is a 404
+``PrefixNotFound``, never the new rows alone. Wire: ``shm_embeds_client.wire``.
+May import: the core; ``binary`` (gate, common) and ``digests`` via ``extensions.require``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import math
+import os
+from typing import Any
+
+import torch
+from shm_embeds_client import wire
+from vllm.logger import init_logger
+
+from vllm._shm_embeds import extensions
+from vllm._shm_embeds.counters import count, count_many, count_reason
+from vllm._shm_embeds.ext.conversations import settings
+from vllm._shm_embeds.ext.conversations.events import ConversationEvent
+from vllm._shm_embeds.ext.conversations.store import Kept, current
+from vllm._shm_embeds.files import segment as seg
+from vllm._shm_embeds.lifetime.streamed import release_streamed, streamed_tensor_like
+
+logger = init_logger(__name__)
+
+_gate = extensions.require("binary", "gate")
+_common = extensions.require("binary", "common")
+_digests = extensions.require("digests", "digests")
+
+MISS = ("the prompt_embeds prefix this request names is not held by this server (unknown, "
+        "expired or evicted, kept under another cache_salt, or by another server process); "
+        "send the whole tensor")
+KEEP_HEADER = wire.KEEP_HEADER.lower()
+KEPT_HEADER = wire.KEPT_HEADER.lower().encode()
+
+
+class PrefixNotFound(_gate.Refused):
+    """404 ``PrefixNotFound``: the same answer for every reference not held."""
+
+    def __init__(self) -> None:
+        super().__init__(404, "prefix_not_found", MISS)
+
+    @property
+    def err_type(self) -> str:
+        return wire.PREFIX_NOT_FOUND
+
+
+def _bad(reason: str, message: str) -> Exception:
+    return _gate.Refused(400, reason, message)
+
+
+def store():
+    """This process's kept tensors (``store.Store``)."""
+    return current(release_streamed)
+
+
+def salt_of(body: dict) -> str | None:
+    """The request's ``cache_salt`` (None: none). Raises Refused (400) if not a string."""
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise _bad("cache_salt", "cache_salt must be a string")
+    return salt
+
+
+class Prefix:
+    """Kept rows a continuation starts with, pinned until :meth:`release`."""
+
+    def __init__(self, kept: Kept) -> None:
+        self._kept = kept
+        self.tensor: torch.Tensor = kept.tensor
+        self.rows = kept.tensor.shape[0]
+        self.digests = kept.digests
+
+    def release(self) -> None:
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            store().unpin(kept)
+
+
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _copier() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shm-embeds-keep")
+    return _pool
+
+
+def _after_fork_in_child() -> None:
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class KeepRequest:
+    """A keep asked for by one request: the copy (on a thread, while vLLM serves the
+    request), then the id in the response headers of a 200, else forgotten."""
+
+    def __init__(self, ttl_s: float, salt: str | None) -> None:
+        self.ttl_s, self.salt = ttl_s, salt
+        self.future: concurrent.futures.Future | None = None
+        self.answered = False
+
+    def start(self, tensor: torch.Tensor) -> None:
+        """Copy ``tensor`` (the request's, digests attached) into a kept segment."""
+        self.future = _copier().submit(self._copy, tensor, _digests.attached(tensor))
+
+    def _copy(self, tensor: torch.Tensor, digests: Any) -> str | None:
+        try:
+            kept = streamed_tensor_like(tensor.dtype, tuple(tensor.shape))
+        except OSError as e:  # budget, ENOSPC, segments: answered without an id
+            count_reason(ConversationEvent.KEEP_REFUSED, seg.fallback_reason(e))
+            return None
+        kept.copy_(tensor)
+        kid = store().put(kept, digests, self.salt, self.ttl_s,
+                          settings.keep_max_bytes(), settings.keep_max_entries())
+        if kid is not None:
+            count_many({ConversationEvent.KEPT_TENSORS: 1, ConversationEvent.KEPT_BYTES: kept.nbytes})
+        return kid
+
+    def wait(self) -> None:
+        """Block until the copy is done (before the source's pages go)."""
+        if self.future is not None:
+            concurrent.futures.wait([self.future])
+
+    async def response_headers(self, status: int) -> list[tuple[bytes, bytes]]:
+        """At the response's start: the id header of a 200 (the entry expires at its
+        TTL); any other status forgets the kept tensor."""
+        if self.future is None or self.answered:
+            return []
+        self.answered = True
+        try:
+            kid = await asyncio.wrap_future(self.future)
+        except Exception:
+            logger.warning("shm-embeds: keeping a request's prompt_embeds failed",
+                           exc_info=True)
+            return []
+        if kid is None:
+            return []
+        if status != 200:
+            store().drop(kid, self.salt, "failed")
+            return []
+        asyncio.get_running_loop().call_later(self.ttl_s + 0.5, store().sweep)
+        return [(KEPT_HEADER, kid.encode())]
+
+    def close(self) -> None:
+        """The request has ended: a kept tensor whose id was never sent is forgotten."""
+        if self.future is None:
+            return
+        self.wait()
+        if not self.answered:
+            self.answered = True
+            try:
+                kid = self.future.result()
+            except Exception:
+                return
+            if kid is not None:
+                store().drop(kid, self.salt, "unanswered")
+
+
+class Hook:
+    """The binary extension's ``binary_prefixes`` hook (see the module docstring)."""
+
+    parameter = wire.PREFIX
+
+    def resolve(self, value: Any, body: dict, dtype: torch.dtype, hidden: int) -> Prefix:
+        """The kept rows ``value`` names under the body's ``cache_salt``, pinned.
+        Raises Refused: 404 ``PrefixNotFound`` (not held), 400 (another datatype or
+        hidden size than the kept rows')."""
+        kept = store().pin(value, salt_of(body))
+        if kept is None:
+            count(ConversationEvent.PREFIX_MISSES)
+            raise PrefixNotFound()
+        prefix = Prefix(kept)
+        if kept.tensor.dtype != dtype or kept.tensor.shape[1] != hidden:
+            prefix.release()
+            raise _bad("prefix_dtype", "a continuation must have the datatype and hidden "
+                       "size of the prompt_embeds it continues")
+        count_many({ConversationEvent.PREFIX_HITS: 1, ConversationEvent.PREFIX_ROWS: prefix.rows})
+        return prefix
+
+    def keep_request(self, headers: Any, path: str, body: dict,
+                     ntensors: int) -> KeepRequest | None:
+        """The keep ``headers`` ask for, or None. Raises Refused (400): a bad
+        ``Shm-Embeds-Keep``, or not one completions tensor."""
+        raw = headers.get(KEEP_HEADER)
+        if raw is None:
+            return None
+        try:
+            ttl = float(raw)
+        except ValueError:
+            ttl = math.nan
+        if not math.isfinite(ttl) or ttl <= 0:
+            raise _bad("keep", f"{wire.KEEP_HEADER} must be a number of seconds above 0")
+        if path != _common.COMPLETIONS or ntensors != 1:
+            raise _bad("keep", f"{wire.KEEP_HEADER} needs a /v1/completions request "
+                       "with one prompt_embeds tensor")
+        return KeepRequest(min(ttl, settings.keep_max_s()), salt_of(body))
+
+
+HOOK = Hook()
