@@ -146,6 +146,20 @@ class _Conversation:
     def _request_headers(self) -> dict:
         return {**self.headers, KEEP_HEADER: _seconds(self.ttl_s)}
 
+    def _sent(self, tensor: Any) -> Any:
+        """``tensor`` (or a continuation), its rows counted in ``last_sent_rows``."""
+        self.last_sent_rows += (tensor.rows if isinstance(tensor, Continuation)
+                                else tensor).shape[0]
+        return tensor
+
+    def _answered(self, r: httpx.Response) -> httpx.Response | None:
+        """The continuation's answer, or None (the id forgotten) if it missed."""
+        if not prefix_missing(r):
+            return r
+        self.misses += 1
+        self.kept_id = None
+        return None
+
     def _whole(self, new: torch.Tensor) -> torch.Tensor:
         return torch.cat([*self._pieces, new]) if self._pieces else new
 
@@ -192,16 +206,9 @@ class Conversation(_Conversation):
         self.last_sent_rows = 0
         r = None
         if self.kept_id is not None:
-            self.last_sent_rows += new.shape[0]
-            r = self._post(Continuation(self.kept_id, new), args)
-            if prefix_missing(r):
-                self.misses += 1
-                self.kept_id = None
-                r = None
+            r = self._answered(self._post(self._sent(Continuation(self.kept_id, new)), args))
         if r is None:
-            whole = self._whole(new)
-            self.last_sent_rows += whole.shape[0]
-            r = self._post(whole, args)
+            r = self._post(self._sent(self._whole(new)), args)
         out = _result(r, False)
         self._commit(new, new_rows, r)
         return out
@@ -220,16 +227,9 @@ class AsyncConversation(_Conversation):
         self.last_sent_rows = 0
         r = None
         if self.kept_id is not None:
-            self.last_sent_rows += new.shape[0]
-            r = await self._apost(Continuation(self.kept_id, new), args)
-            if prefix_missing(r):
-                self.misses += 1
-                self.kept_id = None
-                r = None
+            r = self._answered(await self._apost(self._sent(Continuation(self.kept_id, new)), args))
         if r is None:
-            whole = self._whole(new)
-            self.last_sent_rows += whole.shape[0]
-            r = await self._apost(whole, args)
+            r = await self._apost(self._sent(self._whole(new)), args)
         out = _result(r, False)
         self._commit(new, new_rows, r)
         return out
