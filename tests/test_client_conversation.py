@@ -32,7 +32,7 @@ def _parse(request: httpx.Request) -> tuple[dict, torch.Tensor]:
     data = body[n:]
     assert len(data) == desc["parameters"][wire.BINARY_DATA_SIZE]
     t = torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
-    return header, t.reshape(desc["shape"])
+    return header, t.reshape(-1, desc["shape"][1])  # a continuation: its new rows only
 
 
 class FakeServer:
@@ -219,38 +219,42 @@ def test_bad_arguments(server):
 def test_continuation_framing():
     rows = _rows(3)
     headers, pieces, length = sec.frame({"model": "m",
-                                         "prompt_embeds": sec.Continuation("k", rows)})
+                                         "prompt_embeds": sec.Continuation("k", rows, 5)})
     header = json.loads(pieces[0])
-    assert header["prompt_embeds"] == {
-        "datatype": "FP32", "shape": [3, H],
+    assert header["prompt_embeds"] == {  # the whole shape; the bytes of the new rows only
+        "datatype": "FP32", "shape": [8, H],
         "parameters": {wire.BINARY_DATA_SIZE: rows.nbytes, wire.PREFIX: "k"}}
     assert length == len(pieces[0]) + rows.nbytes
     with pytest.raises(ValueError):
-        sec.Continuation("", rows)
+        sec.Continuation("", rows, 5)
+    with pytest.raises(ValueError):
+        sec.Continuation("k", rows)  # the kept rows' count is needed
     with pytest.raises(ValueError):  # one tensor per request
-        sec.frame({"model": "m", "prompt_embeds": [sec.Continuation("k", rows), rows]})
+        sec.frame({"model": "m", "prompt_embeds": [sec.Continuation("k", rows, 5), rows]})
     with pytest.raises(ValueError):  # completions only
         sec.frame({"model": "m", "messages": [{"role": "user", "content": [
-            {"type": "prompt_embeds", "data": sec.Continuation("k", rows)}]}]}, "chat")
+            {"type": "prompt_embeds", "data": sec.Continuation("k", rows, 5)}]}]}, "chat")
 
 
 def test_continuation_through_complete(server):
     rows = _rows(2)
-    out = sec.complete("http://srv:8000", "m", sec.Continuation("kept-0", rows),
+    out = sec.complete("http://srv:8000", "m", sec.Continuation("kept-0", rows, 4),
                        headers={wire.KEEP_HEADER: "5"})
     assert out == OK and server.prefix(0) == "kept-0"
     assert torch.equal(server.requests[0][2], rows)
 
 
 def test_explicit_client_is_used_and_left_open():
-    srv = FakeServer([MISS])
+    srv = FakeServer()
     with httpx.Client(transport=httpx.MockTransport(srv)) as client:
         conv = sec.Conversation("http://srv:8000", "m", client=client)
+        conv.complete(_rows(2))
         conv.kept_id = "stale"
+        srv.replies.append(MISS)
         conv.complete(_rows(2))
         conv.complete(_rows(1))
         assert not client.is_closed
-    assert [srv.prefix(i) for i in range(3)] == ["stale", None, "kept-1"]
+    assert [srv.prefix(i) for i in range(4)] == [None, "stale", None, "kept-2"]
 
 
 def test_async_conversation(server):

@@ -168,16 +168,25 @@ def test_the_prefix_parameter_is_refused_where_no_extension_reads_it():
     descriptor naming a prefix: it is never served as its new rows alone."""
     limits = ServerContext(hidden_size=8, max_model_len=64, dtype=torch.float32,
                            enable_prompt_embeds=True, max_body_bytes=1 << 20)
-    body = {"model": "m", "prompt_embeds": {
-        "datatype": "FP32", "shape": [2, 8],
-        "parameters": {wire.BINARY_DATA_SIZE: 64, wire.PREFIX: "x" * 43}}}
-    raw = json.dumps(body).encode()
+    h, pieces, _ = sec.frame({"model": "m", "prompt_embeds": sec.Continuation(
+        "x" * 43, torch.zeros(2, 8), 3)})
+    raw = pieces[0]
+    desc = json.loads(raw)["prompt_embeds"]
+    # The sizes of a continuation disagree with its shape, so even a parser that
+    # ignores the parameter (an older plugin) refuses it.
+    assert desc["shape"] == [5, 8] and desc["parameters"][wire.BINARY_DATA_SIZE] == 64
     with pytest.raises(binary_header.BinaryBodyError) as e:
         binary_header.parse_header(raw, "/v1/completions", limits, None)
     assert e.value.status == 400 and wire.PREFIX in e.value.message
     spec = binary_header.parse_header(raw, "/v1/completions", limits, None,
                                       frozenset({wire.PREFIX})).specs[0]
     assert spec.extra == ((wire.PREFIX, "x" * 43),) and spec.nbytes == 64
+    assert spec.shape == (5, 8)
+    for size in (0, 5 * 32, 6 * 32, 33):  # a whole number of rows, fewer than the shape's
+        desc["parameters"][wire.BINARY_DATA_SIZE] = size
+        with pytest.raises(binary_header.BinaryBodyError):
+            binary_header.parse_header(json.dumps({"model": "m", "prompt_embeds": desc}).encode(),
+                                       "/v1/completions", limits, None, frozenset({wire.PREFIX}))
 
 
 # -- online
@@ -252,9 +261,9 @@ def test_a_reference_not_held_is_a_404_the_same_for_every_cause(server):
     kid = conv.kept_id
     assert kid is not None
 
-    def refer(ref, **body):
+    def refer(ref, kept_rows=200, **body):
         h, pieces, _ = sec.frame({"model": "tiny", "prompt_embeds": sec.Continuation(
-            ref, embeds[200:]), **KW, **body})
+            ref, embeds[200:], kept_rows), **KW, **body})
         return requests.post(url + "/v1/completions", data=b"".join(map(bytes, pieces)),
                              headers=h, timeout=60)
 
@@ -265,6 +274,8 @@ def test_a_reference_not_held_is_a_404_the_same_for_every_cause(server):
         assert r.json()["error"]["type"] == wire.PREFIX_NOT_FOUND
         assert kid not in r.text
     assert len({r.text for r in answers}) == 1  # nothing tells one cause from another
+    wrong = refer(kid, kept_rows=199, cache_salt="alice")  # the shape must count them
+    assert wrong.status_code == 400 and "kept rows" in wrong.json()["error"]["message"]
     ok = refer(kid, cache_salt="alice")
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == \
         _answer_of_ids(url, ids, cache_salt="alice")["choices"][0]["text"]

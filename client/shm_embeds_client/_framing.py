@@ -30,17 +30,23 @@ class Continuation:
     ``Shm-Embeds-Kept`` header gave) then ``rows`` as the whole tensor.
 
     Accepted by :func:`frame` (and ``complete``/``acomplete``) wherever a
-    completions tensor is, as the request's only tensor; its descriptor is
-    ``rows``'s with ``parameters["shm_embeds_prefix"] = prefix``. The request
-    must carry the ``cache_salt`` of the request that was kept (or none).
+    completions tensor is, as the request's only tensor. Its descriptor's
+    ``shape`` is the whole tensor's (``prefix_rows`` + ``rows``) and its
+    ``binary_data_size`` the bytes of ``rows`` only, with
+    ``parameters["shm_embeds_prefix"] = prefix``: a server that does not read
+    that parameter refuses the sizes (400), never serves ``rows`` alone. The
+    request must carry the ``cache_salt`` of the request that was kept (or none).
     """
 
     prefix: str
     rows: torch.Tensor = field(repr=False)
+    prefix_rows: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefix, str) or not self.prefix:
             raise ValueError("Continuation.prefix must be a non-empty kept id (str)")
+        if not isinstance(self.prefix_rows, int) or self.prefix_rows < 1:
+            raise ValueError("Continuation.prefix_rows must be the kept rows' count (>= 1)")
 
 
 def frame(body: dict, route: str = "completions") -> tuple[dict[str, str], list, int]:
@@ -69,6 +75,7 @@ def frame(body: dict, route: str = "completions") -> tuple[dict[str, str], list,
                 raise ValueError("a Continuation (rows after a kept prefix) is for "
                                  "/v1/completions only")
             wire, desc = _wire(t.rows)
+            desc["shape"][0] += t.prefix_rows
             desc["parameters"][PREFIX] = t.prefix
             continued = True
         else:

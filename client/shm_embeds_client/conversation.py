@@ -205,8 +205,8 @@ class Conversation(_Conversation):
         new, args = self._prepare(new_rows, completion_args)
         self.last_sent_rows = 0
         r = None
-        if self.kept_id is not None:
-            r = self._answered(self._post(self._sent(Continuation(self.kept_id, new)), args))
+        if self.kept_id is not None and self.rows:
+            r = self._answered(self._post(self._sent(Continuation(self.kept_id, new, self.rows)), args))
         if r is None:
             r = self._post(self._sent(self._whole(new)), args)
         out = _result(r, False)
@@ -226,8 +226,8 @@ class AsyncConversation(_Conversation):
         new, args = self._prepare(new_rows, completion_args)
         self.last_sent_rows = 0
         r = None
-        if self.kept_id is not None:
-            r = self._answered(await self._apost(self._sent(Continuation(self.kept_id, new)), args))
+        if self.kept_id is not None and self.rows:
+            r = self._answered(await self._apost(self._sent(Continuation(self.kept_id, new, self.rows)), args))
         if r is None:
             r = await self._apost(self._sent(self._whole(new)), args)
         out = _result(r, False)

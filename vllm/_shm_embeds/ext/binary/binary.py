@@ -70,8 +70,8 @@ def prefix_hooks() -> dict[str, Any]:
     has ``parameter``, ``resolve(value, body, dtype, hidden)`` (the kept rows
     a tensor starts with: ``.tensor``, ``.rows``, ``.digests``, ``.release()``;
     raises ``gate.Refused``) and ``keep_request(headers, path, body, ntensors)``
-    (None, or ``.start(tensor)``, ``.wait()``, ``async response_headers(status)``,
-    ``.close()``). One that fails to load is left out (its parameter is then refused)."""
+    (None, or ``.start(tensor)``, then ``.future`` (the work on the tensor's bytes),
+    ``async response_headers(status)``, ``.close()``). One that fails to load is left out (its parameter is then refused)."""
     global _HOOKS
     if _HOOKS is None:
         _HOOKS = {}
@@ -210,6 +210,9 @@ class BinaryFormat:
                 h, path, parsed.body, len(parsed.specs))) is not None]
             for spec in parsed.specs:  # every reference resolved before a byte is read
                 prefixes.append(None)
+                if spec.extra and path != COMPLETIONS:
+                    raise _bad("parameter", "a continuation (shm_embeds_prefix) is for "
+                               "/v1/completions only")
                 for name, value in spec.extra:
                     prefixes[-1] = hooks[name].resolve(value, parsed.body, spec.dtype,
                                                        spec.shape[1])
@@ -245,8 +248,8 @@ class BinaryFormat:
                 upload.keeps.append(keep)
             keeps = []
             if any(t.dtype != ctx.dtype for t in tensors):
-                for keep in upload.keeps:
-                    keep.wait()  # the cast lets the source's pages go
+                for keep in upload.keeps:  # the cast lets the source's pages go
+                    await asyncio.wait([asyncio.wrap_future(keep.future)])
                 upload.tensors = await asyncio.get_running_loop().run_in_executor(
                     None, _convert, tensors, ctx.dtype)
             count_many({BinaryEvent.BINARY_BODIES: 1, BinaryEvent.BINARY_TENSORS: len(tensors),
@@ -271,16 +274,21 @@ class BinaryFormat:
 
 
 def _after(spec: TensorSpec, pre: Any, ctx: ServerContext) -> TensorSpec:
-    """The whole tensor of ``spec`` after the kept rows ``pre`` (None: ``spec``).
-    Raises BinaryBodyError (400) past the model's context."""
+    """The whole tensor of a continuation ``spec`` (its shape's rows: the kept rows
+    ``pre``, then the body's), or ``spec`` itself (``pre`` None). Raises
+    BinaryBodyError: 400 when the kept rows are not the shape's first rows, 413 when
+    the whole tensor is over the body cap."""
     if pre is None:
         return spec
-    tokens = pre.rows + spec.shape[0]
-    if tokens > ctx.max_model_len:
-        raise _bad("too_long", f"{tokens} prompt_embeds tokens (kept prefix included) exceed "
-                   f"the maximum context length of {ctx.max_model_len} tokens")
-    return dataclasses.replace(spec, shape=(tokens, spec.shape[1]),
-                               nbytes=spec.nbytes // spec.shape[0] * tokens)
+    tokens, row = spec.shape[0], pre.tensor.nbytes // pre.rows  # (same dtype and hidden)
+    full = tokens * row
+    if spec.nbytes != (tokens - pre.rows) * row:
+        raise _bad("prefix_rows", "a continuation's shape must count the kept rows and "
+                   "its new rows, and binary_data_size only the new rows")
+    if full > ctx.max_body_bytes:
+        raise _bad("too_large", "the continuation's whole tensor is over the server's "
+                   "limit", 413)
+    return dataclasses.replace(spec, nbytes=full, extra=())
 
 
 def _reused_blocks(pre: Any, block_tokens: int) -> int:
@@ -294,7 +302,12 @@ async def _write_prefix(sink: StreamedSegment | _Private, pre: Any,
     """Write the kept rows into ``sink`` (on a thread: one copy) and give ``hasher``
     the rows after the last whole block whose digest is reused."""
     data = memoryview(pre.tensor.reshape(-1).view(torch.uint8).numpy())
-    await asyncio.get_running_loop().run_in_executor(None, sink.write, data)
+    write = asyncio.get_running_loop().run_in_executor(None, sink.write, data)
+    try:
+        await asyncio.shield(write)
+    except asyncio.CancelledError:  # the sink's file stays open until the write is done
+        await asyncio.wait([write])
+        raise
     if hasher is not None:
         row_bytes = data.nbytes // pre.rows
         tail = data[_reused_blocks(pre, hasher.block_tokens) * hasher.block_tokens * row_bytes:]

@@ -59,8 +59,9 @@ class BinaryBodyError(Refused):
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
-    """One validated descriptor: ``dtype`` and ``shape`` ``(T, H)``; ``nbytes`` = T*H*itemsize
-    (the bytes in the body); ``extra``: the parameters an extension's hook reads."""
+    """One validated descriptor: ``dtype`` and ``shape`` ``(T, H)``; ``nbytes``, its bytes in
+    the body (T*H*itemsize; with ``extra``, the parameters an extension's hook reads,
+    only the last ``nbytes`` of them: a continuation)."""
 
     dtype: torch.dtype
     shape: tuple[int, int]
@@ -228,16 +229,25 @@ def parse_spec(desc: Any, limits: ServerContext, where: str,
     params = desc.get("parameters")
     size = params.get(wire.BINARY_DATA_SIZE) if isinstance(params, dict) else None
     dtype = DATATYPES[datatype]
-    want = tokens * hidden * torch.empty((), dtype=dtype).element_size()
-    if not _is_int(size) or size != want:
-        raise _bad("size", f"{where}: parameters.binary_data_size must be {want} "
-                   f"({datatype} x {tokens} x {hidden}); got {_shown(size)}")
-    unknown = sorted(k for k in params if k != wire.BINARY_DATA_SIZE and k not in accepted)
+    row = hidden * torch.empty((), dtype=dtype).element_size()
+    want = tokens * row
+    unknown = sorted(k for k in params if k != wire.BINARY_DATA_SIZE and k not in accepted) \
+        if isinstance(params, dict) else []
     if unknown:
         raise _bad("parameter", f"{where}: parameter {_shown(unknown[0])} is not one this "
                    "server reads")
-    extra = tuple((k, params[k]) for k in sorted(params) if k in accepted)
-    return TensorSpec(dtype, (tokens, hidden), want, extra)
+    extra = tuple((k, params[k]) for k in sorted(params) if k in accepted) \
+        if isinstance(params, dict) else ()
+    if extra:  # a continuation: the body holds only the last rows of ``shape``
+        if not _is_int(size) or not 0 < size < want or size % row:
+            raise _bad("size", f"{where}: a continuation's parameters.binary_data_size must "
+                       f"be a whole number of rows ({row} bytes each) fewer than its shape's "
+                       f"{tokens}; got {_shown(size)}")
+        return TensorSpec(dtype, (tokens, hidden), size, extra)
+    if not _is_int(size) or size != want:
+        raise _bad("size", f"{where}: parameters.binary_data_size must be {want} "
+                   f"({datatype} x {tokens} x {hidden}); got {_shown(size)}")
+    return TensorSpec(dtype, (tokens, hidden), want)
 
 
 def parse_header(

@@ -30,7 +30,7 @@ from vllm._shm_embeds.ext.conversations import settings
 from vllm._shm_embeds.ext.conversations.events import ConversationEvent
 from vllm._shm_embeds.ext.conversations.store import Kept, current
 from vllm._shm_embeds.files import segment as seg
-from vllm._shm_embeds.lifetime.streamed import release_streamed, streamed_tensor_like
+from vllm._shm_embeds.lifetime.streamed import StreamedSegment, release_streamed
 
 logger = init_logger(__name__)
 
@@ -89,6 +89,25 @@ class Prefix:
 
 
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
+_timer: asyncio.TimerHandle | None = None  # the one sweep timer: at the next expiry
+
+
+def _schedule_sweep(loop: asyncio.AbstractEventLoop) -> None:
+    """Have the store swept just after its next expiry (the loop's clock is monotonic)."""
+    global _timer
+    when = store().next_expiry()
+    if when is None or (_timer is not None and _timer.when() <= when + 0.5):
+        return
+    if _timer is not None:
+        _timer.cancel()
+    _timer = loop.call_at(when + 0.5, _swept, loop)
+
+
+def _swept(loop: asyncio.AbstractEventLoop) -> None:
+    global _timer
+    _timer = None
+    store().sweep()
+    _schedule_sweep(loop)
 
 
 def _copier() -> concurrent.futures.ThreadPoolExecutor:
@@ -99,8 +118,8 @@ def _copier() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def _after_fork_in_child() -> None:
-    global _pool
-    _pool = None
+    global _pool, _timer
+    _pool = _timer = None
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -120,14 +139,25 @@ class KeepRequest:
         self.future = _copier().submit(self._copy, tensor, _digests.attached(tensor))
 
     def _copy(self, tensor: torch.Tensor, digests: Any) -> str | None:
+        # Written by pwrite (ENOSPC is an OSError, never a SIGBUS), mapped read-only.
+        limits = settings.keep_max_bytes(), settings.keep_max_entries()
+        store().make_room(tensor.nbytes, *limits)  # older kept ones go first
         try:
-            kept = streamed_tensor_like(tensor.dtype, tuple(tensor.shape))
+            segment = StreamedSegment(tensor.dtype, tuple(tensor.shape))
         except OSError as e:  # budget, ENOSPC, segments: answered without an id
             count_reason(ConversationEvent.KEEP_REFUSED, seg.fallback_reason(e))
             return None
-        kept.copy_(tensor)
-        kid = store().put(kept, digests, self.salt, self.ttl_s,
-                          settings.keep_max_bytes(), settings.keep_max_entries())
+        try:
+            segment.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+            kept = segment.finish(writable=False)
+        except OSError as e:
+            segment.abort()
+            count_reason(ConversationEvent.KEEP_REFUSED, seg.fallback_reason(e))
+            return None
+        except BaseException:
+            segment.abort()
+            raise
+        kid = store().put(kept, digests, self.salt, self.ttl_s, *limits)
         if kid is not None:
             count_many({ConversationEvent.KEPT_TENSORS: 1, ConversationEvent.KEPT_BYTES: kept.nbytes})
         return kid
@@ -142,19 +172,20 @@ class KeepRequest:
         TTL); any other status forgets the kept tensor."""
         if self.future is None or self.answered:
             return []
-        self.answered = True
         try:
             kid = await asyncio.wrap_future(self.future)
         except Exception:
+            self.answered = True
             logger.warning("shm-embeds: keeping a request's prompt_embeds failed",
                            exc_info=True)
             return []
+        self.answered = True  # (not before: a cancelled wait leaves it to close())
         if kid is None:
             return []
         if status != 200:
             store().drop(kid, self.salt, "failed")
             return []
-        asyncio.get_running_loop().call_later(self.ttl_s + 0.5, store().sweep)
+        _schedule_sweep(asyncio.get_running_loop())
         return [(KEPT_HEADER, kid.encode())]
 
     def close(self) -> None:

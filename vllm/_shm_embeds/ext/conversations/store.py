@@ -78,15 +78,8 @@ class Store:
         entry gone. Evicts expired entries, then the least recently used."""
         kid = secrets.token_urlsafe(ID_BYTES)
         kept = Kept(tensor, digests, self._clock() + ttl_s)
-        victims: list[tuple[Kept, str]] = []
         with self._lock:
-            victims += [(k, "ttl") for k in self._expired()]
-            for key, k in list(self._entries.items()):
-                if (self._bytes + tensor.nbytes <= max_bytes
-                        and len(self._entries) < max_entries):
-                    break
-                if k.pins == 0:
-                    victims.append((self._pop(key), "lru"))
+            victims = self._room(tensor.nbytes, max_bytes, max_entries)
             fits = self._bytes + tensor.nbytes <= max_bytes and len(self._entries) < max_entries
             if fits:
                 self._entries[_key(kid, salt)] = kept
@@ -97,6 +90,13 @@ class Store:
             self._release(tensor)
             return None
         return kid
+
+    def make_room(self, nbytes: int, max_bytes: int, max_entries: int) -> None:
+        """Let expired, then least recently used unpinned entries go until ``nbytes``
+        more would fit (before a new kept tensor is made: the segment budget too)."""
+        with self._lock:
+            victims = self._room(nbytes, max_bytes, max_entries)
+        self._let_go(victims)
 
     def pin(self, kid: Any, salt: str | None) -> Kept | None:
         """The live entry ``kid`` names under ``salt``, pinned (not evicted until
@@ -129,6 +129,11 @@ class Store:
             victims = [(self._pop(key), reason)] if key in self._entries else []
         self._let_go(victims)
 
+    def next_expiry(self) -> float | None:
+        """When the next entry expires (the clock's seconds), None if none is kept."""
+        with self._lock:
+            return min((k.expires for k in self._entries.values()), default=None)
+
     def sweep(self) -> int:
         """Let expired entries go; how many went."""
         with self._lock:
@@ -149,6 +154,15 @@ class Store:
         self._bytes -= kept.tensor.nbytes
         kept.gone = "now" if kept.pins == 0 else "at_unpin"  # decided under the lock
         return kept
+
+    def _room(self, nbytes: int, max_bytes: int, max_entries: int) -> list[tuple[Kept, str]]:
+        victims = [(k, "ttl") for k in self._expired()]
+        for key, k in list(self._entries.items()):  # least recently used first
+            if self._bytes + nbytes <= max_bytes and len(self._entries) < max_entries:
+                break
+            if k.pins == 0:
+                victims.append((self._pop(key), "lru"))
+        return victims
 
     def _expired(self) -> list[Kept]:
         now = self._clock()
