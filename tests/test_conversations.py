@@ -14,20 +14,25 @@ another ``cache_salt``, expired) is a 404 ``PrefixNotFound``, the same for
 each; two branches of one kept prefix at once, with ``n`` > 1; nothing left.
 """
 
+import asyncio
 import concurrent.futures
 import json
+import socket
 import time
+import types
 
 import pytest
 import requests
 import torch
-from helpers import delta, ours_in, wait_until
+from helpers import asgi_peer, delta, ours_in, wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from shm_embeds_client import wire
 
+from starlette.datastructures import Headers
+
 import shm_embeds_client as sec
-from vllm._shm_embeds.ext.binary import binary_header
+from vllm._shm_embeds.ext.binary import binary, binary_header, gate
 from vllm._shm_embeds.ext.binary.common import ServerContext
 from vllm._shm_embeds.ext.conversations.store import Store
 
@@ -189,6 +194,110 @@ def test_the_prefix_parameter_is_refused_where_no_extension_reads_it():
                                        "/v1/completions", limits, None, frozenset({wire.PREFIX}))
 
 
+@pytest.mark.parametrize("ref, kept_rows", [("B" * 43, 3), ("not an id", 3)])
+def test_a_refused_continuation_is_answered_once_its_body_is_in(ref, kept_rows):
+    """A miss (or any refusal once the header is valid) reads the rest of the body
+    and drops it: an HTTP/1.1 client that sends its whole body before it reads
+    gets the 404, not a connection closed on unread bytes."""
+    ctx = ServerContext(hidden_size=8, max_model_len=64, dtype=torch.float32,
+                        enable_prompt_embeds=True, max_body_bytes=1 << 20)
+    h, pieces, _ = sec.frame({"model": "m", "prompt_embeds": sec.Continuation(
+        ref, torch.zeros(40, 8), kept_rows)})
+    raw = b"".join(map(bytes, pieces))
+    messages = [{"type": "http.request", "body": raw[i:i + 256], "more_body": True}
+                for i in range(0, len(raw), 256)]
+    messages[-1]["more_body"] = False
+    receive, _, _ = asgi_peer(messages)
+    fmt = binary.BinaryFormat()
+    claim = fmt.claim("/v1/completions", Headers(h), ctx)
+    with pytest.raises(gate.Refused) as e:
+        asyncio.run(fmt.prepare("/v1/completions", gate.Body(receive, claim.length),
+                                ctx, claim))
+    assert e.value.status == 404 and e.value.err_type == wire.PREFIX_NOT_FOUND
+    assert messages == []  # every byte read
+
+
+async def _binary_request(body, ctx, headers=()):
+    """``BinaryFormat.prepare`` of ``body`` framed as the client frames it, in this
+    process (the body in 4 KiB pieces)."""
+    h, pieces, _ = sec.frame(body)
+    raw = b"".join(map(bytes, pieces))
+    messages = [{"type": "http.request", "body": raw[i:i + 4096], "more_body": True}
+                for i in range(0, len(raw), 4096)]
+    messages[-1]["more_body"] = False
+    receive, _, _ = asgi_peer(messages)
+    fmt = binary.BinaryFormat()
+    claim = fmt.claim("/v1/completions", Headers({**h, **dict(headers)}), ctx)
+    return await fmt.prepare("/v1/completions", gate.Body(receive, claim.length), ctx, claim)
+
+
+@st.composite
+def continuations(draw):
+    block = draw(st.sampled_from([None, 1, 2, 3, 16]))  # None: prefix caching off
+    b = block or 4
+    return dict(dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+                hidden=draw(st.integers(1, 24)), block=block,
+                kept=draw(st.integers(1, 3 * b + 2)), new=draw(st.integers(1, 2 * b + 2)),
+                salt=draw(st.one_of(st.none(), st.text(min_size=1, max_size=6))),
+                seed=draw(st.integers(0, 2**31)))
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None)
+@given(c=continuations())
+def test_a_continuation_is_the_whole_tensor_with_vllms_digests(shm_env, c):
+    """The binary format run in this process, as the API server runs it: turn 1 is
+    kept, turn 2 names it and sends its new rows. The request's tensor is the whole
+    tensor, bit for bit (prefix caching on and off), and its block digests are
+    vLLM's own ``_gen_prompt_embeds_extra_hash_keys`` on the whole tensor, block by
+    block (the kept rows' whole blocks reused, the rest hashed here).
+
+    Shown to fail (throwaway edits, not kept): ``_write_prefix`` writing the kept
+    rows rotated by one row -> falsified (bytes); ``_reused_blocks`` reusing one block
+    more than the kept rows hold whole -> falsified (the stream hasher refuses)."""
+    from vllm.v1.core import kv_cache_utils as kcu
+
+    from vllm._shm_embeds.ext.conversations import prefixes
+    from vllm._shm_embeds.ext.digests import digests
+
+    ctx = ServerContext.from_model_config(types.SimpleNamespace(
+        enable_prompt_embeds=True, dtype=c["dtype"], max_model_len=4096,
+        get_hidden_size=lambda: c["hidden"]), c["block"])
+    g = torch.Generator().manual_seed(c["seed"])
+    whole = torch.randn(c["kept"] + c["new"], c["hidden"], generator=g).to(c["dtype"])
+    salt = {} if c["salt"] is None else {"cache_salt": c["salt"]}
+
+    async def run():
+        first = await _binary_request({"model": "m", "prompt_embeds": whole[:c["kept"]],
+                                       **salt}, ctx, {wire.KEEP_HEADER: "60"})
+        await first.upload.settle()
+        kept = dict(await first.upload.keeps[0].response_headers(200))
+        first.upload.release()
+        kid = kept[wire.KEPT_HEADER.lower().encode()].decode()
+        second = await _binary_request({"model": "m", "prompt_embeds": sec.Continuation(
+            kid, whole[c["kept"]:], c["kept"]), **salt}, ctx)
+        return second.upload
+
+    upload = None
+    try:
+        upload = asyncio.run(run())
+        got = upload.tensors[0]
+        assert got.dtype == whole.dtype and torch.equal(got.view(torch.uint8),
+                                                        whole.view(torch.uint8))
+        d = digests.attached(got)
+        if c["block"] is None:
+            assert d is None
+        else:
+            stub = types.SimpleNamespace(prompt_embeds=whole, _prompt_embeds_per_block_hashes={})
+            for s in range(0, whole.shape[0], c["block"]):
+                e = s + c["block"]
+                assert [("prompt_embeds", d.digest(s, e))] == \
+                    kcu._gen_prompt_embeds_extra_hash_keys(stub, s, e), s
+    finally:
+        if upload is not None:
+            upload.release()
+        prefixes.store().clear()
+
+
 # -- online
 
 KW = {"max_tokens": 6, "temperature": 0.0}
@@ -256,6 +365,7 @@ def test_a_reference_not_held_is_a_404_the_same_for_every_cause(server):
     url = server["url"]
     ids, embeds = _turns(server, 38, [200, 40])
     conv = sec.Conversation(url, "tiny", ttl_s=6, cache_salt="alice")
+    _answer_of_ids(url, ids[:8])  # a cold server's first request may take seconds
     t0 = time.monotonic()
     conv.complete(embeds[:200], **KW)
     kid = conv.kept_id
@@ -308,6 +418,35 @@ def test_two_branches_of_one_kept_prefix_at_once_with_n(server):
         whole = sec.complete(url, "tiny", torch.cat([embeds[:260], rest]).contiguous(), **kw)
         assert [c["text"] for c in got["choices"]] == [c["text"] for c in whole["choices"]]
     assert a.last_sent_rows == 70 and b.last_sent_rows == 50
+    _no_kept_left(server)
+
+
+@pytest.mark.integration
+@pytest.mark.online
+def test_aborted_continuations_leave_the_kept_rows_as_they_were(server):
+    """A continuation cut off while its body arrives, and one whose client goes away
+    while vLLM decodes it: the kept prefix still answers the next turn as the whole
+    tensor, and goes at its TTL (no pin is left behind)."""
+    url = server["url"]
+    ids, embeds = _turns(server, 42, [220, 60])
+    conv = sec.Conversation(url, "tiny", ttl_s=8)
+    conv.complete(embeds[:220], **KW)
+    h, pieces, _ = sec.frame({"model": "tiny", "prompt_embeds": sec.Continuation(
+        conv.kept_id, embeds[220:], 220), **KW, "max_tokens": 400, "stream": True,
+        "ignore_eos": True})
+    raw = b"".join(map(bytes, pieces))
+    host, port = url.removeprefix("http://").split(":")
+    head = "".join(f"{k}: {v}\r\n" for k, v in h.items())
+    with socket.create_connection((host, int(port)), timeout=30) as sock:  # cut midway
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n{head}\r\n".encode()
+                     + raw[:len(raw) - 5000])
+    with requests.post(url + "/v1/completions", data=raw, headers=h, stream=True,
+                       timeout=60) as r:  # gone after its first token
+        assert r.status_code == 200
+        next(r.iter_lines())
+    got = conv.complete(embeds[220:], **KW)
+    assert conv.misses == 0 and conv.last_sent_rows == 60
+    assert got["choices"][0]["text"] == _answer_of_ids(url, ids)["choices"][0]["text"]
     _no_kept_left(server)
 
 

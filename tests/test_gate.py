@@ -66,6 +66,9 @@ class _Upload:
     leases = ()
     keeps = ()
 
+    async def settle(self):
+        pass
+
     def release(self):
         self.released = True
 

@@ -49,7 +49,7 @@ from vllm._shm_embeds.ext.binary.binary_header import (  # noqa: F401 (re-export
     parse_spec,
 )
 from vllm._shm_embeds.ext.binary.common import COMPLETIONS, ServerContext
-from vllm._shm_embeds.ext.binary.gate import Body, Claim, Outcome
+from vllm._shm_embeds.ext.binary.gate import Body, Claim, Disconnected, Outcome, Refused
 from vllm._shm_embeds.ext.binary.placeholders import Upload
 from vllm._shm_embeds.lifetime.streamed import (
     StreamedSegment,
@@ -70,8 +70,9 @@ def prefix_hooks() -> dict[str, Any]:
     has ``parameter``, ``resolve(value, body, dtype, hidden)`` (the kept rows
     a tensor starts with: ``.tensor``, ``.rows``, ``.digests``, ``.release()``;
     raises ``gate.Refused``) and ``keep_request(headers, path, body, ntensors)``
-    (None, or ``.start(tensor)``, then ``.future`` (the work on the tensor's bytes),
-    ``async response_headers(status)``, ``.close()``). One that fails to load is left out (its parameter is then refused)."""
+    (None, or ``.start(tensor)``, then ``async settled()`` (its work on the tensor's
+    bytes done), ``async response_headers(status)``, ``.close()``). One that fails to
+    load is left out (its parameter is then refused)."""
     global _HOOKS
     if _HOOKS is None:
         _HOOKS = {}
@@ -206,19 +207,24 @@ class BinaryFormat:
         try:
             parsed = parse_header(await _read_exact(body, json_len), path, ctx, content_length,
                                   frozenset(hooks))
-            keeps = [k for hook in hooks.values() if (k := hook.keep_request(
-                h, path, parsed.body, len(parsed.specs))) is not None]
-            for spec in parsed.specs:  # every reference resolved before a byte is read
-                prefixes.append(None)
-                if spec.extra and path != COMPLETIONS:
-                    raise _bad("parameter", "a continuation (shm_embeds_prefix) is for "
-                               "/v1/completions only")
-                for name, value in spec.extra:
-                    prefixes[-1] = hooks[name].resolve(value, parsed.body, spec.dtype,
-                                                       spec.shape[1])
             body.extend(sum(s.nbytes for s in parsed.specs))
-            for spec, pre in zip(parsed.specs, prefixes):
-                full = _after(spec, pre, ctx)
+            try:  # every reference resolved and checked before a byte is read
+                keeps = [k for hook in hooks.values() if (k := hook.keep_request(
+                    h, path, parsed.body, len(parsed.specs))) is not None]
+                fulls = []
+                for spec in parsed.specs:
+                    prefixes.append(None)
+                    if spec.extra and path != COMPLETIONS:
+                        raise _bad("parameter", "a continuation (shm_embeds_prefix) is for "
+                                   "/v1/completions only")
+                    for name, value in spec.extra:
+                        prefixes[-1] = hooks[name].resolve(value, parsed.body, spec.dtype,
+                                                           spec.shape[1])
+                    fulls.append(_after(spec, prefixes[-1], ctx))
+            except Refused:  # the client reads an answer only once it has sent its body
+                await _drain(body)
+                raise
+            for full, pre in zip(fulls, prefixes):
                 segs.append(_open_sink(full))
                 hashers.append(_hasher(full, ctx, segs[-1], path, pre))
                 try:
@@ -243,15 +249,18 @@ class BinaryFormat:
                     digests.attach(t, _joined(pre, await asyncio.wrap_future(hs.result())))
             hashers = []
             upload = Upload(parsed.token, tensors, ctx.hash_block_tokens)
-            for keep in keeps:  # a copy, on a thread, while vLLM serves the request
-                keep.start(tensors[0])
-                upload.keeps.append(keep)
-            keeps = []
-            if any(t.dtype != ctx.dtype for t in tensors):
-                for keep in upload.keeps:  # the cast lets the source's pages go
-                    await asyncio.wait([asyncio.wrap_future(keep.future)])
-                upload.tensors = await asyncio.get_running_loop().run_in_executor(
-                    None, _convert, tensors, ctx.dtype)
+            try:
+                for keep in keeps:  # a copy, on a thread, while vLLM serves the request
+                    keep.start(tensors[0])
+                    upload.keeps.append(keep)
+                keeps = []
+                if any(t.dtype != ctx.dtype for t in tensors):
+                    await upload.settle()  # the cast lets the source's pages go
+                    upload.tensors = await asyncio.get_running_loop().run_in_executor(
+                        None, _convert, tensors, ctx.dtype)
+            except BaseException:
+                upload.release()
+                raise
             count_many({BinaryEvent.BINARY_BODIES: 1, BinaryEvent.BINARY_TENSORS: len(tensors),
                         BinaryEvent.BINARY_BYTES: sum(s.nbytes for s in parsed.specs)})
             del tensors
@@ -271,6 +280,17 @@ class BinaryFormat:
 
     def counted(self, reason: str) -> None:
         count_reason(BinaryEvent.BINARY_REJECTED, reason)
+
+
+async def _drain(body: Body) -> None:
+    """Read and drop the rest of a refused body (its size was validated; the body's
+    deadline holds), so that an HTTP/1.1 client that sends its whole body before it
+    reads gets the answer, not a reset connection; a stall or a disconnect ends it."""
+    try:
+        while await body.piece() is not None:
+            pass
+    except (Refused, Disconnected):
+        pass
 
 
 def _after(spec: TensorSpec, pre: Any, ctx: ServerContext) -> TensorSpec:

@@ -284,7 +284,10 @@ class BodyGate:
                                  outcome.upload, content_type=outcome.content_type)
         finally:
             if outcome.upload is not None:
-                outcome.upload.release()  # what vLLM did not take over: remove now
+                try:
+                    await outcome.upload.settle()
+                finally:  # (cancelled: release waits for a keep's copy itself)
+                    outcome.upload.release()  # what vLLM did not take over: remove now
         return None
 
     async def _busy(self, fmt: BodyFormat, claim: Claim, e: Busy, scope: dict,

@@ -10,6 +10,7 @@ resolves only a placeholder of the request served in this context.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import dataclasses
 import hmac
@@ -78,6 +79,12 @@ class Upload:
         server's cap (``Lease.settle``); they still end with the request."""
         for lease in self.leases:
             lease.settle()
+
+    async def settle(self) -> None:
+        """Wait (without blocking the event loop) until every keep's copy is done, so
+        that :meth:`release` does not wait for one."""
+        for keep in self.keeps:
+            await keep.settled()
 
     def release(self) -> None:
         """The request has ended: unlink what vLLM did not take over (hop 1

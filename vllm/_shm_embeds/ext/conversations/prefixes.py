@@ -162,6 +162,11 @@ class KeepRequest:
             count_many({ConversationEvent.KEPT_TENSORS: 1, ConversationEvent.KEPT_BYTES: kept.nbytes})
         return kid
 
+    async def settled(self) -> None:
+        """Wait, on the event loop, until the copy is done (an error included)."""
+        if self.future is not None:
+            await asyncio.wait([asyncio.wrap_future(self.future)])
+
     def wait(self) -> None:
         """Block until the copy is done (before the source's pages go)."""
         if self.future is not None:
