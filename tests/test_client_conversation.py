@@ -284,3 +284,42 @@ def test_async_conversation(server):
     assert all(h["cache_salt"] == "s" for _, h, _ in server.requests)
     assert conv.misses == 1 and conv.rows == 6 and conv.kept_id == "kept-3"
     assert branch.rows == 8 and branch.kept_id == "kept-4"
+
+
+def test_a_json_conversation_sends_the_continuation_object(monkeypatch):
+    """``body="json"``: base64 JSON bodies; a later turn's ``prompt_embeds`` is the
+    continuation object (the kept id, the kept rows' count, the new rows' base64
+    ``torch.save``); a miss resends the whole history as a plain base64 payload."""
+    import base64
+    import io
+
+    seen, replies = [], [None, None, MISS, None]
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        assert request.headers[wire.KEEP_HEADER] == "30"
+        seen.append(json.loads(request.content))
+        reply = replies.pop(0)
+        if reply is not None:
+            return httpx.Response(reply[0], json=reply[1])
+        return httpx.Response(200, json=OK, headers={wire.KEPT_HEADER: f"k{len(seen)}"})
+
+    monkeypatch.setattr(httpx, "Client", functools.partial(
+        httpx.Client, transport=httpx.MockTransport(answer)))
+
+    def load(b64):
+        return torch.load(io.BytesIO(base64.b64decode(b64)), weights_only=True)
+
+    conv = sec.Conversation("http://x", "m", ttl_s=30, body="json")
+    a, b, c = _rows(5), _rows(3, 100), _rows(2, 200)
+    conv.complete(a)
+    conv.complete(b)
+    conv.complete(c)
+    assert torch.equal(load(seen[0]["prompt_embeds"]), a)
+    assert {k: v for k, v in seen[1]["prompt_embeds"].items() if k != wire.PREFIX_DATA} == \
+        {wire.PREFIX: "k1", wire.PREFIX_ROWS: 5}
+    assert torch.equal(load(seen[1]["prompt_embeds"][wire.PREFIX_DATA]), b)
+    assert seen[2]["prompt_embeds"][wire.PREFIX] == "k2"  # missed: then the whole history
+    assert torch.equal(load(seen[3]["prompt_embeds"]), torch.cat([a, b, c]))
+    assert conv.misses == 1 and conv.kept_id == "k4" and conv.rows == 10
+    with pytest.raises(ValueError):
+        sec.Conversation("http://x", "m", body="xml")

@@ -35,6 +35,7 @@ import shm_embeds_client as sec
 from vllm._shm_embeds.ext.binary import binary, binary_header, gate
 from vllm._shm_embeds.ext.binary.common import ServerContext
 from vllm._shm_embeds.ext.conversations.store import Store
+from vllm._shm_embeds.ext.digests import digests
 
 # -- the store
 
@@ -257,8 +258,6 @@ def test_a_continuation_is_the_whole_tensor_with_vllms_digests(shm_env, c):
     from vllm.v1.core import kv_cache_utils as kcu
 
     from vllm._shm_embeds.ext.conversations import prefixes
-    from vllm._shm_embeds.ext.digests import digests
-
     ctx = ServerContext.from_model_config(types.SimpleNamespace(
         enable_prompt_embeds=True, dtype=c["dtype"], max_model_len=4096,
         get_hidden_size=lambda: c["hidden"]), c["block"])
@@ -295,6 +294,117 @@ def test_a_continuation_is_the_whole_tensor_with_vllms_digests(shm_env, c):
     finally:
         if upload is not None:
             upload.release()
+        prefixes.store().clear()
+
+
+def _json_ctx(hidden=8, block=None):
+    return ServerContext.from_model_config(types.SimpleNamespace(
+        enable_prompt_embeds=True, dtype=torch.float32, max_model_len=64,
+        get_hidden_size=lambda: hidden), block)
+
+
+def test_a_json_continuation_is_refused_by_stock_vllm():
+    """The JSON continuation object in ``prompt_embeds`` fails vLLM's own request
+    model (400), so a server without the feature never serves the new rows alone."""
+    from pydantic import ValidationError
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    body = json.loads(sec.openai_json_body("m", sec.Continuation("x" * 43, torch.zeros(3, 8), 2)))
+    assert set(body["prompt_embeds"]) == {wire.PREFIX, wire.PREFIX_ROWS, wire.PREFIX_DATA}
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate(body)
+
+
+def test_a_json_conversation_in_process(shm_env, monkeypatch):
+    """The JSON path run in this process: turn 1 kept (a body below the minimum size,
+    claimed for its keep header), turn 2 a continuation object: the whole tensor, bit
+    for bit, with vLLM's digests; then a miss is a 404 and bad objects are 400s."""
+    from vllm.v1.core import kv_cache_utils as kcu
+
+    from vllm._shm_embeds.ext.conversations import prefixes
+    from vllm._shm_embeds.ext.json import json_body
+
+    ctx = _json_ctx(block=4)
+    whole = torch.randn(13, 8, generator=torch.Generator().manual_seed(5))
+    fmt = json_body.JsonFormat()
+    monkeypatch.setenv("VLLM_SHM_EMBEDS_MIN_BYTES", "1000000")
+    h = Headers({"content-type": "application/json", "content-length": "100",
+                 wire.KEEP_HEADER: "60"})
+    assert fmt.claim("/v1/completions", h, ctx) is not None  # small, but a keep
+    assert fmt.claim("/v1/completions", Headers({
+        "content-type": "application/json", "content-length": "100"}), ctx) is None
+    uploads = []
+    try:
+        first = json_body.prepare(bytes(sec.openai_json_body("m", whole[:9])),
+                                  "/v1/completions", ctx, h)
+        first.keep.start(first.upload.tensors[0])
+        first.upload.keeps.append(first.keep)
+        uploads.append(first.upload)
+        kept = dict(asyncio.run(first.keep.response_headers(200)))
+        kid = kept[wire.KEPT_HEADER.lower().encode()].decode()
+
+        def cont(ref=kid, rows=9, new=whole[9:], **obj):
+            body = json.loads(sec.openai_json_body("m", sec.Continuation(ref, new, rows)))
+            body["prompt_embeds"].update(obj)
+            return json_body.prepare(json.dumps(body).encode(), "/v1/completions", ctx,
+                                     Headers({}))
+
+        second = cont()
+        uploads.append(second.upload)
+        name = json.loads(second.body)["prompt_embeds"]
+        got = [t for t in second.upload.tensors if t is not None]
+        assert len(got) == 1 and name.endswith(f".{second.upload.tensors.index(got[0])}")
+        assert torch.equal(got[0], whole)
+        d = digests.attached(got[0])
+        stub = types.SimpleNamespace(prompt_embeds=whole, _prompt_embeds_per_block_hashes={})
+        for s in range(0, 13, 4):
+            assert [("prompt_embeds", d.digest(s, s + 4))] == \
+                kcu._gen_prompt_embeds_extra_hash_keys(stub, s, s + 4)
+        for ref, status in (("A" * 43, 404), ("not an id", 404)):
+            with pytest.raises(gate.Refused) as e:
+                cont(ref)
+            assert e.value.status == status and e.value.err_type == wire.PREFIX_NOT_FOUND
+        for bad in ({"rows": 8}, {"extra": 1}, {wire.PREFIX_ROWS: True},
+                    {wire.PREFIX_DATA: "AAAA" * 400}, {"new": torch.zeros(2, 7)}):
+            args = {k: v for k, v in bad.items() if k in ("rows", "new")}
+            with pytest.raises(gate.Refused) as e:
+                cont(**args, **{k: v for k, v in bad.items() if k not in args})
+            assert e.value.status == 400, bad
+    finally:
+        for upload in uploads:
+            upload.release()
+        prefixes.store().clear()
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(obj=st.dictionaries(st.sampled_from([wire.PREFIX, wire.PREFIX_ROWS, wire.PREFIX_DATA,
+                                            "x"]),
+                           st.one_of(st.none(), st.booleans(), st.integers(-2, 2**40),
+                                     st.text(max_size=50), st.lists(st.integers(), max_size=3),
+                                     st.just("QUFB" * 300), st.just("kept")),
+                           max_size=4),
+       pad=st.booleans())
+def test_json_continuation_objects_are_refused_or_served(shm_env, obj, pad):
+    """Any object in ``prompt_embeds`` (fuzzed keys and values, a kept id among them):
+    the JSON path serves it, refuses it (400/404), or leaves it to vLLM (which
+    refuses an object there); nothing else escapes and nothing is left."""
+    from vllm._shm_embeds.ext.conversations import prefixes
+    from vllm._shm_embeds.ext.json import json_body
+
+    ctx = _json_ctx()
+    kept = prefixes.KeepRequest(60, None)
+    kept.start(torch.ones(4, 8))
+    kid = kept.future.result()
+    body = {"model": "m", "prompt_embeds": {k: kid if v == "kept" else v for k, v in obj.items()},
+            "pad": "x" * 2000 if pad else ""}
+    out = None
+    try:
+        out = json_body.prepare(json.dumps(body).encode(), "/v1/completions", ctx, Headers({}))
+    except gate.Refused as e:
+        assert e.status in (400, 404)
+    finally:
+        if out is not None and out.upload is not None:
+            out.upload.release()
         prefixes.store().clear()
 
 
@@ -357,6 +467,31 @@ def test_a_conversation_sends_only_its_new_rows_and_answers_as_the_whole(server)
     assert sec.complete(url, "tiny", embeds, **KW)["choices"][0]["text"] == \
         _answer_of_ids(url, ids)["choices"][0]["text"]
     _no_kept_left(server)  # the TTL (10 s) ran out: every kept segment unlinked
+
+
+@pytest.mark.integration
+@pytest.mark.online
+def test_a_json_conversation_sends_only_its_new_rows_and_answers_as_the_whole(server):
+    url = server["url"]
+    sizes = [300, 140, 90]
+    ids, embeds = _turns(server, 43, sizes)
+    conv = sec.Conversation(url, "tiny", ttl_s=10, body="json", cache_salt="carol")
+    kw = {**KW, "return_token_ids": True}  # (turn 3's text: vLLM's detokenizer echoes
+    end = 0                                  # the prompt for these ids, stock too)
+    for turn, n in enumerate(sizes):
+        before = server.totals()
+        got = conv.complete(embeds[end:end + n], **kw)
+        end += n
+        d = delta(before, server.totals())
+        want = _answer_of_ids(url, ids[:end], cache_salt="carol", return_token_ids=True)
+        assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"], turn
+        assert len(got["choices"][0]["token_ids"]) == 6
+        assert conv.last_sent_rows == n and conv.kept_id is not None and conv.misses == 0
+        assert d.get("kept_tensors") == 1 and d.get("hop1_handover_tensors") == 1, d
+        if turn:
+            assert d.get("prefix_hits") == 1 and d.get("prefix_rows") == end - n, d
+            assert d.get("json_tensors") == 1 and d.get("hash_engine_blocks", 0) == 0, d
+    _no_kept_left(server)
 
 
 @pytest.mark.integration

@@ -35,7 +35,8 @@ import torch
 from shm_embeds_client._framing import Continuation
 from shm_embeds_client._tensors import _wire
 from shm_embeds_client.aio import _apost
-from shm_embeds_client.http import _post, _result
+from shm_embeds_client.http import _post, _result, _url
+from shm_embeds_client.openai_json import openai_json_request
 from shm_embeds_client.wire import KEEP_HEADER, KEPT_HEADER, PREFIX_NOT_FOUND
 
 __all__ = ["AsyncConversation", "Conversation", "prefix_missing"]
@@ -73,10 +74,14 @@ class _Conversation:
 
     def __init__(self, url: str, model: str, *, ttl_s: float = 600,
                  cache_salt: str | None = None, timeout: float | None = 600,
-                 headers: dict | None = None, client: Any = None) -> None:
+                 headers: dict | None = None, client: Any = None,
+                 body: str = "binary") -> None:
         if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) \
                 or not math.isfinite(ttl_s) or ttl_s <= 0:
             raise ValueError(f"ttl_s must be a positive number of seconds, got {ttl_s!r}")
+        if body not in ("binary", "json"):
+            raise ValueError(f"body must be 'binary' or 'json', got {body!r}")
+        self.body = body
         self.url = url
         self.model = model
         self.ttl_s = ttl_s
@@ -183,6 +188,8 @@ class Conversation(_Conversation):
         headers: more request headers.
         client: an ``httpx.Client`` to send through (left open; connections
             reused); default, a client of its own per request.
+        body: ``"binary"`` (binary bodies) or ``"json"`` (base64 JSON, the
+            continuation as the JSON object of ``docs/conversations.md``).
     Attributes:
         kept_id: the id of the kept history, or None (the next call sends it whole).
         rows: the history's length; ``last_sent_rows``: rows sent by the last
@@ -214,6 +221,14 @@ class Conversation(_Conversation):
         return out
 
     def _post(self, tensor: Any, args: dict) -> httpx.Response:
+        if self.body == "json":
+            h, content = openai_json_request("completions", self.model, tensor, args,
+                                             self._request_headers())
+            if self.client is not None:
+                return self.client.post(_url(self.url, "completions"), content=bytes(content),
+                                        headers=h, timeout=self.timeout)
+            with httpx.Client(timeout=self.timeout) as c:
+                return c.post(_url(self.url, "completions"), content=bytes(content), headers=h)
         return _post("completions", self.url, self.model, tensor, self.timeout,
                      self._request_headers(), args, self.client)
 
@@ -235,5 +250,15 @@ class AsyncConversation(_Conversation):
         return out
 
     async def _apost(self, tensor: Any, args: dict) -> httpx.Response:
+        if self.body == "json":
+            h, content = openai_json_request("completions", self.model, tensor, args,
+                                             self._request_headers())
+            if self.client is not None:
+                return await self.client.post(_url(self.url, "completions"),
+                                              content=bytes(content), headers=h,
+                                              timeout=self.timeout)
+            async with httpx.AsyncClient(timeout=self.timeout) as c:
+                return await c.post(_url(self.url, "completions"), content=bytes(content),
+                                    headers=h)
         return await _apost("completions", self.url, self.model, tensor, self.timeout,
                             self._request_headers(), args, self.client)

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from shm_embeds_client._framing import _map_embeds, _request
-from shm_embeds_client.wire import JSON_CONTENT_TYPE
+from shm_embeds_client._framing import Continuation, _map_embeds, _request
+from shm_embeds_client.wire import JSON_CONTENT_TYPE, PREFIX, PREFIX_DATA, PREFIX_ROWS
 
 __all__ = ["DTYPES", "openai_json_body", "openai_json_request"]
 
@@ -141,7 +141,8 @@ def openai_json_body(model: str, tensor: Any = None, *, route: str = "completion
         model: the ``model`` field.
         tensor: a ``(num_tokens, hidden_size)`` CPU tensor of float32, float16
             or bfloat16, contiguous or not; for completions also a list of them
-            (one prompt each). Chat: the content of one user message when
+            (one prompt each), or a :class:`Continuation` (the object of
+            ``docs/conversations.md``: only a server with shm-embeds reads it). Chat: the content of one user message when
             ``fields`` has no ``messages``; with ``messages``, each
             ``{"type": "prompt_embeds", "data": <tensor>}`` part's tensor is
             encoded instead (``tensor`` is then ignored).
@@ -165,7 +166,11 @@ def openai_json_body(model: str, tensor: Any = None, *, route: str = "completion
     tensors: list[torch.Tensor] = []
     marker = f"shm-embeds-{secrets.token_hex(16)}"
 
-    def take(t: Any) -> str:
+    def take(t: Any) -> Any:
+        if isinstance(t, Continuation):  # the kept rows by id, then these rows
+            if route != "completions":
+                raise ValueError("a Continuation is for completions requests")
+            return {PREFIX: t.prefix, PREFIX_ROWS: t.prefix_rows, PREFIX_DATA: take(t.rows)}
         tensors.append(_checked(t))
         return f"{marker}-{len(tensors) - 1}"
 

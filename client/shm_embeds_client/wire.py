@@ -49,3 +49,7 @@ KEEP_HEADER = "Shm-Embeds-Keep"  # request: keep its prompt_embeds this many sec
 KEPT_HEADER = "Shm-Embeds-Kept"  # response: the opaque id of the kept prompt_embeds
 PREFIX = "shm_embeds_prefix"  # descriptor parameter: the kept rows this tensor follows
 PREFIX_NOT_FOUND = "PrefixNotFound"  # error type (HTTP 404): unknown, expired or evicted
+# A base64 JSON continuation: "prompt_embeds": {PREFIX: id, PREFIX_ROWS: kept rows,
+# PREFIX_DATA: base64 torch.save of the new rows} (stock vLLM refuses an object there).
+PREFIX_ROWS = "prefix_rows"
+PREFIX_DATA = "data"

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
 import json
 import sys
 from typing import Any
@@ -48,7 +47,7 @@ from vllm._shm_embeds.ext.binary.binary_header import (  # noqa: F401 (re-export
     parse_header,
     parse_spec,
 )
-from vllm._shm_embeds.ext.binary.common import COMPLETIONS, ServerContext
+from vllm._shm_embeds.ext.binary.common import COMPLETIONS, ServerContext, prefix_hooks
 from vllm._shm_embeds.ext.binary.gate import Body, Claim, Disconnected, Outcome, Refused
 from vllm._shm_embeds.ext.binary.placeholders import Upload
 from vllm._shm_embeds.lifetime.streamed import (
@@ -60,33 +59,6 @@ from vllm._shm_embeds.lifetime.streamed import (
 digests = extensions.require("digests", "digests")
 
 logger = init_logger(__name__)
-
-_HOOKS: dict[str, Any] | None = None
-
-
-def prefix_hooks() -> dict[str, Any]:
-    """Descriptor parameter -> the hook of the extension that provides it
-    (``binary_prefixes`` entries: ``{"target": "<module>:<attr>"}``). A hook
-    has ``parameter``, ``resolve(value, body, dtype, hidden)`` (the kept rows
-    a tensor starts with: ``.tensor``, ``.rows``, ``.digests``, ``.release()``;
-    raises ``gate.Refused``) and ``keep_request(headers, path, body, ntensors)``
-    (None, or ``.start(tensor)``, then ``async settled()`` (its work on the tensor's
-    bytes done), ``async response_headers(status)``, ``.close()``). One that fails to
-    load is left out (its parameter is then refused)."""
-    global _HOOKS
-    if _HOOKS is None:
-        _HOOKS = {}
-        for ext, entry in extensions.provided("binary_prefixes"):
-            module, _, attr = entry["target"].partition(":")
-            try:
-                hook = getattr(importlib.import_module(
-                    f"{extensions.package_of(ext)}.{module}"), attr)
-            except Exception:
-                logger.warning("shm-embeds: extension %s's binary hook not loaded", ext,
-                               exc_info=True)
-                continue
-            _HOOKS[hook.parameter] = hook
-    return _HOOKS
 
 
 # --------------------------------------------------------------------------

@@ -16,18 +16,21 @@ untrusted bodies (timeouts, deadlines, bytes in flight) ``body_limits.py``.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import torch
 from starlette.datastructures import Headers
+from vllm.logger import init_logger
 
 from vllm._shm_embeds import extensions
 from vllm._shm_embeds.ext.binary.settings import binary_max_bytes
 
 _digests = extensions.require("digests", "digests")
 block_tokens_of = _digests.block_tokens_of
+logger = init_logger(__name__)
 
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
@@ -144,3 +147,32 @@ def embeds_slots(route: str, body: Any) -> Iterator[tuple[str, Any, Any]]:
         for j, part in enumerate(content if isinstance(content, list) else ()):
             if isinstance(part, dict) and part.get("type") == "prompt_embeds":
                 yield f"messages[{i}].content[{j}].data", part, "data"
+
+
+_HOOKS: dict[str, Any] | None = None
+
+
+def prefix_hooks() -> dict[str, Any]:
+    """Descriptor parameter -> the hook of the extension that provides it
+    (``binary_prefixes`` entries: ``{"target": "<module>:<attr>"}``), for every
+    body format. A hook has ``parameter``; ``resolve(value, body, dtype, hidden)``
+    (the kept rows a tensor starts with: ``.tensor``, ``.rows``, ``.digests``,
+    ``.release()``; raises ``gate.Refused``); ``assemble(prefix, new, block_tokens)``
+    (the whole tensor, in a segment, digests attached); and ``keep_request(headers,
+    path, body, ntensors)`` (None, or ``.start(tensor)``, then ``async settled()`` (its
+    work on the tensor's bytes done), ``async response_headers(status)``,
+    ``.close()``). One that fails to load is left out (its parameter is then refused)."""
+    global _HOOKS
+    if _HOOKS is None:
+        _HOOKS = {}
+        for ext, entry in extensions.provided("binary_prefixes"):
+            module, _, attr = entry["target"].partition(":")
+            try:
+                hook = getattr(importlib.import_module(
+                    f"{extensions.package_of(ext)}.{module}"), attr)
+            except Exception:
+                logger.warning("shm-embeds: extension %s's binary hook not loaded", ext,
+                               exc_info=True)
+                continue
+            _HOOKS[hook.parameter] = hook
+    return _HOOKS

@@ -3,10 +3,11 @@
 
 A request with ``Shm-Embeds-Keep: <seconds>`` has its one ``prompt_embeds`` tensor
 copied into a kept segment while vLLM serves it (:class:`KeepRequest`); a 200
-answer then carries ``Shm-Embeds-Kept: <id>``. A later descriptor with
-``parameters.shm_embeds_prefix: <id>`` sends only the rows after those kept:
-the binary format writes the kept rows, then the body's, into the request's
-segment (:meth:`Hook.resolve`), with the kept rows' block digests reused. An id
+answer then carries ``Shm-Embeds-Kept: <id>``. A later request names the id
+(a binary descriptor's ``shm_embeds_prefix``, or a JSON continuation object)
+and sends only the rows after those kept: the body format writes the kept rows,
+then the new ones, into the request's segment (:meth:`Hook.resolve`,
+:meth:`Hook.assemble`), with the kept rows' block digests reused. An id
 the store does not hold under the request's ``cache_salt`` is a 404
 ``PrefixNotFound``, never the new rows alone. Wire: ``shm_embeds_client.wire``.
 May import: the core; ``binary`` (gate, common) and ``digests`` via ``extensions.require``.
@@ -147,8 +148,9 @@ class KeepRequest:
         except OSError as e:  # budget, ENOSPC, segments: answered without an id
             count_reason(ConversationEvent.KEEP_REFUSED, seg.fallback_reason(e))
             return None
-        try:
-            segment.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+        try:  # (a JSON payload's tensor may be a view: its values, in order)
+            src = tensor.resolve_neg().resolve_conj().contiguous()
+            segment.write(memoryview(src.reshape(-1).view(torch.uint8).numpy()))
             kept = segment.finish(writable=False)
         except OSError as e:
             segment.abort()
@@ -228,6 +230,31 @@ class Hook:
                        "size of the prompt_embeds it continues")
         count_many({ConversationEvent.PREFIX_HITS: 1, ConversationEvent.PREFIX_ROWS: prefix.rows})
         return prefix
+
+    def assemble(self, prefix: Prefix, new: torch.Tensor,
+                 block_tokens: int | None) -> torch.Tensor:
+        """The kept rows then ``new`` (``(N, H)``, their dtype and H) as one tensor in a
+        new read-only segment, on this thread: the kept rows' whole blocks keep their
+        digests, the rest is hashed here (``block_tokens`` None: not hashed). Raises
+        OSError (no segment: nothing left)."""
+        rows = prefix.rows + new.shape[0]
+        d = prefix.digests
+        reused = (prefix.rows // block_tokens if block_tokens and d is not None
+                  and d.block_tokens == block_tokens else 0)
+
+        def write(segment: StreamedSegment) -> Any:
+            segment.write(memoryview(prefix.tensor.reshape(-1).view(torch.uint8).numpy()))
+            segment.write(memoryview(new.reshape(-1).view(torch.uint8).numpy()))
+            if not block_tokens:
+                return None
+            tail = torch.cat([prefix.tensor[reused * block_tokens:], new])
+            found = _digests.hash_tensor_here(tail, block_tokens)
+            if not reused:
+                return found
+            return _digests.BlockDigests(block_tokens, rows, d.digests[
+                :reused * _digests.DIGEST_BYTES] + found.digests)
+
+        return _digests.fill_segment(new.dtype, (rows, new.shape[1]), write)
 
     def keep_request(self, headers: Any, path: str, body: dict,
                      ntensors: int) -> KeepRequest | None:

@@ -27,6 +27,7 @@ import re
 from typing import Any
 
 import torch
+from shm_embeds_client import wire
 from vllm.logger import init_logger
 
 from vllm._shm_embeds import extensions
@@ -72,11 +73,13 @@ class Prepared:
             original body on fallback).
         upload: the placeholders' tensors (None on fallback).
         reason: fallback reason, or None.
+        keep: the keep the request's headers ask for (``Shm-Embeds-Keep``), or None.
     """
 
     body: bytes
     upload: Upload | None
     reason: str | None = None
+    keep: Any = None
 
 
 # One JSON string (escapes included), possessive: linear time, no backtracking.
@@ -225,7 +228,8 @@ def _release(tensors: list[torch.Tensor | None]) -> None:
             release_streamed(t)
 
 
-def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext) -> Prepared:
+def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext,
+            headers: Any = None) -> Prepared:
     """Turn a JSON body into a skeleton plus the request's tensors (worker thread).
 
     Work follows the bytes that arrived and is judged before it is done
@@ -251,11 +255,15 @@ def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext) -> Prepared:
         raw: the whole body (``bytes``, or the buffer of ``json_read.read_body``).
         route: ``/v1/completions`` or ``/v1/chat/completions``.
         ctx: the served model.
+        headers: the request's (a keep, ``docs/conversations.md``), or None.
     Returns:
         :class:`Prepared`: the skeleton and its upload, with ``reason`` the
         first payload's fallback reason if any (counted by the caller); on a
         whole-body :class:`Fallback`, the original body (as ``bytes``) and no
         upload (nothing is left in shared memory then).
+    Raises:
+        gate.Refused: a conversation's request the server answers itself (a bad
+        keep or continuation: 400; a prefix not held: 404).
     """
     view = memoryview(raw)
     pieces: dict[int, memoryview] = {}
@@ -277,6 +285,25 @@ def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext) -> Prepared:
         index = {name: i for i, name in enumerate(names)}
         values = [container[key] for _, container, key in embeds_slots(route, body)
                   if not isinstance(container, dict) or key in container]
+        hooks = _common.prefix_hooks() if headers is not None else {}
+        keeping = next((k for hook in hooks.values() if (k := hook.keep_request(
+            headers, route, body, len(values))) is not None), None)
+        cont = body.get("prompt_embeds") if route == _common.COMPLETIONS else None
+        if isinstance(cont, dict) and wire.PREFIX in hooks:
+            # A conversation's continuation: kept rows, then these (docs/conversations.md).
+            data = cont.get(wire.PREFIX_DATA)
+            i = index.get(data, -1) if isinstance(data, str) else -1
+            if i >= 0:
+                pieces = {i: view[spans[i][0]:spans[i][1]]}
+            whole = _continuation(ctx, body, cont, pieces.get(i), hooks[wire.PREFIX])
+            tensors = [None] * len(spans)
+            tensors[i] = whole
+            body = json.loads(_skeleton(raw, [spans[i]], [names[i]]))  # the rest as sent
+            body["prompt_embeds"] = names[i]
+            count_many({JsonEvent.JSON_BODIES: 1, JsonEvent.JSON_TENSORS: 1,
+                        JsonEvent.JSON_BYTES: whole.nbytes})
+            return Prepared(json.dumps(body).encode(),
+                            Upload(token, tensors, ctx.hash_block_tokens), keep=keeping)
         keep = sorted({index[v] for v in values if isinstance(v, str) and v in index})
         if not keep:
             raise Fallback("no_embeds")
@@ -341,7 +368,54 @@ def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext) -> Prepared:
                     JsonEvent.JSON_BYTES: sum(t.nbytes for t in written)})
     reason = next((reasons[i] for i in keep if i in reasons), None)
     return Prepared(skeleton, Upload(token, tensors, ctx.hash_block_tokens, errors=errors),
-                    reason)
+                    reason, keeping)
+
+
+def _refused(status: int, reason: str, message: str) -> Exception:
+    return _gate.Refused(status, reason, message)
+
+
+def _continuation(ctx: ServerContext, body: dict, cont: dict, piece: memoryview | None,
+                  hook: Any) -> torch.Tensor:
+    """The whole tensor of a JSON continuation ``cont`` (``{PREFIX: id, PREFIX_ROWS: K,
+    PREFIX_DATA: base64}``, ``shm_embeds_client.wire``): the kept rows ``hook`` holds
+    under the body's ``cache_salt``, then the rows ``piece`` decodes to (vLLM's loader),
+    in a new segment with their digests (private memory if no room). Raises
+    gate.Refused: 404 ``PrefixNotFound`` (not held); 400: not that object, a payload
+    vLLM's loader refuses, other rows than the kept ones' (dtype, hidden size, count),
+    more than ``--max-model-len`` rows."""
+    rows = cont.get(wire.PREFIX_ROWS)
+    if (set(cont) != {wire.PREFIX, wire.PREFIX_ROWS, wire.PREFIX_DATA} or piece is None
+            or type(rows) is not int or rows < 1):
+        raise _refused(400, "continuation", "a continuation is {\"%s\": id, \"%s\": rows, "
+                       "\"%s\": base64 torch.save payload of the new rows}"
+                       % (wire.PREFIX, wire.PREFIX_ROWS, wire.PREFIX_DATA))
+    if not torch_save.valid_base64(piece):
+        raise _refused(400, "base64", "the continuation's data is not valid base64")
+    try:
+        new = _load(ctx, piece)
+    except _Refused as e:  # vLLM's loader's own message
+        raise _refused(400, "rejected", f"the continuation's data: {e.error}") from None
+    if (new.dim() != 2 or new.shape[1] != ctx.hidden_size
+            or refusal(ctx, new) in ("empty", "too_long", "not_dense")):
+        raise _refused(400, "prefix_data", "the continuation's data must be dense (rows, "
+                       f"{ctx.hidden_size}) with at least one row")
+    new = new.resolve_neg().resolve_conj().contiguous()
+    prefix = hook.resolve(cont[wire.PREFIX], body, new.dtype, new.shape[1])
+    try:
+        if rows != prefix.rows:
+            raise _refused(400, "prefix_rows", f"{wire.PREFIX_ROWS} must count the kept rows")
+        if prefix.rows + new.shape[0] > ctx.max_model_len:
+            raise _refused(400, "too_long", "the continuation's whole prompt is longer than "
+                           f"the maximum model length of {ctx.max_model_len}")
+        try:
+            return hook.assemble(prefix, new,
+                                 ctx.hash_block_tokens if new.dtype == ctx.dtype else None)
+        except OSError as e:  # no room: the whole tensor in this process's memory
+            count_reason(JsonEvent.JSON_FALLBACK, seg.fallback_reason(e))
+            return torch.cat([prefix.tensor, new])
+    finally:
+        prefix.release()
 
 
 def _close(buf: mmap.mmap) -> None:
@@ -378,13 +452,14 @@ class JsonFormat:
         if content_type(h) != CONTENT_TYPE:
             return None
         length = byte_count(h.get("content-length"))
-        if (length is None or length < max(1, min_bytes()) or ctx is None
-                or not ctx.enable_prompt_embeds):
+        small = length is not None and length < max(1, min_bytes()) and (
+            length < 1 or wire.KEEP_HEADER not in h)  # a keep is served at any size
+        if length is None or small or ctx is None or not ctx.enable_prompt_embeds:
             return None
         if length > max_json_body_bytes(ctx):
             count_reason(JsonEvent.JSON_FALLBACK, "too_large")
             return None
-        return Claim(length=length, in_memory=length, when_busy="stock")
+        return Claim(length=length, in_memory=length, when_busy="stock", state=h)
 
     async def prepare(self, path: str, body: Body, ctx: ServerContext | None,
                       claim: Claim) -> Outcome:
@@ -394,7 +469,9 @@ class JsonFormat:
             return Outcome(raw)
         try:
             prepared = await asyncio.get_running_loop().run_in_executor(
-                None, prepare, raw, path, ctx)
+                None, prepare, raw, path, ctx, claim.state)
+        except _gate.Refused:  # a conversation's request answered here (404, 400)
+            raise
         except Exception:  # a bug of ours must not cost the request: stock path
             logger.exception("shm-embeds: JSON body path failed; vLLM decodes this body")
             prepared = Prepared(raw[:], None, "error")
@@ -402,7 +479,12 @@ class JsonFormat:
             _close(raw)
         if prepared.reason is not None:
             count_reason(JsonEvent.JSON_FALLBACK, prepared.reason)
-        return Outcome(prepared.body, prepared.upload)
+        upload = prepared.upload
+        ours = [t for t in upload.tensors if t is not None] if upload is not None else []
+        if prepared.keep is not None and len(ours) == 1:  # else: answered without an id
+            prepared.keep.start(ours[0])  # a copy, on a thread, while vLLM serves it
+            upload.keeps.append(prepared.keep)
+        return Outcome(prepared.body, upload)
 
     def counted(self, reason: str) -> None:
         count_reason(JsonEvent.JSON_FALLBACK, reason)
