@@ -193,6 +193,9 @@ class BinaryFormat:
                         prefixes[-1] = hooks[name].resolve(value, parsed.body, spec.dtype,
                                                            spec.shape[1])
                     fulls.append(_after(spec, prefixes[-1], ctx))
+                for pre in prefixes:  # a keep answered while its copy still ran
+                    if pre is not None:
+                        await pre.ready()
             except Refused:  # the client reads an answer only once it has sent its body
                 await _drain(body)
                 raise
@@ -272,7 +275,7 @@ def _after(spec: TensorSpec, pre: Any, ctx: ServerContext) -> TensorSpec:
     the whole tensor is over the body cap."""
     if pre is None:
         return spec
-    tokens, row = spec.shape[0], pre.tensor.nbytes // pre.rows  # (same dtype and hidden)
+    tokens, row = spec.shape[0], pre.row_bytes  # (same dtype and hidden)
     full = tokens * row
     if spec.nbytes != (tokens - pre.rows) * row:
         raise _bad("prefix_rows", "a continuation's shape must count the kept rows and "

@@ -156,8 +156,9 @@ def prefix_hooks() -> dict[str, Any]:
     """Descriptor parameter -> the hook of the extension that provides it
     (``binary_prefixes`` entries: ``{"target": "<module>:<attr>"}``), for every
     body format. A hook has ``parameter``; ``resolve(value, body, dtype, hidden)``
-    (the kept rows a tensor starts with: ``.tensor``, ``.rows``, ``.digests``,
-    ``.release()``; raises ``gate.Refused``); ``assemble(prefix, new, block_tokens)``
+    (the kept rows a tensor starts with: ``.rows``, ``.row_bytes``, then after
+    ``await .ready()`` or ``.wait()`` ``.tensor`` and ``.digests``; ``.release()``;
+    raises ``gate.Refused``); ``assemble(prefix, new, block_tokens)``
     (the whole tensor, in a segment, digests attached); and ``keep_request(headers,
     path, body, ntensors)`` (None, or ``.start(tensor)``, then ``async settled()`` (its
     work on the tensor's bytes done), ``async response_headers(status)``,

@@ -75,13 +75,32 @@ def salt_of(body: dict) -> str | None:
 
 
 class Prefix:
-    """Kept rows a continuation starts with, pinned until :meth:`release`."""
+    """Kept rows a continuation starts with, pinned until :meth:`release`: ``rows``,
+    ``row_bytes``; ``tensor`` and ``digests`` once :meth:`ready` (or :meth:`wait`)."""
 
     def __init__(self, kept: Kept) -> None:
         self._kept = kept
-        self.tensor: torch.Tensor = kept.tensor
-        self.rows = kept.tensor.shape[0]
-        self.digests = kept.digests
+        self.rows = kept.shape[0]
+        self.row_bytes = kept.nbytes // max(1, self.rows)
+        self.tensor: torch.Tensor | None = None
+        self.digests: Any = None
+
+    async def ready(self) -> None:
+        """Wait, on the event loop, for the kept rows' copy (a keep still copying when
+        its id was answered). Raises PrefixNotFound if the copy failed."""
+        await asyncio.wrap_future(self._kept.ready)
+        self._take()
+
+    def wait(self) -> None:
+        """:meth:`ready` on this thread (blocks)."""
+        self._kept.ready.result()
+        self._take()
+
+    def _take(self) -> None:
+        if self._kept.tensor is None:
+            count(ConversationEvent.PREFIX_MISSES)
+            raise PrefixNotFound()
+        self.tensor, self.digests = self._kept.tensor, self._kept.digests
 
     def release(self) -> None:
         kept, self._kept = self._kept, None
@@ -127,42 +146,49 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class KeepRequest:
-    """A keep asked for by one request: the copy (on a thread, while vLLM serves the
-    request), then the id in the response headers of a 200, else forgotten."""
+    """A keep asked for by one request: an id reserved at once, the copy made on a
+    thread while vLLM serves the request; the id goes in the response headers of a
+    200 without waiting for the copy (a continuation naming it waits for it, and
+    misses if it failed), any other status forgets it."""
 
     def __init__(self, ttl_s: float, salt: str | None) -> None:
         self.ttl_s, self.salt = ttl_s, salt
         self.future: concurrent.futures.Future | None = None
+        self.kid: str | None = None
         self.answered = False
 
     def start(self, tensor: torch.Tensor) -> None:
-        """Copy ``tensor`` (the request's, digests attached) into a kept segment."""
-        self.future = _copier().submit(self._copy, tensor, _digests.attached(tensor))
+        """Reserve an id and copy ``tensor`` (the request's, digests attached) into a
+        kept segment. None fits: answered without an id."""
+        reserved = store().reserve(tensor, self.salt, self.ttl_s, settings.keep_max_bytes(),
+                                   settings.keep_max_entries())
+        if reserved is not None:
+            self.kid = reserved[0]
+            self.future = _copier().submit(self._copy, tensor, _digests.attached(tensor),
+                                           reserved[1])
 
-    def _copy(self, tensor: torch.Tensor, digests: Any) -> str | None:
+    @staticmethod
+    def _copy(tensor: torch.Tensor, digests: Any, kept: Kept) -> None:
         # Written by pwrite (ENOSPC is an OSError, never a SIGBUS), mapped read-only.
-        limits = settings.keep_max_bytes(), settings.keep_max_entries()
-        store().make_room(tensor.nbytes, *limits)  # older kept ones go first
         try:
             segment = StreamedSegment(tensor.dtype, tuple(tensor.shape))
-        except OSError as e:  # budget, ENOSPC, segments: answered without an id
+        except OSError as e:  # budget, ENOSPC, segments: the id misses
             count_reason(ConversationEvent.KEEP_REFUSED, seg.fallback_reason(e))
-            return None
+            store().fill(kept, None)
+            return
         try:  # (a JSON payload's tensor may be a view: its values, in order)
             src = tensor.resolve_neg().resolve_conj().contiguous()
             segment.write(memoryview(src.reshape(-1).view(torch.uint8).numpy()))
-            kept = segment.finish(writable=False)
-        except OSError as e:
+            done = segment.finish(writable=False)
+        except BaseException as e:
             segment.abort()
+            store().fill(kept, None)
+            if not isinstance(e, OSError):
+                raise
             count_reason(ConversationEvent.KEEP_REFUSED, seg.fallback_reason(e))
-            return None
-        except BaseException:
-            segment.abort()
-            raise
-        kid = store().put(kept, digests, self.salt, self.ttl_s, *limits)
-        if kid is not None:
-            count_many({ConversationEvent.KEPT_TENSORS: 1, ConversationEvent.KEPT_BYTES: kept.nbytes})
-        return kid
+            return
+        if store().fill(kept, done, digests):
+            count_many({ConversationEvent.KEPT_TENSORS: 1, ConversationEvent.KEPT_BYTES: done.nbytes})
 
     async def settled(self) -> None:
         """Wait, on the event loop, until the copy is done (an error included)."""
@@ -176,38 +202,27 @@ class KeepRequest:
 
     async def response_headers(self, status: int) -> list[tuple[bytes, bytes]]:
         """At the response's start: the id header of a 200 (the entry expires at its
-        TTL); any other status forgets the kept tensor."""
-        if self.future is None or self.answered:
+        TTL; its copy may still run); any other status forgets the kept tensor."""
+        if self.kid is None or self.answered:
             return []
-        try:
-            kid = await asyncio.wrap_future(self.future)
-        except Exception:
-            self.answered = True
-            logger.warning("shm-embeds: keeping a request's prompt_embeds failed",
-                           exc_info=True)
-            return []
-        self.answered = True  # (not before: a cancelled wait leaves it to close())
-        if kid is None:
-            return []
+        self.answered = True
         if status != 200:
-            store().drop(kid, self.salt, "failed")
+            store().drop(self.kid, self.salt, "failed")
             return []
         _schedule_sweep(asyncio.get_running_loop())
-        return [(KEPT_HEADER, kid.encode())]
+        return [(KEPT_HEADER, self.kid.encode())]
 
     def close(self) -> None:
-        """The request has ended: a kept tensor whose id was never sent is forgotten."""
+        """The request has ended: a kept tensor whose id was never sent is forgotten;
+        waits for the copy (the source's pages go next)."""
         if self.future is None:
             return
         self.wait()
         if not self.answered:
             self.answered = True
-            try:
-                kid = self.future.result()
-            except Exception:
-                return
-            if kid is not None:
-                store().drop(kid, self.salt, "unanswered")
+            store().drop(self.kid, self.salt, "unanswered")
+        if (e := self.future.exception()) is not None:
+            logger.warning("shm-embeds: keeping a request's prompt_embeds failed: %r", e)
 
 
 class Hook:
@@ -216,15 +231,15 @@ class Hook:
     parameter = wire.PREFIX
 
     def resolve(self, value: Any, body: dict, dtype: torch.dtype, hidden: int) -> Prefix:
-        """The kept rows ``value`` names under the body's ``cache_salt``, pinned.
-        Raises Refused: 404 ``PrefixNotFound`` (not held), 400 (another datatype or
-        hidden size than the kept rows')."""
+        """The kept rows ``value`` names under the body's ``cache_salt``, pinned (their
+        bytes after ``Prefix.ready``/``wait``). Raises Refused: 404 ``PrefixNotFound``
+        (not held), 400 (another datatype or hidden size than the kept rows')."""
         kept = store().pin(value, salt_of(body))
         if kept is None:
             count(ConversationEvent.PREFIX_MISSES)
             raise PrefixNotFound()
         prefix = Prefix(kept)
-        if kept.tensor.dtype != dtype or kept.tensor.shape[1] != hidden:
+        if kept.dtype != dtype or kept.shape[1] != hidden:
             prefix.release()
             raise _bad("prefix_dtype", "a continuation must have the datatype and hidden "
                        "size of the prompt_embeds it continues")

@@ -5,15 +5,17 @@ A kept tensor is a segment of this process (``lifetime.streamed``: in the
 server's private directory, counted in the segment budget, unlinked at exit and
 swept if the process dies). Its id is a capability: 256 random bits, looked up
 together with the ``cache_salt`` it was kept under, so an id with another salt
-(or none) is exactly an unknown id. Entries go at their TTL, or least recently
-used first when the store is over its entries or bytes; never while pinned (a
-request copying its rows). Knows tensors and ids, not HTTP and not vLLM.
+(or none) is exactly an unknown id. An entry is reserved (id, size, room) before
+its copy is made and filled when the copy is done (``Kept.ready``). Entries go at
+their TTL, or least recently used first when the store is over its entries or
+bytes; never while pinned (a request copying its rows). Knows tensors and ids.
 May import: the core.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import hashlib
 import os
@@ -35,12 +37,19 @@ _ID = re.compile(r"[A-Za-z0-9_-]{43}\Z")  # secrets.token_urlsafe(32)
 
 @dataclasses.dataclass(eq=False)
 class Kept:
-    """One kept tensor: ``tensor`` ``(rows, hidden)``; ``digests`` its prefix-cache
-    block digests (``digests.BlockDigests``) or None; ``expires`` (monotonic s)."""
+    """One kept tensor of ``shape`` ``(rows, hidden)`` and ``dtype``, ``nbytes``
+    bytes: ``tensor`` and ``digests`` (its prefix-cache block digests,
+    ``digests.BlockDigests``, or None) once ``ready`` is done (``tensor`` None
+    then: the copy failed or the entry went first); ``expires`` (monotonic s)."""
 
-    tensor: torch.Tensor
-    digests: Any
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
     expires: float
+    tensor: torch.Tensor | None = None
+    digests: Any = None
+    ready: concurrent.futures.Future = dataclasses.field(
+        default_factory=concurrent.futures.Future)
     pins: int = 0
     gone: str = ""  # left the store: let go "now", or "at_unpin" (the last one)
 
@@ -71,25 +80,50 @@ class Store:
         """Bytes of the kept tensors in the store."""
         return self._bytes
 
-    def put(self, tensor: torch.Tensor, digests: Any, salt: str | None, ttl_s: float,
-            max_bytes: int, max_entries: int) -> str | None:
-        """Keep ``tensor`` (the store owns it from here) for ``ttl_s`` seconds; its id,
-        or None (and ``tensor`` let go) if it cannot fit even with every unpinned
-        entry gone. Evicts expired entries, then the least recently used."""
+    def reserve(self, like: torch.Tensor, salt: str | None, ttl_s: float,
+                max_bytes: int, max_entries: int) -> tuple[str, Kept] | None:
+        """An id for a tensor like ``like`` (shape, dtype, bytes) to be kept ``ttl_s``
+        seconds, its entry counted from now and filled by :meth:`fill`; None if it
+        cannot fit even with every unpinned entry gone (expired ones go first, then
+        the least recently used)."""
         kid = secrets.token_urlsafe(ID_BYTES)
-        kept = Kept(tensor, digests, self._clock() + ttl_s)
+        kept = Kept(tuple(like.shape), like.dtype, like.nbytes, self._clock() + ttl_s)
         with self._lock:
-            victims = self._room(tensor.nbytes, max_bytes, max_entries)
-            fits = self._bytes + tensor.nbytes <= max_bytes and len(self._entries) < max_entries
+            victims = self._room(kept.nbytes, max_bytes, max_entries)
+            fits = self._bytes + kept.nbytes <= max_bytes and len(self._entries) < max_entries
             if fits:
                 self._entries[_key(kid, salt)] = kept
-                self._bytes += tensor.nbytes
+                self._bytes += kept.nbytes
         self._let_go(victims)
         if not fits:
             count_reason(ConversationEvent.KEEP_REFUSED, "full")
+            return None
+        return kid, kept
+
+    def fill(self, kept: Kept, tensor: torch.Tensor | None, digests: Any = None) -> bool:
+        """The copy of a reserved entry is done: ``tensor`` (the store owns it from
+        here; None: the copy failed, the entry goes). False (``tensor`` let go) if
+        the entry went meanwhile. Wakes those waiting on ``kept.ready``."""
+        with self._lock:
+            kept_now = not kept.gone and tensor is not None
+            if kept_now:
+                kept.tensor, kept.digests = tensor, digests
+            elif not kept.gone:
+                key = next(k for k, v in self._entries.items() if v is kept)
+                self._pop(key)
+        if tensor is not None and not kept_now:
+            self._release(tensor)
+        kept.ready.set_result(None)
+        return kept_now
+
+    def put(self, tensor: torch.Tensor, digests: Any, salt: str | None, ttl_s: float,
+            max_bytes: int, max_entries: int) -> str | None:
+        """:meth:`reserve` then :meth:`fill` with ``tensor``, let go if no room."""
+        reserved = self.reserve(tensor, salt, ttl_s, max_bytes, max_entries)
+        if reserved is None:
             self._release(tensor)
             return None
-        return kid
+        return reserved[0] if self.fill(reserved[1], tensor, digests) else None
 
     def make_room(self, nbytes: int, max_bytes: int, max_entries: int) -> None:
         """Let expired, then least recently used unpinned entries go until ``nbytes``
@@ -119,7 +153,7 @@ class Store:
         with self._lock:
             kept.pins -= 1
             last = kept.pins == 0 and kept.gone == "at_unpin"
-        if last:
+        if last and kept.tensor is not None:
             self._release(kept.tensor)
 
     def drop(self, kid: str, salt: str | None, reason: str) -> None:
@@ -151,7 +185,7 @@ class Store:
 
     def _pop(self, key: bytes) -> Kept:
         kept = self._entries.pop(key)
-        self._bytes -= kept.tensor.nbytes
+        self._bytes -= kept.nbytes
         kept.gone = "now" if kept.pins == 0 else "at_unpin"  # decided under the lock
         return kept
 
@@ -173,8 +207,8 @@ class Store:
     def _let_go(self, victims: list[tuple[Kept, str]]) -> None:
         for kept, reason in victims:
             count_reason(ConversationEvent.KEPT_DROPPED, reason)
-            if kept.gone == "now":  # (a pinned one goes at its last unpin)
-                self._release(kept.tensor)
+            if kept.gone == "now" and kept.tensor is not None:  # (pinned: at the last unpin;
+                self._release(kept.tensor)                     # not filled: by fill)
 
 
 _store: Store | None = None

@@ -403,6 +403,7 @@ def _continuation(ctx: ServerContext, body: dict, cont: dict, piece: memoryview 
     new = new.resolve_neg().resolve_conj().contiguous()
     prefix = hook.resolve(cont[wire.PREFIX], body, new.dtype, new.shape[1])
     try:
+        prefix.wait()  # (a keep answered while its copy still ran)
         if rows != prefix.rows:
             raise _refused(400, "prefix_rows", f"{wire.PREFIX_ROWS} must count the kept rows")
         if prefix.rows + new.shape[0] > ctx.max_model_len:
