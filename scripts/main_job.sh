@@ -6,7 +6,7 @@
 #
 #   scripts/main_job.sh [--tiny|--wide-and-tiny] [--arena] [--wide-lengths 1024,4096,8192]
 #                       [--lengths 128,512,1024] [--repeats 3] [--warmup 1] [--port 8123]
-#                       [--health-timeout 300]
+#                       [--health-timeout 300] [--no-conversation]
 #   scripts/main_job.sh --leftovers-only   # step 5's /dev/shm check alone (needs .venv)
 #
 # Default: the "wide but light" model (hidden 8192, fp32: 32 KiB of embeds per
@@ -28,6 +28,12 @@
 #      of its process group after 60 s).
 #      With --hol, also benchmarks/bench_hol.py per input: p50/p99 of short
 #      text requests while 8192-token embeds requests upload back to back.
+#   4b. With the wide model (unless --no-conversation): a 6-turn conversation of
+#      1024 new rows a turn (benchmarks/bench_conversation.py, its own stock and
+#      shm-embeds servers): text, stock resending the history (the same bytes,
+#      and fresh noise), shm-embeds resending, and shm-embeds keeping each turn
+#      and sending only the new rows (binary and JSON bodies); fails on a wrong
+#      answer, a missed kept prefix or anything left in /dev/shm.
 #   5. Print the runs side by side; fail if /dev/shm holds our segments, or if
 #      that check cannot run (tools/shm_leftovers.py; SHM_LEFTOVERS_DIR: another mount).
 # Logs and JSON go to .out/ (MAIN_JOB_OUT: elsewhere). Exit status: 0 only if every step passed.
@@ -36,6 +42,7 @@ set -uo pipefail
 
 WIDE=2; MODES="stock shm"; HOL=0; LENGTHS=128,512,1024; WIDE_LENGTHS=1024,4096,8192
 REPEATS=3; WARMUP=1; PORT=8123; HEALTH_TIMEOUT=300; STOP_TIMEOUT=60; LEFTOVERS_ONLY=0
+CONVERSATION=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --tiny) WIDE=0 ;;
@@ -43,6 +50,7 @@ while [ $# -gt 0 ]; do
     --wide-only) WIDE=2 ;;
     --arena) MODES="stock arena shm" ;;
     --hol) HOL=1 ;;
+    --no-conversation) CONVERSATION=0 ;;
     --leftovers-only) LEFTOVERS_ONLY=1 ;;
     --lengths) LENGTHS=$2; shift ;;
     --wide-lengths) WIDE_LENGTHS=$2; shift ;;
@@ -249,6 +257,15 @@ for m in "${MODELS[@]}"; do
   lengths=$LENGTHS; [ "$m" = wide ] && lengths=$WIDE_LENGTHS
   for mode in $MODES; do run_mode "$m" "$mode" "$lengths"; done
 done
+
+# --- 4b. a conversation (benchmarks/bench_conversation.py) -------------------
+if [ "$CONVERSATION" = 1 ] && [ "$WIDE" != 0 ]; then
+  log "conversation: 6 turns x 1024 rows (32 MiB a turn) on the wide model, TP=2"
+  "$PY" benchmarks/bench_conversation.py --turns 6 --new-rows 1024 --reps 1 \
+    --modes text,stock_same,stock_fresh,plugin_resend,plugin_kept,plugin_kept_json \
+    --out "$OUT/conversation.json" 2>&1 | tee "$OUT/conversation.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || fail "bench_conversation.py failed (see $OUT/conversation.txt)"
+fi
 
 # --- 5. summary and /dev/shm check ------------------------------------------
 for m in "${MODELS[@]}"; do

@@ -202,29 +202,22 @@ def test_a_refused_continuation_is_answered_once_its_body_is_in(ref, kept_rows):
     gets the 404, not a connection closed on unread bytes."""
     ctx = ServerContext(hidden_size=8, max_model_len=64, dtype=torch.float32,
                         enable_prompt_embeds=True, max_body_bytes=1 << 20)
-    h, pieces, _ = sec.frame({"model": "m", "prompt_embeds": sec.Continuation(
-        ref, torch.zeros(40, 8), kept_rows)})
-    raw = b"".join(map(bytes, pieces))
-    messages = [{"type": "http.request", "body": raw[i:i + 256], "more_body": True}
-                for i in range(0, len(raw), 256)]
-    messages[-1]["more_body"] = False
-    receive, _, _ = asgi_peer(messages)
-    fmt = binary.BinaryFormat()
-    claim = fmt.claim("/v1/completions", Headers(h), ctx)
+    messages = []
     with pytest.raises(gate.Refused) as e:
-        asyncio.run(fmt.prepare("/v1/completions", gate.Body(receive, claim.length),
-                                ctx, claim))
+        asyncio.run(_binary_request({"model": "m", "prompt_embeds": sec.Continuation(
+            ref, torch.zeros(40, 8), kept_rows)}, ctx, piece=256, messages=messages))
     assert e.value.status == 404 and e.value.err_type == wire.PREFIX_NOT_FOUND
     assert messages == []  # every byte read
 
 
-async def _binary_request(body, ctx, headers=()):
+async def _binary_request(body, ctx, headers=(), piece=4096, messages=None):
     """``BinaryFormat.prepare`` of ``body`` framed as the client frames it, in this
-    process (the body in 4 KiB pieces)."""
+    process (the body in ``piece``-byte messages, handed out of ``messages``)."""
     h, pieces, _ = sec.frame(body)
     raw = b"".join(map(bytes, pieces))
-    messages = [{"type": "http.request", "body": raw[i:i + 4096], "more_body": True}
-                for i in range(0, len(raw), 4096)]
+    messages = [] if messages is None else messages
+    messages += [{"type": "http.request", "body": raw[i:i + piece], "more_body": True}
+                 for i in range(0, len(raw), piece)]
     messages[-1]["more_body"] = False
     receive, _, _ = asgi_peer(messages)
     fmt = binary.BinaryFormat()
