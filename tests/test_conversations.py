@@ -15,7 +15,9 @@ each; two branches of one kept prefix at once, with ``n`` > 1; nothing left.
 """
 
 import asyncio
+import base64
 import concurrent.futures
+import io
 import json
 import socket
 import time
@@ -346,6 +348,84 @@ def test_an_id_is_answered_before_its_copy_is_done(shm_env, monkeypatch, copy):
         prefixes.store().clear()
 
 
+def test_a_continuation_must_be_the_bodys_only_tensor():
+    """Two continuations in one body (each whole tensor made from a few new rows) are
+    refused before anything is read or made: one whole tensor per body."""
+    ctx = ServerContext(hidden_size=8, max_model_len=64, dtype=torch.float32,
+                        enable_prompt_embeds=True, max_body_bytes=1 << 20)
+    _, pieces, _ = sec.frame({"model": "m", "prompt_embeds": sec.Continuation(
+        "x" * 43, torch.zeros(1, 8), 30)})
+    header = json.loads(bytes(pieces[0]))
+    header["prompt_embeds"] = [header["prompt_embeds"]] * 2
+    head = json.dumps(header).encode()
+    raw = head + bytes(pieces[1]) * 2
+    h = Headers({"content-type": wire.CONTENT_TYPE, wire.HEADER_LENGTH: str(len(head)),
+                 "content-length": str(len(raw))})
+    receive, _, _ = asgi_peer([{"type": "http.request", "body": raw, "more_body": False}])
+    fmt = binary.BinaryFormat()
+    claim = fmt.claim("/v1/completions", h, ctx)
+    with pytest.raises(gate.Refused) as e:
+        asyncio.run(fmt.prepare("/v1/completions", gate.Body(receive, claim.length), ctx, claim))
+    assert e.value.status == 400 and "only prompt_embeds tensor" in e.value.message
+
+
+def test_a_cancelled_waiter_leaves_a_pending_id_to_the_others(shm_env):
+    """A request waiting for a keep's copy that is cancelled (a client gone) does not
+    cancel the copy's shared future: the other waiter gets the rows."""
+    from vllm._shm_embeds.ext.conversations import prefixes
+
+    store = prefixes.store()
+    kid, kept = store.reserve(torch.zeros(4, 8), None, 60, 1 << 20, 8)
+
+    async def run():
+        first = prefixes.HOOK.resolve(kid, {}, torch.float32, 8)
+        second = prefixes.HOOK.resolve(kid, {}, torch.float32, 8)
+        waiting = asyncio.ensure_future(first.ready())
+        other = asyncio.ensure_future(second.ready())
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        await asyncio.sleep(0.05)
+        segment = prefixes.StreamedSegment(torch.float32, (4, 8))
+        segment.write(memoryview(bytes(128)))
+        store.fill(kept, segment.finish(writable=False))
+        await other
+        assert second.tensor is not None and second.tensor.shape == (4, 8)
+        first.release()
+        second.release()
+
+    try:
+        asyncio.run(run())
+    finally:
+        store.clear()
+
+
+def test_a_json_keep_of_bytes_never_sent_is_not_made(shm_env):
+    """A JSON payload that the loader makes into a stride-0 view (a few bytes on the
+    wire, T x H values) with a keep header: answered without an id, nothing copied."""
+    from vllm._shm_embeds.ext.json import json_body
+
+    ctx = _json_ctx()
+    raw = bytes(sec.openai_json_body("m", torch.ones(1, 8)))
+    body = json.loads(raw)
+    buf = io.BytesIO()
+    torch.save(torch.ones(1, 8).expand(40, 8), buf)
+    body["prompt_embeds"] = base64.b64encode(buf.getvalue()).decode()
+    body["pad"] = "x" * 2000
+    raw = json.dumps(body).encode()
+    h = Headers({"content-type": "application/json", "content-length": str(len(raw)),
+                 wire.KEEP_HEADER: "60"})
+    receive, _, _ = asgi_peer([{"type": "http.request", "body": raw, "more_body": False}])
+    fmt = json_body.JsonFormat()
+    claim = fmt.claim("/v1/completions", h, ctx)
+    out = asyncio.run(fmt.prepare("/v1/completions", gate.Body(receive, claim.length), ctx,
+                                  claim))
+    try:
+        assert out.upload is None or out.upload.keeps == []
+    finally:
+        if out.upload is not None:
+            out.upload.release()
+
+
 def _no_space(*args, **kwargs):
     import errno
 
@@ -370,10 +450,12 @@ def test_a_json_continuation_is_refused_by_stock_vllm():
         CompletionRequest.model_validate(body)
 
 
-def test_a_json_conversation_in_process(shm_env, monkeypatch):
+@pytest.mark.parametrize("salt", [None, "s" * 2000])
+def test_a_json_conversation_in_process(shm_env, monkeypatch, salt):
     """The JSON path run in this process: turn 1 kept (a body below the minimum size,
     claimed for its keep header), turn 2 a continuation object: the whole tensor, bit
-    for bit, with vLLM's digests; then a miss is a 404 and bad objects are 400s."""
+    for bit, with vLLM's digests; then a miss is a 404 and bad objects are 400s. A
+    ``cache_salt`` as long as a payload (the JSON path's long strings) binds as sent."""
     from vllm.v1.core import kv_cache_utils as kcu
 
     from vllm._shm_embeds.ext.conversations import prefixes
@@ -390,16 +472,18 @@ def test_a_json_conversation_in_process(shm_env, monkeypatch):
         "content-type": "application/json", "content-length": "100"}), ctx) is None
     uploads = []
     try:
-        first = json_body.prepare(bytes(sec.openai_json_body("m", whole[:9])),
+        extra = {} if salt is None else {"cache_salt": salt}
+        first = json_body.prepare(bytes(sec.openai_json_body("m", whole[:9], **extra)),
                                   "/v1/completions", ctx, h)
-        first.keep.start(first.upload.tensors[0])
+        first.keep.start(next(t for t in first.upload.tensors if t is not None))
         first.upload.keeps.append(first.keep)
         uploads.append(first.upload)
         kept = dict(asyncio.run(first.keep.response_headers(200)))
         kid = kept[wire.KEPT_HEADER.lower().encode()].decode()
 
         def cont(ref=kid, rows=9, new=whole[9:], **obj):
-            body = json.loads(sec.openai_json_body("m", sec.Continuation(ref, new, rows)))
+            body = json.loads(sec.openai_json_body("m", sec.Continuation(ref, new, rows),
+                                                   **extra))
             body["prompt_embeds"].update(obj)
             return json_body.prepare(json.dumps(body).encode(), "/v1/completions", ctx,
                                      Headers({}))
@@ -658,5 +742,5 @@ def test_a_bad_keep_or_a_failed_request_keeps_nothing(server):
     assert r.status_code == 400 and wire.KEPT_HEADER.lower() not in r.headers
     d = wait_until(lambda: (x := delta(before, server.totals())).get("kept_dropped.failed")
                    and x, 10, "the failed request's kept tensor dropped")
-    assert "kept_tensors" not in d  # its copy, done after the answer, is let go
+    assert d.get("kept_tensors", 0) <= 1  # its copy (done before or after the answer) let go
     _no_kept_left(server)

@@ -176,6 +176,7 @@ class BinaryFormat:
         hashers: list[digests.StreamHasher | None] = []
         prefixes: list[Any] = []
         keeps: list[Any] = []
+        tensors: list[torch.Tensor] = []  # finished, not yet the upload's
         try:
             parsed = parse_header(await _read_exact(body, json_len), path, ctx, content_length,
                                   frozenset(hooks))
@@ -186,9 +187,10 @@ class BinaryFormat:
                 fulls = []
                 for spec in parsed.specs:
                     prefixes.append(None)
-                    if spec.extra and path != COMPLETIONS:
-                        raise _bad("parameter", "a continuation (shm_embeds_prefix) is for "
-                                   "/v1/completions only")
+                    if spec.extra and (path != COMPLETIONS or len(parsed.specs) != 1):
+                        # (one whole tensor per body: the body cap bounds what it makes)
+                        raise _bad("parameter", "a continuation (shm_embeds_prefix) is the "
+                                   "only prompt_embeds tensor of a /v1/completions request")
                     for name, value in spec.extra:
                         prefixes[-1] = hooks[name].resolve(value, parsed.body, spec.dtype,
                                                            spec.shape[1])
@@ -217,29 +219,33 @@ class BinaryFormat:
             if not await body.at_end():
                 raise _bad("extra", "extra bytes after the last tensor")
             # Hashed bytes are mapped read-only: nothing here can change them.
-            tensors = [s.finish(writable=h is None) for s, h in zip(segs, hashers)]
+            for s, h in zip(segs, hashers):
+                tensors.append(s.finish(writable=h is None))
             segs = []
             for t, hs, pre in zip(tensors, hashers, prefixes):
                 if hs is not None:
                     digests.attach(t, _joined(pre, await asyncio.wrap_future(hs.result())))
             hashers = []
             upload = Upload(parsed.token, tensors, ctx.hash_block_tokens)
+            made, tensors = tensors, []  # (the upload's from here)
             try:
                 for keep in keeps:  # a copy, on a thread, while vLLM serves the request
-                    keep.start(tensors[0])
+                    keep.start(made[0])
                     upload.keeps.append(keep)
                 keeps = []
-                if any(t.dtype != ctx.dtype for t in tensors):
+                if any(t.dtype != ctx.dtype for t in made):
                     await upload.settle()  # the cast lets the source's pages go
                     upload.tensors = await asyncio.get_running_loop().run_in_executor(
-                        None, _convert, tensors, ctx.dtype)
+                        None, _convert, made, ctx.dtype)
             except BaseException:
                 upload.release()
                 raise
-            count_many({BinaryEvent.BINARY_BODIES: 1, BinaryEvent.BINARY_TENSORS: len(tensors),
+            count_many({BinaryEvent.BINARY_BODIES: 1,
+                        BinaryEvent.BINARY_TENSORS: len(upload.tensors),
                         BinaryEvent.BINARY_BYTES: sum(s.nbytes for s in parsed.specs)})
-            del tensors
         finally:  # (before the gate counts: the counter says it is clean)
+            for t in tensors:
+                release_streamed(t)
             for s in segs:
                 s.abort()
             for hs in hashers:

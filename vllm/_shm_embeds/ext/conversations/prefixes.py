@@ -88,7 +88,8 @@ class Prefix:
     async def ready(self) -> None:
         """Wait, on the event loop, for the kept rows' copy (a keep still copying when
         its id was answered). Raises PrefixNotFound if the copy failed."""
-        await asyncio.wrap_future(self._kept.ready)
+        # (asyncio.wait: a cancelled waiter leaves the shared future alone)
+        await asyncio.wait([asyncio.wrap_future(self._kept.ready)])
         self._take()
 
     def wait(self) -> None:
@@ -162,33 +163,38 @@ class KeepRequest:
         kept segment. None fits: answered without an id."""
         reserved = store().reserve(tensor, self.salt, self.ttl_s, settings.keep_max_bytes(),
                                    settings.keep_max_entries())
-        if reserved is not None:
-            self.kid = reserved[0]
+        if reserved is None:
+            return
+        try:
             self.future = _copier().submit(self._copy, tensor, _digests.attached(tensor),
                                            reserved[1])
+        except RuntimeError:  # the pool is shut down (exit): no id
+            store().fill(reserved[1], None)
+            return
+        self.kid = reserved[0]
 
     @staticmethod
     def _copy(tensor: torch.Tensor, digests: Any, kept: Kept) -> None:
         # Written by pwrite (ENOSPC is an OSError, never a SIGBUS), mapped read-only.
+        # Whatever happens, the entry is filled (its waiters wake): by the copy or None.
+        done = None
         try:
+            if kept.gone:  # evicted or dropped while waiting for this thread
+                return
             segment = StreamedSegment(tensor.dtype, tuple(tensor.shape))
+            try:  # (a JSON payload's tensor may be a view: its values, in order)
+                src = tensor.resolve_neg().resolve_conj().contiguous()
+                segment.write(memoryview(src.reshape(-1).view(torch.uint8).numpy()))
+                done = segment.finish(writable=False)
+            except BaseException:
+                segment.abort()
+                raise
         except OSError as e:  # budget, ENOSPC, segments: the id misses
             count_reason(ConversationEvent.KEEP_REFUSED, seg.fallback_reason(e))
-            store().fill(kept, None)
-            return
-        try:  # (a JSON payload's tensor may be a view: its values, in order)
-            src = tensor.resolve_neg().resolve_conj().contiguous()
-            segment.write(memoryview(src.reshape(-1).view(torch.uint8).numpy()))
-            done = segment.finish(writable=False)
-        except BaseException as e:
-            segment.abort()
-            store().fill(kept, None)
-            if not isinstance(e, OSError):
-                raise
-            count_reason(ConversationEvent.KEEP_REFUSED, seg.fallback_reason(e))
-            return
-        if store().fill(kept, done, digests):
-            count_many({ConversationEvent.KEPT_TENSORS: 1, ConversationEvent.KEPT_BYTES: done.nbytes})
+        finally:
+            if store().fill(kept, done, digests) and done is not None:
+                count_many({ConversationEvent.KEPT_TENSORS: 1,
+                            ConversationEvent.KEPT_BYTES: done.nbytes})
 
     async def settled(self) -> None:
         """Wait, on the event loop, until the copy is done (an error included)."""

@@ -53,6 +53,9 @@ class Kept:
     pins: int = 0
     gone: str = ""  # left the store: let go "now", or "at_unpin" (the last one)
 
+    def __post_init__(self) -> None:
+        self.ready.set_running_or_notify_cancel()  # no waiter can cancel it for the others
+
 
 def _key(kid: str, salt: str | None) -> bytes:
     """The store's key of ``kid`` under ``salt`` (the id alone never finds it)."""
@@ -89,7 +92,11 @@ class Store:
         kid = secrets.token_urlsafe(ID_BYTES)
         kept = Kept(tuple(like.shape), like.dtype, like.nbytes, self._clock() + ttl_s)
         with self._lock:
-            victims = self._room(kept.nbytes, max_bytes, max_entries)
+            # Nothing is evicted for an entry that would not fit with all unpinned ones gone.
+            victims = [(k, "ttl") for k in self._expired()]
+            pinned = sum(k.nbytes for k in self._entries.values() if k.pins)
+            if pinned + kept.nbytes <= max_bytes:
+                victims += self._room(kept.nbytes, max_bytes, max_entries)
             fits = self._bytes + kept.nbytes <= max_bytes and len(self._entries) < max_entries
             if fits:
                 self._entries[_key(kid, salt)] = kept

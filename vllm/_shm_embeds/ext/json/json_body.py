@@ -286,6 +286,13 @@ def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext,
         values = [container[key] for _, container, key in embeds_slots(route, body)
                   if not isinstance(container, dict) or key in container]
         hooks = _common.prefix_hooks() if headers is not None else {}
+        salt = body.get("cache_salt")
+        if hooks and isinstance(salt, str) and salt in index:  # a long one: as it was sent
+            a, b = spans[index[salt]]
+            try:
+                body["cache_salt"] = bytes(view[a:b]).decode()
+            except UnicodeDecodeError:
+                raise Fallback("not_json") from None
         keeping = next((k for hook in hooks.values() if (k := hook.keep_request(
             headers, route, body, len(values))) is not None), None)
         cont = body.get("prompt_embeds") if route == _common.COMPLETIONS else None
@@ -482,7 +489,11 @@ class JsonFormat:
             count_reason(JsonEvent.JSON_FALLBACK, prepared.reason)
         upload = prepared.upload
         ours = [t for t in upload.tensors if t is not None] if upload is not None else []
-        if prepared.keep is not None and len(ours) == 1:  # else: answered without an id
+        # Kept: one tensor that vLLM will serve, whose bytes all arrived (a stride-0 view
+        # would be a copy of bytes never sent). Else answered without an id.
+        if (prepared.keep is not None and len(ours) == 1 and not upload.errors
+                and prepared.reason not in (*REFUSED_BY_VLLM, "not_dense", "rejected")
+                and ours[0].untyped_storage().nbytes() >= ours[0].nbytes):
             prepared.keep.start(ours[0])  # a copy, on a thread, while vLLM serves it
             upload.keeps.append(prepared.keep)
         return Outcome(prepared.body, upload)
