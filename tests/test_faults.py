@@ -71,9 +71,11 @@ def _sigkill_mid_request_then_next_start_sweeps(server, victim, length):
         futures = [pool.submit(post_completion, server["url"], {**b, "ignore_eos": True},
                                120, 256) for b in bodies]
         [target] = descendants(server["proc"], victim)
-        # SIGKILLed while it maps or opens a request's segment (asserted).
+        # SIGKILLed while it maps or opens a request's segment (asserted). Under the
+        # full suite's load (another engine pair on the 2 cores) the first request may
+        # take a minute to reach this engine: 180 s (60 s timed out twice on 2026-12-04).
         held = signal_mid_request([target.pid], seg_dir,
-                                  lambda: target.send_signal(signal.SIGKILL))
+                                  lambda: target.send_signal(signal.SIGKILL), timeout=180)
         assert held[target.pid], held
         # As in stock vLLM, the server notices the death and exits.
         server["proc"].wait(180)

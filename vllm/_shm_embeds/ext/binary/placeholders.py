@@ -10,7 +10,6 @@ resolves only a placeholder of the request served in this context.
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import dataclasses
 import hmac
