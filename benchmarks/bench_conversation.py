@@ -36,9 +36,9 @@ the noise of the fresh modes not), the CPU seconds of the API server, the
 EngineCore and the TP workers (``/proc/<pid>/stat`` utime + stime, from just
 before the request to ``--gap`` (1.5) s after its answer: vLLM's broadcast
 readers spin 1 s after each step, so every turn carries about that much worker
-and EngineCore CPU whatever its input), the bytes this conversation's files
-hold in the plugin's private segment directory after the turn (kept tensors;
-request segments are gone by then), and vLLM's ``vllm:prefix_cache_hits`` /
+and EngineCore CPU whatever its input), the shared memory the kept tensors
+hold after the turn (the API server's kept memfds plus this conversation's files
+in the plugin's private segment directory; request segments are gone by then), and vLLM's ``vllm:prefix_cache_hits`` /
 ``_queries`` deltas (tokens). Tables show the median over reps per turn.
 Answers are compared per turn with the token-id answers (``return_token_ids``);
 a mismatch fails the run except in the fresh modes, where it is recorded.
@@ -152,6 +152,19 @@ def seg_files(seg_dir: str) -> dict[str, int]:
             except OSError:
                 pass
     return out
+
+
+def memfd_bytes(pid: int) -> int:
+    """Bytes allocated to the kept conversations' memfds (``ext/conversations/tips.py``)
+    that process ``pid`` holds open (shared memory outside any directory)."""
+    total, fd_dir = 0, f"/proc/{pid}/fd"
+    for n in os.listdir(fd_dir):
+        try:
+            if os.readlink(os.path.join(fd_dir, n)).startswith("/memfd:shm-embeds-kept"):
+                total += os.stat(os.path.join(fd_dir, n)).st_blocks * 512
+        except OSError:
+            pass
+    return total
 
 
 # -- requests ------------------------------------------------------------------
@@ -268,7 +281,8 @@ def run_conversation(mode: str, rep: int, server, procs, turns: Turns, args,
             s["server_cpu_s"] = s["api_cpu_s"] + s["engine_cpu_s"]
             if mode in PLUGIN_MODES:
                 files = seg_files(server.seg_dir)
-                s["shm_bytes"] = sum(v for k, v in files.items() if k not in before_files)
+                s["shm_bytes"] = (sum(v for k, v in files.items() if k not in before_files)
+                                  + sum(memfd_bytes(p) for p in procs["api"]))
                 s["shm_dir_bytes"] = sum(files.values())
                 from helpers import delta
 

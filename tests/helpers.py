@@ -137,6 +137,18 @@ def held_beneath(mount: str) -> int:
     return sum(segment_dir.held_bytes(d) for d in dirs)
 
 
+def kept_memfds(pid: int) -> int:
+    """How many kept conversations' memfds (``ext/conversations/tips.py``) process
+    ``pid`` holds open."""
+    n, fd_dir = 0, f"/proc/{pid}/fd"
+    for name in os.listdir(fd_dir):
+        try:
+            n += os.readlink(os.path.join(fd_dir, name)).startswith("/memfd:shm-embeds-kept")
+        except OSError:
+            pass
+    return n
+
+
 def private_dirs_in(mount: str) -> list[str]:
     """The private segment directories in ``mount`` (``private_dir.PREFIX``): none
     may be left once the server that made it has stopped."""

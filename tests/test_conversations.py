@@ -26,7 +26,7 @@ import types
 import pytest
 import requests
 import torch
-from helpers import asgi_peer, delta, ours_in, wait_until
+from helpers import asgi_peer, delta, kept_memfds, ours_in, wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from shm_embeds_client import wire
@@ -50,86 +50,127 @@ class Clock:
         return self.now
 
 
+class Tip:
+    """A stand-in for ``tips.Tip``: the store's books only (8 fp32 columns)."""
+
+    dtype, hidden, row_bytes = torch.float32, 8, 32
+
+    def __init__(self):
+        self.rows = self.refs = self.charged = 0
+
+
 def _store():
-    released = []
+    closed = []
     clock = Clock()
-    return Store(released.append, clock), released, clock
+    return Store(closed.append, clock), closed, clock
 
 
-def _t(rows=4):
-    return torch.zeros(rows, 8)
+def _keep(store, rows=4, salt=None, ttl=60, max_bytes=1 << 20, max_entries=8):
+    """A new tip of ``rows`` kept under a new id: ``(kid or None, tip)``."""
+    tip = Tip()
+    if store.claim(tip, 0, rows, max_bytes) is not None:
+        return None, tip
+    kid = store.put(tip, rows, None, salt, ttl, max_entries)
+    store.let_go(tip)  # the writer's use ends; the entry's holds it
+    return kid, tip
 
 
 def test_an_id_finds_its_tensor_only_under_its_salt():
-    store, released, _ = _store()
-    t = _t()
-    kid = store.put(t, None, "salt-a", 10, 1 << 20, 8)
+    store, closed, _ = _store()
+    kid, tip = _keep(store, salt="salt-a", ttl=10)
     assert kid is not None and len(kid) == 43
     for wrong in [(kid, None), (kid, "salt-b"), (kid[:-1] + "x", "salt-a"), ("", "salt-a"),
                   (None, "salt-a"), (kid + "=", "salt-a"), ("../" * 14 + "a", "salt-a")]:
         assert store.pin(*wrong) is None, wrong
     kept = store.pin(kid, "salt-a")
-    assert kept is not None and kept.tensor is t
+    assert kept is not None and kept.tip is tip and kept.shape == (4, 8)
     store.unpin(kept)
-    none_salt = store.put(_t(), None, None, 10, 1 << 20, 8)
+    none_salt, _ = _keep(store, ttl=10)
     assert store.pin(none_salt, "") is None and store.pin(none_salt, None) is not None
-    assert released == []
+    assert closed == []
 
 
 def test_entries_expire_and_are_let_go_once():
-    store, released, clock = _store()
-    t = _t()
-    kid = store.put(t, None, None, 5, 1 << 20, 8)
+    store, closed, clock = _store()
+    kid, tip = _keep(store, ttl=5)
     clock.now += 4.9
     kept = store.pin(kid, None)
     assert kept is not None
     store.unpin(kept)
     clock.now += 0.2
     assert store.pin(kid, None) is None  # expired: as unknown, before any sweep
-    assert store.sweep() == 1 and released == [t] and store.nbytes == 0
-    assert store.sweep() == 0 and released == [t]
+    assert store.sweep() == 1 and closed == [tip] and store.nbytes == 0
+    assert store.sweep() == 0 and closed == [tip]
 
 
 def test_least_recently_used_goes_first_and_never_a_pinned_one():
-    store, released, _ = _store()
-    a, b, c = _t(), _t(), _t()
-    ka = store.put(a, None, None, 60, 3 * a.nbytes, 8)
-    kb = store.put(b, None, None, 60, 3 * a.nbytes, 8)
+    store, closed, _ = _store()
+    cap = 3 * 4 * Tip.row_bytes
+    ka, a = _keep(store, max_bytes=cap)
+    kb, b = _keep(store, max_bytes=cap)
     pinned = store.pin(ka, None)  # a is now the most recent, and pinned
-    store.put(c, None, None, 60, 3 * a.nbytes, 8)
-    assert released == []
-    d = _t()
-    kd = store.put(d, None, None, 60, 3 * a.nbytes, 8)  # b goes (least recent, unpinned)
-    assert released == [b] and store.pin(kb, None) is None and kd is not None
-    # Full of pinned and more recent ones: a new tensor is refused and let go itself.
+    _keep(store, max_bytes=cap)
+    assert closed == []
+    kd, d = _keep(store, max_bytes=cap)  # b goes (least recent, unpinned)
+    assert closed == [b] and store.pin(kb, None) is None and kd is not None
+    # Full of pinned and more recent ones: a bigger tensor is refused, and nothing
+    # is evicted for it.
     for k in (kd,):
         store.pin(k, None)
-    big = _t(64)
-    assert store.put(big, None, None, 60, 3 * a.nbytes, 8) is None and released[-1] is big
+    assert _keep(store, rows=9, max_bytes=cap)[0] is None and closed == [b]
+    assert store.nbytes == cap
     store.unpin(pinned)
 
 
 def test_a_tensor_dropped_while_pinned_goes_at_the_last_unpin():
-    store, released, clock = _store()
-    t = _t()
-    kid = store.put(t, None, "s", 5, 1 << 20, 8)
+    store, closed, clock = _store()
+    kid, tip = _keep(store, salt="s", ttl=5)
     one, two = store.pin(kid, "s"), store.pin(kid, "s")
     store.drop(kid, "s", "failed")
-    assert released == [] and store.pin(kid, "s") is None
+    assert closed == [] and store.pin(kid, "s") is None
     store.unpin(one)
-    assert released == []
+    assert closed == []
     store.unpin(two)
-    assert released == [t]
+    assert closed == [tip]
 
 
 def test_entry_cap_counts_entries():
-    store, released, _ = _store()
-    kids = [store.put(_t(), None, None, 60, 1 << 30, 2) for _ in range(3)]
-    assert all(kids) and len(store) == 2 and len(released) == 1
+    store, closed, _ = _store()
+    kids = [_keep(store, max_entries=2)[0] for _ in range(3)]
+    assert all(kids) and len(store) == 2 and len(closed) == 1
+
+
+def test_a_tip_grows_in_place_once_then_branches():
+    """A continuation claims the rows after its kept ones in the same tip; a second
+    continuation of the same kept rows finds them taken (it copies into a new tip);
+    the tip is charged for every row claimed and goes with its last use."""
+    store, closed, _ = _store()
+    kid, tip = _keep(store)
+    pre = store.pin(kid, None)
+    assert store.claim(tip, 4, 5, 1 << 20) is None
+    store.unclaim(tip, 4, 5)  # its body was cut short: no one read row 4
+    store.let_go(tip)
+    assert tip.rows == 4 and store.nbytes == 5 * Tip.row_bytes
+    assert store.claim(tip, 4, 6, 1 << 20) is None  # in place: rows 4..6
+    assert store.claim(tip, 4, 7, 1 << 20) == "taken" and tip.rows == 6
+    assert store.nbytes == 6 * Tip.row_bytes
+    kid2 = store.put(tip, 6, None, None, 60, 8)
+    store.let_go(tip)  # the continuation's request ended
+    store.unpin(pre)
+    store.drop(kid, None, "failed")
+    again = store.pin(kid2, None)
+    assert closed == [] and again.tip is tip
+    assert store.claim(tip, 6, 10 ** 6, 1 << 20) == "full" and tip.rows == 6
+    store.clear()
+    assert closed == []  # pinned
+    store.unpin(again)
+    assert closed == [tip] and store.nbytes == 0
 
 
 _OPS = st.lists(st.one_of(
     st.tuples(st.just("put"), st.integers(1, 6), st.integers(1, 30)),
+    st.tuples(st.just("grow"), st.integers(0, 20), st.integers(1, 6)),
+    st.tuples(st.just("cut"), st.integers(0, 20), st.integers(1, 6)),
     st.tuples(st.just("pin"), st.integers(0, 20)),
     st.tuples(st.just("unpin"), st.integers(0, 20)),
     st.tuples(st.just("drop"), st.integers(0, 20)),
@@ -140,16 +181,35 @@ _OPS = st.lists(st.one_of(
 
 @settings(max_examples=300, deadline=None)
 @given(_OPS)
-def test_every_kept_tensor_is_let_go_once_and_never_while_pinned(ops):
-    store, released, clock = _store()
-    kids, pins, tensors = [], [], []
+def test_every_tip_is_closed_once_and_never_while_in_use(ops):
+    """A model of the store: tips kept, grown in place by a continuation of a pinned
+    entry (then kept again) or claimed and given back (a body cut short), pinned,
+    dropped, expired; a tip is never closed while
+    an entry in the store or a pin uses it, the books never pass the caps, and at
+    the end every tip is closed exactly once."""
+    store, closed, clock = _store()
+    cap = 16 * Tip.row_bytes
+    kids, pins, tips = [], [], []
     for op in ops:
         if op[0] == "put":
-            t = _t(op[1])
-            tensors.append(t)
-            kid = store.put(t, None, None, op[2], 16 * 8 * 4, 3)
+            kid, tip = _keep(store, op[1], ttl=op[2], max_bytes=cap, max_entries=3)
+            tips.append(tip)
             if kid:
                 kids.append(kid)
+        elif op[0] == "grow" and pins:
+            pre = pins[op[1] % len(pins)]
+            tip, rows = pre.tip, pre.shape[0]
+            if store.claim(tip, rows, rows + op[2], cap) is None:
+                if kid := store.put(tip, rows + op[2], None, None, 30, 3):
+                    kids.append(kid)
+                store.let_go(tip)
+        elif op[0] == "cut" and pins:  # a continuation whose body was cut short
+            pre = pins[op[1] % len(pins)]
+            tip, rows = pre.tip, pre.shape[0]
+            if store.claim(tip, rows, rows + op[2], cap) is None:
+                store.unclaim(tip, rows, rows + op[2])
+                store.let_go(tip)
+                assert tip.rows == rows
         elif op[0] == "pin" and kids:
             kept = store.pin(kids[op[1] % len(kids)], None)
             if kept is not None:
@@ -162,13 +222,16 @@ def test_every_kept_tensor_is_let_go_once_and_never_while_pinned(ops):
             clock.now += op[1]
         elif op[0] == "sweep":
             store.sweep()
-        held = {id(k.tensor) for k in pins}
-        assert not held & {id(t) for t in released}, "let go while pinned"
-        assert store.nbytes <= 16 * 8 * 4 and len(store) <= 3
+        assert not {id(k.tip) for k in pins} & {id(t) for t in closed}, "closed while pinned"
+        assert len(closed) == len(set(map(id, closed))), "closed twice"
+        assert store.nbytes <= cap and len(store) <= 3
+        assert store.nbytes == sum(t.charged for t in tips if t not in closed)
     while pins:
         store.unpin(pins.pop())
     store.clear()
-    assert sorted(map(id, released)) == sorted(map(id, tensors))  # each exactly once
+    registered = [t for t in tips if t.charged]
+    assert sorted(map(id, closed)) == sorted(map(id, registered))  # each exactly once
+    assert store.nbytes == 0
 
 
 def test_the_prefix_parameter_is_refused_where_no_extension_reads_it():
@@ -247,8 +310,13 @@ def test_a_continuation_is_the_whole_tensor_with_vllms_digests(shm_env, c):
     vLLM's own ``_gen_prompt_embeds_extra_hash_keys`` on the whole tensor, block by
     block (the kept rows' whole blocks reused, the rest hashed here).
 
+    The new rows are written after the kept ones in the kept rows' own file (a tip
+    grown in place: nothing of the kept rows copied).
+
     Shown to fail (throwaway edits, not kept): ``_write_prefix`` writing the kept
-    rows rotated by one row -> falsified (bytes); ``_reused_blocks`` reusing one block
+    rows rotated by one row (before tips) -> falsified (bytes); ``TipSink.write``
+    writing the new rows one row early, over the last kept row -> falsified
+    (bytes); ``_reused_blocks`` reusing one block
     more than the kept rows hold whole -> falsified (the stream hasher refuses)."""
     from vllm.v1.core import kv_cache_utils as kcu
 
@@ -265,18 +333,21 @@ def test_a_continuation_is_the_whole_tensor_with_vllms_digests(shm_env, c):
                                        **salt}, ctx, {wire.KEEP_HEADER: "60"})
         await first.upload.settle()
         kept = dict(await first.upload.keeps[0].response_headers(200))
+        tip = prefixes.holder().lookup(first.upload.tensors[0])[0]
         first.upload.release()
         kid = kept[wire.KEPT_HEADER.lower().encode()].decode()
         second = await _binary_request({"model": "m", "prompt_embeds": sec.Continuation(
             kid, whole[c["kept"]:], c["kept"]), **salt}, ctx)
-        return second.upload
+        return second.upload, tip
 
     upload = None
     try:
-        upload = asyncio.run(run())
+        upload, tip = asyncio.run(run())
         got = upload.tensors[0]
         assert got.dtype == whole.dtype and torch.equal(got.view(torch.uint8),
                                                         whole.view(torch.uint8))
+        # grown in place: the new rows written after the kept ones, in their file
+        assert prefixes.holder().lookup(got) == (tip, whole.shape[0])
         d = digests.attached(got)
         if c["block"] is None:
             assert d is None
@@ -294,9 +365,10 @@ def test_a_continuation_is_the_whole_tensor_with_vllms_digests(shm_env, c):
 
 @pytest.mark.parametrize("copy", ["slow", "fails"])
 def test_an_id_is_answered_before_its_copy_is_done(shm_env, monkeypatch, copy):
-    """The keep's id is in the 200's headers at once, while the copy still runs: a
-    continuation naming it waits for the copy and is the whole tensor; if the copy
-    fails, the continuation is the same 404 as any reference not held."""
+    """A keep that must copy (here: no tip to write the body into as it arrives, as
+    for a JSON body) has its id in the 200's headers at once, while the copy still
+    runs: a continuation naming it waits for the copy and is the whole tensor; if
+    the copy fails, the continuation is the same 404 as any reference not held."""
     import threading
 
     from vllm._shm_embeds.ext.conversations import prefixes
@@ -311,10 +383,11 @@ def test_an_id_is_answered_before_its_copy_is_done(shm_env, monkeypatch, copy):
     def held_back(tensor, digests, kept):
         go.wait(30)
         if copy == "fails":
-            monkeypatch.setattr(prefixes, "StreamedSegment", _no_space)
+            monkeypatch.setattr(prefixes.tips, "Tip", _no_space)
         return real(tensor, digests, kept)
 
     monkeypatch.setattr(prefixes.KeepRequest, "_copy", staticmethod(held_back))
+    monkeypatch.setattr(prefixes.Hook, "open_sink", lambda self, *a: None)
 
     async def run():
         first = await _binary_request({"model": "m", "prompt_embeds": whole[:6]}, ctx,
@@ -375,7 +448,7 @@ def test_a_cancelled_waiter_leaves_a_pending_id_to_the_others(shm_env):
     from vllm._shm_embeds.ext.conversations import prefixes
 
     store = prefixes.store()
-    kid, kept = store.reserve(torch.zeros(4, 8), None, 60, 1 << 20, 8)
+    kid, kept = store.reserve((4, 8), torch.float32, None, 60, 8)
 
     async def run():
         first = prefixes.HOOK.resolve(kid, {}, torch.float32, 8)
@@ -385,9 +458,11 @@ def test_a_cancelled_waiter_leaves_a_pending_id_to_the_others(shm_env):
         await asyncio.sleep(0.05)
         waiting.cancel()
         await asyncio.sleep(0.05)
-        segment = prefixes.StreamedSegment(torch.float32, (4, 8))
-        segment.write(memoryview(bytes(128)))
-        store.fill(kept, segment.finish(writable=False))
+        tip = prefixes._new_tip(torch.float32, 4, 8)
+        tip.ensure(4)
+        tip.write(memoryview(bytes(128)), 0)
+        store.fill(kept, tip)
+        store.let_go(tip)
         await other
         assert second.tensor is not None and second.tensor.shape == (4, 8)
         first.release()
@@ -571,8 +646,11 @@ def _prefix_cache_hits(url):
 
 
 def _no_kept_left(server):
-    wait_until(lambda: ours_in(server["seg_dir"]) == [], 30,
-               lambda: f"kept segments left: {ours_in(server['seg_dir'])}", interval=0.2)
+    """At their TTL every kept tensor goes: no segment left, no kept memfd open."""
+    def left():
+        return ours_in(server["seg_dir"]), kept_memfds(server.proc.pid)
+
+    wait_until(lambda: left() == ([], 0), 45, lambda: f"kept left: {left()}", interval=0.2)
 
 
 @pytest.mark.integration
@@ -595,7 +673,10 @@ def test_a_conversation_sends_only_its_new_rows_and_answers_as_the_whole(server)
         assert conv.last_sent_rows == n and conv.kept_id is not None and conv.misses == 0
         assert d.get("binary_bytes") == n * row_bytes  # only the new rows arrived
         assert d.get("kept_tensors") == 1 and d.get("kept_bytes") == end * row_bytes
-        assert d.get("hop1_handover_tensors") == 1 and "hop1_stock_tensors" not in d
+        # Written into the kept rows' file as it arrived, sent by its descriptor; from
+        # turn 2 after the kept rows, in place: nothing of the history copied.
+        assert d.get("hop1_region_tensors") == 1 and "hop1_stock_tensors" not in d
+        assert d.get("tip_grown", 0) == (1 if turn else 0) and "kept_copied_bytes" not in d
         if turn:
             kept_rows = end - n
             assert d.get("prefix_hits") == 1 and d.get("prefix_rows") == kept_rows
@@ -627,7 +708,13 @@ def test_a_json_conversation_sends_only_its_new_rows_and_answers_as_the_whole(se
         assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"], turn
         assert len(got["choices"][0]["token_ids"]) == 6
         assert conv.last_sent_rows == n and conv.kept_id is not None and conv.misses == 0
-        assert d.get("kept_tensors") == 1 and d.get("hop1_handover_tensors") == 1, d
+        assert d.get("kept_tensors") == 1, d
+        if not turn:  # decoded into a segment, kept by a copy
+            assert d.get("hop1_handover_tensors") == 1, d
+            assert d.get("kept_copied_bytes") == n * embeds.shape[1] * embeds.element_size()
+        else:  # the new rows written after the kept ones, in place
+            assert d.get("hop1_region_tensors") == 1 and d.get("tip_grown") == 1, d
+            assert "kept_copied_bytes" not in d, d
         if turn:
             assert d.get("prefix_hits") == 1 and d.get("prefix_rows") == end - n, d
             assert d.get("json_tensors") == 1 and d.get("hash_engine_blocks", 0) == 0, d

@@ -108,7 +108,7 @@ class SharedTensorHandle:
         owner_pid, owner_files: hop 2: the owner and its ``(fd, inode)`` per file;
             readers open ``/proc/<owner_pid>/fd/<fd>`` (0, (): by name).
         readers: hop 2: readers this broadcast has flags for (0: hop 1, unchecked).
-        held: ``(pid, fd, inode)`` of the sender's sealed memfd holding the bytes: file
+        held: ``(pid, fd, inode)`` of the sender's memfd holding the bytes (never changed): file
             0 is then the header alone and the nameless memfd is file 1.
     """
 

@@ -181,9 +181,10 @@ def drop_pages(mm: mmap.mmap) -> None:
 
 
 def open_held(pid: int, fd: int, inode: int, nbytes: int) -> int:
-    """Open a held file (a sealed memfd) read-only via ``/proc/<pid>/fd/<fd>``; the number
-    may have been reused, so only a memfd of that inode and size is accepted.
-    Raises ShmEmbedsError: gone, another file, or the wrong size."""
+    """Open a held file (a memfd) read-only via ``/proc/<pid>/fd/<fd>``; the number may
+    have been reused, so only a memfd of that inode and at least ``nbytes`` is accepted
+    (a kept conversation grows its file past what earlier requests map).
+    Raises ShmEmbedsError: gone, another file, or too small."""
     path = f"/proc/{pid}/fd/{fd}"
     try:
         if not os.readlink(path).startswith("/memfd:"):
@@ -192,7 +193,7 @@ def open_held(pid: int, fd: int, inode: int, nbytes: int) -> int:
     except OSError as e:
         raise ShmEmbedsError("the held file is gone") from e
     st = os.fstat(fd2)
-    if not stat.S_ISREG(st.st_mode) or st.st_ino != inode or st.st_size != nbytes:
+    if not stat.S_ISREG(st.st_mode) or st.st_ino != inode or st.st_size < nbytes:
         os.close(fd2)
         raise ShmEmbedsError("the held file is gone (descriptor reused)")
     return fd2
@@ -267,12 +268,14 @@ def map_segment(
         for i, (fd, (part, _, length)) in enumerate(zip(fds, handle.parts())):
             want = length + (HEADER_BYTES if i == 0 else 0)
             size = os.fstat(fd).st_size
+            if i and handle.held and size > want:  # a held file may have grown: its start
+                size = want
             if size != want:
                 raise ShmEmbedsError(
                     f"segment {part!r} holds {size} bytes, handle expects {want}"
                 )
             sizes.append(size)
-        # A held file 1 (a sealed memfd) is mapped read-only by everyone.
+        # A held file 1 (a memfd) is mapped read-only by everyone.
         mm = map_files(fds, sizes, [prot] + [mmap.PROT_READ] * (len(fds) - 1)
                        if handle.held else prot)
         if mm[: len(MAGIC)] != MAGIC:

@@ -49,8 +49,9 @@ class Process:
 
     Attributes:
         released: finalizers' records, applied at safe points.
-        holders: registries of sealed memfds an extension holds (the API server's
-            regions): ``find``, ``is_held``, ``send_view``, ``settle``.
+        holders: registries of memfds an extension holds, whose mapped bytes never
+            change (the API server's regions, kept conversations): ``find``,
+            ``is_held``, ``send_view``, ``settle``; ``release`` (optional).
         release_known: vLLM tells when a request is freed (group ``release`` on).
         stats_dir_made: the metrics directory this process made (removed at exit).
     """

@@ -189,8 +189,12 @@ def hand_over(tensor: Any) -> SharedTensorHandle | None:
 
 def release_streamed(tensor: Any) -> bool:
     """``tensor``'s request ended: unlink its streamed segment if not handed over and drop
-    its pages here (it reads zeros). True if it was a streamed segment of ours."""
+    its pages here (it reads zeros), or let a holder's request tensor go (its
+    ``release``). True if it was one of ours."""
     if not isinstance(tensor, torch.Tensor):
         return False
-    return process.current().owned.release_streamed(tensor)
+    state = process.current()
+    return state.owned.release_streamed(tensor) or any(
+        getattr(holder, "release", None) is not None and holder.release(tensor)
+        for holder in state.holders)
 

@@ -102,7 +102,7 @@ def share_tensor(tensor: torch.Tensor) -> SharedTensorHandle:
 
 
 def share_held(tensor: torch.Tensor, holder: tuple[int, int, int]) -> SharedTensorHandle:
-    """Hop 1 sender, no copy: a handle for ``tensor``, held in a sealed memfd (``holder``:
+    """Hop 1 sender, no copy: a handle for ``tensor``, held in a holder's memfd (``holder``:
     pid, fd, inode, from :func:`held_by`), plus a header-only segment for hop 2's reader
     flags. Raises OSError if the header file could not be created."""
     state = process.current()
@@ -238,7 +238,8 @@ def _read_part(fd: int, i: int, length: int, dst: memoryview, held: tuple) -> No
     ShmEmbedsError."""
     st = os.fstat(fd)
     want = length + (HEADER_BYTES if i == 0 else 0)
-    if not (segment_dir.our_file(st) or (i and held)) or st.st_size != want:
+    if not (segment_dir.our_file(st) or (i and held)) or not (
+            st.st_size == want or (i and held and st.st_size > want)):
         raise ShmEmbedsError("shm-embeds segment has the wrong size or owner")
     if i == 0 and os.pread(fd, len(MAGIC), 0) != MAGIC:
         raise ShmEmbedsError("shm-embeds segment has no header")
@@ -314,7 +315,7 @@ def send_view(tensor: Any) -> Any:
 
 
 def held_by(tensor: Any) -> tuple[int, int, int] | None:
-    """``(pid, fd, inode)`` of a holder's sealed memfd that is exactly ``tensor``, or None."""
+    """``(pid, fd, inode)`` of a holder's memfd that is exactly ``tensor``, or None."""
     for holder in process.current().holders:
         if (found := holder.find(tensor)) is not None:
             return found

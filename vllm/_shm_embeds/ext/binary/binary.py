@@ -96,6 +96,18 @@ def _open_sink(spec: TensorSpec) -> StreamedSegment | _Private:
         return _fall_back(None, spec, e)
 
 
+def _hook_sink(hooks: dict[str, Any], pre: Any, spec: TensorSpec, keeping: bool) -> Any:
+    """Where a prefix hook writes a continuation or a kept tensor (e.g. after its
+    kept rows, in place), or None (a segment of its own)."""
+    if pre is None and not keeping:
+        return None
+    for hook in hooks.values():
+        if (opener := getattr(hook, "open_sink", None)) is not None:
+            if (sink := opener(pre, spec.dtype, spec.shape, keeping)) is not None:
+                return sink
+    return None
+
+
 def _fall_back(segment: StreamedSegment | None, spec: TensorSpec, e: OSError) -> _Private:
     """Move a tensor's body bytes from a segment that failed to private memory."""
     reason = seg.fallback_reason(e)
@@ -202,7 +214,7 @@ class BinaryFormat:
                 await _drain(body)
                 raise
             for full, pre in zip(fulls, prefixes):
-                segs.append(_open_sink(full))
+                segs.append(_hook_sink(hooks, pre, full, bool(keeps)) or _open_sink(full))
                 hashers.append(_hasher(full, ctx, segs[-1], path, pre))
                 try:
                     if pre is not None:
@@ -300,15 +312,17 @@ def _reused_blocks(pre: Any, block_tokens: int) -> int:
 
 async def _write_prefix(sink: StreamedSegment | _Private, pre: Any,
                         hasher: digests.StreamHasher | None = None) -> None:
-    """Write the kept rows into ``sink`` (on a thread: one copy) and give ``hasher``
-    the rows after the last whole block whose digest is reused."""
+    """Write the kept rows into ``sink`` (on a thread: one copy) unless they are its
+    first rows already (``has_prefix``: grown in place), and give ``hasher`` the rows
+    after the last whole block whose digest is reused."""
     data = memoryview(pre.tensor.reshape(-1).view(torch.uint8).numpy())
-    write = asyncio.get_running_loop().run_in_executor(None, sink.write, data)
-    try:
-        await asyncio.shield(write)
-    except asyncio.CancelledError:  # the sink's file stays open until the write is done
-        await asyncio.wait([write])
-        raise
+    if not getattr(sink, "has_prefix", False):
+        write = asyncio.get_running_loop().run_in_executor(None, sink.write, data)
+        try:
+            await asyncio.shield(write)
+        except asyncio.CancelledError:  # the sink's file stays open until the write is done
+            await asyncio.wait([write])
+            raise
     if hasher is not None:
         row_bytes = data.nbytes // pre.rows
         tail = data[_reused_blocks(pre, hasher.block_tokens) * hasher.block_tokens * row_bytes:]

@@ -159,7 +159,8 @@ def prefix_hooks() -> dict[str, Any]:
     (the kept rows a tensor starts with: ``.rows``, ``.row_bytes``, then after
     ``await .ready()`` or ``.wait()`` ``.tensor`` and ``.digests``; ``.release()``;
     raises ``gate.Refused``); ``assemble(prefix, new, block_tokens)``
-    (the whole tensor, in a segment, digests attached); and ``keep_request(headers,
+    (the whole tensor, in a segment, digests attached); optionally ``open_sink(prefix,
+    dtype, shape, keeping)`` (a sink for the whole tensor, or None); and ``keep_request(headers,
     path, body, ntensors)`` (None, or ``.start(tensor)``, then ``async settled()`` (its
     work on the tensor's bytes done), ``async response_headers(status)``,
     ``.close()``). One that fails to load is left out (its parameter is then refused)."""

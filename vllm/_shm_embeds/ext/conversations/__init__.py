@@ -3,6 +3,7 @@
 named as the prefix of later requests that send only their new rows.
 
 ``store.py`` (kept tensors by opaque id, bound to ``cache_salt``; TTL, LRU, caps),
+``tips.py`` (memfds of kept rows that grow in place; hop 1 sends them by descriptor),
 ``prefixes.py`` (the binary format's ``binary_prefixes`` hook: keep, resolve),
 ``settings.py`` (its limits). ``docs/conversations.md``.
 May import: the core; ``binary`` and ``digests`` through ``extensions.require``.

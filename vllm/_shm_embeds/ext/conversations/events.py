@@ -11,7 +11,11 @@ class ConversationEvent(EventKind):
     """Events of the ``conversations`` extension (``counters.EventKind``)."""
 
     KEPT_TENSORS = ("kept_tensors", None, "prompt_embeds kept for later requests")
-    KEPT_BYTES = ("kept_bytes", None, "their bytes (one copy each, into a kept segment)")
+    KEPT_BYTES = ("kept_bytes", None, "their bytes")
+    KEPT_COPIED_BYTES = ("kept_copied_bytes", None,
+                         "bytes copied to keep or continue a tensor (a JSON keep, a branch, "
+                         "no room to grow in place); a conversation's tip copies none")
+    TIP_GROWN = ("tip_grown", None, "continuations written after their kept rows, in place")
     KEEP_REFUSED = ("keep_refused", None, "keeps asked for and not made", ("reason",))
     KEPT_DROPPED = ("kept_dropped", None, "kept tensors let go", ("reason",))
     PREFIX_HITS = ("prefix_hits", None, "tensors whose prefix was a kept tensor")

@@ -1,15 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """Conversations on binary bodies: the ``binary_prefixes`` hook (:data:`HOOK`).
 
-A request with ``Shm-Embeds-Keep: <seconds>`` has its one ``prompt_embeds`` tensor
-copied into a kept segment while vLLM serves it (:class:`KeepRequest`); a 200
-answer then carries ``Shm-Embeds-Kept: <id>``. A later request names the id
-(a binary descriptor's ``shm_embeds_prefix``, or a JSON continuation object)
-and sends only the rows after those kept: the body format writes the kept rows,
-then the new ones, into the request's segment (:meth:`Hook.resolve`,
-:meth:`Hook.assemble`), with the kept rows' block digests reused. An id
-the store does not hold under the request's ``cache_salt`` is a 404
-``PrefixNotFound``, never the new rows alone. Wire: ``shm_embeds_client.wire``.
+A request with ``Shm-Embeds-Keep: <seconds>`` has its ``prompt_embeds`` kept: written
+into a tip (``tips.py``) as its body arrives, or copied into one while vLLM serves it
+(:class:`KeepRequest`); a 200 answer carries ``Shm-Embeds-Kept: <id>``. A later
+request names the id and sends only the rows after those kept: they are written
+after the kept rows in the same tip (:meth:`Hook.open_sink`; a second branch or no
+room: a copy), the kept rows' block digests reused, and hop 1 sends the tip by
+descriptor. An id the store does not hold under the request's ``cache_salt`` is a
+404 ``PrefixNotFound``, never the new rows alone. Wire: ``shm_embeds_client.wire``.
 May import: the core; ``binary`` (gate, common) and ``digests`` via ``extensions.require``.
 """
 
@@ -26,12 +25,12 @@ from shm_embeds_client import wire
 from vllm.logger import init_logger
 
 from vllm._shm_embeds import extensions
-from vllm._shm_embeds.counters import count, count_many, count_reason
-from vllm._shm_embeds.ext.conversations import settings
+from vllm._shm_embeds.counters import Event, count, count_many, count_reason
+from vllm._shm_embeds.ext.conversations import settings, tips
 from vllm._shm_embeds.ext.conversations.events import ConversationEvent
 from vllm._shm_embeds.ext.conversations.store import Kept, current
 from vllm._shm_embeds.files import segment as seg
-from vllm._shm_embeds.lifetime.streamed import StreamedSegment, release_streamed
+from vllm._shm_embeds.handle import ShmEmbedsError
 
 logger = init_logger(__name__)
 
@@ -63,7 +62,16 @@ def _bad(reason: str, message: str) -> Exception:
 
 def store():
     """This process's kept tensors (``store.Store``)."""
-    return current(release_streamed)
+    return current(_close_tip)
+
+
+def _close_tip(tip: tips.Tip) -> None:
+    tip.close()
+
+
+def holder() -> tips.Tips:
+    """This process's request tensors over tips (hop 1 sends them by descriptor)."""
+    return tips.holder(store().let_go)
 
 
 def salt_of(body: dict) -> str | None:
@@ -76,14 +84,16 @@ def salt_of(body: dict) -> str | None:
 
 class Prefix:
     """Kept rows a continuation starts with, pinned until :meth:`release`: ``rows``,
-    ``row_bytes``; ``tensor`` and ``digests`` once :meth:`ready` (or :meth:`wait`)."""
+    ``row_bytes``; ``tip``, ``digests`` and ``tensor`` (the rows, mapped read-only)
+    once :meth:`ready` (or :meth:`wait`)."""
 
     def __init__(self, kept: Kept) -> None:
         self._kept = kept
         self.rows = kept.shape[0]
         self.row_bytes = kept.nbytes // max(1, self.rows)
-        self.tensor: torch.Tensor | None = None
+        self.tip: tips.Tip | None = None
         self.digests: Any = None
+        self._tensor: torch.Tensor | None = None
 
     async def ready(self) -> None:
         """Wait, on the event loop, for the kept rows' copy (a keep still copying when
@@ -98,15 +108,92 @@ class Prefix:
         self._take()
 
     def _take(self) -> None:
-        if self._kept.tensor is None:
+        if self._kept.tip is None:
             count(ConversationEvent.PREFIX_MISSES)
             raise PrefixNotFound()
-        self.tensor, self.digests = self._kept.tensor, self._kept.digests
+        self.tip, self.digests = self._kept.tip, self._kept.digests
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The kept rows ``(rows, hidden)``, read-only (mapped on first use). Raises OSError."""
+        if self._tensor is None:
+            self._tensor = self.tip.view(self.rows)[0]
+        return self._tensor
 
     def release(self) -> None:
         kept, self._kept = self._kept, None
+        self._tensor = None
         if kept is not None:
             store().unpin(kept)
+
+
+class TipSink:
+    """A continuation's or a kept request's whole tensor written into ``tip`` from
+    row ``start`` (the rows before are the kept ones: ``has_prefix``); the sink
+    interface of the binary format (``streamed.StreamedSegment``'s). Holds a use of
+    ``tip`` (claimed by the caller) until :meth:`abort` or the request's end."""
+
+    def __init__(self, tip: tips.Tip, start: int, rows: int) -> None:
+        self.tip, self.rows, self.start = tip, rows, start
+        self.nbytes = rows * tip.row_bytes
+        self.filled = start * tip.row_bytes
+        self.has_prefix = start > 0
+        self._done = False
+        try:
+            tip.ensure(rows)
+        except BaseException:
+            self.abort()
+            raise
+
+    def write(self, data: bytes | memoryview) -> None:
+        """Append ``data``. Raises ShmEmbedsError (finished), ValueError (too many
+        bytes), OSError."""
+        if self._done:
+            raise ShmEmbedsError("the kept tensor is already finished or aborted")
+        if self.filled + len(data) > self.nbytes:
+            raise ValueError("more bytes than the tensor holds")
+        self.tip.write(memoryview(data), self.filled)
+        self.filled += len(data)
+        count(Event.COPIED_BYTES, len(data))
+
+    def read_back(self, out: memoryview) -> None:
+        """The bytes written so far (the kept rows' included) into ``out``."""
+        self.tip.read(out[:self.filled])
+
+    def finish(self, writable: bool = False) -> torch.Tensor:
+        """The request's read-only tensor (always: the rows are kept). Raises
+        ShmEmbedsError if not every byte was written (the use ends), OSError."""
+        if self._done or self.filled != self.nbytes:
+            self.abort()
+            raise ShmEmbedsError(f"the kept tensor holds {self.filled} of {self.nbytes} bytes")
+        try:
+            tensor = holder().register(self.tip, self.rows)
+        except BaseException:
+            self.abort()
+            raise
+        self._done = True
+        return tensor
+
+    def abort(self) -> None:
+        """End the use of the tip before its tensor was made (idempotent): the rows
+        it claimed are given back (no one has read them)."""
+        if not self._done:
+            self._done = True
+            store().unclaim(self.tip, self.start, self.rows)
+            store().let_go(self.tip)
+
+
+def _new_tip(dtype: torch.dtype, rows: int, hidden: int) -> tips.Tip | None:
+    """A new tip with ``rows`` claimed for the caller, or None (no room, no memfd)."""
+    try:
+        tip = tips.Tip(dtype, hidden)
+    except OSError as e:
+        count_reason(ConversationEvent.KEEP_REFUSED, seg.fallback_reason(e))
+        return None
+    if store().claim(tip, 0, rows, settings.keep_max_bytes()) is not None:
+        tip.close()
+        return None
+    return tip
 
 
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -159,42 +246,58 @@ class KeepRequest:
         self.answered = False
 
     def start(self, tensor: torch.Tensor) -> None:
-        """Reserve an id and copy ``tensor`` (the request's, digests attached) into a
-        kept segment. None fits: answered without an id."""
-        reserved = store().reserve(tensor, self.salt, self.ttl_s, settings.keep_max_bytes(),
+        """Keep ``tensor`` (the request's, digests attached): a tensor over a tip is
+        kept as it is; any other is copied into a new tip on a thread. No room:
+        answered without an id."""
+        found = holder().lookup(tensor)
+        if found is not None:  # written into its tip as it arrived: nothing to copy
+            self.kid = store().put(found[0], found[1], _digests.attached(tensor), self.salt,
+                                   self.ttl_s, settings.keep_max_entries())
+            if self.kid is not None:
+                count_many({ConversationEvent.KEPT_TENSORS: 1,
+                            ConversationEvent.KEPT_BYTES: tensor.nbytes})
+            return
+        if tensor.dim() != 2 or tensor.numel() == 0:
+            return
+        reserved = store().reserve(tuple(tensor.shape), tensor.dtype, self.salt, self.ttl_s,
                                    settings.keep_max_entries())
         if reserved is None:
             return
+        kid, kept = reserved
         try:
-            self.future = _copier().submit(self._copy, tensor, _digests.attached(tensor),
-                                           reserved[1])
+            self.future = _copier().submit(self._copy, tensor, _digests.attached(tensor), kept)
         except RuntimeError:  # the pool is shut down (exit): no id
-            store().fill(reserved[1], None)
+            store().fill(kept, None)
             return
-        self.kid = reserved[0]
+        self.kid = kid
 
     @staticmethod
     def _copy(tensor: torch.Tensor, digests: Any, kept: Kept) -> None:
-        # Written by pwrite (ENOSPC is an OSError, never a SIGBUS), mapped read-only.
         # Whatever happens, the entry is filled (its waiters wake): by the copy or None.
-        done = None
+        tip = None
         try:
             if kept.gone:  # evicted or dropped while waiting for this thread
                 return
-            segment = StreamedSegment(tensor.dtype, tuple(tensor.shape))
-            try:  # (a JSON payload's tensor may be a view: its values, in order)
-                src = tensor.resolve_neg().resolve_conj().contiguous()
-                segment.write(memoryview(src.reshape(-1).view(torch.uint8).numpy()))
-                done = segment.finish(writable=False)
-            except BaseException:
-                segment.abort()
-                raise
-        except OSError as e:  # budget, ENOSPC, segments: the id misses
+            rows, hidden = tensor.shape
+            tip = _new_tip(tensor.dtype, rows, hidden)
+            if tip is None:
+                return
+            # (a JSON payload's tensor may be a view: its values, in order)
+            src = tensor.resolve_neg().resolve_conj().contiguous()
+            tip.ensure(rows)
+            tip.write(memoryview(src.reshape(-1).view(torch.uint8).numpy()), 0)
+        except OSError as e:  # no memory: the id misses
             count_reason(ConversationEvent.KEEP_REFUSED, seg.fallback_reason(e))
+            if tip is not None:
+                store().let_go(tip)
+            tip = None
         finally:
-            if store().fill(kept, done, digests) and done is not None:
+            if store().fill(kept, tip, digests) and tip is not None:
                 count_many({ConversationEvent.KEPT_TENSORS: 1,
-                            ConversationEvent.KEPT_BYTES: done.nbytes})
+                            ConversationEvent.KEPT_BYTES: tensor.nbytes,
+                            ConversationEvent.KEPT_COPIED_BYTES: tensor.nbytes})
+            if tip is not None:
+                store().let_go(tip)  # (the entry uses it now, if it was kept)
 
     async def settled(self) -> None:
         """Wait, on the event loop, until the copy is done (an error included)."""
@@ -221,13 +324,13 @@ class KeepRequest:
     def close(self) -> None:
         """The request has ended: a kept tensor whose id was never sent is forgotten;
         waits for the copy (the source's pages go next)."""
-        if self.future is None:
+        if self.kid is None:
             return
         self.wait()
         if not self.answered:
             self.answered = True
             store().drop(self.kid, self.salt, "unanswered")
-        if (e := self.future.exception()) is not None:
+        if self.future is not None and (e := self.future.exception()) is not None:
             logger.warning("shm-embeds: keeping a request's prompt_embeds failed: %r", e)
 
 
@@ -252,20 +355,42 @@ class Hook:
         count_many({ConversationEvent.PREFIX_HITS: 1, ConversationEvent.PREFIX_ROWS: prefix.rows})
         return prefix
 
+    def open_sink(self, prefix: Prefix | None, dtype: torch.dtype, shape: tuple[int, ...],
+                  keeping: bool) -> TipSink | None:
+        """Where the binary format writes a tensor of ``shape`` (the whole one): after
+        ``prefix``'s rows in their tip if no other request grew it first (nothing
+        copied; ``has_prefix``), else a new tip (kept rows then copied by the caller),
+        or None (not a continuation nor kept, or no room: a segment)."""
+        if prefix is None and not keeping:
+            return None
+        rows, hidden = shape
+        if prefix is not None and prefix.tip is not None and prefix.tip.dtype == dtype:
+            got = store().claim(prefix.tip, prefix.rows, rows, settings.keep_max_bytes())
+            if got == "full":
+                return None
+            if got is None:
+                count(ConversationEvent.TIP_GROWN)
+                return TipSink(prefix.tip, prefix.rows, rows)
+        tip = _new_tip(dtype, rows, hidden)
+        if tip is None:
+            return None
+        if prefix is not None:
+            count(ConversationEvent.KEPT_COPIED_BYTES, prefix.rows * prefix.row_bytes)
+        return TipSink(tip, 0, rows)
+
     def assemble(self, prefix: Prefix, new: torch.Tensor,
                  block_tokens: int | None) -> torch.Tensor:
-        """The kept rows then ``new`` (``(N, H)``, their dtype and H) as one tensor in a
-        new read-only segment, on this thread: the kept rows' whole blocks keep their
-        digests, the rest is hashed here (``block_tokens`` None: not hashed). Raises
-        OSError (no segment: nothing left)."""
+        """The kept rows then ``new`` (``(N, H)``, their dtype and H) as one read-only
+        tensor, on this thread: written after the kept rows in their tip when it can
+        grow in place, else in a new tip or segment (one copy of the kept rows); the
+        kept rows' whole blocks keep their digests, the rest is hashed here
+        (``block_tokens`` None: not hashed). Raises OSError (nothing left)."""
         rows = prefix.rows + new.shape[0]
         d = prefix.digests
         reused = (prefix.rows // block_tokens if block_tokens and d is not None
                   and d.block_tokens == block_tokens else 0)
 
-        def write(segment: StreamedSegment) -> Any:
-            segment.write(memoryview(prefix.tensor.reshape(-1).view(torch.uint8).numpy()))
-            segment.write(memoryview(new.reshape(-1).view(torch.uint8).numpy()))
+        def digests_of() -> Any:
             if not block_tokens:
                 return None
             tail = torch.cat([prefix.tensor[reused * block_tokens:], new])
@@ -275,7 +400,24 @@ class Hook:
             return _digests.BlockDigests(block_tokens, rows, d.digests[
                 :reused * _digests.DIGEST_BYTES] + found.digests)
 
-        return _digests.fill_segment(new.dtype, (rows, new.shape[1]), write)
+        def write(sink: Any) -> Any:
+            if not getattr(sink, "has_prefix", False):
+                sink.write(memoryview(prefix.tensor.reshape(-1).view(torch.uint8).numpy()))
+            sink.write(memoryview(new.reshape(-1).view(torch.uint8).numpy()))
+            return digests_of()
+
+        sink = self.open_sink(prefix, new.dtype, (rows, new.shape[1]), keeping=False)
+        if sink is None:
+            count(ConversationEvent.KEPT_COPIED_BYTES, prefix.rows * prefix.row_bytes)
+            return _digests.fill_segment(new.dtype, (rows, new.shape[1]), write)
+        try:
+            found = write(sink)
+            out = sink.finish()
+        except BaseException:
+            sink.abort()
+            raise
+        _digests.attach(out, found)
+        return out
 
     def keep_request(self, headers: Any, path: str, body: dict,
                      ntensors: int) -> KeepRequest | None:

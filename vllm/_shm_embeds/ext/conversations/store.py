@@ -1,14 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """The kept ``prompt_embeds`` of one API server process, by opaque id.
 
-A kept tensor is a segment of this process (``lifetime.streamed``: in the
-server's private directory, counted in the segment budget, unlinked at exit and
-swept if the process dies). Its id is a capability: 256 random bits, looked up
-together with the ``cache_salt`` it was kept under, so an id with another salt
-(or none) is exactly an unknown id. An entry is reserved (id, size, room) before
-its copy is made and filled when the copy is done (``Kept.ready``). Entries go at
-their TTL, or least recently used first when the store is over its entries or
-bytes; never while pinned (a request copying its rows). Knows tensors and ids.
+A kept tensor is the first rows of a tip (``tips.Tip``: a memfd of this process,
+only appended to, charged to the store's budget row by row, closed when nothing
+uses it; gone with the process). Its id is a capability: 256 random bits, looked
+up together with the ``cache_salt`` it was kept under, so an id with another salt
+(or none) is exactly an unknown id. An entry may be reserved before its rows are
+written and filled after (``Kept.ready``). Entries go at their TTL, or least
+recently used first when the store is over its entries or bytes; never while
+pinned (a request reading its rows). Knows ids and tips, not files.
 May import: the core.
 """
 
@@ -18,6 +18,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import hashlib
+import math
 import os
 import re
 import secrets
@@ -37,16 +38,16 @@ _ID = re.compile(r"[A-Za-z0-9_-]{43}\Z")  # secrets.token_urlsafe(32)
 
 @dataclasses.dataclass(eq=False)
 class Kept:
-    """One kept tensor of ``shape`` ``(rows, hidden)`` and ``dtype``, ``nbytes``
-    bytes: ``tensor`` and ``digests`` (its prefix-cache block digests,
-    ``digests.BlockDigests``, or None) once ``ready`` is done (``tensor`` None
-    then: the copy failed or the entry went first); ``expires`` (monotonic s)."""
+    """One kept tensor: the first ``shape[0]`` rows of ``tip`` (``tips.Tip``), of
+    ``dtype``, ``nbytes`` bytes, and ``digests`` (its prefix-cache block digests,
+    ``digests.BlockDigests``, or None) once ``ready`` is done (``tip`` None then:
+    the copy failed or the entry went first); ``expires`` (monotonic s)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     nbytes: int
     expires: float
-    tensor: torch.Tensor | None = None
+    tip: Any = None
     digests: Any = None
     ready: concurrent.futures.Future = dataclasses.field(
         default_factory=concurrent.futures.Future)
@@ -66,13 +67,16 @@ def _key(kid: str, salt: str | None) -> bytes:
 
 
 class Store:
-    """Kept tensors by key; ``release(tensor)`` lets one go (unlinks its segment)."""
+    """Kept tensors by key, over tips (files of rows, ``tips.Tip``) that the store
+    counts: a tip is charged for every row claimed in it and closed
+    (``close(tip)``) when no entry, pin or request uses it any more."""
 
-    def __init__(self, release: Callable[[torch.Tensor], Any],
+    def __init__(self, close: Callable[[Any], Any],
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._release, self._clock = release, clock
+        self._close, self._clock = close, clock
         self._lock = threading.Lock()
         self._entries: collections.OrderedDict[bytes, Kept] = collections.OrderedDict()
+        self._tips: set = set()
         self._bytes = 0
 
     def __len__(self) -> int:
@@ -80,64 +84,89 @@ class Store:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the kept tensors in the store."""
+        """Bytes charged to the tips in use."""
         return self._bytes
 
-    def reserve(self, like: torch.Tensor, salt: str | None, ttl_s: float,
-                max_bytes: int, max_entries: int) -> tuple[str, Kept] | None:
-        """An id for a tensor like ``like`` (shape, dtype, bytes) to be kept ``ttl_s``
-        seconds, its entry counted from now and filled by :meth:`fill`; None if it
-        cannot fit even with every unpinned entry gone (expired ones go first, then
-        the least recently used)."""
-        kid = secrets.token_urlsafe(ID_BYTES)
-        kept = Kept(tuple(like.shape), like.dtype, like.nbytes, self._clock() + ttl_s)
+    def claim(self, tip: Any, start: int, rows: int, max_bytes: int) -> str | None:
+        """Claim rows ``start`` up to ``rows`` of ``tip`` for the caller, who holds
+        one use of it until :meth:`let_go`: None if claimed; ``"taken"`` if
+        another request claimed past ``start`` first (branch: a new tip), or
+        ``"full"`` if the bytes cannot fit even with every unused entry gone
+        (then nothing is evicted). Expired, then least recently used, entries go."""
         with self._lock:
-            # Nothing is evicted for an entry that would not fit with all unpinned ones gone.
+            nbytes = max(0, rows * tip.row_bytes - tip.charged)  # beyond its high-water mark
+            if tip.rows != start:
+                return "taken"
             victims = [(k, "ttl") for k in self._expired()]
-            pinned = sum(k.nbytes for k in self._entries.values() if k.pins)
-            if pinned + kept.nbytes <= max_bytes:
-                victims += self._room(kept.nbytes, max_bytes, max_entries)
-            fits = self._bytes + kept.nbytes <= max_bytes and len(self._entries) < max_entries
+            fits = self._bytes - self._freeable() + nbytes <= max_bytes
             if fits:
-                self._entries[_key(kid, salt)] = kept
-                self._bytes += kept.nbytes
+                victims += self._room(nbytes, max_bytes, None)
+                tip.rows, tip.charged = rows, tip.charged + nbytes
+                self._bytes += nbytes
+                tip.refs += 1
+                self._tips.add(tip)
         self._let_go(victims)
         if not fits:
+            count_reason(ConversationEvent.KEEP_REFUSED, "full")
+            return "full"
+        return None
+
+    def unclaim(self, tip: Any, start: int, rows: int) -> None:
+        """Give back the rows a :meth:`claim` took that no one has read (its body was
+        cut short): the next continuation of ``start`` rows grows the tip in place
+        again. The bytes stay charged (the file keeps its size; claims charge
+        only past it)."""
+        with self._lock:
+            if tip.rows == rows:
+                tip.rows = start
+
+    def let_go(self, tip: Any) -> None:
+        """A use of ``tip`` (a claim, :meth:`use`) ended."""
+        with self._lock:
+            close = self._unref(tip)
+        if close:
+            self._close(tip)
+
+    def reserve(self, shape: tuple[int, ...], dtype: torch.dtype, salt: str | None,
+                ttl_s: float, max_entries: int) -> tuple[str, Kept] | None:
+        """An id for a tensor of ``shape`` and ``dtype`` to be kept ``ttl_s`` seconds,
+        filled by :meth:`fill`; the least recently used unpinned entry goes if the
+        store holds ``max_entries`` (an id costs no bytes: rows are charged by
+        :meth:`claim`); None if every entry is pinned."""
+        kid = secrets.token_urlsafe(ID_BYTES)
+        kept = Kept(tuple(shape), dtype, math.prod(shape) * dtype.itemsize,
+                    self._clock() + ttl_s)
+        with self._lock:
+            victims = self._room(0, None, max_entries)
+            fits = len(self._entries) < max_entries
+            if fits:
+                self._entries[_key(kid, salt)] = kept
+        self._let_go(victims)
+        if not fits:  # every entry pinned
             count_reason(ConversationEvent.KEEP_REFUSED, "full")
             return None
         return kid, kept
 
-    def fill(self, kept: Kept, tensor: torch.Tensor | None, digests: Any = None) -> bool:
-        """The copy of a reserved entry is done: ``tensor`` (the store owns it from
-        here; None: the copy failed, the entry goes). False (``tensor`` let go) if
-        the entry went meanwhile. Wakes those waiting on ``kept.ready``."""
+    def fill(self, kept: Kept, tip: Any, digests: Any = None) -> bool:
+        """A reserved entry is ready: its rows are the first ``kept.shape[0]`` of
+        ``tip``, which the entry now uses too (None: the copy failed, the entry
+        goes). False if the entry went meanwhile. Wakes those waiting on ``kept.ready``."""
         with self._lock:
-            kept_now = not kept.gone and tensor is not None
+            kept_now = not kept.gone and tip is not None
             if kept_now:
-                kept.tensor, kept.digests = tensor, digests
+                kept.tip, kept.digests = tip, digests
+                tip.refs += 1
             elif not kept.gone:
                 key = next(k for k, v in self._entries.items() if v is kept)
                 self._pop(key)
-        if tensor is not None and not kept_now:
-            self._release(tensor)
         kept.ready.set_result(None)
         return kept_now
 
-    def put(self, tensor: torch.Tensor, digests: Any, salt: str | None, ttl_s: float,
-            max_bytes: int, max_entries: int) -> str | None:
-        """:meth:`reserve` then :meth:`fill` with ``tensor``, let go if no room."""
-        reserved = self.reserve(tensor, salt, ttl_s, max_bytes, max_entries)
-        if reserved is None:
-            self._release(tensor)
-            return None
-        return reserved[0] if self.fill(reserved[1], tensor, digests) else None
-
-    def make_room(self, nbytes: int, max_bytes: int, max_entries: int) -> None:
-        """Let expired, then least recently used unpinned entries go until ``nbytes``
-        more would fit (before a new kept tensor is made: the segment budget too)."""
-        with self._lock:
-            victims = self._room(nbytes, max_bytes, max_entries)
-        self._let_go(victims)
+    def put(self, tip: Any, rows: int, digests: Any, salt: str | None, ttl_s: float,
+            max_entries: int) -> str | None:
+        """:meth:`reserve` then :meth:`fill` with the first ``rows`` of ``tip``."""
+        reserved = self.reserve((rows, tip.hidden), tip.dtype, salt, ttl_s, max_entries)
+        return reserved[0] if reserved and self.fill(reserved[1], tip, digests) else None
 
     def pin(self, kid: Any, salt: str | None) -> Kept | None:
         """The live entry ``kid`` names under ``salt``, pinned (not evicted until
@@ -159,9 +188,10 @@ class Store:
         """Done reading ``kept``; lets it go if it left the store meanwhile."""
         with self._lock:
             kept.pins -= 1
-            last = kept.pins == 0 and kept.gone == "at_unpin"
-        if last and kept.tensor is not None:
-            self._release(kept.tensor)
+            close = (kept.pins == 0 and kept.gone == "at_unpin" and kept.tip is not None
+                     and self._unref(kept.tip))
+        if close:
+            self._close(kept.tip)
 
     def drop(self, kid: str, salt: str | None, reason: str) -> None:
         """Forget ``kid`` (e.g. its request failed after it was kept)."""
@@ -192,14 +222,34 @@ class Store:
 
     def _pop(self, key: bytes) -> Kept:
         kept = self._entries.pop(key)
-        self._bytes -= kept.nbytes
-        kept.gone = "now" if kept.pins == 0 else "at_unpin"  # decided under the lock
+        if kept.pins:  # decided under the lock
+            kept.gone = "at_unpin"
+        else:
+            kept.gone = "closed" if kept.tip is not None and self._unref(kept.tip) else "now"
         return kept
 
-    def _room(self, nbytes: int, max_bytes: int, max_entries: int) -> list[tuple[Kept, str]]:
+    def _unref(self, tip: Any) -> bool:
+        """Drop one use of ``tip``; True if it is the last (uncharged here, closed
+        by the caller without the lock)."""
+        tip.refs -= 1
+        if tip.refs or tip not in self._tips:
+            return False
+        self._tips.discard(tip)
+        self._bytes -= tip.charged
+        return True
+
+    def _freeable(self) -> int:
+        """Bytes freed if every unpinned entry went (tips used by nothing else)."""
+        unpinned: dict = collections.Counter(
+            k.tip for k in self._entries.values() if k.tip is not None and not k.pins)
+        return sum(t.charged for t, n in unpinned.items() if t.refs == n)
+
+    def _room(self, nbytes: int, max_bytes: int | None,
+              max_entries: int | None) -> list[tuple[Kept, str]]:
         victims = [(k, "ttl") for k in self._expired()]
         for key, k in list(self._entries.items()):  # least recently used first
-            if self._bytes + nbytes <= max_bytes and len(self._entries) < max_entries:
+            if ((max_bytes is None or self._bytes + nbytes <= max_bytes)
+                    and (max_entries is None or len(self._entries) < max_entries)):
                 break
             if k.pins == 0:
                 victims.append((self._pop(key), "lru"))
@@ -214,18 +264,18 @@ class Store:
     def _let_go(self, victims: list[tuple[Kept, str]]) -> None:
         for kept, reason in victims:
             count_reason(ConversationEvent.KEPT_DROPPED, reason)
-            if kept.gone == "now" and kept.tensor is not None:  # (pinned: at the last unpin;
-                self._release(kept.tensor)                     # not filled: by fill)
+            if kept.gone == "closed":  # its tip's last use (pinned: at the last unpin)
+                self._close(kept.tip)
 
 
 _store: Store | None = None
 
 
-def current(release: Callable[[torch.Tensor], Any]) -> Store:
+def current(close: Callable[[Any], Any]) -> Store:
     """This process's store (a forked child starts an empty one)."""
     global _store
     if _store is None:
-        _store = Store(release)
+        _store = Store(close)
     return _store
 
 
