@@ -154,17 +154,18 @@ def seg_files(seg_dir: str) -> dict[str, int]:
     return out
 
 
-def memfd_bytes(pid: int) -> int:
-    """Bytes allocated to the kept conversations' memfds (``ext/conversations/tips.py``)
-    that process ``pid`` holds open (shared memory outside any directory)."""
-    total, fd_dir = 0, f"/proc/{pid}/fd"
+def memfds(pid: int) -> dict[int, int]:
+    """The kept conversations' memfds (``ext/conversations/tips.py``) that process
+    ``pid`` holds open (shared memory outside any directory): inode -> bytes allocated."""
+    out, fd_dir = {}, f"/proc/{pid}/fd"
     for n in os.listdir(fd_dir):
         try:
             if os.readlink(os.path.join(fd_dir, n)).startswith("/memfd:shm-embeds-kept"):
-                total += os.stat(os.path.join(fd_dir, n)).st_blocks * 512
+                st = os.stat(os.path.join(fd_dir, n))
+                out[st.st_ino] = st.st_blocks * 512
         except OSError:
             pass
-    return total
+    return out
 
 
 # -- requests ------------------------------------------------------------------
@@ -224,6 +225,7 @@ def run_conversation(mode: str, rep: int, server, procs, turns: Turns, args,
                              body="json" if mode == "plugin_kept_json" else "binary")
             if mode in KEPT else None)
     before_files = set(seg_files(server.seg_dir)) if mode in PLUGIN_MODES else set()
+    before_memfds = {i for p in procs["api"] for i in memfds(p)}  # other conversations'
     counters = prefix_counters(url)
     samples = []
     try:
@@ -282,7 +284,8 @@ def run_conversation(mode: str, rep: int, server, procs, turns: Turns, args,
             if mode in PLUGIN_MODES:
                 files = seg_files(server.seg_dir)
                 s["shm_bytes"] = (sum(v for k, v in files.items() if k not in before_files)
-                                  + sum(memfd_bytes(p) for p in procs["api"]))
+                                  + sum(b for p in procs["api"] for i, b in memfds(p).items()
+                                        if i not in before_memfds))
                 s["shm_dir_bytes"] = sum(files.values())
                 from helpers import delta
 

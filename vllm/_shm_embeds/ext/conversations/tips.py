@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from vllm._shm_embeds.files.segment import pwrite_all
+from vllm._shm_embeds.files.segment import drop_pages, map_files, pwrite_all
 from vllm._shm_embeds.handle import ShmEmbedsError
 from vllm._shm_embeds.lifetime import process
 
@@ -65,7 +65,7 @@ class Tip:
         nbytes = rows * self.row_bytes
         if nbytes == 0:
             return torch.empty((rows, self.hidden), dtype=self.dtype), None
-        mm = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+        mm = map_files([self.fd], [nbytes], mmap.PROT_READ)  # (no dup of the fd kept)
         with warnings.catch_warnings():  # read-only on purpose: rows never change
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             raw = torch.frombuffer(memoryview(mm), dtype=torch.uint8, count=nbytes)
@@ -87,15 +87,15 @@ class Tips:
     def __init__(self, let_go: Any) -> None:
         self._let_go = let_go  # (tip) -> None: the store's use ref is dropped
         self._lock = threading.Lock()
-        self._live: dict[int, tuple[torch.Tensor, Tip, int]] = {}
+        self._live: dict[int, tuple[torch.Tensor, Tip, int, mmap.mmap]] = {}
 
     def register(self, tip: Tip, rows: int) -> torch.Tensor:
         """A read-only tensor of the first ``rows`` rows of ``tip`` for one request,
         which holds the caller's use of ``tip`` until :meth:`release`. Raises OSError."""
-        tensor, _ = tip.view(rows)
+        tensor, mm = tip.view(rows)
         if tensor.numel():
             with self._lock:
-                self._live[tensor.data_ptr()] = (tensor, tip, rows)
+                self._live[tensor.data_ptr()] = (tensor, tip, rows, mm)
         return tensor
 
     def lookup(self, tensor: Any) -> tuple[Tip, int] | None:
@@ -127,8 +127,8 @@ class Tips:
         return 0
 
     def release(self, tensor: Any) -> bool:
-        """``tensor``'s request ended: its use of the tip ends (the mapping goes
-        with the tensor). True if it was one of ours."""
+        """``tensor``'s request ended: its use of the tip ends and its pages here go
+        (it reads zeros from now on, as a released segment's). True if it was ours."""
         if not isinstance(tensor, torch.Tensor):
             return False
         with self._lock:
@@ -136,7 +136,10 @@ class Tips:
             if found is None or found[0] is not tensor:
                 return False
             del self._live[tensor.data_ptr()]
-        self._let_go(found[1])
+        try:
+            drop_pages(found[3])
+        finally:
+            self._let_go(found[1])
         return True
 
     def __len__(self) -> int:
