@@ -19,6 +19,7 @@ import base64
 import concurrent.futures
 import io
 import json
+import os
 import socket
 import time
 import types
@@ -138,6 +139,20 @@ def test_entry_cap_counts_entries():
     store, closed, _ = _store()
     kids = [_keep(store, max_entries=2)[0] for _ in range(3)]
     assert all(kids) and len(store) == 2 and len(closed) == 1
+
+
+def test_eviction_for_bytes_skips_an_entry_whose_tip_a_request_still_uses():
+    """An older entry whose tip a running request still uses frees nothing: a claim
+    that needs room evicts the newer entry that frees bytes, and keeps the older id."""
+    store, closed, _ = _store()
+    cap = 8 * Tip.row_bytes
+    old_kid, old_tip = _keep(store, max_bytes=cap)
+    assert store.claim(old_tip, 4, 4, cap) is None  # a request uses the tip (no new rows)
+    new_kid, new_tip = _keep(store, max_bytes=cap)
+    assert store.nbytes == cap
+    assert _keep(store, max_bytes=cap)[0] is not None
+    assert closed == [new_tip] and store.pin(old_kid, None) is not None
+    assert store.pin(new_kid, None) is None
 
 
 def test_a_tip_grows_in_place_once_then_branches():
@@ -363,12 +378,14 @@ def test_a_continuation_is_the_whole_tensor_with_vllms_digests(shm_env, c):
         prefixes.store().clear()
 
 
-@pytest.mark.parametrize("copy", ["slow", "fails"])
+@pytest.mark.parametrize("copy", ["slow", "fails", "breaks"])
 def test_an_id_is_answered_before_its_copy_is_done(shm_env, monkeypatch, copy):
     """A keep that must copy (here: no tip to write the body into as it arrives, as
     for a JSON body) has its id in the 200's headers at once, while the copy still
     runs: a continuation naming it waits for the copy and is the whole tensor; if
-    the copy fails, the continuation is the same 404 as any reference not held."""
+    the copy fails (no room; or any error midway, e.g. torch's allocator: a tip
+    whose bytes were not all written is never kept), the continuation is the same
+    404 as any reference not held, and nothing is left."""
     import threading
 
     from vllm._shm_embeds.ext.conversations import prefixes
@@ -384,6 +401,8 @@ def test_an_id_is_answered_before_its_copy_is_done(shm_env, monkeypatch, copy):
         go.wait(30)
         if copy == "fails":
             monkeypatch.setattr(prefixes.tips, "Tip", _no_space)
+        if copy == "breaks":
+            monkeypatch.setattr(prefixes.tips.Tip, "write", _breaks)
         return real(tensor, digests, kept)
 
     monkeypatch.setattr(prefixes.KeepRequest, "_copy", staticmethod(held_back))
@@ -409,16 +428,56 @@ def test_an_id_is_answered_before_its_copy_is_done(shm_env, monkeypatch, copy):
         return out.upload
 
     try:
-        if copy == "fails":
+        if copy != "slow":
             with pytest.raises(gate.Refused) as e:
                 asyncio.run(run())
             assert e.value.status == 404 and e.value.err_type == wire.PREFIX_NOT_FOUND
+            assert prefixes.store().nbytes == 0 and kept_memfds(os.getpid()) == 0
         else:
             upload = asyncio.run(run())
             assert torch.equal(upload.tensors[0], whole)
             upload.release()
     finally:
         prefixes.store().clear()
+
+
+def test_a_tip_that_cannot_grow_leaves_the_continuation_to_a_segment(shm_env, monkeypatch):
+    """The kept rows' file cannot grow (ENOMEM from ftruncate): the continuation is
+    written into a segment of its own (the kept rows copied), whole, never a 500;
+    the rows it had claimed are given back."""
+    import errno
+
+    from vllm._shm_embeds.ext.conversations import prefixes
+
+    ctx = ServerContext.from_model_config(types.SimpleNamespace(
+        enable_prompt_embeds=True, dtype=torch.float32, max_model_len=64,
+        get_hidden_size=lambda: 8), 4)
+    whole = torch.randn(11, 8, generator=torch.Generator().manual_seed(5))
+
+    def no_memory(self, rows):
+        raise OSError(errno.ENOMEM, "no memory")
+
+    async def run():
+        first = await _binary_request({"model": "m", "prompt_embeds": whole[:6]}, ctx,
+                                      {wire.KEEP_HEADER: "60"})
+        kid = dict(await first.upload.keeps[0].response_headers(200))[
+            wire.KEPT_HEADER.lower().encode()].decode()
+        tip = prefixes.holder().lookup(first.upload.tensors[0])[0]
+        first.upload.release()
+        monkeypatch.setattr(prefixes.tips.Tip, "ensure", no_memory)
+        second = await _binary_request({"model": "m", "prompt_embeds": sec.Continuation(
+            kid, whole[6:], 6)}, ctx)
+        return second.upload, tip
+
+    try:
+        upload, tip = asyncio.run(run())
+        assert torch.equal(upload.tensors[0], whole)
+        assert prefixes.holder().lookup(upload.tensors[0]) is None  # a segment
+        assert tip.rows == 6  # the claim given back
+        upload.release()
+    finally:
+        prefixes.store().clear()
+    assert kept_memfds(os.getpid()) == 0
 
 
 def test_a_continuation_must_be_the_bodys_only_tensor():
@@ -499,6 +558,10 @@ def test_a_json_keep_of_bytes_never_sent_is_not_made(shm_env):
     finally:
         if out.upload is not None:
             out.upload.release()
+
+
+def _breaks(*args, **kwargs):
+    raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
 
 
 def _no_space(*args, **kwargs):

@@ -214,7 +214,11 @@ class BinaryFormat:
                 await _drain(body)
                 raise
             for full, pre in zip(fulls, prefixes):
-                segs.append(_hook_sink(hooks, pre, full, bool(keeps)) or _open_sink(full))
+                try:
+                    segs.append(_hook_sink(hooks, pre, full, bool(keeps)) or _open_sink(full))
+                except OSError as e:  # (the hook gave back what it took)
+                    logger.debug("shm-embeds: a prefix hook's sink failed: %s", e)
+                    segs.append(_open_sink(full))
                 hashers.append(_hasher(full, ctx, segs[-1], path, pre))
                 try:
                     if pre is not None:
@@ -226,7 +230,10 @@ class BinaryFormat:
                         hashers[-1] = None
                     segs[-1] = _fall_back(segs[-1], full, e)
                     if pre is not None and segs[-1].filled == 0:
-                        await _write_prefix(segs[-1], pre)
+                        try:
+                            await _write_prefix(segs[-1], pre)
+                        except OSError:  # the kept rows cannot even be mapped
+                            raise _bad("no_memory", "the server is out of memory", 503) from e
                     await _copy_into(body, segs[-1])
             if not await body.at_end():
                 raise _bad("extra", "extra bytes after the last tensor")
@@ -315,8 +322,11 @@ async def _write_prefix(sink: StreamedSegment | _Private, pre: Any,
     """Write the kept rows into ``sink`` (on a thread: one copy) unless they are its
     first rows already (``has_prefix``: grown in place), and give ``hasher`` the rows
     after the last whole block whose digest is reused."""
+    in_place = getattr(sink, "has_prefix", False)
+    if in_place and hasher is None:
+        return  # (nothing to read: the kept rows are not even mapped)
     data = memoryview(pre.tensor.reshape(-1).view(torch.uint8).numpy())
-    if not getattr(sink, "has_prefix", False):
+    if not in_place:
         write = asyncio.get_running_loop().run_in_executor(None, sink.write, data)
         try:
             await asyncio.shield(write)

@@ -273,8 +273,9 @@ class KeepRequest:
 
     @staticmethod
     def _copy(tensor: torch.Tensor, digests: Any, kept: Kept) -> None:
-        # Whatever happens, the entry is filled (its waiters wake): by the copy or None.
-        tip = None
+        # Whatever happens, the entry is filled (its waiters wake): by the copy or None;
+        # a tip whose bytes were not all written is never kept.
+        tip, written = None, False
         try:
             if kept.gone:  # evicted or dropped while waiting for this thread
                 return
@@ -286,12 +287,13 @@ class KeepRequest:
             src = tensor.resolve_neg().resolve_conj().contiguous()
             tip.ensure(rows)
             tip.write(memoryview(src.reshape(-1).view(torch.uint8).numpy()), 0)
+            written = True
         except OSError as e:  # no memory: the id misses
             count_reason(ConversationEvent.KEEP_REFUSED, seg.fallback_reason(e))
-            if tip is not None:
-                store().let_go(tip)
-            tip = None
         finally:
+            if tip is not None and not written:  # (any error, e.g. torch's allocator)
+                store().let_go(tip)
+                tip = None
             if store().fill(kept, tip, digests) and tip is not None:
                 count_many({ConversationEvent.KEPT_TENSORS: 1,
                             ConversationEvent.KEPT_BYTES: tensor.nbytes,
@@ -361,9 +363,9 @@ class Hook:
         ``prefix``'s rows in their tip if no other request grew it first (nothing
         copied; ``has_prefix``), else a new tip (kept rows then copied by the caller),
         or None (not a continuation nor kept, or no room: a segment)."""
-        if prefix is None and not keeping:
-            return None
         rows, hidden = shape
+        if (prefix is None and not keeping) or rows == 0:
+            return None
         if prefix is not None and prefix.tip is not None and prefix.tip.dtype == dtype:
             got = store().claim(prefix.tip, prefix.rows, rows, settings.keep_max_bytes())
             if got == "full":

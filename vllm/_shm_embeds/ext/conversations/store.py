@@ -239,19 +239,34 @@ class Store:
         return True
 
     def _freeable(self) -> int:
-        """Bytes freed if every unpinned entry went (tips used by nothing else)."""
+        """Bytes freed if every unpinned entry went (tips used by nothing else; the
+        same test as :meth:`_room`'s)."""
         unpinned: dict = collections.Counter(
             k.tip for k in self._entries.values() if k.tip is not None and not k.pins)
         return sum(t.charged for t, n in unpinned.items() if t.refs == n)
 
     def _room(self, nbytes: int, max_bytes: int | None,
               max_entries: int | None) -> list[tuple[Kept, str]]:
+        """Expired entries, then unpinned ones least recently used first until
+        ``nbytes`` more fit: for bytes only those whose tip nothing else uses (an
+        entry of a tip a request or pin still uses would free nothing)."""
         victims = [(k, "ttl") for k in self._expired()]
-        for key, k in list(self._entries.items()):  # least recently used first
-            if ((max_bytes is None or self._bytes + nbytes <= max_bytes)
-                    and (max_entries is None or len(self._entries) < max_entries)):
+
+        def over_bytes() -> bool:
+            return max_bytes is not None and self._bytes + nbytes > max_bytes
+
+        def over_entries() -> bool:
+            return max_entries is not None and len(self._entries) >= max_entries
+
+        unpinned: dict = collections.Counter(
+            k.tip for k in self._entries.values() if k.tip is not None and not k.pins)
+        for key, k in list(self._entries.items()):
+            if not (over_bytes() or over_entries()):
                 break
-            if k.pins == 0:
+            frees = k.tip is not None and k.tip.refs == unpinned[k.tip]
+            if k.pins == 0 and (over_entries() or frees):
+                if k.tip is not None:
+                    unpinned[k.tip] -= 1
                 victims.append((self._pop(key), "lru"))
         return victims
 
@@ -269,19 +284,21 @@ class Store:
 
 
 _store: Store | None = None
+_store_lock = threading.Lock()
 
 
 def current(close: Callable[[Any], Any]) -> Store:
     """This process's store (a forked child starts an empty one)."""
     global _store
-    if _store is None:
-        _store = Store(close)
-    return _store
+    with _store_lock:
+        if _store is None:
+            _store = Store(close)
+        return _store
 
 
 def _after_fork_in_child() -> None:
-    global _store
-    _store = None  # the parent's segments are the parent's
+    global _store, _store_lock
+    _store, _store_lock = None, threading.Lock()  # the parent's tips are the parent's
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

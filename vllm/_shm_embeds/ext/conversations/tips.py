@@ -20,10 +20,13 @@ import warnings
 from typing import Any
 
 import torch
+from vllm.logger import init_logger
 
 from vllm._shm_embeds.files.segment import drop_pages, map_files, pwrite_all
 from vllm._shm_embeds.handle import ShmEmbedsError
 from vllm._shm_embeds.lifetime import process
+
+logger = init_logger(__name__)
 
 
 class Tip:
@@ -138,6 +141,8 @@ class Tips:
             del self._live[tensor.data_ptr()]
         try:
             drop_pages(found[3])
+        except OSError:  # the pages stay until the tensor goes; the use ends anyway
+            logger.debug("shm-embeds: dropping a kept tensor's pages failed", exc_info=True)
         finally:
             self._let_go(found[1])
         return True
@@ -147,21 +152,23 @@ class Tips:
 
 
 _tips: Tips | None = None
+_tips_lock = threading.Lock()
 
 
 def holder(let_go: Any) -> Tips:
     """This process's :class:`Tips`, among ``process.current().holders``."""
     global _tips
     state = process.current()
-    if _tips is None or _tips not in state.holders:
-        _tips = Tips(let_go)
-        state.holders.append(_tips)
-    return _tips
+    with _tips_lock:
+        if _tips is None or _tips not in state.holders:
+            _tips = Tips(let_go)
+            state.holders.append(_tips)
+        return _tips
 
 
 def _after_fork_in_child() -> None:
-    global _tips
-    _tips = None
+    global _tips, _tips_lock
+    _tips, _tips_lock = None, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
