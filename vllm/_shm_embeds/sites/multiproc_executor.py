@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -12,8 +13,9 @@ import torch
 from vllm.logger import init_logger
 
 import vllm._shm_embeds.sites.prompt_embeds as prompt_embeds_sites
+from vllm._shm_embeds import extensions
 from vllm._shm_embeds.counters import Event, count_many, count_reason, set_role
-from vllm._shm_embeds.handle import HOP2_WIRE, ShmEmbedsError
+from vllm._shm_embeds.handle import HOP2_WIRE, ShmEmbedsError, StepEmbeds
 from vllm._shm_embeds.hops import hop2
 from vllm._shm_embeds.lifetime import process
 from vllm._shm_embeds.lifetime.transfer import dense_nbytes, eligible
@@ -78,6 +80,57 @@ def _stock_executor(executor: Any) -> str | None:
     return None
 
 
+def _step_extension() -> Any:
+    """The ``nodes`` extension's module (one copy per node), or None without it."""
+    return extensions.get("nodes", "node_copy")
+
+
+def nodes_worker_call(worker: Any, fn: str, *args: Any) -> Any:
+    """Worker: the ``nodes`` extension's ``fn(tp_ranks, tp_rank, local_world_size, *args)``
+    (``worker``: vLLM's ``WorkerWrapperBase``; ``ParallelConfig.local_world_size``,
+    ``vllm/config/parallel.py`` 0.32); None without the extension."""
+    from vllm.distributed import parallel_state as ps
+
+    nodes = _step_extension()
+    if nodes is None:
+        return None
+    tp = ps.get_tp_group()
+    local = worker.vllm_config.parallel_config.local_world_size
+    return getattr(nodes, fn)(list(tp.ranks), tp.rank_in_group, local, *args)
+
+
+def _nodes_call(fn: str, *args: Any) -> Callable:
+    """The callable sent to every worker (by value) for :func:`nodes_worker_call`; None
+    where that cannot run: it never raises (vLLM's reply queues stay in step)."""
+    def call(worker: Any = None) -> Any:
+        try:
+            from vllm._shm_embeds.sites.multiproc_executor import nodes_worker_call
+            return nodes_worker_call(worker, fn, *args)
+        except Exception:
+            return None
+
+    return call
+
+
+def _in_step(executor: Any, rpc: Callable, plan: hop2.ReaderPlan) -> hop2.ReaderPlan:
+    """``plan`` with ``in_step`` if the ``nodes`` extension carries the remote readers'
+    bytes inside the step (it asks and enables every worker), else as it is."""
+    nodes = _step_extension()
+    if nodes is None:
+        return plan
+    try:
+        why = nodes.enable_workers(executor.vllm_config.parallel_config,
+                                   lambda fn, *a: rpc(executor, _nodes_call(fn, *a)))
+    except Exception:  # never into vLLM: the remote readers get the bytes
+        logger.warning("shm-embeds: one copy per node is off after an unexpected error",
+                       exc_info=True)
+        return plan
+    if why is not None:
+        logger.info("shm-embeds: one copy per node is off: %s", why)
+        return plan
+    return dataclasses.replace(plan, in_step=True)
+
+
 def _hop2_plan(executor: Any, rpc: Callable | None = None) -> ExecutorRecord:
     """The executor's record, with ``plan`` None for stock (logged once per queue); with
     ``rpc``, every worker is asked first."""
@@ -109,6 +162,8 @@ def _hop2_plan(executor: Any, rpc: Callable | None = None) -> ExecutorRecord:
             reason = _workers_join(executor, rpc)
             if reason is not None:
                 plan = None
+            elif plan.remote_bytes:
+                plan = _in_step(executor, rpc, plan)
         if plan is None and getattr(mq, "n_remote_reader", 0) > 0:
             rec.stock_remote = True  # counted per tensor
     if plan is None:
@@ -119,7 +174,8 @@ def _hop2_plan(executor: Any, rpc: Callable | None = None) -> ExecutorRecord:
             "shm-embeds: hop 2 sends prompt_embeds as handles to %d local first-stage "
             "reader(s); %d local later-stage reader(s) map nothing; %d reader(s) on other "
             "nodes get %s", plan.handle_readers, plan.local_later, plan.remote,
-            "the bytes" if plan.remote_bytes else "a placeholder")
+            ("the bytes once per node, inside the step" if plan.in_step else "the bytes")
+            if plan.remote_bytes else "a placeholder")
     rec.plan = plan
     executor.__dict__[ATTR] = rec
     return rec
@@ -255,30 +311,60 @@ def wrap_worker_rpc(orig: Callable) -> Callable:
         first = worker.first_stage
         index = getattr(self.rpc_broadcast_mq, "local_reader_rank", -1)
         error: Exception | None = None
+        step = _step_extension() if first else None
+        step = step if step is not None and step.active() else None
+        forms = [(r, r.prompt_embeds) for reqs in carried for r in reqs] if step else []
         for new_reqs in carried:
             try:
                 hop2.internalize_prompt_embeds(new_reqs, index if index >= 0 else None, first)
             except Exception as e:
                 error = error or e
-        if error is not None:
-            logger.error("shm-embeds: could not map prompt_embeds for %s: %s", method, error)
+        finish: Callable[[], None] | None = None
+        if step is not None:  # never raises; every rank of the step's exchange takes part
+            from vllm.distributed import parallel_state as ps
+
+            try:
+                tp = ps.get_tp_group()
+            except Exception as e:  # no TP group in a worker that runs a step: not vLLM's
+                tp, error = None, error or e
+            if tp is not None:
+                finish, failed = step.exchange(forms, tp)
+                error = error or failed
+        if error is None and any(isinstance(r.prompt_embeds, StepEmbeds)
+                                 for reqs in carried for r in reqs):
+            error = ShmEmbedsError("prompt_embeds to receive inside the step did not arrive "
+                                   "(the nodes extension is not loaded on this node)")
         try:
-            agreed = _all_ranks_ok(error is None)
-        except Exception as e:  # a peer died mid all-reduce: vLLM's error reply, not a crash
-            logger.error("shm-embeds: the ranks' agreement on prompt_embeds failed: %s", e)
-            agreed, error = False, error or e
-        if not agreed:
-            # every rank ends the step the same way; the output rank reports the failure
-            if error is None:
-                error = ShmEmbedsError("another TP/PP rank could not map prompt_embeds")
-            if output_rank is None or self.rank == output_rank:
-                self.handle_output(ShmEmbedsError(
-                    f"shm-embeds: prompt_embeds could not be mapped on every rank: {error}"
-                ))
-            return None
-        return orig(self, rpc_request, *args, **kwargs)
+            return _agree_then_run(self, orig, rpc_request, args, kwargs, method, output_rank,
+                                   error)
+        finally:
+            if finish is not None:
+                finish()
 
     return _execute_worker_rpc
+
+
+def _agree_then_run(self: Any, orig: Callable, rpc_request: Any, args: tuple, kwargs: dict,
+                    method: Any, output_rank: Any, error: Exception | None) -> Any:
+    """All ranks agree whether every rank has its ``prompt_embeds``; then vLLM's method,
+    or the same failure on every rank (the output rank reports it)."""
+    if error is not None:
+        logger.error("shm-embeds: could not map prompt_embeds for %s: %s", method, error)
+    try:
+        agreed = _all_ranks_ok(error is None)
+    except Exception as e:  # a peer died mid all-reduce: vLLM's error reply, not a crash
+        logger.error("shm-embeds: the ranks' agreement on prompt_embeds failed: %s", e)
+        agreed, error = False, error or e
+    if not agreed:
+        # every rank ends the step the same way; the output rank reports the failure
+        if error is None:
+            error = ShmEmbedsError("another TP/PP rank could not map prompt_embeds")
+        if output_rank is None or self.rank == output_rank:
+            self.handle_output(ShmEmbedsError(
+                f"shm-embeds: prompt_embeds could not be mapped on every rank: {error}"
+            ))
+        return None
+    return orig(self, rpc_request, *args, **kwargs)
 
 
 HOP2_RETIRE = ("--enable-shm-tensor-arena without its size cap and slot limit, reusing "
