@@ -71,6 +71,15 @@ _RANK_SCRIPT = textwrap.dedent("""
         def full(*a, **k):
             raise OSError(errno.ENOSPC, "injected: no space")
         node_copy.StreamedFile = full
+    if mode == "leader_bug" and rank == 2:
+        def bug(nbytes):
+            raise RuntimeError("injected: a bug of ours")
+        transfer.check_budget = bug
+    if mode == "sender_unmapped" and rank == 0:
+        from vllm._shm_embeds.hops import hop2
+        def unmapped(handle, reader_index=None):
+            raise ShmEmbedsError("injected: rank 0 cannot map")
+        hop2.open_tensor = unmapped
     if mode == "peer_fails" and rank == 3:
         def fail(handle, reader_index=None):
             raise ShmEmbedsError("injected mapping failure")
@@ -174,6 +183,28 @@ def test_a_rank_that_cannot_map_fails_the_step_on_every_rank(shm_env, tmp_path):
     """Rank 3 cannot map rank 2's segment: no rank runs the step, the output rank (0)
     reports the error, and rank 2's segments are gone all the same."""
     outs = _step(tmp_path, "peer_fails", TENSORS)
+    for rank, (ran, reported, _, mine, _) in enumerate(outs):
+        assert ran == 0, (rank, outs)
+        assert reported == (["ShmEmbedsError"] if rank == 0 else []), (rank, outs)
+        assert mine == [], (rank, mine)
+    _done(shm_env)
+
+
+def test_a_bug_on_the_nodes_first_rank_sends_the_bytes_on(shm_env, tmp_path):
+    """Rank 2 fails unexpectedly making its segment (not an OSError): it receives into
+    memory all the same and rank 3 gets the bytes; nobody waits on an operation that
+    was skipped, and the step runs everywhere."""
+    outs = _step(tmp_path, "leader_bug", TENSORS)
+    for rank, (ran, reported, seen, _, _) in enumerate(outs):
+        assert ran == 1 and reported == [] and seen == SUMS, (rank, outs)
+    assert outs[2][4].get("node_peer_bytes") == sum(NBYTES), outs[2]
+    _done(shm_env)
+
+
+def test_rank_0_unable_to_map_fails_the_step_without_a_hang(shm_env, tmp_path):
+    """Rank 0 cannot map the step's handle: it still sends (zeros) so that no rank waits,
+    and the step fails on every rank, reported once; nothing is left on rank 2's node."""
+    outs = _step(tmp_path, "sender_unmapped", TENSORS)
     for rank, (ran, reported, _, mine, _) in enumerate(outs):
         assert ran == 0, (rank, outs)
         assert reported == (["ShmEmbedsError"] if rank == 0 else []), (rank, outs)

@@ -131,7 +131,8 @@ def reader_plan(first_stage: int, n_local: int, n_remote: int) -> ReaderPlan:
                       n_remote > 0 and first_stage > n_local)
 
 
-def remote_form(tensor: torch.Tensor, plan: ReaderPlan) -> EmbedsPlaceholder | InlineEmbeds:
+def remote_form(tensor: torch.Tensor, plan: ReaderPlan
+                ) -> StepEmbeds | EmbedsPlaceholder | InlineEmbeds:
     """What ``plan``'s remote readers get instead of the handle: the bytes, a description
     of the bytes they receive inside the step, or a placeholder."""
     if plan.in_step:

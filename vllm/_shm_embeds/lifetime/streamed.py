@@ -61,6 +61,13 @@ class StreamedFile:
         pwrite_all(self._fd, memoryview(data), HEADER_BYTES + self.filled)
         self.filled += len(data)
 
+    def allocate(self) -> None:
+        """Allocate every page now: a full tmpfs is an OSError here, never a SIGBUS on a
+        write through a mapping. Raises ShmEmbedsError (closed), OSError."""
+        if self._fd is None:
+            raise ShmEmbedsError("segment already finished or aborted")
+        os.posix_fallocate(self._fd, 0, HEADER_BYTES + self.nbytes)
+
     def assume_filled(self) -> None:
         """Take the file as filled (the caller writes it through the mapping)."""
         self.filled = self.nbytes

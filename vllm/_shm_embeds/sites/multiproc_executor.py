@@ -107,6 +107,9 @@ def _nodes_call(fn: str, *args: Any) -> Callable:
             from vllm._shm_embeds.sites.multiproc_executor import nodes_worker_call
             return nodes_worker_call(worker, fn, *args)
         except Exception:
+            import logging
+            logging.getLogger("vllm._shm_embeds").warning(
+                "shm-embeds: the nodes probe %s failed on this worker", fn, exc_info=True)
             return None
 
     return call
@@ -121,9 +124,14 @@ def _in_step(executor: Any, rpc: Callable, plan: hop2.ReaderPlan) -> hop2.Reader
     try:
         why = nodes.enable_workers(executor.vllm_config.parallel_config,
                                    lambda fn, *a: rpc(executor, _nodes_call(fn, *a)))
-    except Exception:  # never into vLLM: the remote readers get the bytes
+    except Exception:  # never into vLLM: the remote readers get the bytes (workers told)
         logger.warning("shm-embeds: one copy per node is off after an unexpected error",
                        exc_info=True)
+        try:
+            rpc(executor, _nodes_call("worker_enable", False))
+        except Exception:
+            logger.warning("shm-embeds: could not tell every worker that one copy per "
+                           "node is off", exc_info=True)
         return plan
     if why is not None:
         logger.info("shm-embeds: one copy per node is off: %s", why)
@@ -333,21 +341,19 @@ def wrap_worker_rpc(orig: Callable) -> Callable:
         if error is None and any(isinstance(r.prompt_embeds, StepEmbeds)
                                  for reqs in carried for r in reqs):
             error = ShmEmbedsError("prompt_embeds to receive inside the step did not arrive "
-                                   "(the nodes extension is not loaded on this node)")
-        try:
-            return _agree_then_run(self, orig, rpc_request, args, kwargs, method, output_rank,
-                                   error)
-        finally:
-            if finish is not None:
-                finish()
+                                   "(no extension received them on this rank)")
+        return _agree_then_run(self, orig, rpc_request, args, kwargs, method, output_rank,
+                               error, finish)
 
     return _execute_worker_rpc
 
 
 def _agree_then_run(self: Any, orig: Callable, rpc_request: Any, args: tuple, kwargs: dict,
-                    method: Any, output_rank: Any, error: Exception | None) -> Any:
-    """All ranks agree whether every rank has its ``prompt_embeds``; then vLLM's method,
-    or the same failure on every rank (the output rank reports it)."""
+                    method: Any, output_rank: Any, error: Exception | None,
+                    finish: Callable[[], None] | None = None) -> Any:
+    """All ranks agree whether every rank has its ``prompt_embeds`` (then ``finish``: every
+    rank has mapped what it needs); then vLLM's method, or the same failure on every rank
+    (the output rank reports it)."""
     if error is not None:
         logger.error("shm-embeds: could not map prompt_embeds for %s: %s", method, error)
     try:
@@ -355,6 +361,9 @@ def _agree_then_run(self: Any, orig: Callable, rpc_request: Any, args: tuple, kw
     except Exception as e:  # a peer died mid all-reduce: vLLM's error reply, not a crash
         logger.error("shm-embeds: the ranks' agreement on prompt_embeds failed: %s", e)
         agreed, error = False, error or e
+    finally:
+        if finish is not None:
+            finish()
     if not agreed:
         # every rank ends the step the same way; the output rank reports the failure
         if error is None:

@@ -128,14 +128,29 @@ def enable_workers(parallel_config: Any, ask: Callable[..., Any]) -> str | None:
                                            "decode_context_parallel_size")):
         return "context parallelism is not covered"
     answers = ask("worker_wire")
-    if not isinstance(answers, list) or not all(a == NODE_WIRE for a in answers):
+    if not isinstance(answers, list) or not answers or not all(
+            type(a) is int and a == NODE_WIRE for a in answers):
+        _disable(ask)  # any enabled before (an earlier queue's plan)
         return ("a worker does not run this version of the nodes extension (answers "
                 f"{sorted(set(map(repr, answers or [])))})")
-    enabled = ask("worker_enable", True)
+    try:
+        enabled = ask("worker_enable", True)
+    except BaseException:
+        _disable(ask)
+        raise
     if isinstance(enabled, list) and enabled and all(a is True for a in enabled):
         return None
-    ask("worker_enable", False)
+    _disable(ask)
     return "a worker could not be enabled"
+
+
+def _disable(ask: Callable[..., Any]) -> None:
+    """Every worker out of the exchange, best effort (never raises)."""
+    try:
+        ask("worker_enable", False)
+    except Exception:
+        logger.warning("shm-embeds: could not tell every worker that one copy per node "
+                       "is off", exc_info=True)
 
 
 # -- the exchange (every first-stage worker, each step that carries embeds)
@@ -149,55 +164,56 @@ class _Leader:
     """What a node's first rank made in one step: segments to unlink after it."""
 
     def __init__(self) -> None:
-        self.files: list[StreamedFile] = []
+        self.files: list[tuple[StreamedFile, int]] = []
 
     def target(self, dtype: torch.dtype, shape: tuple[int, ...]
                ) -> tuple[torch.Tensor, SharedTensorHandle | None]:
-        """A tensor to receive into: over a new segment of this node, else in memory."""
-        handle = SharedTensorHandle(process.current().new_name(), dtype_name(dtype), shape)
+        """A tensor to receive into: over a new segment of this node whose pages are all
+        allocated (``posix_fallocate``: a full tmpfs is an OSError here, never a SIGBUS
+        while receiving), else in memory. Never raises but MemoryError."""
         try:
+            state = process.current()
+            handle = SharedTensorHandle(state.new_name(), dtype_name(dtype), shape)
             transfer.check_budget(handle.nbytes)
             f = StreamedFile(shm_dir(), handle)
-        except OSError as e:
+        except Exception as e:  # budget, ENOSPC, segment cap, ours: the bytes in memory
             logger.warning("shm-embeds: this node's copy is in memory: %s", e)
             return torch.empty(shape, dtype=dtype), None
-        self.files.append(f)
         try:
+            f.allocate()
             f.assume_filled()
             mm = f.finish(writable=True)
-        except (OSError, ShmEmbedsError) as e:
+        except Exception as e:
             logger.warning("shm-embeds: this node's copy is in memory: %s", e)
             f.abort()
             return torch.empty(shape, dtype=dtype), None
+        state.census(shm_dir()).wrote(handle.nbytes)
+        self.files.append((f, handle.nbytes))
         return seg.tensor_view(mm, handle)[0], handle
 
     def finish(self) -> None:
         """Unlink the step's segments (mapped tensors stay valid). Never raises."""
-        for f in self.files:
+        files, self.files = self.files, []
+        for f, nbytes in files:
             try:
-                f.abort()
+                if f.abort():
+                    process.current().census(shm_dir()).unlinked(nbytes)
             except Exception:
                 logger.debug("shm-embeds: could not unlink a node segment", exc_info=True)
-        self.files = []
 
 
-def _send_meta(handle: SharedTensorHandle | None, dst: int, group: Any) -> None:
-    import torch.distributed as dist
-
+def _meta_of(handle: SharedTensorHandle | None) -> torch.Tensor:
+    """The 1 KiB slot a node's other ranks receive: the handle's JSON, or zeros (no
+    segment: the bytes follow)."""
+    buf = torch.zeros(META_BYTES, dtype=torch.uint8)
     raw = json.dumps(handle.to_meta()).encode() if handle is not None else b""
-    if len(raw) > META_BYTES:
-        raise ShmEmbedsError("a node segment's handle is over its slot")
-    buf = torch.zeros(META_BYTES, dtype=torch.uint8)
-    if raw:
+    if 0 < len(raw) <= META_BYTES:
         buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    dist.send(buf, dst=dst, group=group, tag=NODE_TAG)
+    return buf
 
 
-def _recv_meta(src: int, group: Any) -> SharedTensorHandle | None:
-    import torch.distributed as dist
-
-    buf = torch.zeros(META_BYTES, dtype=torch.uint8)
-    dist.recv(buf, src=src, group=group, tag=NODE_TAG)
+def _handle_in(buf: torch.Tensor) -> SharedTensorHandle | None:
+    """The handle a slot holds; None if empty. Raises ShmEmbedsError (malformed)."""
     raw = bytes(buf.numpy()).rstrip(b"\0")
     if not raw:
         return None
@@ -207,74 +223,132 @@ def _recv_meta(src: int, group: Any) -> SharedTensorHandle | None:
         raise ShmEmbedsError("malformed node segment handle") from e
 
 
+class _Ops:
+    """This rank's point-to-point operations of one step, in order. Each one is made
+    whatever failed before (a peer waits for it: a gloo send needs its recv), but with a
+    peer whose operation failed (its connection is gone); the first error is kept."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.error: BaseException | None = None
+        self.dead: set[int] = set()
+
+    def fail(self, e: BaseException) -> None:
+        self.error = self.error or e
+
+    def send(self, t: torch.Tensor, dst: int) -> bool:
+        return self._op("send", t, dst)
+
+    def recv(self, t: torch.Tensor, src: int) -> bool:
+        return self._op("recv", t, src)
+
+    def _op(self, what: str, t: torch.Tensor, peer: int) -> bool:
+        import torch.distributed as dist
+
+        if peer in self.dead:
+            return False
+        try:
+            if what == "send":
+                dist.send(t, dst=peer, group=self.group, tag=NODE_TAG)
+            else:
+                dist.recv(t, src=peer, group=self.group, tag=NODE_TAG)
+            return True
+        except Exception as e:  # a peer gone: gloo's own error; the step fails
+            logger.error("shm-embeds: one copy per node: %s with rank %d failed: %s",
+                         what, peer, e)
+            self.fail(e)
+            self.dead.add(peer)
+            return False
+
+
+def _send_all(ops: _Ops, layout: Layout, req: Any, nbytes: int) -> None:
+    """TP rank 0: the tensor to every other node's first rank (zeros if not mapped)."""
+    tensor = req.prompt_embeds
+    if not (isinstance(tensor, torch.Tensor) and tensor.is_contiguous()
+            and tensor.nbytes == nbytes):  # not mapped: the step fails anyway
+        ops.fail(ShmEmbedsError("TP rank 0 has no tensor to send"))
+        tensor = torch.zeros(nbytes, dtype=torch.uint8)
+    sent = sum(ops.send(_as_bytes(tensor), dst) for dst in layout.leaders)
+    count_many({NodeEvent.NODE_SENT_TENSORS: sent, NodeEvent.NODE_SENT_BYTES: nbytes * sent})
+
+
+def _receive_and_hand_on(ops: _Ops, layout: Layout, leader: _Leader, req: Any,
+                         dtype: torch.dtype, shape: tuple[int, ...], nbytes: int) -> None:
+    """A node's first rank: receive, then the handle (or the bytes) to the node's others."""
+    tensor, handle = leader.target(dtype, shape)
+    if ops.recv(_as_bytes(tensor), layout.sender):
+        count_many({NodeEvent.NODE_RECEIVED_TENSORS: 1, NodeEvent.NODE_RECEIVED_BYTES: nbytes})
+        if handle is not None:
+            count_many({NodeEvent.NODE_SEGMENT_TENSORS: 1})
+    req.prompt_embeds = tensor
+    for peer in layout.peers:
+        ops.send(_meta_of(handle), peer)
+        if handle is None and ops.send(_as_bytes(tensor), peer):
+            count_many({NodeEvent.NODE_PEER_BYTES: nbytes})
+
+
+def _receive_from_leader(ops: _Ops, layout: Layout, req: Any, dtype: torch.dtype,
+                         shape: tuple[int, ...]) -> None:
+    """A node's other rank: map the first rank's segment, or receive the bytes."""
+    buf = torch.zeros(META_BYTES, dtype=torch.uint8)
+    if not ops.recv(buf, layout.leader):
+        return
+    if not buf.any():  # no segment there: the bytes follow
+        tensor = torch.empty(shape, dtype=dtype)
+        ops.recv(_as_bytes(tensor), layout.leader)
+        req.prompt_embeds = tensor
+        return
+    try:
+        handle = _handle_in(buf)
+        if handle is None or (handle.torch_dtype, handle.shape) != (dtype, shape):
+            raise ShmEmbedsError("the node segment is not the step's tensor")
+        req.prompt_embeds = transfer.open_tensor(handle, 0)  # read-only
+        count_many({NodeEvent.NODE_MAPPED_TENSORS: 1})
+    except (ShmEmbedsError, OSError) as e:
+        ops.fail(e)
+
+
 def exchange(forms: list[tuple[Any, Any]], tp: Any
              ) -> tuple[Callable[[], None] | None, Exception | None]:
     """One step's exchange on this rank: ``forms`` are ``(request, prompt_embeds form)``
     of the step as broadcast (before mapping), in order; this rank's requests get their
-    tensors. ``tp``: vLLM's TP ``GroupCoordinator`` (its ``cpu_group``, gloo). Returns what to call once every rank agreed (None: nothing) and the first
-    error (None: none). Never raises; after an error it still takes part in every later
-    tensor's sends unless the transport itself failed."""
+    tensors. ``tp``: vLLM's TP ``GroupCoordinator`` (its ``cpu_group``, gloo).
+
+    Returns what to call once every rank agreed (None: nothing; it unlinks this node's
+    segments) and the first error (None: none). Never raises an Exception: every
+    operation a peer waits for is made whatever failed before, but with a peer whose
+    connection failed. On BaseException (e.g. SystemExit) the segments are unlinked
+    first."""
     layout = WORKER.layout
     items = [(req, form) for req, form in forms
              if isinstance(form, (SharedTensorHandle, StepEmbeds))]
     if layout is None or not items or not layout.leaders:
         return None, None
-    import torch.distributed as dist
-
-    group = tp.cpu_group
+    ops = _Ops(tp.cpu_group)
     leader = _Leader() if layout.leader == layout.me else None
-    error: Exception | None = None
     try:
         for req, form in items:
             dtype, shape = form.torch_dtype, tuple(form.shape)
             nbytes = SharedTensorHandle("x", form.dtype, shape).nbytes
             if layout.me == layout.sender:
-                tensor = req.prompt_embeds
-                if not (isinstance(tensor, torch.Tensor) and tensor.is_contiguous()
-                        and tensor.nbytes == nbytes):  # not mapped: the step fails anyway
-                    error = error or ShmEmbedsError("TP rank 0 has no tensor to send")
-                    tensor = torch.zeros(nbytes, dtype=torch.uint8)
                 if nbytes:
-                    for dst in layout.leaders:
-                        dist.send(_as_bytes(tensor), dst=dst, group=group, tag=NODE_TAG)
-                    count_many({NodeEvent.NODE_SENT_TENSORS: len(layout.leaders),
-                                NodeEvent.NODE_SENT_BYTES: nbytes * len(layout.leaders)})
+                    _send_all(ops, layout, req, nbytes)
+            elif layout.leader < 0:
+                continue  # on the sender's node: nothing to do
+            elif not nbytes:
+                req.prompt_embeds = torch.empty(shape, dtype=dtype)
             elif leader is not None:
-                tensor, handle = (leader.target(dtype, shape) if nbytes
-                                  else (torch.empty(shape, dtype=dtype), None))
-                if nbytes:
-                    dist.recv(_as_bytes(tensor), src=layout.sender, group=group, tag=NODE_TAG)
-                    count_many({NodeEvent.NODE_RECEIVED_TENSORS: 1,
-                                NodeEvent.NODE_RECEIVED_BYTES: nbytes})
-                    if handle is not None:
-                        count_many({NodeEvent.NODE_SEGMENT_TENSORS: 1})
-                req.prompt_embeds = tensor
-                for peer in layout.peers if nbytes else ():
-                    _send_meta(handle, peer, group)
-                    if handle is None:
-                        dist.send(_as_bytes(tensor), dst=peer, group=group, tag=NODE_TAG)
-                        count_many({NodeEvent.NODE_PEER_BYTES: nbytes})
-            elif layout.leader >= 0:
-                if not nbytes:
-                    req.prompt_embeds = torch.empty(shape, dtype=dtype)
-                    continue
-                handle = _recv_meta(layout.leader, group)
-                if handle is None:
-                    tensor = torch.empty(shape, dtype=dtype)
-                    dist.recv(_as_bytes(tensor), src=layout.leader, group=group, tag=NODE_TAG)
-                    req.prompt_embeds = tensor
-                    continue
-                try:
-                    if (handle.torch_dtype, handle.shape) != (dtype, shape):
-                        raise ShmEmbedsError("the node segment is not the step's tensor")
-                    req.prompt_embeds = transfer.open_tensor(handle, 0)  # read-only
-                    count_many({NodeEvent.NODE_MAPPED_TENSORS: 1})
-                except (ShmEmbedsError, OSError) as e:
-                    error = error or e
-    except Exception as e:  # the transport (a peer gone) or ours: the step fails
-        logger.error("shm-embeds: one copy per node failed in this step: %s", e)
-        error = error or e
-    if leader is not None and error is not None:
-        leader.finish()
-        return None, error
+                _receive_and_hand_on(ops, layout, leader, req, dtype, shape, nbytes)
+            else:
+                _receive_from_leader(ops, layout, req, dtype, shape)
+    except Exception as e:  # ours, unexpected (a bug): the step fails on every rank
+        logger.error("shm-embeds: one copy per node failed in this step", exc_info=True)
+        ops.fail(e)
+    except BaseException:
+        if leader is not None:
+            leader.finish()
+        raise
+    error = ops.error
+    if error is not None and not isinstance(error, Exception):
+        error = ShmEmbedsError(str(error))
     return (leader.finish if leader is not None and leader.files else None), error
