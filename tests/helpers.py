@@ -794,7 +794,7 @@ def write_counters(stats_dir: str, records: list[dict]) -> list[int]:
                 for key, n in rec["counters"].items():
                     parts = key.split(".")
                     if len(parts) == 1:
-                        counters.count(**{key: n})
+                        counters.count_reason(key, "", n=n)  # no reason: a plain event
                     elif parts[0] == "fallback":
                         counters.count_reason("fallback", parts[2], hop=parts[1][3:], n=n)
                     else:

@@ -57,10 +57,10 @@ def test_every_fd_of_a_message_installed_and_closed_off_thread(env, monkeypatch,
     would close the others on the regions thread); those not asked for are
     closed on the closer thread, memfds too, and none leaks."""
     got, closed_later = [], []
-    real, real_later = rs.received_fds, process.Process.close_later
+    real, real_later = rs.received_fds, rsock.close_fd_later
     monkeypatch.setattr(rs, "received_fds", lambda anc: got.append(real(anc)) or got[-1])
-    monkeypatch.setattr(process.Process, "close_later",
-                        lambda self, fd: closed_later.append(fd) or real_later(self, fd))
+    monkeypatch.setattr(rsock, "close_fd_later",
+                        lambda fd: closed_later.append(fd) or real_later(fd))
     env.start()
     sock = env.connect()
     env.refused(env.request(sock, {"op": "unregister", "region": "x"}), "unknown")
@@ -105,7 +105,7 @@ def test_closer_backlog_is_bounded(env, monkeypatch):
     for fd in held:
         stuck.put(fd)
     monkeypatch.setattr(rsock, "CLOSER_BACKLOG", 2, raising=False)
-    monkeypatch.setattr(process.current(), "fd_closer", stuck)
+    monkeypatch.setattr(rsock, "_closer", stuck)
     try:
         env.start()
         for _ in range(3):
@@ -416,3 +416,25 @@ def test_connection_closed_with_unread_fds_stalls_nobody(env, monkeypatch):
         assert time.monotonic() - start < 2
     finally:
         lingering.release()
+
+
+def test_a_forked_child_has_no_fd_closer_of_its_parent():
+    """The closer thread is the parent's: a forked child starts none until it closes an fd
+    later itself, and that close happens (its own thread)."""
+    r, w = os.pipe()
+    rsock.close_fd_later(os.dup(r))  # the parent's closer thread runs
+    pid = os.fork()
+    if pid == 0:  # child: exits 0 only if it starts without a closer and closes by its own
+        ok = rsock._closer is None
+        fd = os.dup(w)
+        rsock.close_fd_later(fd)
+        rsock._closer.join()
+        try:
+            os.fstat(fd)
+            ok = False
+        except OSError:
+            pass
+        os._exit(0 if ok else 1)
+    os.close(w)
+    os.close(r)
+    assert os.waitpid(pid, 0)[1] == 0

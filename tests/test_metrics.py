@@ -169,8 +169,8 @@ def test_aggregate_attributes_hops_to_senders_and_sums_processes(tmp_path):
     ours = SegmentName(pid_namespace(), pids[0], 1, 0)
     (seg_dir / str(ours)).write_bytes(b"x" * 8192)
     (seg_dir / str(SegmentName(pid_namespace(), 99, 1, 0))).write_bytes(b"x" * 4096)
-    assert counters.server_pids(str(stats_dir)) == set(pids)
-    v = hmetrics.aggregate(counters.read_server(str(stats_dir)), set(pids), str(seg_dir))
+    assert set(counters.stats_files(str(stats_dir))) == set(pids)
+    v = hmetrics.aggregate(hmetrics.read_server(str(stats_dir)), set(pids), str(seg_dir))
     assert v["tensors"] == {("1", "shm"): 5, ("1", "stock"): 1, ("2", "shm"): 5,
                             ("2", "stock"): 0}
     assert v["bytes"][("1", "shm")] == 130 and v["bytes"][("2", "shm")] == 130

@@ -86,8 +86,8 @@ _RANK_SCRIPT = textwrap.dedent("""
         transfer.open_tensor = fail
     worker = types.SimpleNamespace(vllm_config=types.SimpleNamespace(
         parallel_config=types.SimpleNamespace(local_world_size=2)))
-    assert multiproc_executor.nodes_worker_call(worker, "worker_wire") == node_copy.NODE_WIRE
-    assert multiproc_executor.nodes_worker_call(worker, "worker_enable", True) is True
+    assert node_copy.worker_call(worker, "worker_wire") == node_copy.NODE_WIRE
+    assert node_copy.worker_call(worker, "worker_enable", True) is True
     with open(sched_file, "rb") as f:
         local, remote = pickle.load(f)
     sched = local if rank < 2 else remote

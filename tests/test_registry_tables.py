@@ -105,9 +105,6 @@ def counted_events() -> list[tuple[EventKind, bool, str]]:
                 found += [(_event_of(k, where), False, where) for k in arg.keys]
             else:
                 found += [(_event_of(a, where), False, where) for a in node.args[:1]]
-                for kw in node.keywords:  # the older count(name=n) form
-                    assert kw.arg is not None, f"{where}: count(**...) names nothing"
-                    found.append((_event_of(ast.Constant(kw.arg), where), False, where))
     return found
 
 
@@ -177,16 +174,16 @@ def test_every_event_is_in_the_metrics_doc():
 
 
 def test_stored_names_are_the_event_values(tmp_path, monkeypatch):
-    """Named constants store the same names as the older keyword form."""
+    """Named constants store their values as plain strings."""
     monkeypatch.setenv("VLLM_SHM_EMBEDS_STATS_DIR", str(tmp_path))
     counters.reset()
     counters.count(Event.COPIED_BYTES, 3)
-    counters.count(copied_bytes=4)
+    counters.count(Event.COPIED_BYTES, 4)
     counters.count_many({Event.SEGMENTS_CREATED: 1, Event.HOP1_SHM_BYTES: 2})
     counters.count_reason(Event.FALLBACK, "small", hop="1")
     assert counters.stats() == {"copied_bytes": 7, "segments_created": 1,
                                 "hop1_shm_bytes": 2, "fallback.hop1.small": 1}
-    values = counters.read_server(str(tmp_path))
+    values = metrics.read_server(str(tmp_path))
     assert {type(k.event) for k, _ in values} == {str}
     counters.reset()
 
@@ -302,6 +299,21 @@ def test_module_docstrings_are_short():
             long.append(f"{rel} ({n} lines)")
     assert not long, (f"module docstrings over {MAX_MODULE_DOC_LINES} lines (move the rest "
                       f"to docs/design.md, \"Module notes\"): {', '.join(long)}")
+
+
+def test_design_doc_states_the_sizes():
+    """``docs/design.md`` states the core's and the extensions' lines (``wc -l``) as
+    they are: a change that grows or shrinks either says so there."""
+    sizes = {"core": 0, "ext": 0}
+    for rel in _package_files():
+        with open(os.path.join(PACKAGE, rel), "rb") as f:
+            sizes["ext" if rel.startswith("ext/") else "core"] += f.read().count(b"\n")
+    text = " ".join(_read("docs", "design.md").split())
+    core = re.search(r"the core is ([\d,]+) lines", text)
+    ext = re.search(r"the \w+ extensions are ([\d,]+)", text)
+    assert core and ext, "docs/design.md states no size"
+    assert (int(core[1].replace(",", "")), int(ext[1].replace(",", ""))) == (
+        sizes["core"], sizes["ext"]), f"docs/design.md's sizes; the package's: {sizes}"
 
 
 def _module_name(rel: str) -> str:

@@ -1,18 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """shm-embeds: large ``prompt_embeds`` cross vLLM V1's process hops by shared memory.
 
-With ``VLLM_SHM_EMBEDS=1`` this plugin puts the tensor in a shared-memory segment
-once and sends a small :class:`SharedTensorHandle` over each hop (API server ->
-EngineCore, EngineCore -> TP workers) instead of the bytes.
-
-One file per job, in layers (``docs/design.md``, "Package layout", lists every
-module); a layer imports only those below it (each subpackage's docstring says
-which; ``LAYERS`` in ``tests/test_registry_tables.py`` fails on any other import).
-
 Public names: :class:`SharedTensorHandle`, :class:`ShmEmbedsError`,
 :func:`externalize` (a tensor -> its handle), :func:`internalize` (a handle ->
-the mapped tensor).
-Design notes: docs/design.md, "Module notes".
+the mapped tensor). Layers and modules: docs/design.md, "Package layout".
 """
 
 from typing import Any
@@ -24,9 +15,7 @@ _HOME = {"SharedTensorHandle": "handle", "ShmEmbedsError": "handle",
 
 
 def __getattr__(name: str) -> Any:
-    # Loaded on first use (PEP 562): importing the package, as vLLM's plugin
-    # loader does for ``plugin.register``, loads no module it does not need,
-    # and no submodule depends on this file.
+    # PEP 562: importing the package (vLLM's plugin loader does) loads no submodule.
     if name in _HOME:
         import importlib
 

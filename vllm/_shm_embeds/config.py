@@ -1,15 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Every ``VLLM_SHM_EMBEDS*`` setting and fixed limit, parsed with one rule.
-
-:data:`SETTINGS` declares the core's variables (name, kind, default, unit, meaning),
-:data:`LIMITS` its fixed limits; each loaded extension adds its own (``Extension.settings``,
-``limits``; :func:`declared`). Limits change only by tests and benchmarks, through
-:data:`TEST_LIMITS`. From them come :func:`settings`, the getters (:func:`getter`),
-vLLM's ``envs`` table (:func:`env_vars`) and ``docs/configuration.md``'s table
-(``python -m vllm._shm_embeds.config --markdown``). The environment is read only
-here; a bad value never raises: the default is used, ``Settings.problems`` says so.
-
-Base layer: may import the other base modules and vLLM's logger; no HTTP.
+"""Every ``VLLM_SHM_EMBEDS*`` setting and fixed limit, parsed with one rule; the only
+reader of the environment. A bad value never raises: the default is used and
+``Settings.problems`` says so. Base layer: may import the other base modules.
 Design notes: docs/design.md, "Module notes".
 """
 
@@ -32,9 +24,8 @@ RING_RESERVE_BYTES = 64 << 20  # left free for vLLM's own broadcast rings
 
 @dataclasses.dataclass(frozen=True)
 class Kind:
-    """How a variable's text becomes a value: ``adapter``, the pydantic validator (None:
-    the text is the value); ``what`` a bad value "is not", in the problem message;
-    ``strip``: drop surrounding spaces first (the directories' paths are taken as given)."""
+    """``adapter``: the pydantic validator (None: the text is the value); ``what`` a bad
+    value "is not"; ``strip``: drop surrounding spaces first (paths are taken as given)."""
 
     adapter: pydantic.TypeAdapter | None = None
     what: str = ""
@@ -60,11 +51,9 @@ class Setting:
 
     Attributes:
         name: the environment variable; a limit's name in :data:`TEST_LIMITS`.
-        kind: how its text is parsed (:class:`Kind`).
         default: the value when unset, blank or bad; a callable is asked at each
             parse; None where derived elsewhere (e.g. :func:`budget_bytes`).
-        unit: what the value counts (bytes, seconds, ...).
-        doc: what it does: the "meaning" cell of ``docs/configuration.md``.
+        doc: the "meaning" cell of ``docs/configuration.md``.
         shown: the default as the doc says it, where the value alone does not.
         field: the :class:`Settings` attribute; default: the name after
             ``VLLM_SHM_EMBEDS_``, lower case.
@@ -85,7 +74,7 @@ class Setting:
 
     def parse(self, raw: str | None, problems: list[str], label: str = "") -> Any:
         """The value of ``raw``; a bad one gives the default and a message in
-        ``problems`` (naming ``label``, else the variable)."""
+        ``problems`` naming ``label`` (default: the variable)."""
         default = self.default() if callable(self.default) else self.default
         value = (raw or "").strip() if self.kind.strip else (raw or "")
         if not value:
@@ -160,11 +149,9 @@ SETTINGS: tuple[Setting, ...] = (
         "sets it), leave it off in production."),
 )
 
-# The fixed limits (settings until issue 38, "fewer knobs"), each a constant for the
-# reason on its line; only tests and benchmarks change them, through TEST_LIMITS.
 MAX_SEGMENTS = 4096  # far beyond what running requests hold; 4096 x 5 VMAs < vm.max_map_count
 
-# Changed only by TEST_LIMITS ("NAME=value,..."); callables and None are computed.
+# Changed only by TEST_LIMITS; callables and None are computed.
 LIMITS: tuple[Setting, ...] = (
     Setting("WRITERS", WRITER_COUNT, _default_writers, "threads",  # the machine's CPUs decide
         f"1 to {MAX_WRITERS} threads that write one tensor of 8 MiB or more into its segment, "
@@ -178,14 +165,12 @@ LIMITS: tuple[Setting, ...] = (
         "own memory (what stock holds), both counted with reason `segments`."),
 )
 
-# Internal, unsupported, may change: the test suite and benchmarks shrink (or
-# grow) the limits with it, e.g. "BODY_TIMEOUT_S=2,INFLIGHT_BYTES=1048576".
+# Internal, unsupported (tests, benchmarks), e.g. "BODY_TIMEOUT_S=2,INFLIGHT_BYTES=1048576".
 TEST_LIMITS = "VLLM_SHM_EMBEDS_TEST_LIMITS"
 
 
 class Declared(NamedTuple):
-    """What :func:`declared` gives: the loaded extensions, every setting, every limit,
-    and the variables read (each setting's, then :data:`TEST_LIMITS`)."""
+    """``variables``: each setting's name, then :data:`TEST_LIMITS`."""
 
     extensions: tuple[str, ...]
     settings: tuple[Setting, ...]
@@ -194,11 +179,9 @@ class Declared(NamedTuple):
 
 
 class Settings:
-    """The parsed variables of this process (frozen): one attribute per declared setting
-    and limit (its ``field``: ``enabled``, ``min_bytes``, ``dir``, ..., each loaded
-    extension's too), plus ``problems`` (one message per bad value that a default
-    replaced, and the ``fatal`` messages) and ``fatal`` (messages that keep the feature
-    off: no usable segment directory)."""
+    """This process's parsed values (frozen): one attribute per declared setting and
+    limit (its ``field``), ``problems`` (one message per bad value a default replaced)
+    and ``fatal`` (messages that keep the feature off: no usable segment directory)."""
 
     problems: tuple[str, ...]
     fatal: tuple[str, ...]
@@ -212,16 +195,13 @@ class Settings:
 
 class ProcessCache:
     """What this process worked out from its environment, until :meth:`reset`:
-    ``declared`` (:class:`Declared`, or None), ``parsed`` (the loaded extensions and
-    raw variables, and their :class:`Settings`, or None), ``budget`` (segment directory
-    -> default budget in bytes, fixed when first asked) and ``shares`` (segment
-    directory -> on ``/dev/shm``'s file system)."""
+    ``parsed`` (key, :class:`Settings`), ``budget`` and ``shares`` (per segment
+    directory: :func:`budget_bytes`'s default, :func:`shares_dev_shm`)."""
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
-        """Forget everything: the next question reads environment and file systems again."""
         self.declared: Declared | None = None
         self.parsed: tuple[tuple, Settings] | None = None
         self.budget: dict[str, int] = {}
@@ -232,8 +212,7 @@ CACHE = ProcessCache()
 
 
 def declared() -> Declared:
-    """The core's :data:`SETTINGS` and :data:`LIMITS`, then each loaded extension's
-    (``extensions.loaded()``, in ``EXTENSIONS`` order)."""
+    """The core's :data:`SETTINGS` and :data:`LIMITS`, then each loaded extension's."""
     from vllm._shm_embeds import extensions
 
     exts = dict(extensions.loaded())
@@ -246,9 +225,8 @@ def declared() -> Declared:
 
 
 def _limits(limits: tuple[Setting, ...], raw: str | None, problems: list[str]) -> dict[str, Any]:
-    """The ``limits``' values: their constants, but for those that ``raw``
-    (:data:`TEST_LIMITS`: ``NAME=value,...``) names; a bad entry keeps the
-    constant and puts a message in ``problems``."""
+    """The ``limits``' values, but for those ``raw`` (``NAME=value,...``) names; a bad
+    entry keeps the constant and puts a message in ``problems``."""
     by_name = {limit.name: limit for limit in limits}
     given: dict[str, str] = {}
     for item in (raw or "").split(","):
@@ -277,8 +255,8 @@ def _parse(d: Declared, raw: tuple[str | None, ...]) -> Settings:
 
 
 def settings() -> Settings:
-    """This process's settings; parsed again only when a variable, or the set of loaded
-    extensions (one still loading counts as not loaded), changed."""
+    """This process's settings; parsed again only when a variable or the set of loaded
+    extensions changed."""
     d = declared()
     key = (d.extensions, tuple(os.environ.get(name) for name in d.variables))
     parsed = CACHE.parsed
@@ -288,24 +266,20 @@ def settings() -> Settings:
 
 
 def getter(setting: Setting) -> Callable[[], Any]:
-    """The getter of one setting's or limit's value, looked up at each call; while its
-    extension is not loaded (still loading, or left out) the getter gives its default."""
+    """The getter of a setting's or limit's value; its default while its extension is
+    not loaded (still loading, or left out)."""
 
     def get() -> Any:
         s = settings()
         return getattr(s, setting.field) if hasattr(s, setting.field) else setting.parse(None, [])
 
     get.__name__ = get.__qualname__ = setting.field
-    what = "" if setting.name.startswith("VLLM_") else "constant "
-    get.__doc__ = f"``{setting.name}`` ({what}{setting.unit}): {setting.doc}"
     return get
 
 
-# The getters the package imports, one per core setting or limit that is used as it is.
 _CORE = {s.field: s for s in SETTINGS + LIMITS}
 enabled = getter(_CORE["enabled"])
 min_bytes = getter(_CORE["min_bytes"])
-mount_dir = getter(_CORE["dir"])
 stats_dir = getter(_CORE["stats_dir"])
 writers = getter(_CORE["writers"])
 max_segments = getter(_CORE["max_segments"])
@@ -313,22 +287,14 @@ strict = getter(_CORE["strict"])
 
 
 def shm_dir() -> str:
-    """The segment directory: ``VLLM_SHM_EMBEDS_DIR`` if only this uid can enter it, else
-    this server's private directory in it (``private_dir.resolve``: made by the first
-    process that asks). Raises OSError if none can be made there."""
+    """The segment directory (``private_dir.resolve``). Raises OSError if none can be
+    made under ``VLLM_SHM_EMBEDS_DIR``."""
     return private_dir.resolve(settings().dir)
 
 
-def set_stats_dir(path: str) -> None:
-    """Export ``path`` as ``VLLM_SHM_EMBEDS_STATS_DIR`` (children inherit it)."""
-    os.environ["VLLM_SHM_EMBEDS_STATS_DIR"] = path
-
-
 def budget_bytes() -> int:
-    """The most this server's segments may hold (bytes): ``VLLM_SHM_EMBEDS_MAX_BYTES``,
-    else half the segment directory's file system; when that is the file
-    system of ``/dev/shm`` (where vLLM keeps its broadcast rings), at most what
-    was free the first time this was asked less :data:`RING_RESERVE_BYTES`."""
+    """The most this server's segments may hold, in bytes (``VLLM_SHM_EMBEDS_MAX_BYTES``;
+    its default is fixed when first asked)."""
     s = settings()
     if s.max_bytes is not None:
         return s.max_bytes
@@ -346,8 +312,8 @@ def budget_bytes() -> int:
 
 
 def shares_dev_shm() -> bool:
-    """True if the segment directory is on the file system of ``/dev/shm`` (or
-    that cannot be told): others' files share it; asked once per directory."""
+    """True if the segment directory is on ``/dev/shm``'s file system, or that cannot
+    be told (asked once per directory)."""
     d = settings().dir
     if d not in CACHE.shares:
         try:
@@ -358,17 +324,15 @@ def shares_dev_shm() -> bool:
 
 
 def env_vars() -> dict[str, Callable[[], Any]]:
-    """What vLLM's ``vllm/envs.py`` ``environment_variables`` gets (name -> getter; a
-    derived default gives the value in use), so ``Platform.validate_environ`` knows our
-    variables; :data:`TEST_LIMITS` too (its text), so that vLLM does not warn about it."""
+    """Name -> getter for vLLM's ``vllm/envs.py`` ``environment_variables``, so that
+    vLLM does not warn about our variables (:data:`TEST_LIMITS` included)."""
     return {s.name: getter(s) for s in declared().settings} | {
         "VLLM_SHM_EMBEDS_MAX_BYTES": budget_bytes,
         TEST_LIMITS: lambda: os.environ.get(TEST_LIMITS)}
 
 
 def markdown_table() -> str:
-    """The variables table of ``docs/configuration.md``: the core's settings, then each
-    loaded extension's."""
+    """The variables table of ``docs/configuration.md``."""
     from vllm._shm_embeds import extensions
 
     owned = [("core", s) for s in SETTINGS] + [

@@ -1,14 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Counters of what shm-embeds did, in every process of a server.
+"""Counters of what shm-embeds did: an in-memory add plus, with
+``VLLM_SHM_EMBEDS_STATS_DIR`` set, a write to this process's ``prometheus_client``
+multiprocess file. Never count from a finalizer (this takes a lock).
 
-A count is an in-memory add plus, with ``VLLM_SHM_EMBEDS_STATS_DIR`` set, a write to
-this process's ``prometheus_client`` multiprocess file (all read by :func:`read_server`,
-:func:`read_stats_dir`). Events are declared once, in :class:`Event` or an extension's
-``events`` (:func:`events`); callers name them. Never count from a finalizer (this
-takes a lock).
-
-Base layer: may import the other base modules and vLLM's logger; no HTTP.
-Design notes: docs/design.md, "Module notes".
+Base layer: may import the other base modules. Design notes: docs/design.md, "Module notes".
 """
 
 from __future__ import annotations
@@ -30,11 +25,9 @@ _HELP = "shm-embeds events of one process (internal; see vllm:shm_embeds_* on /m
 
 
 class EventKind(enum.StrEnum):
-    """A counted event (bytes in bytes); the value is the stored name (``event`` label,
-    :meth:`Key.flat`). ``metric``: the ``vllm:shm_embeds_*`` family it feeds
-    (``ext/metrics/metrics.py``, no prefix), None: summary and tests only; ``labels``:
-    :func:`count_reason`'s, () for :func:`count`; ``doc``: what it counts. Memberless:
-    the core's are :class:`Event`, an extension's its ``EXTENSION.events``."""
+    """A counted event; the value is the stored name. ``metric``: the
+    ``vllm:shm_embeds_*`` family it feeds (no prefix), None: summary and tests only;
+    ``labels``: :func:`count_reason`'s, () for :func:`count`; ``doc``: what it counts."""
 
     metric: str | None
     labels: tuple[str, ...]
@@ -52,16 +45,14 @@ class Event(EventKind):
     """The core's events (:class:`EventKind`)."""
 
     # hops (the sender counts tensors/bytes; a receiver's *_shm_tensors are received)
-    HOP1_SHM_TENSORS = ("hop1_shm_tensors", "tensors",
-                        "hop-1 tensors sent by shared memory (API server) or adopted "
-                        "(EngineCore: received_tensors)")
+    HOP1_SHM_TENSORS = ("hop1_shm_tensors", "tensors", "hop-1 tensors sent by shared memory "
+                        "(API server) or adopted (EngineCore: received_tensors)")
     HOP1_SHM_BYTES = ("hop1_shm_bytes", "bytes", "their bytes")
     HOP1_STOCK_TENSORS = ("hop1_stock_tensors", "tensors",
                           "hop-1 tensors sent the stock way (as ZMQ frames)")
     HOP1_STOCK_BYTES = ("hop1_stock_bytes", "bytes", "their bytes")
-    HOP2_SHM_TENSORS = ("hop2_shm_tensors", "tensors",
-                        "hop-2 tensors sent as handles (EngineCore) or mapped (each TP "
-                        "worker: received_tensors)")
+    HOP2_SHM_TENSORS = ("hop2_shm_tensors", "tensors", "hop-2 tensors sent as handles "
+                        "(EngineCore) or mapped (each TP worker: received_tensors)")
     HOP2_SHM_BYTES = ("hop2_shm_bytes", "bytes", "their bytes")
     HOP2_STOCK_TENSORS = ("hop2_stock_tensors", "tensors", "hop-2 tensors sent the stock way "
                           "(in the broadcast, or over ZMQ per reader)")
@@ -75,32 +66,26 @@ class Event(EventKind):
     HOP1_REGION_ADOPTED = ("hop1_region_adopted", None, "registered regions the EngineCore opened")
     HOP2_REUSED_TENSORS = ("hop2_reused_tensors", "reused_tensors",
                            "hop-2 tensors sent without a copy (segments adopted at hop 1)")
-    HOP2_PLACEHOLDER_TENSORS = ("hop2_placeholder_tensors", "placeholder_tensors",
-                                "hop-2 tensors a worker of a later pipeline stage replaced "
-                                "by a placeholder without mapping anything")
-    HOP2_READER_TENSORS = ("hop2_reader_tensors", "reader_tensors",
-                           "hop-2 tensors per reader of the broadcast, by what the reader "
-                           "got (reason: local_handle, local_placeholder, "
-                           "remote_placeholder, remote_bytes; EngineCore)", ("hop", "reason"))
-    HOP2_REMOTE_BYTES = ("hop2_remote_bytes", "remote_bytes",
-                         "embeds bytes hop 2 sent to readers on other nodes (tensor bytes "
-                         "x remote readers that got the bytes; EngineCore)")
+    HOP2_PLACEHOLDER_TENSORS = ("hop2_placeholder_tensors", "placeholder_tensors", "hop-2 "
+                                "tensors a later pipeline stage's worker did not map")
+    HOP2_READER_TENSORS = ("hop2_reader_tensors", "reader_tensors", "hop-2 tensors per "
+                           "reader of the broadcast, by what it got (EngineCore)",
+                           ("hop", "reason"))
+    HOP2_REMOTE_BYTES = ("hop2_remote_bytes", "remote_bytes", "tensor bytes x remote "
+                         "readers that got the bytes at hop 2 (EngineCore)")
     FALLBACK = ("fallback", "fallbacks", "tensors that took the stock path (or failed)",
                 ("hop", "reason"))
     # segments
     COPIED_BYTES = ("copied_bytes", "copied_bytes", "bytes copied into segments")
     SEGMENTS_CREATED = ("segments_created", "segments_created", "segments created")
-    SEGMENTS_UNLINKED = ("segments_unlinked", "segments_unlinked",
-                         "segments unlinked by their owner")
+    SEGMENTS_UNLINKED = ("segments_unlinked", "segments_unlinked", "unlinked by their owner")
     SEGMENTS_SWEPT = ("segments_swept", "segments_swept", "segments of dead owners removed")
     ADOPT_NAMES_TAKEN = ("adopt_names_taken", "adopt_names_taken",
                          "names found taken when adopting (another name was drawn)")
-    ENGINE_PAGES_RELEASED = ("engine_pages_released", None,
-                             "adopted segments whose pages the EngineCore let go of "
-                             "once vLLM freed the request")
-    # prefix-cache digests the EngineCore refused (hops/hop1.py, ext/digests)
-    HASH_REJECTED_META = ("hash_rejected_meta", None,
-                          "digests the EngineCore refused (it hashes itself)")
+    ENGINE_PAGES_RELEASED = ("engine_pages_released", None, "adopted segments whose pages "
+                             "the EngineCore let go of once vLLM freed the request")
+    # hops/hop1.py and ext/digests
+    HASH_REJECTED_META = ("hash_rejected_meta", None, "digests the EngineCore refused")
 
 
 class Key(NamedTuple):
@@ -112,9 +97,8 @@ class Key(NamedTuple):
 
     def flat(self) -> str:
         """Name in :func:`stats` and the summary, e.g. ``fallback.hop1.no_space``."""
-        parts = [self.event] + ([f"hop{self.hop}"] if self.hop else []) + (
-            [self.reason] if self.reason else [])
-        return ".".join(parts)
+        return ".".join([self.event, *([f"hop{self.hop}"] if self.hop else []),
+                         *([self.reason] if self.reason else [])])
 
 
 class _Counters:
@@ -147,7 +131,7 @@ class _Counters:
                     self.file = None
                 else:  # a file this pid left earlier: go on from its values
                     for mkey, value, _ in self.file.read_all_values():
-                        slot = _parse(json.loads(mkey)[2])
+                        slot = parse_labels(json.loads(mkey)[2])
                         self.keys[slot] = mkey
                         self.file_totals[slot] = value
         return self.file
@@ -174,18 +158,13 @@ class _Counters:
 _state = _Counters()
 
 
-def _after_fork_in_child() -> None:
-    global _state
-    _state = _Counters()  # a forked child counts for itself, in a file of its own
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
 def reset() -> None:
-    """Start this process's counts again from zero (tests)."""
+    """Start this process's counts again from zero (tests, and a forked child)."""
     global _state
     _state = _Counters()
+
+
+os.register_at_fork(after_in_child=reset)
 
 
 def set_role(role: str) -> None:
@@ -210,12 +189,9 @@ def events() -> list[EventKind]:
     return out
 
 
-def count(event: EventKind | None = None, n: int = 1, /, **by_name: int) -> None:
-    """Add ``n`` to a plain event; ``by_name``: ``count(segments_swept=2)`` (tests)."""
-    deltas = {Key(name): v for name, v in by_name.items()}
-    if event is not None:
-        deltas[Key(event.value)] = n
-    _state.add(deltas)
+def count(event: EventKind, n: int = 1, /) -> None:
+    """Add ``n`` to a plain event."""
+    _state.add({Key(event.value): n})
 
 
 def count_many(deltas: Mapping[EventKind, int]) -> None:
@@ -235,30 +211,16 @@ def stats() -> dict[str, int]:
         return {key.flat(): n for key, n in state.totals.items()}
 
 
-def _files(stats_dir: str) -> list[str]:
-    return sorted(glob.glob(os.path.join(glob.escape(stats_dir), "counter_*.db")))
+def stats_files(stats_dir: str) -> dict[int, str]:
+    """Pid -> the counter file it wrote in ``stats_dir``."""
+    paths = sorted(glob.glob(os.path.join(glob.escape(stats_dir), "counter_*.db")))
+    return {int(os.path.basename(p)[len("counter_"):-len(".db")]): p for p in paths}
 
 
-def _parse(labels: dict[str, str]) -> tuple[Key, str]:
+def parse_labels(labels: dict[str, str]) -> tuple[Key, str]:
+    """A stored sample's labels -> its ``(key, role)``."""
     return Key(labels.get("event", ""), labels.get("hop", ""),
                labels.get("reason", "")), labels.get("role", "")
-
-
-def read_server(stats_dir: str) -> dict[tuple[Key, str], float]:
-    """All processes' counts in ``stats_dir`` per ``(key, role)`` (``MultiProcessCollector``)."""
-    from prometheus_client.multiprocess import MultiProcessCollector
-
-    files = _files(stats_dir) if stats_dir else []
-    out: dict[tuple[Key, str], float] = {}
-    if not files:
-        return out
-    for metric in MultiProcessCollector.merge(files, accumulate=True):
-        if metric.name != FAMILY:
-            continue
-        for sample in metric.samples:
-            slot = _parse(dict(sample.labels))
-            out[slot] = out.get(slot, 0) + sample.value
-    return out
 
 
 def read_stats_dir(stats_dir: str) -> list[dict[str, Any]]:
@@ -267,20 +229,13 @@ def read_stats_dir(stats_dir: str) -> list[dict[str, Any]]:
     from prometheus_client.mmap_dict import MmapedDict
 
     out = []
-    for path in _files(stats_dir):
-        pid = int(os.path.basename(path)[len("counter_"):-len(".db")])
+    for pid, path in stats_files(stats_dir).items():
         counters: Counter[str] = Counter()
         seen: set[str] = set()
         for mkey, value, _, _ in MmapedDict.read_all_values_from_file(path):
             _, _, labels, _ = json.loads(mkey)
-            key, role = _parse(labels)
+            key, role = parse_labels(labels)
             counters[key.flat()] += int(value)
             seen.update(r for r in role.split("+") if r)
         out.append({"pid": pid, "roles": sorted(seen), "counters": dict(counters)})
     return out
-
-
-def server_pids(stats_dir: str) -> set[int]:
-    """Pids of the processes that counted in ``stats_dir``."""
-    return {int(os.path.basename(p)[len("counter_"):-len(".db")]) for p in _files(stats_dir)}
-

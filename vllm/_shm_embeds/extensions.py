@@ -1,10 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The one seam between the core and its extensions: :data:`EXTENSIONS`.
-
-Every folder of ``ext/`` is an extension and may be deleted. The core never imports
-one by name: it loads those present (:func:`loaded`) and reaches their modules only
-through :func:`get` (None when absent); so does an extension, and only the modules the
-other lists in its ``api``. ``docs/design.md``, "Extensions".
+"""The one seam between the core and its extensions (``docs/design.md``, "Extensions"):
+the core reaches an extension's modules only through :func:`get` (None when absent).
 
 May import: base (this module imports nothing of the package but logging).
 """
@@ -99,12 +95,8 @@ def present(name: str) -> bool:
     return folder is not None and os.path.isfile(os.path.join(HERE, folder, "__init__.py"))
 
 
-def package_of(name: str) -> str:
-    """The package of extension ``name``."""
-    return _module_name(name)
-
-
-def _module_name(name: str, module: str = "") -> str:
+def package_of(name: str, module: str = "") -> str:
+    """The package of extension ``name`` (with ``module``: that module's name)."""
     base = f"{PACKAGE}.{EXTENSIONS[name].replace('/', '.')}"
     return f"{base}.{module}" if module else base
 
@@ -122,7 +114,7 @@ def loaded() -> dict[str, Extension]:
             MISSING[name] = "not installed (its folder is absent)"
             continue
         try:
-            ext = importlib.import_module(_module_name(name)).EXTENSION
+            ext = importlib.import_module(package_of(name)).EXTENSION
         except Exception:
             MISSING[name] = "failed to load"
             logger.warning("shm-embeds: extension %s not loaded", name, exc_info=True)
@@ -153,7 +145,7 @@ def get(name: str, module: str) -> ModuleType | None:
         return None
     if module not in ext.api:
         raise ValueError(f"extension {name} does not publish {module}")
-    return importlib.import_module(_module_name(name, module))
+    return importlib.import_module(package_of(name, module))
 
 
 def require(name: str, module: str) -> ModuleType:
@@ -178,7 +170,7 @@ def site_modules() -> list[ModuleType]:
         if name in _SITE_MODULES or name not in loaded():
             continue
         try:
-            _SITE_MODULES[name] = [importlib.import_module(_module_name(name, m))
+            _SITE_MODULES[name] = [importlib.import_module(package_of(name, m))
                                    for m in ext.sites]
         except Exception:
             logger.warning("shm-embeds: extension %s not loaded (its vLLM sites)", name,

@@ -1,17 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Segment names and :class:`SharedTensorHandle`: what crosses a hop instead of bytes.
-
-Pure data and parsing, no I/O (``files/segment.py``). A segment is a 4096-byte header
-(magic, reader flags) then the tensor's bytes, C-contiguous, maybe striped over files
-``<name>``, ``<name>p1``, ...; :class:`SegmentName` says who owns it.
-
-Base layer: may import the other base modules and vLLM's logger; no HTTP.
-Design notes: docs/design.md, "Module notes".
+Pure data and parsing, no I/O. Base layer: may import the other base modules.
+Design notes (the segment layout): docs/design.md, "Module notes".
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import mmap
 import re
 import reprlib
@@ -27,7 +23,7 @@ HEADER_BYTES = 4096
 MAGIC = b"SHMEMB01"
 # The hop-2 wire format (pickled handles and forms, the per-step agreement): bump on any
 # change; a worker answering another number keeps its engine's hop 2 stock.
-HOP2_WIRE = 3  # 3: StepEmbeds (2: the agreement within a stage, then StageChain)
+HOP2_WIRE = 3
 READER_FLAGS_OFFSET = 64
 MAX_READERS = HEADER_BYTES - READER_FLAGS_OFFSET  # flag bytes per segment
 PAGE_BYTES = mmap.PAGESIZE
@@ -38,22 +34,18 @@ class ShmEmbedsError(RuntimeError):
     """A segment could not be created, found or mapped."""
 
 
-# -- names
-
 # Canonical numbers only (ASCII digits, no leading zero, at most 20 digits, no part 0),
 # so a name parses to one that prints back the same.
 _NUM = r"(0|[1-9][0-9]{0,19})"
-_NAME_RE = re.compile(
-    rf"{re.escape(SEGMENT_PREFIX)}\.{_NUM}\.{_NUM}\.{_NUM}\.{_NUM}(?:p([1-9][0-9]{{0,19}}))?",
-    re.ASCII,
-)
+_NAME_RE = re.compile(rf"{re.escape(SEGMENT_PREFIX)}\.{_NUM}\.{_NUM}\.{_NUM}\.{_NUM}"
+                      r"(?:p([1-9][0-9]{0,19}))?", re.ASCII)
 
 
 @dataclasses.dataclass(frozen=True)
 class SegmentName:
-    """The parts of a segment file name (the only place names are built and parsed):
-    owner's ``pidns`` (inode of ``/proc/<pid>/ns/pid``, or 0), ``pid``, ``start`` (clock
-    ticks since boot; 0 if unknown), ``seq``, and ``part`` (file index; 0: file 0)."""
+    """A segment file name's parts: the owner's ``pidns`` (inode of
+    ``/proc/<pid>/ns/pid``, or 0), ``pid``, ``start`` (clock ticks since boot; 0 if
+    unknown), ``seq``, and ``part`` (file index)."""
 
     pidns: int
     pid: int
@@ -62,17 +54,14 @@ class SegmentName:
     part: int = 0
 
     def __str__(self) -> str:
-        base = f"{SEGMENT_PREFIX}.{self.pidns}.{self.pid}.{self.start}.{self.seq}"
-        return base if self.part == 0 else f"{base}p{self.part}"
+        return part_name(f"{SEGMENT_PREFIX}.{self.pidns}.{self.pid}.{self.start}.{self.seq}",
+                         self.part)
 
     @classmethod
     def parse(cls, name: str) -> SegmentName | None:
         """The parts of ``name``, or None if it is not a segment file name of ours."""
         m = _NAME_RE.fullmatch(name) if isinstance(name, str) else None
-        if m is None:
-            return None
-        pidns, pid, start, seq, part = m.groups()
-        return cls(int(pidns), int(pid), int(start), int(seq), int(part or 0))
+        return None if m is None else cls(*(int(g or 0) for g in m.groups()))
 
     def base(self) -> SegmentName:
         """The segment's own name (file 0)."""
@@ -82,9 +71,6 @@ class SegmentName:
 def part_name(name: str, index: int) -> str:
     """File name of part ``index`` of segment ``name`` (part 0 is ``name`` itself)."""
     return name if index == 0 else f"{name}p{index}"
-
-
-# -- handles
 
 
 def torch_dtype(name: str, what: str = "handle") -> torch.dtype:
@@ -108,8 +94,8 @@ class SharedTensorHandle:
         owner_pid, owner_files: hop 2: the owner and its ``(fd, inode)`` per file;
             readers open ``/proc/<owner_pid>/fd/<fd>`` (0, (): by name).
         readers: hop 2: readers this broadcast has flags for (0: hop 1, unchecked).
-        held: ``(pid, fd, inode)`` of the sender's memfd holding the bytes (never changed): file
-            0 is then the header alone and the nameless memfd is file 1.
+        held: ``(pid, fd, inode)`` of the sender's memfd holding the bytes (never
+            changed): file 0 is then the header alone and the memfd is file 1.
     """
 
     name: str
@@ -129,20 +115,15 @@ class SharedTensorHandle:
     @property
     def nbytes(self) -> int:
         """Size of the tensor data in bytes (the segment is 4096 bytes larger)."""
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * self.torch_dtype.itemsize
+        return math.prod(self.shape) * self.torch_dtype.itemsize
 
     def parts(self) -> list[tuple[str, int, int]]:
         """``(file name, first data byte, data bytes)`` for each file of the segment."""
         if self.held:
             return [(self.name, 0, 0), (part_name(self.name, 1), 0, self.nbytes)]
         bounds = [0, *self.split, self.nbytes]
-        return [
-            (part_name(self.name, i), bounds[i], bounds[i + 1] - bounds[i])
-            for i in range(len(bounds) - 1)
-        ]
+        return [(part_name(self.name, i), bounds[i], bounds[i + 1] - bounds[i])
+                for i in range(len(bounds) - 1)]
 
     def renamed(self, name: str) -> SharedTensorHandle:
         """The same tensor under another segment name."""
@@ -192,13 +173,10 @@ class SharedTensorHandle:
         return handle
 
 
-# -- what hop-2 readers that map nothing receive instead of a handle
-
-
 @dataclasses.dataclass(frozen=True)
 class EmbedsPlaceholder:
-    """Stands for a ``prompt_embeds`` tensor a hop-2 reader never reads; it builds a
-    :func:`placeholder_tensor` of ``dtype`` (a name) and ``shape``."""
+    """What a hop-2 reader that never reads a ``prompt_embeds`` tensor gets instead of a
+    handle; it builds a :func:`placeholder_tensor` of ``dtype`` (a name) and ``shape``."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -210,15 +188,14 @@ class EmbedsPlaceholder:
 
 @dataclasses.dataclass(frozen=True)
 class StepEmbeds(EmbedsPlaceholder):
-    """A ``prompt_embeds`` tensor a remote first-stage reader receives inside the step from
-    an extension (``ext/nodes``: over the TP group, once per node); a later stage's
-    placeholder. Without that extension the step fails on every rank."""
+    """A tensor a remote first-stage reader receives inside the step from ``ext/nodes``
+    (a later stage's placeholder); without that extension the step fails on every rank."""
 
 
 @dataclasses.dataclass(frozen=True)
 class InlineEmbeds:
-    """A ``prompt_embeds`` tensor sent by value (hop 2) to readers on other nodes when
-    one is on the first stage; the wrapper makes every rank join the agreement."""
+    """A tensor sent by value (hop 2) to readers on other nodes when one is on the first
+    stage; the wrapper makes every rank join the agreement."""
 
     tensor: torch.Tensor
 

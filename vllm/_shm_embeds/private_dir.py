@@ -1,10 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The server's private segment directory: made once, found by its processes, gone at exit.
 
-In a shared mount (``VLLM_SHM_EMBEDS_DIR``) the first process that asks makes
-``<mount>/vllm-shm-embeds-<random>/`` (mode 0700) and exports it as :data:`ENV`; the
-maker removes it at exit. A mount that is already private is used as is.
-
 Knows directories and ``/proc`` only: no segment format, not vLLM, not HTTP.
 Design notes: docs/design.md, "Module notes".
 """
@@ -38,13 +34,12 @@ class UnsafeDirectory(OSError):
 
 def _is_private(st: os.stat_result) -> bool:
     """A directory of this uid with no access for group or others (``lstat``)."""
-    return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
-            and st.st_mode & 0o077 == 0)
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o077 == 0
 
 
 def _parent_is_safe(path: str) -> bool:
-    """True if no other uid can rename or replace ``path`` (its parent is sticky, or
-    writable only by its owner, this uid or root)."""
+    """True if no other uid can rename or replace ``path``: its parent is sticky, or
+    writable only by its owner, this uid or root."""
     try:
         st = os.stat(os.path.dirname(os.path.abspath(path)) or "/")
     except OSError:
@@ -108,10 +103,10 @@ def resolve(mount: str) -> str:
     if the mount is shared and no private directory can be made or checked in it."""
     with _lock:
         found = _resolved.get(mount)
-        if found is not None and (_state["closed"] or os.path.isdir(found)
-                                  or not _remade_here(mount, found)):
-            # Never remade once removed at exit, nor by a process that did not make it:
-            # it would be left behind (vLLM may SIGKILL an EngineCore). Stock path.
+        if found is not None and (_state["closed"] or os.path.isdir(found) or not (
+                found == mount or _made.get(os.path.dirname(found)) == os.getpid())):
+            # Never remade once removed at exit, nor by a process that did not make it
+            # (vLLM may SIGKILL an EngineCore: it would be left behind). Stock path.
             return found
         st = os.lstat(mount)
         if _is_private(st) and _parent_is_safe(mount):
@@ -131,11 +126,6 @@ def resolve(mount: str) -> str:
             found = os.path.join(outer, INNER)
         _resolved[mount] = found
         return found
-
-
-def _remade_here(mount: str, found: str) -> bool:
-    """True if ``found`` (now gone) is the mount or a directory this very process made."""
-    return found == mount or _made.get(os.path.dirname(found)) == os.getpid()
 
 
 def made_here() -> bool:

@@ -1,9 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Processes seen through ``/proc``: the PID namespace, ``/proc/<pid>/stat``, and
-whether a segment's owner (the pid and start time in its name) is certainly gone.
-Every reader here answers "cannot tell" on the safe side.
-
-Knows ``/proc`` only: no segment file, not vLLM, not HTTP.
+"""Processes seen through ``/proc``; every reader here answers "cannot tell" on the safe
+side. Knows ``/proc`` only: no segment file, not vLLM, not HTTP.
 """
 
 from __future__ import annotations
@@ -39,8 +36,8 @@ def proc_stat(pid: int) -> list[bytes] | None:
 
 
 def proc_start_time(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot; None if gone, unreadable or a
-    zombie. Raises ValueError: ``/proc/<pid>/stat`` does not parse."""
+    """Start time of ``pid`` in clock ticks since boot; None and ValueError as
+    :func:`proc_stat`."""
     fields = proc_stat(pid)
     return int(fields[19]) if fields is not None else None
 

@@ -1,13 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What our segment files hold in the segment directory, counted off every caller's thread.
-
-For the budget: this process's writes and unlinks count at once, the other processes'
-files by a walk on a thread of its own, started by a count older than
-:data:`MIN_INTERVAL_S`. Errors are on the safe side (more counted).
-
-Knows segment files, not vLLM and not HTTP.
-Design notes: docs/design.md, "Module notes".
-"""
+"""The bytes our segment files hold, for the budget: this process's writes and unlinks at
+once, the rest by a walk on a thread of its own once the count is older than
+:data:`MIN_INTERVAL_S`. Errors are on the safe side (more counted)."""
 
 from __future__ import annotations
 
@@ -20,7 +14,6 @@ MIN_INTERVAL_S = 0.05  # a count at most this old (plus a walk) is used as it is
 
 
 class Census:
-    """Bytes our segment files hold in the segment directory ``directory``."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
@@ -34,7 +27,6 @@ class Census:
         self._start_walk()  # the first count, off the caller's thread
 
     def wrote(self, nbytes: int) -> None:
-        """This process wrote ``nbytes`` more into segment files in the directory."""
         with self._lock:
             self._written += nbytes
 

@@ -1,9 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""All file I/O on segments: create, write, map, open, rename, unlink.
-
-Knows files and the handle format, not vLLM, HTTP or ownership (``lifetime/``); every
-function takes the segment directory and keeps no state besides the ``libc`` handle.
-"""
+"""All file I/O on segments: create, write, map, open, rename, unlink (no state besides
+the ``libc`` handle)."""
 
 from __future__ import annotations
 
@@ -18,16 +15,11 @@ from typing import Any
 
 import torch
 
-from vllm._shm_embeds.handle import (
-    HEADER_BYTES,
-    MAGIC,
-    READER_FLAGS_OFFSET,
-    SharedTensorHandle,
-    ShmEmbedsError,
-    part_name,
-)
+from vllm._shm_embeds.handle import (HEADER_BYTES, MAGIC, READER_FLAGS_OFFSET,
+                                     SharedTensorHandle, ShmEmbedsError, part_name)
 
-WRITE_CHUNK_BYTES = 64 << 20  # writers check for a peer's failure this often
+# writers check for a peer's failure this often (Linux writes at most 0x7FFFF000 a call)
+WRITE_CHUNK_BYTES = 64 << 20
 
 
 class BudgetExceeded(OSError):
@@ -55,38 +47,29 @@ def fallback_reason(e: OSError) -> str:
     return "no_space" if e.errno == errno.ENOSPC else "os_error"
 
 
-# -- writing
-
 HEADER = MAGIC.ljust(HEADER_BYTES, b"\0")  # a new segment's first page
-_MAX_IO = 0x7FFFF000  # Linux moves at most this many bytes per write call
 
 
 def pwrite_all(fd: int, buf: memoryview, offset: int, failed: list | None = None) -> None:
-    """Write all of ``buf`` at ``offset``; raises OSError (e.g. ENOSPC). ``failed``,
-    shared by one segment's writers: an error is appended, and the others stop."""
+    """Write all of ``buf`` at ``offset``; raises OSError. ``failed``, shared by one
+    segment's writers: an error is appended, and the others stop."""
     done = 0
-    step = min(_MAX_IO, WRITE_CHUNK_BYTES)
     try:
         while done < len(buf):
             if failed:
                 return
-            done += os.pwrite(fd, buf[done : done + step], offset + done)
+            done += os.pwrite(fd, buf[done : done + WRITE_CHUNK_BYTES], offset + done)
     except BaseException as e:
         if failed is not None:
             failed.append(e)
         raise
 
 
-def write_segment(
-    directory: str,
-    handle: SharedTensorHandle,
-    data: memoryview,
-    pool: concurrent.futures.Executor | None,
-) -> list[int]:
+def write_segment(directory: str, handle: SharedTensorHandle, data: memoryview,
+                  pool: concurrent.futures.Executor | None) -> list[int]:
     """Create the files of ``handle`` and ``pwrite`` header and ``data`` (``handle.nbytes``
-    bytes, C-contiguous); files 1.. are written by ``pool``. Returns the open fds (the
-    caller closes them). Raises OSError (ENOSPC, never SIGBUS), after removing the files.
-    """
+    bytes, C-contiguous); files 1.. are written by ``pool``. Returns the open fds (the caller closes
+    them). Raises OSError (ENOSPC, never SIGBUS), after removing the files."""
     parts = handle.parts()
     fds: list[int] = []
     futures: list[concurrent.futures.Future] = []
@@ -97,10 +80,8 @@ def write_segment(
             path = os.path.join(directory, part)
             fds.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
         pwrite_all(fds[0], memoryview(HEADER), 0)
-        jobs = [
-            (fd, data[start : start + length], HEADER_BYTES if i == 0 else 0)
-            for i, (fd, (_, start, length)) in enumerate(zip(fds, parts))
-        ]
+        jobs = [(fd, data[start : start + length], HEADER_BYTES if i == 0 else 0)
+                for i, (fd, (_, start, length)) in enumerate(zip(fds, parts))]
         if len(jobs) > 1:
             assert pool is not None
             for job in jobs[1:]:
@@ -124,15 +105,12 @@ def write_segment(
     return fds
 
 
-# -- mapping
-
 _MAP_FIXED = 0x10  # Linux, every architecture vLLM runs on
 _MAP_NORESERVE = 0x4000
 _libc: Any = None
 
 
 def _mmap_fixed(addr: int, length: int, prot: int, flags: int, fd: int) -> None:
-    """``mmap(addr, length, prot, flags | MAP_FIXED, fd, 0)``; raises OSError."""
     global _libc
     if _libc is None:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -155,9 +133,9 @@ def _base(mm: mmap.mmap) -> int:
 
 
 def map_files(fds: list[int], sizes: list[int], prot: int | list[int]) -> mmap.mmap:
-    """Map the files of a segment back to back as one mapping (``MAP_FIXED`` over an
-    anonymous reservation), ``prot`` one or one per file; all but the last file are page
-    multiples. Keeps no dup of the fd, so :func:`drop_pages` can let go of the pages."""
+    """Map files back to back as one mapping (``MAP_FIXED`` over an anonymous reservation),
+    ``prot`` one or one per file; all but the last are page multiples. Keeps no dup of an
+    fd, so :func:`drop_pages` lets go of the pages."""
     prots = prot if isinstance(prot, list) else [prot] * len(fds)
     mm = mmap.mmap(-1, sum(sizes),
                    flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
@@ -173,18 +151,16 @@ def map_files(fds: list[int], sizes: list[int], prot: int | list[int]) -> mmap.m
 
 
 def drop_pages(mm: mmap.mmap) -> None:
-    """Map read-only zero pages over all of ``mm``: the files' pages are let go, tensors
-    over ``mm`` stay valid and read zeros. Raises OSError."""
+    """Let go of the files' pages: zero pages mapped read-only over ``mm`` (its tensors
+    stay valid, reading zeros). Raises OSError."""
     if not mm.closed:
         _mmap_fixed(_base(mm), len(mm), mmap.PROT_READ,
                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1)
 
 
 def open_held(pid: int, fd: int, inode: int, nbytes: int) -> int:
-    """Open a held file (a memfd) read-only via ``/proc/<pid>/fd/<fd>``; the number may
-    have been reused, so only a memfd of that inode and at least ``nbytes`` is accepted
-    (a kept conversation grows its file past what earlier requests map).
-    Raises ShmEmbedsError: gone, another file, or too small."""
+    """Open a held file read-only via ``/proc/<pid>/fd/<fd>``: only a memfd of that inode
+    and at least ``nbytes`` (a kept conversation grows its file). Raises ShmEmbedsError."""
     path = f"/proc/{pid}/fd/{fd}"
     try:
         if not os.readlink(path).startswith("/memfd:"):
@@ -217,11 +193,9 @@ def _open_by_owner_fd(handle: SharedTensorHandle, writable_first: bool) -> list[
     return fds
 
 
-def open_files(
-    directory: str, handle: SharedTensorHandle, reader: bool
-) -> list[int]:
-    """Open every file of ``handle``, by the owner's fds when given, else by name (file 0
-    read/write). Raises ShmEmbedsError if a file is missing."""
+def open_files(directory: str, handle: SharedTensorHandle, reader: bool) -> list[int]:
+    """Open every file of ``handle``, by the owner's fds if given, else by name. Raises
+    ShmEmbedsError if a file is missing."""
     fds = _open_by_owner_fd(handle, writable_first=True) if reader else None
     if fds is not None:
         return fds
@@ -247,17 +221,11 @@ def open_files(
     return fds
 
 
-def map_segment(
-    directory: str,
-    handle: SharedTensorHandle,
-    reader_index: int | None = None,
-    fds: list[int] | None = None,
-) -> mmap.mmap:
-    """Map an existing segment after checking sizes and magic: read-only with a
-    ``reader_index`` (its flag is then set), else read/write. ``fds``: the files, kept
-    open; else opened and closed again.
-    Raises ShmEmbedsError: a file is missing, has the wrong size, or no header.
-    """
+def map_segment(directory: str, handle: SharedTensorHandle, reader_index: int | None = None,
+                fds: list[int] | None = None) -> mmap.mmap:
+    """Map a segment after checking sizes and magic: read-only with a ``reader_index``
+    (its flag is set), else read/write. ``fds``: its files, kept open. Raises
+    ShmEmbedsError: a file is missing, has the wrong size, or no header."""
     reader = reader_index is not None
     prot = mmap.PROT_READ if reader else mmap.PROT_READ | mmap.PROT_WRITE
     own = fds is None
@@ -271,9 +239,7 @@ def map_segment(
             if i and handle.held and size > want:  # a held file may have grown: its start
                 size = want
             if size != want:
-                raise ShmEmbedsError(
-                    f"segment {part!r} holds {size} bytes, handle expects {want}"
-                )
+                raise ShmEmbedsError(f"segment {part!r} holds {size} bytes, handle expects {want}")
             sizes.append(size)
         # A held file 1 (a memfd) is mapped read-only by everyone.
         mm = map_files(fds, sizes, [prot] + [mmap.PROT_READ] * (len(fds) - 1)
@@ -291,8 +257,8 @@ def map_segment(
 
 
 def tensor_view(mm: mmap.mmap, handle: SharedTensorHandle) -> tuple[torch.Tensor, Any]:
-    """Zero-copy ``(tensor, anchor)`` over a mapped segment's data; ``anchor`` dies when
-    the last tensor or view over that storage is gone."""
+    """Zero-copy ``(tensor, anchor)`` over a mapped segment's data; ``anchor`` dies with
+    the last tensor over that storage."""
     nbytes = handle.nbytes
     anchor = memoryview(mm)
     if nbytes == 0:
@@ -314,8 +280,8 @@ def within(mm: mmap.mmap, tensor: torch.Tensor) -> bool:
 
 
 def view_within(mm: mmap.mmap, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """``(view, anchor)`` as :func:`tensor_view`: ``view`` equals ``tensor`` (same pages,
-    dtype, shape, strides in ``mm``) with a storage and anchor of its own."""
+    """``(view, anchor)``: ``view`` is ``tensor`` (same pages, dtype, shape, strides) with
+    a storage and anchor of its own."""
     storage = tensor.untyped_storage()
     anchor = memoryview(mm)
     with warnings.catch_warnings():
@@ -327,17 +293,8 @@ def view_within(mm: mmap.mmap, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]
     return view, anchor
 
 
-def read_flags(mm: mmap.mmap, flag_base: int, readers: int) -> bytes:
-    """The ``readers`` flag bytes of one broadcast."""
-    start = READER_FLAGS_OFFSET + flag_base
-    return mm[start : start + readers]
-
-
-# -- unlinking and renaming
-
-
 def unlink_quietly(path: str) -> bool:
-    """Unlink ``path``; False if it was not there."""
+    """False if ``path`` was not there."""
     try:
         os.unlink(path)
         return True
@@ -353,17 +310,14 @@ def unlink_segment(directory: str, name: str, nparts: int) -> bool:
     return first
 
 
-# -- adopting a peer's file under a name of ours
-
 _RENAME_NOREPLACE = 1  # <linux/fs.h>
 _AT_FDCWD = -100
 _renameat2: Any = None  # the libc function, False where it is missing
 
 
 def rename_noreplace(src: str, dst: str) -> None:
-    """Rename ``src`` to ``dst`` unless ``dst`` exists (``FileExistsError``); OSError.
-    ``renameat2(RENAME_NOREPLACE)`` (glibc 2.28+, Linux 3.15+), else ``link`` + ``unlink``.
-    """
+    """Rename unless ``dst`` exists (``FileExistsError``): ``renameat2(RENAME_NOREPLACE)``
+    (glibc 2.28+, Linux 3.15+), else ``link`` + ``unlink``. Raises OSError."""
     global _renameat2
     if _renameat2 is None:
         try:

@@ -1,10 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What is in the segment directory: names like ours, whose files they are, the bytes
-they hold, the dead owners' segments swept, the file system's room. A name like ours
-proves nothing: only regular files of this user count (:func:`our_file`).
-
-Knows segment names and files, not vLLM and not HTTP.
-"""
+"""What is in the segment directory. A name like ours proves nothing: only regular files
+of this user count (:func:`our_file`)."""
 
 from __future__ import annotations
 
@@ -17,7 +13,7 @@ from vllm._shm_embeds.procfs import owner_is_dead
 
 
 def our_file(st: os.stat_result) -> bool:
-    """True if ``st`` (``os.lstat``) is a regular file of this user (a segment of ours)."""
+    """True if ``st`` (``os.lstat``) is a regular file of this user."""
     return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
 
 

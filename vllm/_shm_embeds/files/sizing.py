@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""How large the segment directory should be for a server, and the start-up warning."""
+"""How large the segment directory should be, and the start-up warning."""
 
 from __future__ import annotations
 
@@ -8,14 +8,6 @@ from typing import Any
 
 from vllm._shm_embeds.config import shm_dir
 from vllm._shm_embeds.handle import HEADER_BYTES, dtype_name
-
-
-def dir_need_bytes(max_num_seqs: int, max_model_len: int, hidden_size: int,
-                   dtype_bytes: int, engines: int = 1) -> int:
-    """Bytes running requests' embeds could need: ``engines`` x ``max_num_seqs`` x
-    (``max_model_len`` x ``hidden_size`` x ``dtype_bytes`` + a 4 KiB header)."""
-    per_seq = max_model_len * hidden_size * dtype_bytes + HEADER_BYTES
-    return engines * max_num_seqs * per_seq
 
 
 def _human(n: float) -> str:
@@ -27,15 +19,15 @@ def _human(n: float) -> str:
 
 
 def check_dir_size(vllm_config: Any, directory: str | None = None) -> str | None:
-    """The start-up warning if the directory's file system is smaller than
-    :func:`dir_need_bytes` for ``vllm_config`` (vLLM 0.32/0.33 field names); else None."""
+    """The start-up warning if the directory's file system is smaller than running
+    requests' embeds could need for ``vllm_config`` (vLLM 0.32/0.33 field names); else None."""
     directory = directory or shm_dir()
     mc, sc = vllm_config.model_config, vllm_config.scheduler_config
     pc = vllm_config.parallel_config
     engines = max(1, int(getattr(pc, "data_parallel_size_local", 1) or 1))
     dtype_bytes = mc.dtype.itemsize
-    need = dir_need_bytes(sc.max_num_seqs, mc.max_model_len, mc.get_hidden_size(),
-                          dtype_bytes, engines)
+    need = engines * sc.max_num_seqs * (mc.max_model_len * mc.get_hidden_size() * dtype_bytes
+                                        + HEADER_BYTES)
     st = os.statvfs(directory)
     size = st.f_blocks * st.f_frsize
     if size >= need:

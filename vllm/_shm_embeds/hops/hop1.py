@@ -31,14 +31,14 @@ from vllm._shm_embeds.lifetime.transfer import (
     share_tensor,
 )
 
+logger = init_logger(__name__)
+
+META_KEY = "shm_embeds"
+
 
 def digests_module() -> Any:
     """The ``digests`` extension's module, or None without it."""
     return extensions.get("digests", "digests")
-
-logger = init_logger(__name__)
-
-META_KEY = "shm_embeds"
 
 
 class HandleOOBConsumer:
@@ -117,15 +117,8 @@ class HandleOOBConsumer:
     def _copy(self, tensor: torch.Tensor) -> tuple[SharedTensorHandle, Any]:
         """Copy ``tensor`` into a new segment, hashing its blocks meanwhile if asked: the
         handle and digests (or None). Raises OSError."""
-        hashing = None
         digests = digests_module()
-        if (self.block_tokens and digests is not None and tensor.dim() == 2
-                and tensor.shape[0] and digests.attached(tensor) is None):
-            try:
-                hashing = digests.hash_tensor(tensor, self.block_tokens)
-            except Exception:  # e.g. no numpy view: the EngineCore hashes it
-                logger.debug("shm-embeds: hop 1 sends a tensor without digests",
-                             exc_info=True)
+        hashing = digests.start_hash(tensor, self.block_tokens) if digests else None
         try:
             handle = share_tensor(tensor)
         finally:

@@ -1,12 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Hop 2, EngineCore -> every TP worker: handles instead of tensors in the broadcast.
 
-:func:`externalize_prompt_embeds` swaps each eligible ``prompt_embeds`` for a handle while
-the ``SchedulerOutput`` is enqueued; each worker maps it back
-(:func:`internalize_prompt_embeds`), and all ranks agree whether all could.
-
-Works on any objects with a ``prompt_embeds`` attribute; knows nothing of vLLM's
-classes or of HTTP. Design notes: docs/design.md, "Module notes".
+Works on any objects with a ``prompt_embeds`` attribute; knows nothing of vLLM's classes.
 """
 
 from __future__ import annotations
@@ -49,10 +44,9 @@ logger = init_logger(__name__)
 
 
 def externalize(tensor: torch.Tensor, readers: int) -> SharedTensorHandle:
-    """Handle for ``tensor`` to broadcast to ``readers`` local readers (hop 2), with
-    reader flags of its own: a segment this process owns is reused, else ``tensor`` is
-    copied once into a new one. Raises OSError (no new segment) or ValueError (``readers``
-    over :data:`MAX_READERS`)."""
+    """Handle for ``tensor`` to broadcast to ``readers`` local readers, with reader flags of
+    its own. Raises OSError (no new segment) or ValueError (``readers`` not in
+    1..:data:`MAX_READERS`)."""
     if not 0 < readers <= MAX_READERS:
         raise ValueError(f"readers must be in 1..{MAX_READERS}, got {readers}")
     owned = process.current().owned
@@ -78,12 +72,9 @@ def externalize(tensor: torch.Tensor, readers: int) -> SharedTensorHandle:
     return handle
 
 
-# -- who reads the broadcast
-
-
 @dataclasses.dataclass(frozen=True)
 class ReaderPlan:
-    """What each reader of one engine's broadcast gets (hop 2).
+    """What each reader of one engine's broadcast gets.
 
     Attributes:
         handle_readers: local first-stage readers, which map the handles (and have flags).
@@ -133,8 +124,7 @@ def reader_plan(first_stage: int, n_local: int, n_remote: int) -> ReaderPlan:
 
 def remote_form(tensor: torch.Tensor, plan: ReaderPlan
                 ) -> StepEmbeds | EmbedsPlaceholder | InlineEmbeds:
-    """What ``plan``'s remote readers get instead of the handle: the bytes, a description
-    of the bytes they receive inside the step, or a placeholder."""
+    """What ``plan``'s remote readers get instead of the handle."""
     if plan.in_step:
         return StepEmbeds(dtype_name(tensor.dtype), tuple(tensor.shape))
     if plan.remote_bytes:
@@ -162,9 +152,8 @@ def carries_embeds(new_reqs: Iterable[Any] | None) -> bool:
 def externalize_prompt_embeds(
     new_reqs: Iterable[Any], readers: int
 ) -> list[tuple[Any, torch.Tensor]]:
-    """Swap each eligible ``prompt_embeds`` tensor on ``new_reqs`` (vLLM's
-    ``NewRequestData``) for a handle; ``(obj, tensor)`` pairs for
-    :func:`restore_prompt_embeds`."""
+    """Swap each eligible ``prompt_embeds`` tensor on ``new_reqs`` (``NewRequestData``) for
+    a handle; ``(obj, tensor)`` pairs for :func:`restore_prompt_embeds`."""
     swapped: list[tuple[Any, torch.Tensor]] = []
     for req in new_reqs:
         tensor = getattr(req, "prompt_embeds", None)
@@ -205,17 +194,16 @@ def send_views(new_reqs: Iterable[Any]) -> list[tuple[Any, torch.Tensor]]:
 
 
 def restore_prompt_embeds(swapped: list[tuple[Any, torch.Tensor]]) -> None:
-    """Put back the tensors that :func:`externalize_prompt_embeds` swapped out."""
+    """Put back the tensors swapped out (``(obj, tensor)`` pairs)."""
     for req, tensor in swapped:
         req.prompt_embeds = tensor
 
 
 def internalize_prompt_embeds(new_reqs: Iterable[Any], reader_index: int | None,
                               first_stage: bool = True) -> int:
-    """Replace each of our forms in ``new_reqs[i].prompt_embeds`` by a tensor (worker);
-    returns the number mapped. On a later stage every form becomes a
-    :func:`handle.placeholder_tensor`; on the first, a :class:`StepEmbeds` is left for
-    the step's extension.
+    """Replace each of our forms in ``new_reqs[i].prompt_embeds`` by a tensor (worker; a
+    later stage: a ``handle.placeholder_tensor``; a :class:`StepEmbeds` is left for the
+    step's extension); returns the number mapped.
 
     Raises:
         ShmEmbedsError: the first error (segment not mapped, reader index out of range,
@@ -272,12 +260,9 @@ STAGE_TAG = 0x53484D45
 
 
 class StageChain:
-    """Carries each embeds step's outcome down the pipeline stages (hop 2).
-
-    A stage ``recv``s the one before it and ``isend``s on, never waiting for a later
-    stage. ``pp``: vLLM's PP ``GroupCoordinator`` (``vllm/distributed/parallel_state.py``
-    0.32/0.33). Every rank calls :meth:`agree` once per embeds step, in the same order.
-    """
+    """Carries each embeds step's outcome down the pipeline stages; every rank calls
+    :meth:`agree` once per embeds step, in the same order. ``pp``: vLLM's PP
+    ``GroupCoordinator`` (``vllm/distributed/parallel_state.py`` 0.32/0.33)."""
 
     def __init__(self) -> None:
         self._sent: collections.deque = collections.deque()  # (work, tensor)

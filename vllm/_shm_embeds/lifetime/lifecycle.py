@@ -1,12 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The lifecycle of a segment this process owns: kinds, states, transitions.
-
-Every owned segment has a :class:`Kind` and a :class:`State` and moves only by the
-events of :data:`TRANSITIONS`; any other move is refused by :func:`check`.
-
-Knows segments, not vLLM and not HTTP.
-Design notes: docs/design.md, "Module notes" (the state diagram).
-"""
+"""An owned segment's :class:`Kind` and :class:`State`; it moves only by the events of
+:data:`TRANSITIONS` (any other move is refused by :func:`check`)."""
 
 from __future__ import annotations
 
@@ -22,7 +16,7 @@ from vllm.logger import init_logger
 
 from vllm._shm_embeds import config
 from vllm._shm_embeds.files import segment as seg
-from vllm._shm_embeds.handle import SharedTensorHandle
+from vllm._shm_embeds.handle import READER_FLAGS_OFFSET, SharedTensorHandle
 
 logger = init_logger(__name__)
 
@@ -37,8 +31,6 @@ class Kind(enum.Enum):
 
 
 class State(enum.Enum):
-    """Where a segment is in its life (see the module docstring)."""
-
     HELD = "held"
     BROADCAST = "broadcast"
     FREED = "freed"
@@ -56,27 +48,15 @@ class Transition(NamedTuple):
     kinds: frozenset[Kind]
 
 
-class StorageDied(NamedTuple):
-    """Finalizer record: the storage of a mapped segment's tensor was freed."""
-
-    name: str
-
-
-class SourceDied(NamedTuple):
-    """Finalizer record: a hop-2 copy's source tensor (data address ``ptr``) was freed."""
-
-    name: str
-    ptr: int
-
-
-class SendDone(NamedTuple):
-    """Finalizer record: a zero-copy send of a segment's bytes is done (``send_view`` freed)."""
-
-    name: str
+# Finalizers' records: a mapped segment's tensor storage freed; a hop-2 copy's source
+# tensor (data address ``ptr``) freed; a zero-copy send of its bytes done.
+StorageDied = NamedTuple("StorageDied", [("name", str)])
+SourceDied = NamedTuple("SourceDied", [("name", str), ("ptr", int)])
+SendDone = NamedTuple("SendDone", [("name", str)])
 
 
 class IllegalTransition(RuntimeError):
-    """An event that :data:`TRANSITIONS` does not allow (a bug of shm-embeds)."""
+    """An event that :data:`TRANSITIONS` does not allow (raised if :func:`strict`)."""
 
 
 HELD, BROADCAST, FREED, MAPPED, DRAINING, GONE = State
@@ -85,8 +65,7 @@ SENT = frozenset({Kind.ADOPTED, Kind.HELD_FILE, Kind.COPY})  # broadcast at hop 
 MAPS = frozenset({Kind.ADOPTED, Kind.HELD_FILE, Kind.STREAMED})  # a tensor maps it here
 
 
-def _row(event: str, source: State | None, to: set[State], kinds: frozenset[Kind]
-         ) -> Transition:
+def _row(event: str, source: State | None, to: set[State], kinds: frozenset[Kind]) -> Transition:
     return Transition(event, source, frozenset(to), kinds)
 
 
@@ -126,9 +105,8 @@ TRANSITIONS: tuple[Transition, ...] = (
     *(_row("unlink_all", s, {GONE}, ALL) for s in (HELD, BROADCAST, FREED, MAPPED, DRAINING)),
 )
 
-_ALLOWED: dict[tuple[str, State | None], Transition] = {
-    (t.event, t.source): t for t in TRANSITIONS
-}
+_ALLOWED: dict[tuple[str, State | None], Transition] = {(t.event, t.source): t
+                                                         for t in TRANSITIONS}
 
 
 def allowed(kind: Kind, event: str, source: State | None, to: State) -> bool:
@@ -138,7 +116,6 @@ def allowed(kind: Kind, event: str, source: State | None, to: State) -> bool:
 
 
 def strict() -> bool:
-    """``VLLM_SHM_EMBEDS_STRICT``: raise on an illegal transition."""
     return config.strict()
 
 
@@ -180,7 +157,7 @@ class OwnedSegment:
     sends: int = 0
 
     def maps(self, tensor: torch.Tensor) -> bool:
-        """True if ``tensor`` is exactly this segment's mapping (address, dtype, shape)."""
+        """True if ``tensor`` is exactly this segment's mapping."""
         return (self.data_ptr == tensor.data_ptr() and tensor.dtype == self.handle.torch_dtype
                 and tuple(tensor.shape) == self.handle.shape)
 
@@ -192,9 +169,10 @@ class OwnedSegment:
                                              and self.source() is not None)
 
     def settle(self) -> None:
-        """Forget the broadcasts whose readers have all set their flags."""
+        """Forget the broadcasts whose readers all set their flags."""
+        start = READER_FLAGS_OFFSET
         self.broadcasts = [(base, readers) for base, readers in self.broadcasts
-                           if b"\x00" in seg.read_flags(self.mm, base, readers)]
+                           if b"\x00" in self.mm[start + base : start + base + readers]]
 
     def close_fds(self) -> None:
         for fd in self.fds or ():
@@ -204,7 +182,7 @@ class OwnedSegment:
 
 class Index:
     """A process's segments not ``GONE``, by name and (not ``MAPPED``) by key; only
-    :meth:`move` changes a state. The caller holds ``OwnedSegments._lock``."""
+    :meth:`move` changes a state (the caller holds ``OwnedSegments._lock``)."""
 
     def __init__(self) -> None:
         self._names: dict[str, OwnedSegment] = {}
@@ -217,12 +195,11 @@ class Index:
         return self._names.get(name)
 
     def at(self, key: int) -> OwnedSegment | None:
-        """The segment in the books last owned at address ``key``, if any."""
+        """The segment last owned at address ``key``, if any."""
         name = self._keys.get(key)
         return self._names.get(name) if name is not None else None
 
     def unkey(self, key: int | None, name: str) -> None:
-        """Forget address ``key`` if it still leads to ``name``."""
         if key is not None and self._keys.get(key) == name:
             del self._keys[key]
 
@@ -230,11 +207,12 @@ class Index:
         return list(self._names.values())
 
     def linked(self) -> list[OwnedSegment]:
-        """The segments in the books (names linked: not ``MAPPED`` or ``DRAINING``)."""
+        """The segments whose names are linked (not ``MAPPED`` or ``DRAINING``)."""
         return [e for e in self._names.values() if e.state not in (MAPPED, DRAINING)]
 
     def containing(self, tensor: torch.Tensor) -> OwnedSegment | None:
         """The segment whose live mapping here holds all of ``tensor``'s storage, if any."""
+
         def holds(e: OwnedSegment | None) -> bool:
             return (e is not None and e.data_ptr is not None and e.mm is not None
                     and e.state not in (DRAINING, GONE) and seg.within(e.mm, tensor))

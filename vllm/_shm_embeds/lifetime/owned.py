@@ -1,13 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The books of the segments one process owns, and when their names may go.
-
-A name stays until every reader of every broadcast set its flag *and* the request is
-done with it here. Bookkeeping is under a lock in ordinary code; finalizers only record
-(:func:`on_release`), the work is done at the next safe point (``collect``).
-
-Knows segments and handles, not vLLM and not HTTP.
-Design notes: docs/design.md, "Module notes".
-"""
+"""The books of the segments one process owns: a name stays until every reader of every
+broadcast set its flag *and* the request is done with it here. Finalizers only record
+(:func:`on_release`); the work is done at the next safe point (``collect``)."""
 
 from __future__ import annotations
 
@@ -29,21 +23,9 @@ from vllm._shm_embeds.counters import Event, count, count_reason
 from vllm._shm_embeds.files import segment as seg
 from vllm._shm_embeds.files import segment_dir
 from vllm._shm_embeds.handle import MAX_READERS, SegmentName, SharedTensorHandle, ShmEmbedsError
-from vllm._shm_embeds.lifetime.lifecycle import (
-    BROADCAST,
-    DRAINING,
-    FREED,
-    GONE,
-    HELD,
-    MAPPED,
-    Index,
-    Kind,
-    OwnedSegment,
-    SendDone,
-    SourceDied,
-    State,
-    StorageDied,
-)
+from vllm._shm_embeds.lifetime.lifecycle import (BROADCAST, DRAINING, FREED, GONE, HELD, MAPPED,
+                                                 Index, Kind, OwnedSegment, SendDone,
+                                                 SourceDied, State, StorageDied)
 
 logger = init_logger(__name__)
 
@@ -53,22 +35,18 @@ class ProcessState(Protocol):
 
     pid: int
     released: collections.deque
-    # ``release_adopted`` is called when a request is freed (else: once readers mapped it)
     release_known: bool
 
     def owns_name(self, name: SegmentName) -> bool: ...
 
 
 def on_release(state: ProcessState, record: StorageDied | SourceDied | SendDone) -> None:
-    """Finalizer: record that a tracked object died (no lock, no I/O: it may run inside
-    one of our locks); nothing in a forked child."""
+    """Finalizer: record only (no lock, no I/O: it may run inside one of our locks)."""
     if state.pid == os.getpid():
         state.released.append(record)
 
 
 def _settles(verb: Callable[..., Any]) -> Callable[..., Any]:
-    """``verb`` runs under ``OwnedSegments._settling`` (see there)."""
-
     @functools.wraps(verb)
     def settling(self: OwnedSegments, *args: Any, **kwargs: Any) -> Any:
         with self._settling:
@@ -78,8 +56,6 @@ def _settles(verb: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class OwnedSegments:
-    """Segments this process owns; a name goes once no broadcast or request needs it."""
-
     def __init__(self, state: ProcessState) -> None:
         self._state = state
         self._index = Index()
@@ -89,13 +65,10 @@ class OwnedSegments:
         self._streams: set = set()  # ``streamed.StreamedFile``s being filled
         self._drained: list[OwnedSegment] = []  # DRAINING, last send done: pages to drop
 
-    # -- own
-
     def own(self, kind: Kind, handle: SharedTensorHandle, mm: mmap.mmap,
             tensor: torch.Tensor, anchor: Any = None, fds: list[int] | None = None) -> None:
-        """Own a segment, ``HELD`` until released or its tensor dies. ``tensor`` maps it
-        (``anchor``: the buffer its storage keeps alive), or for a ``COPY`` is the tensor
-        copied into it. ``fds``: its files, held open."""
+        """Own a segment: ``tensor`` maps it (``anchor``: the buffer its storage keeps
+        alive), or for a ``COPY`` is the tensor copied into it. ``fds``: kept open."""
         name = handle.name
         ptr = tensor.data_ptr()
         if kind is Kind.COPY:
@@ -108,10 +81,8 @@ class OwnedSegments:
             self._index.move(entry, "own", HELD)
         weakref.finalize(watched, on_release, self._state, record)
 
-    # -- safe points
-
     def _apply_records(self) -> list[OwnedSegment]:
-        """Apply the finalizers' records (event ``die``); the segments to unlink (lock held)."""
+        """Apply the finalizers' records; the segments to unlink (lock held)."""
         gone = []
         index, records = self._index, self._state.released
         while records:
@@ -144,25 +115,22 @@ class OwnedSegments:
                 index.move(entry, "die", entry.state)
         return gone
 
-    def _unlink(self, gone: list[OwnedSegment]) -> None:
-        """Close and unlink (outside the lock), then count."""
+    def _unlink(self, gone: list[OwnedSegment]) -> int:
+        """Close and unlink (lock not held), count; how many names were still there."""
         n = 0
         for entry in gone:
             entry.close_fds()
-            n += self._unlink_one(entry)
+            try:
+                directory = shm_dir()
+            except OSError:  # the directory is gone (removed by someone), its files with it
+                continue
+            if seg.unlink_segment(directory, entry.handle.name, len(entry.handle.parts())):
+                n += 1
+                if entry.kind is not Kind.HELD_FILE:
+                    self._state.census(directory).unlinked(entry.handle.nbytes)
         if n:
             count(Event.SEGMENTS_UNLINKED, n)
-
-    def _unlink_one(self, entry: OwnedSegment) -> bool:
-        """Unlink ``entry``'s files (the census learns it); True if file 0 was there."""
-        try:
-            directory = shm_dir()
-        except OSError:  # the directory is gone (removed by someone), its files with it
-            return False
-        gone = seg.unlink_segment(directory, entry.handle.name, len(entry.handle.parts()))
-        if gone and entry.kind is not Kind.HELD_FILE:
-            self._state.census(directory).unlinked(entry.handle.nbytes)
-        return gone
+        return n
 
     def _drop(self, entry: OwnedSegment) -> bool:
         """Drop our pages of ``entry`` (lock not held); False: they go with the tensor."""
@@ -174,11 +142,10 @@ class OwnedSegments:
         return True
 
     def _finish(self, entry: OwnedSegment) -> State:
-        """A request's end: ``GONE``, or ``DRAINING`` while a zero-copy send may read it."""
+        """A request's end: ``DRAINING`` while a zero-copy send may read it."""
         return DRAINING if entry.sends else GONE
 
     def _drop_drained(self) -> None:
-        """Drop the pages of segments whose last send is done (lock not held)."""
         with self._lock:
             drained, self._drained = self._drained, []
         for entry in drained:
@@ -225,12 +192,10 @@ class OwnedSegments:
         self._drop_drained()
         return len(gone)
 
-    # -- zero-copy sends
-
     def send_view(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """A view of ``tensor`` (same pages, dtype, shape, strides) with a storage of its
-        own that keeps the pages until freed, or None if no mapping here holds it. For
-        vLLM's ``copy=False`` frames (``MessageQueue.enqueue``, ``_send_input``; 0.32)."""
+        """A view of ``tensor`` with a storage of its own that keeps the pages until freed,
+        or None if no mapping here holds it. For vLLM's ``copy=False`` frames
+        (``MessageQueue.enqueue``, ``_send_input``; 0.32)."""
         with self._lock:
             entry = self._index.containing(tensor)
             if entry is None:
@@ -263,8 +228,8 @@ class OwnedSegments:
 
     @_settles
     def broadcast(self, entry: OwnedSegment, readers: int) -> SharedTensorHandle | None:
-        """Reserve flags and hold the files for one more broadcast of ``entry``: the handle
-        to send, or None (name vanished or flags used up: the caller copies)."""
+        """Reserve flags for one more broadcast of ``entry``: the handle to send, or None
+        (name vanished or flags used up: the caller copies)."""
         with self._lock:
             if (self._index.get(entry.handle.name) is not entry or entry.state is MAPPED
                     or entry.next_flag + readers > MAX_READERS):
@@ -305,7 +270,6 @@ class OwnedSegments:
         return entry
 
     def is_streamed(self, tensor: torch.Tensor) -> bool:
-        """True if ``tensor`` is exactly a streamed segment not handed over yet."""
         with self._lock:
             return self._streamed(tensor) is not None
 
@@ -324,9 +288,8 @@ class OwnedSegments:
 
     @_settles
     def release_adopted(self, tensor: torch.Tensor) -> bool:
-        """vLLM freed ``tensor``'s request: unlink its adopted segment or hop-2 copies and
-        drop our pages of an adopted one (deferred to :meth:`collect` while a broadcast
-        is pending). True if pages were dropped now."""
+        """vLLM freed ``tensor``'s request: unlink its adopted segment or hop-2 copies (while
+        a broadcast is pending: at :meth:`collect`). True if pages were dropped now."""
         adopted: list[OwnedSegment] = []
         copies: list[OwnedSegment] = []
         with self._lock:
@@ -359,8 +322,8 @@ class OwnedSegments:
 
     @_settles
     def release_streamed(self, tensor: torch.Tensor) -> bool:
-        """``tensor``'s request ended: unlink the streamed segment if not handed over and
-        drop its pages here either way. True if ``tensor`` was such a segment."""
+        """Unlink the streamed segment ``tensor`` if not handed over; drop its pages here
+        either way. True if ``tensor`` was such a segment."""
         with self._lock:
             gone = self._apply_records()  # (sends done by now: no DRAINING for them)
             entry = self._streamed(tensor)
@@ -379,15 +342,12 @@ class OwnedSegments:
             self._drop(entry)
         return True
 
-    # -- whole process
-
     def stream_started(self, f: Any) -> None:
         """``f`` (a ``streamed.StreamedFile``) is being filled from a request body."""
         with self._lock:
             self._streams.add(f)
 
     def stream_ended(self, f: Any) -> None:
-        """``f`` was finished or aborted."""
         with self._lock:
             self._streams.discard(f)
 
@@ -414,10 +374,8 @@ class OwnedSegments:
             gone = self._index.linked()  # MAPPED ones were unlinked already
             for entry in self._index.all():
                 self._index.move(entry, "unlink_all", GONE)
-        n = 0
-        for entry in gone:
-            entry.close_fds()
-            n += self._unlink_one(entry)
+        n = self._unlink(gone)
+        swept = 0
         try:
             directory = shm_dir()
             names = segment_dir.list_segments(directory)
@@ -429,9 +387,9 @@ class OwnedSegments:
             path = os.path.join(directory, name)
             try:  # only a regular file of ours: never what someone planted
                 if segment_dir.our_file(os.lstat(path)) and seg.unlink_quietly(path):
-                    n += parsed.part == 0
+                    swept += parsed.part == 0
             except OSError:
                 continue
-        if n:
-            count(Event.SEGMENTS_UNLINKED, n)
-        return n
+        if swept:
+            count(Event.SEGMENTS_UNLINKED, swept)
+        return n + swept

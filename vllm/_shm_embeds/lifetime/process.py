@@ -1,13 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Per-process state of shm-embeds: one object that a forked child replaces.
-
-:class:`Process` holds what this process owns, its name tag, threads and flags; a forked
-child owns nothing of its parent's. At exit the owner unlinks what is left; dead owners'
-segments are swept at start-up and by the EngineCore (:func:`sweep_stale_segments`).
-
-Knows segments, not vLLM and not HTTP.
-Design notes: docs/design.md, "Module notes".
-"""
+"""Per-process state (:class:`Process`, replaced in a forked child), exit, the reaper
+thread, the sweep of dead owners' segments (:func:`sweep_stale_segments`)."""
 
 from __future__ import annotations
 
@@ -16,7 +9,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import os
-import queue
 import secrets
 import threading
 import time
@@ -45,13 +37,13 @@ REAP_INTERVAL_S = 0.1  # reaper thread: safe point this often
 
 
 class Process:
-    """Everything this process knows about shm-embeds; a forked child gets a new one.
+    """Everything this process knows about shm-embeds.
 
     Attributes:
         released: finalizers' records, applied at safe points.
-        holders: registries of memfds an extension holds, whose mapped bytes never
-            change (the API server's regions, kept conversations): ``find``,
-            ``is_held``, ``send_view``, ``settle``; ``release`` (optional).
+        holders: extensions' registries of memfds whose mapped bytes never change
+            (regions, kept conversations): ``find``, ``is_held``, ``send_view``,
+            ``settle``; ``release`` (optional).
         release_known: vLLM tells when a request is freed (group ``release`` on).
         stats_dir_made: the metrics directory this process made (removed at exit).
     """
@@ -73,7 +65,6 @@ class Process:
         self.model_name = ""
         self.stats_dir_made: str | None = None
         self.hasher: concurrent.futures.ThreadPoolExecutor | None = None
-        self.fd_closer: queue.Queue | None = None
 
     def forked(self) -> Process:
         """A forked child's state: new, but for what describes the server."""
@@ -83,15 +74,14 @@ class Process:
         return child
 
     def census(self, directory: str) -> Census:
-        """The count of what our segment files hold in ``directory`` (one per directory)."""
         with self.pool_lock:
             if directory not in self.censuses:
                 self.censuses[directory] = Census(directory)
             return self.censuses[directory]
 
     def new_name(self, capped: bool = True) -> str:
-        """A fresh segment name of this process, with a random 64-bit sequence number so
-        that no other user can plant a file at it. ``capped``: :meth:`check_segments`."""
+        """A fresh segment name, with a random 64-bit sequence number so that no other user
+        can plant a file at it. ``capped``: :meth:`check_segments` first."""
         if capped:
             self.check_segments()
         if self.tag is None:
@@ -109,7 +99,6 @@ class Process:
             raise seg.TooManySegments(limit)
 
     def owns_name(self, name: SegmentName) -> bool:
-        """True if ``name`` was made by :meth:`new_name` in this process."""
         return self.tag is not None and name.base() == dataclasses.replace(self.tag,
                                                                            seq=name.seq)
 
@@ -128,34 +117,13 @@ class Process:
                     writers(), thread_name_prefix="shm-embeds-hash")
             return self.hasher
 
-    def close_later(self, fd: int) -> None:
-        """Close ``fd`` on the daemon closer thread (a ``close`` may never return: FUSE)."""
-        with self.pool_lock:
-            if self.fd_closer is None:
-                self.fd_closer = queue.Queue()
-                threading.Thread(target=_close_forever, args=(self.fd_closer,), daemon=True,
-                                 name="shm-embeds-fd-closer").start()
-            self.fd_closer.put(fd)
-
     def start_reaper(self, sweep_interval: float | None = None) -> None:
-        """Start the thread that runs safe points (and sweeps, if asked) when idle."""
         if sweep_interval is not None:
             self.sweep_interval = sweep_interval
         if self.reaper is None:
             self.reaper = threading.Thread(target=_reaper_loop, args=(self,),
                                            name="shm-embeds-reaper", daemon=True)
             self.reaper.start()
-
-
-def _close_forever(fds: queue.Queue) -> None:
-    while True:
-        fd = fds.get()
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-        finally:
-            fds.task_done()
 
 
 def _reaper_loop(state: Process) -> None:
@@ -177,23 +145,19 @@ _state = Process()  # replaced as a whole in a forked child
 
 
 def current() -> Process:
-    """This process's state."""
     return _state
 
 
 def _after_fork_in_child() -> None:
-    # a forked child (a TP worker under fork) owns none of its parent's segments
     global _state
     _state = _state.forked()
 
 
 def collect() -> int:
-    """Safe point: unlink the names no reader or request needs; how many went."""
     return _state.owned.collect()
 
 
 def pending_segments() -> int:
-    """Number of segment names this process owns and has not unlinked yet."""
     return _state.owned.pending()
 
 
@@ -204,7 +168,7 @@ def start_engine_reaper() -> None:
 
 def placement_failed(hop: str, nbytes: int, e: OSError) -> str:
     """Log why a segment could not be created; the fallback reason. ENOSPC warns once per
-    server (:data:`NO_SPACE_MARKER`), others once per process; later ones at debug."""
+    server (:data:`NO_SPACE_MARKER`), others once per process."""
     state = _state
     reason = seg.fallback_reason(e)
     no_space = reason == "no_space"
@@ -231,10 +195,8 @@ def _first_in_server(marker: str) -> bool:
         return True
     try:
         os.close(os.open(os.path.join(directory, marker), os.O_CREAT | os.O_EXCL, 0o600))
-    except FileExistsError:
-        return False
-    except OSError:
-        return True
+    except OSError as e:  # made by another process first, or cannot tell (True)
+        return not isinstance(e, FileExistsError)
     return True
 
 
@@ -250,7 +212,7 @@ def sweep_stale_segments(expected: bool = False) -> int:
 
 
 def shutdown() -> None:
-    """Unlink this process's remaining segments and log its counters once."""
+    """Unlink this process's remaining segments; log its counters once."""
     state = _state
     n = state.owned.unlink_all()
     if state.shutdown_done:
@@ -266,7 +228,7 @@ def shutdown() -> None:
 
 
 def _at_exit() -> None:
-    """Process exit: unlink what we own, then sweep what force-killed children left."""
+    """Unlink what we own, then sweep what force-killed children left."""
     shutdown()
     if enabled():
         try:
@@ -281,7 +243,6 @@ def _at_exit() -> None:
                 sweep_stale_segments(expected=True)
         except (OSError, ValueError):
             pass
-    # Not the private directory: _PRIVATE_DIR_REMOVAL, once vLLM stopped the engines.
 
 
 def _children_holding_segments() -> set[int]:
@@ -295,14 +256,8 @@ def _children_holding_segments() -> set[int]:
     return out
 
 
-class _ExitToken:
-    """Lives as long as this module: :data:`_PRIVATE_DIR_REMOVAL` runs at exit."""
-
-
-_EXIT_TOKEN = _ExitToken()
-
 atexit.register(_at_exit)
-# Runs after vLLM's own finalizers stop the engines (newest first; this one is made at
-# plugin load): docs/design.md, "Module notes".
-_PRIVATE_DIR_REMOVAL = weakref.finalize(_EXIT_TOKEN, private_dir.remove_made)
+# Runs at exit (``_at_exit`` lives as long as this module), after vLLM's own finalizers
+# stop the engines (newest first; this one is made at plugin load): docs/design.md.
+_PRIVATE_DIR_REMOVAL = weakref.finalize(_at_exit, private_dir.remove_made)
 os.register_at_fork(after_in_child=_after_fork_in_child)

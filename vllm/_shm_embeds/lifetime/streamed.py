@@ -1,14 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Streamed segments: tensors written from a byte stream (a request body), handed over
-at hop 1 by handle.
-
-:class:`StreamedFile` is the file I/O; :class:`StreamedSegment` adds a name of this
-process, the books of ``lifetime/owned.py`` and the budget (a grant renewed as it
-fills). Then :func:`hand_over` (hop 1 sender, no copy) or :func:`release_streamed`.
-
-Knows segments and ownership, not vLLM and not HTTP.
-Design notes: docs/design.md, "Module notes".
-"""
+"""Streamed segments: a request body written into a segment as it arrives
+(:class:`StreamedFile`: the file I/O; :class:`StreamedSegment`: its name, books and
+budget), then :func:`hand_over` (hop 1 sender, no copy) or :func:`release_streamed`."""
 
 from __future__ import annotations
 
@@ -29,9 +22,8 @@ from vllm._shm_embeds.lifetime.lifecycle import Kind
 
 
 class StreamedFile:
-    """A one-file segment created empty at its final size and filled in order by
-    ``pwrite`` (ENOSPC is an OSError, never a SIGBUS). Raises OSError if the file could
-    not be created or sized (nothing is left)."""
+    """A one-file segment created at its final size and filled in order by ``pwrite``
+    (ENOSPC is an OSError, never a SIGBUS). Raises OSError (nothing is left)."""
 
     def __init__(self, directory: str, handle: SharedTensorHandle) -> None:
         self.handle = handle
@@ -52,8 +44,8 @@ class StreamedFile:
         return self._fd is not None
 
     def write(self, data: bytes | memoryview) -> None:
-        """Append ``data`` (at most the bytes still missing). Raises ShmEmbedsError
-        (finished or aborted), ValueError (too many bytes), OSError (e.g. ENOSPC)."""
+        """Append ``data``. Raises ShmEmbedsError (finished or aborted), ValueError (too
+        many bytes), OSError (e.g. ENOSPC)."""
         if self._fd is None:
             raise ShmEmbedsError("segment already finished or aborted")
         if self.filled + len(data) > self.nbytes:
@@ -62,19 +54,19 @@ class StreamedFile:
         self.filled += len(data)
 
     def allocate(self) -> None:
-        """Allocate every page now: a full tmpfs is an OSError here, never a SIGBUS on a
-        write through a mapping. Raises ShmEmbedsError (closed), OSError."""
+        """Allocate every page now (a full tmpfs: OSError here, not SIGBUS on a write
+        through a mapping). Raises ShmEmbedsError (closed), OSError."""
         if self._fd is None:
             raise ShmEmbedsError("segment already finished or aborted")
         os.posix_fallocate(self._fd, 0, HEADER_BYTES + self.nbytes)
 
     def assume_filled(self) -> None:
-        """Take the file as filled (the caller writes it through the mapping)."""
+        """The caller fills it through the mapping."""
         self.filled = self.nbytes
 
     def finish(self, writable: bool) -> mmap.mmap:
-        """Map the filled file and close it (it stays linked). Raises ShmEmbedsError (closed
-        or not filled) or OSError (mapping)."""
+        """Map the filled file and close it. Raises ShmEmbedsError (closed or not filled),
+        OSError."""
         if self._fd is None or self.filled != self.nbytes:
             raise ShmEmbedsError(f"segment holds {self.filled} of {self.nbytes} bytes")
         mm = map_files([self._fd], [HEADER_BYTES + self.nbytes],
@@ -106,13 +98,10 @@ STREAM_GRANT_BYTES = 64 << 20  # budget a body still arriving holds beyond what 
 
 
 class StreamedSegment:
-    """A one-file segment a request body is written into, chunk by chunk: ``shape``
-    (e.g. ``(num_tokens, hidden_size)``) of ``dtype``, validated by the caller first.
-
-    The whole size must fit the budget at creation; it is charged by what it wrote plus
-    a grant of up to :data:`STREAM_GRANT_BYTES` ahead, renewed as it fills. Raises
-    ``segment.BudgetExceeded``, or OSError if the file could not be created or sized.
-    """
+    """A segment of ``shape`` (e.g. ``(num_tokens, hidden_size)``) and ``dtype`` (validated
+    by the caller) written chunk by chunk. The whole must fit the budget at creation; it
+    is charged by what it wrote plus a grant of up to :data:`STREAM_GRANT_BYTES` ahead.
+    Raises ``segment.BudgetExceeded``, OSError."""
 
     def __init__(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         state = process.current()
@@ -127,12 +116,11 @@ class StreamedSegment:
 
     @property
     def filled(self) -> int:
-        """Bytes written so far."""
         return self._file.filled
 
     def write(self, data: bytes | memoryview) -> None:
-        """Append ``data``; raises ``segment.BudgetExceeded`` if the next grant does not
-        fit (nothing written), else as :meth:`StreamedFile.write`."""
+        """:meth:`StreamedFile.write`; raises ``segment.BudgetExceeded`` if the next grant
+        does not fit (nothing written)."""
         f = self._file
         end = f.filled + len(data)
         if end > f.reserved and f.open:
@@ -143,7 +131,6 @@ class StreamedSegment:
         process.current().census(shm_dir()).wrote(len(data))
 
     def read_back(self, out: memoryview) -> None:
-        """Copy the bytes written so far into ``out`` (:meth:`StreamedFile.read_back`)."""
         self._file.read_back(out)
 
     def finish(self, writable: bool = True) -> torch.Tensor:
@@ -179,13 +166,13 @@ def streamed_tensor_like(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Te
 
 
 def is_streamed(tensor: Any) -> bool:
-    """True if ``tensor`` covers exactly a streamed segment not yet handed over."""
+    """True if ``tensor`` is exactly a streamed segment not yet handed over."""
     return isinstance(tensor, torch.Tensor) and process.current().owned.is_streamed(tensor)
 
 
 def hand_over(tensor: Any) -> SharedTensorHandle | None:
     """Hop 1 sender, no copy: the handle of the streamed segment that is exactly ``tensor``
-    (it leaves the books; the peer adopts it), else None."""
+    (the peer adopts it), else None."""
     if not isinstance(tensor, torch.Tensor):
         return None
     handle = process.current().owned.hand_over(tensor)
@@ -195,9 +182,8 @@ def hand_over(tensor: Any) -> SharedTensorHandle | None:
 
 
 def release_streamed(tensor: Any) -> bool:
-    """``tensor``'s request ended: unlink its streamed segment if not handed over and drop
-    its pages here (it reads zeros), or let a holder's request tensor go (its
-    ``release``). True if it was one of ours."""
+    """``tensor``'s request ended (``OwnedSegments.release_streamed``, or a holder's
+    ``release``). True if it was one of ours (its pages dropped: later reads see zeros)."""
     if not isinstance(tensor, torch.Tensor):
         return False
     state = process.current()

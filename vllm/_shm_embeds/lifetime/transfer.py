@@ -1,13 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Moving tensors into and out of segments: share, adopt, hand over, open.
-
-One owner per segment, one copy in total: a hop-1 sender copies a tensor into a new
+"""Moving tensors into and out of segments: a hop-1 sender copies a tensor into a new
 segment (:func:`share_tensor`), the EngineCore renames it to its own name and maps it
-(:func:`adopt_tensor`), TP workers map it read-only (:func:`open_tensor`).
-
-Knows segments and ownership, not vLLM and not HTTP.
-Design notes: docs/design.md, "Module notes".
-"""
+(:func:`adopt_tensor`), TP workers map it read-only (:func:`open_tensor`)."""
 
 from __future__ import annotations
 
@@ -17,33 +11,18 @@ from typing import Any
 
 import torch
 
-from vllm._shm_embeds.config import (
-    budget_bytes,
-    min_bytes,
-    shares_dev_shm,
-    shm_dir,
-    writers,
-)
+from vllm._shm_embeds.config import budget_bytes, min_bytes, shares_dev_shm, shm_dir, writers
 from vllm._shm_embeds.counters import Event, count, count_many, count_reason
 from vllm._shm_embeds.files import segment as seg
 from vllm._shm_embeds.files import segment_dir
-from vllm._shm_embeds.handle import (
-    HEADER_BYTES,
-    MAGIC,
-    MAX_READERS,
-    SharedTensorHandle,
-    ShmEmbedsError,
-    dtype_name,
-    part_name,
-    split_for,
-)
+from vllm._shm_embeds.handle import (HEADER_BYTES, MAGIC, MAX_READERS, SharedTensorHandle,
+                                     ShmEmbedsError, dtype_name, part_name, split_for)
 from vllm._shm_embeds.lifetime import process
 from vllm._shm_embeds.lifetime.lifecycle import Kind
 
 
 def eligible(tensor: Any) -> str | None:
-    """Why ``tensor`` must keep the stock path, or None: only dense (strided), CPU,
-    C-contiguous tensors of at least :func:`min_bytes` bytes qualify."""
+    """Why ``tensor`` must keep the stock path (the fallback reason), or None."""
     if not isinstance(tensor, torch.Tensor):
         return "not_a_tensor"
     if tensor.layout != torch.strided:
@@ -60,9 +39,8 @@ def eligible(tensor: Any) -> str | None:
 
 
 def check_budget(nbytes: int) -> None:
-    """Raise ``segment.BudgetExceeded`` if ``nbytes`` more would take our segments over
-    ``config.budget_bytes()``: held by all the server's files, plus the grants of bodies
-    still streaming (on a file system of its own: all that is in use there)."""
+    """Raise ``segment.BudgetExceeded`` if ``nbytes`` more would take our segments (and
+    the grants of bodies still streaming) over ``config.budget_bytes()``."""
     budget = budget_bytes()
     directory = shm_dir()
     held = process.current().census(directory).held()  # never a walk on the caller's thread
@@ -74,8 +52,8 @@ def check_budget(nbytes: int) -> None:
 
 
 def create_segment(tensor: torch.Tensor) -> tuple[SharedTensorHandle, list[int]]:
-    """Copy ``tensor`` into a new segment of this process (one copy, counted): its handle
-    and open fds (the caller closes them). Raises OSError (nothing is left behind)."""
+    """Copy ``tensor`` into a new segment: its handle and open fds (the caller closes
+    them). Raises OSError (nothing is left behind)."""
     check_budget(tensor.nbytes)
     state = process.current()
     handle = SharedTensorHandle(
@@ -93,8 +71,8 @@ def create_segment(tensor: torch.Tensor) -> tuple[SharedTensorHandle, list[int]]
 
 
 def share_tensor(tensor: torch.Tensor) -> SharedTensorHandle:
-    """Hop 1 sender: copy ``tensor`` once into a new segment whose ownership passes to the
-    peer that adopts it (untracked here). Raises OSError (e.g. ENOSPC)."""
+    """Hop 1 sender: copy ``tensor`` into a new segment, untracked here (the peer adopts
+    it). Raises OSError (e.g. ENOSPC)."""
     handle, fds = create_segment(tensor)
     for fd in fds:
         os.close(fd)
@@ -102,9 +80,8 @@ def share_tensor(tensor: torch.Tensor) -> SharedTensorHandle:
 
 
 def share_held(tensor: torch.Tensor, holder: tuple[int, int, int]) -> SharedTensorHandle:
-    """Hop 1 sender, no copy: a handle for ``tensor``, held in a holder's memfd (``holder``:
-    pid, fd, inode, from :func:`held_by`), plus a header-only segment for hop 2's reader
-    flags. Raises OSError if the header file could not be created."""
+    """Hop 1 sender, no copy: a handle for ``tensor`` in a holder's memfd (``holder``:
+    :func:`held_by`), plus a header-only segment for hop 2's reader flags. Raises OSError."""
     state = process.current()
     name = state.new_name()
     header = SharedTensorHandle(name, "uint8", (0,))
@@ -129,13 +106,10 @@ ADOPT_NAME_TRIES = 8  # names tried when something sits at the one drawn
 
 def adopt_tensor(handle: SharedTensorHandle) -> torch.Tensor:
     """Take ownership of a peer's segment (renamed to a fresh name of ours) and map it,
-    no copy: a ``handle.dtype``/``handle.shape`` tensor. Over ``config.MAX_SEGMENTS`` or
-    if mapping fails (e.g. ENOMEM), the bytes are read into memory instead.
-
-    Raises:
-        ShmEmbedsError: missing segment, wrong size or header, not a regular file of
-            ours, or any OSError (the peer's files are removed).
-    """
+    no copy; over ``config.MAX_SEGMENTS`` or if mapping fails, read it into memory.
+    Raises ShmEmbedsError: missing segment, wrong size or header, not a regular file
+    of ours, or any OSError (the peer's files are removed). Returns a ``handle.dtype``
+    tensor of ``handle.shape``."""
     state = process.current()
     nparts = len(handle.parts())
     directory = shm_dir()
@@ -177,9 +151,8 @@ def adopt_tensor(handle: SharedTensorHandle) -> torch.Tensor:
 
 def _rename_part(directory: str, handle: SharedTensorHandle, mine: SharedTensorHandle,
                  i: int) -> SharedTensorHandle:
-    """Rename part ``i`` of the peer's segment to ``mine``'s, drawing another name while
-    something sits at part 0's; the handle under the name used. Raises OSError
-    (FileExistsError after :data:`ADOPT_NAME_TRIES` names)."""
+    """Rename part ``i`` of the peer's segment to ``mine``'s (part 0: drawing another name
+    while something sits there); the handle under the name used. Raises OSError."""
     src = os.path.join(directory, part_name(handle.name, i))
     st = os.lstat(src)  # the peer's file: a regular file of our user, never a link
     if not segment_dir.our_file(st):
@@ -208,8 +181,8 @@ def _unlink_peer(directory: str, name: str, nparts: int) -> None:
 
 
 def _adopt_by_copy(handle: SharedTensorHandle) -> torch.Tensor:
-    """Read a peer's segment (or held file) into memory and remove its files (one copy).
-    Raises ShmEmbedsError (the files go either way)."""
+    """Read a peer's segment (or held file) into memory and remove its files. Raises
+    ShmEmbedsError (the files go either way)."""
     directory = shm_dir()
     parts = handle.parts()
     try:
@@ -234,7 +207,7 @@ def _adopt_by_copy(handle: SharedTensorHandle) -> torch.Tensor:
 
 
 def _read_part(fd: int, i: int, length: int, dst: memoryview, held: tuple) -> None:
-    """Check file ``i`` and read its ``length`` data bytes into ``dst``. Raises OSError,
+    """Check file ``i``, read its ``length`` data bytes into ``dst``. Raises OSError,
     ShmEmbedsError."""
     st = os.fstat(fd)
     want = length + (HEADER_BYTES if i == 0 else 0)
@@ -252,9 +225,8 @@ def _read_part(fd: int, i: int, length: int, dst: memoryview, held: tuple) -> No
 
 
 def _adopt_held(handle: SharedTensorHandle) -> torch.Tensor:
-    """:func:`adopt_tensor` of a held file: rename the header file to a fresh name of
-    ours, open the memfd via the sender's fd, map both (the memfd read-only); the files
-    stay open so that hop 2's readers open them through this process's fds."""
+    """:func:`adopt_tensor` of a held file: rename the header, open the memfd via the
+    sender's fd, map both; the files stay open for hop 2's readers (by our fds)."""
     directory = shm_dir()
     mine = handle.renamed(process.current().new_name(capped=False))
     try:
@@ -285,9 +257,9 @@ def _adopt_held(handle: SharedTensorHandle) -> torch.Tensor:
 
 
 def open_tensor(handle: SharedTensorHandle, reader_index: int | None = None) -> torch.Tensor:
-    """Reader side: map a segment read-only as a tensor (no copy) and set the flag of
-    ``reader_index`` (0-based; None: no flag); valid after the owner unlinks the name.
-    Raises ShmEmbedsError: missing segment, wrong size or header, bad index."""
+    """Reader side: map a segment read-only (no copy), setting the flag of ``reader_index``
+    (0-based; None: none). Raises ShmEmbedsError: missing segment, wrong size or header,
+    bad index."""
     if reader_index is not None and not 0 <= handle.flag_base + reader_index < MAX_READERS:
         raise ShmEmbedsError(f"reader index {reader_index} out of range")
     mm = seg.map_segment(shm_dir(), handle, reader_index)
@@ -296,14 +268,12 @@ def open_tensor(handle: SharedTensorHandle, reader_index: int | None = None) -> 
 
 def dense_nbytes(tensor: Any) -> int:
     """Dense size in bytes (also defined for sparse tensors, unlike ``nbytes``)."""
-    if isinstance(tensor, torch.Tensor):
-        return tensor.numel() * tensor.element_size()
-    return 0
+    return tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
 
 
 def send_view(tensor: Any) -> Any:
-    """A view of ``tensor`` with its own storage, kept until vLLM's send is done, if a
-    mapping of ours or a holder's holds it; else ``tensor`` itself."""
+    """A view of ``tensor`` with its own storage (``OwnedSegments.send_view``) if a mapping
+    of ours or a holder's holds it; else ``tensor`` itself."""
     if not isinstance(tensor, torch.Tensor):
         return tensor
     state = process.current()
@@ -316,21 +286,18 @@ def send_view(tensor: Any) -> Any:
 
 def held_by(tensor: Any) -> tuple[int, int, int] | None:
     """``(pid, fd, inode)`` of a holder's memfd that is exactly ``tensor``, or None."""
-    for holder in process.current().holders:
-        if (found := holder.find(tensor)) is not None:
-            return found
-    return None
+    return next((found for holder in process.current().holders
+                 if (found := holder.find(tensor)) is not None), None)
 
 
 def is_held(tensor: Any) -> bool:
-    """True if one of this process's holders holds ``tensor``."""
     return any(holder.is_held(tensor) for holder in process.current().holders)
 
 
 def release_adopted(tensor: Any) -> bool:
-    """EngineCore: vLLM freed the request whose ``prompt_embeds`` is ``tensor``: unlink its
-    segment and drop our pages of an adopted one (later reads see zeros); deferred while a
-    broadcast is pending. True if pages were dropped now."""
+    """EngineCore: vLLM freed the request whose ``prompt_embeds`` is ``tensor``
+    (``OwnedSegments.release_adopted``). True if pages were dropped now (later
+    reads of ``tensor`` see zeros)."""
     if not isinstance(tensor, torch.Tensor):
         return False
     if not process.current().owned.release_adopted(tensor):

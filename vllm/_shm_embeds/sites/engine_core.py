@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 from vllm.logger import init_logger
@@ -21,7 +20,6 @@ logger = init_logger(__name__)
 
 
 def wrap_engine_input(orig: Callable) -> Callable:
-    @functools.wraps(orig)
     def process_input_sockets(self, *args, **kwargs):
         try:
             set_role("engine")
@@ -37,7 +35,6 @@ def wrap_engine_input(orig: Callable) -> Callable:
 
 
 def wrap_engine_preprocess(orig: Callable) -> Callable:
-    @functools.wraps(orig)
     def preprocess_add_request(self, request, *args, **kwargs):
         provider = getattr(peek(self, EngineCoreRecord), "provider", None)
         if provider is not None and request.prompt_embeds is not None:
@@ -52,7 +49,6 @@ def wrap_engine_preprocess(orig: Callable) -> Callable:
 SITES = (
     Site(key="engine_input", group="hop1", module=MODULE,
          qualname="EngineCoreProc.process_input_sockets",
-         params=(),
          marks=("oob_tensor_provider=self.tensor_ipc_receiver",),
          wrap=wrap_engine_input,
          what="before it builds its decoders, self.tensor_ipc_receiver is wrapped by the "

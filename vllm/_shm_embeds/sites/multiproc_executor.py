@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -44,8 +43,7 @@ def worker_hop2_wire(worker: Any = None) -> int | None:
 
 
 def _probe() -> Callable:
-    """The callable sent to every worker (by value): None where shm-embeds is missing or
-    older; it never raises, as that would leave vLLM's reply queues out of step."""
+    """The callable sent to every worker (by value; docs/design.md, "Module notes")."""
     def wire(worker: Any = None) -> int | None:
         try:
             from vllm._shm_embeds.sites.multiproc_executor import worker_hop2_wire
@@ -59,9 +57,7 @@ def _probe() -> Callable:
 
 def _workers_join(executor: Any, rpc: Callable) -> str | None:
     """None if every worker of this engine, on every node, runs this plugin's hop 2, else
-    why not; asked once with vLLM's unwrapped ``collective_rpc`` (``rpc``).
-    Raises: whatever ``collective_rpc`` raises.
-    """
+    why not (``rpc``: vLLM's unwrapped ``collective_rpc``; raises what it raises)."""
     answers = rpc(executor, _probe())
     if not isinstance(answers, list) or not answers:
         return "the workers gave no answer to the hop-2 probe"
@@ -78,65 +74,6 @@ def _stock_executor(executor: Any) -> str | None:
     if type(executor).__module__.startswith("vllm.v1.executor.ray"):
         return f"{type(executor).__name__} is not tested with shm-embeds"
     return None
-
-
-def _step_extension() -> Any:
-    """The ``nodes`` extension's module (one copy per node), or None without it."""
-    return extensions.get("nodes", "node_copy")
-
-
-def nodes_worker_call(worker: Any, fn: str, *args: Any) -> Any:
-    """Worker: the ``nodes`` extension's ``fn(tp_ranks, tp_rank, local_world_size, *args)``
-    (``worker``: vLLM's ``WorkerWrapperBase``; ``ParallelConfig.local_world_size``,
-    ``vllm/config/parallel.py`` 0.32); None without the extension."""
-    from vllm.distributed import parallel_state as ps
-
-    nodes = _step_extension()
-    if nodes is None:
-        return None
-    tp = ps.get_tp_group()
-    local = worker.vllm_config.parallel_config.local_world_size
-    return getattr(nodes, fn)(list(tp.ranks), tp.rank_in_group, local, *args)
-
-
-def _nodes_call(fn: str, *args: Any) -> Callable:
-    """The callable sent to every worker (by value) for :func:`nodes_worker_call`; None
-    where that cannot run: it never raises (vLLM's reply queues stay in step)."""
-    def call(worker: Any = None) -> Any:
-        try:
-            from vllm._shm_embeds.sites.multiproc_executor import nodes_worker_call
-            return nodes_worker_call(worker, fn, *args)
-        except Exception:
-            import logging
-            logging.getLogger("vllm._shm_embeds").warning(
-                "shm-embeds: the nodes probe %s failed on this worker", fn, exc_info=True)
-            return None
-
-    return call
-
-
-def _in_step(executor: Any, rpc: Callable, plan: hop2.ReaderPlan) -> hop2.ReaderPlan:
-    """``plan`` with ``in_step`` if the ``nodes`` extension carries the remote readers'
-    bytes inside the step (it asks and enables every worker), else as it is."""
-    nodes = _step_extension()
-    if nodes is None:
-        return plan
-    try:
-        why = nodes.enable_workers(executor.vllm_config.parallel_config,
-                                   lambda fn, *a: rpc(executor, _nodes_call(fn, *a)))
-    except Exception:  # never into vLLM: the remote readers get the bytes (workers told)
-        logger.warning("shm-embeds: one copy per node is off after an unexpected error",
-                       exc_info=True)
-        try:
-            rpc(executor, _nodes_call("worker_enable", False))
-        except Exception:
-            logger.warning("shm-embeds: could not tell every worker that one copy per "
-                           "node is off", exc_info=True)
-        return plan
-    if why is not None:
-        logger.info("shm-embeds: one copy per node is off: %s", why)
-        return plan
-    return dataclasses.replace(plan, in_step=True)
 
 
 def _hop2_plan(executor: Any, rpc: Callable | None = None) -> ExecutorRecord:
@@ -170,8 +107,9 @@ def _hop2_plan(executor: Any, rpc: Callable | None = None) -> ExecutorRecord:
             reason = _workers_join(executor, rpc)
             if reason is not None:
                 plan = None
-            elif plan.remote_bytes:
-                plan = _in_step(executor, rpc, plan)
+            elif plan.remote_bytes and (
+                    nodes := extensions.get("nodes", "node_copy")) is not None:
+                plan = dataclasses.replace(plan, in_step=nodes.enable(executor, rpc))
         if plan is None and getattr(mq, "n_remote_reader", 0) > 0:
             rec.stock_remote = True  # counted per tensor
     if plan is None:
@@ -191,9 +129,7 @@ def _hop2_plan(executor: Any, rpc: Callable | None = None) -> ExecutorRecord:
 
 def _rpc_args(args: tuple, kwargs: dict) -> tuple:
     # collective_rpc(method, timeout=None, args=(), kwargs=None, ...)
-    if "args" in kwargs:
-        return kwargs["args"] or ()
-    return args[1] if len(args) > 1 else ()
+    return (kwargs["args"] or ()) if "args" in kwargs else args[1] if len(args) > 1 else ()
 
 
 def _count_stock_remote(rpc_args: tuple) -> None:
@@ -223,47 +159,49 @@ def _send_views(rpc_args: tuple) -> list:
     return held
 
 
+def _externalize(mq: Any, plan: hop2.ReaderPlan, rpc_args: tuple) -> list:
+    """``hop2.externalize_prompt_embeds`` for every ``SchedulerOutput`` argument, the remote
+    readers' forms put on ``mq``'s record; never raises (after an error: [], stock)."""
+    swapped: list = []
+    try:
+        process.collect()
+        for arg in rpc_args:
+            new_reqs = getattr(arg, "scheduled_new_reqs", None)
+            if new_reqs:
+                swapped += hop2.externalize_prompt_embeds(new_reqs, plan.handle_readers)
+        if swapped and plan.remote:
+            # what the readers on other nodes get instead (shm_broadcast.py)
+            record(mq, QueueRecord).remote = [
+                (req, hop2.remote_form(tensor, plan)) for req, tensor in swapped]
+    except Exception:  # never into vLLM's engine loop: this step goes stock
+        logger.warning("shm-embeds: hop 2 sends this step the stock way after an "
+                       "unexpected error", exc_info=True)
+        hop2.restore_prompt_embeds(swapped)
+        swapped = []
+    return swapped
+
+
 def wrap_executor_rpc(orig: Callable) -> Callable:
-    @functools.wraps(orig)
     def collective_rpc(self, method, *args, **kwargs):
         known = _hop2_plan(self, orig)
-        plan = known.plan
-        if plan is None:
-            if known.stock_remote:
-                try:
-                    _count_stock_remote(_rpc_args(args, kwargs))
-                except Exception:  # counting only
-                    logger.debug("shm-embeds: counting failed", exc_info=True)
-            held = _send_views(_rpc_args(args, kwargs))
+        plan, rpc_args = known.plan, _rpc_args(args, kwargs)
+        if plan is None and known.stock_remote:
             try:
-                return orig(self, method, *args, **kwargs)
-            finally:
-                hop2.restore_prompt_embeds(held)
+                _count_stock_remote(rpc_args)
+            except Exception:  # counting only
+                logger.debug("shm-embeds: counting failed", exc_info=True)
         swapped: list = []
-        mq = self.rpc_broadcast_mq  # vLLM's shutdown may set the attribute to None meanwhile
-        try:
-            process.collect()
-            for arg in _rpc_args(args, kwargs):
-                new_reqs = getattr(arg, "scheduled_new_reqs", None)
-                if new_reqs:
-                    swapped += hop2.externalize_prompt_embeds(new_reqs, plan.handle_readers)
-            if swapped and plan.remote:
-                # what the readers on other nodes get instead (shm_broadcast.py)
-                record(mq, QueueRecord).remote = [
-                    (req, hop2.remote_form(tensor, plan)) for req, tensor in swapped]
-        except Exception:  # never into vLLM's engine loop: this step goes stock
-            logger.warning("shm-embeds: hop 2 sends this step the stock way after an "
-                           "unexpected error", exc_info=True)
-            hop2.restore_prompt_embeds(swapped)
-            swapped = []
-        held = _send_views(_rpc_args(args, kwargs))  # the tensors left stock
+        if plan is not None:
+            mq = self.rpc_broadcast_mq  # vLLM's shutdown may set it to None meanwhile
+            swapped = _externalize(mq, plan, rpc_args)
+        held = _send_views(rpc_args)  # the tensors left stock
         try:
             result = orig(self, method, *args, **kwargs)
         finally:
             hop2.restore_prompt_embeds(held)
             hop2.restore_prompt_embeds(swapped)
             # set last in the try; never an error of ours in place of vLLM's
-            if (queued := peek(mq, QueueRecord)) is not None:
+            if plan is not None and (queued := peek(mq, QueueRecord)) is not None:
                 queued.remote = None
         if swapped:
             try:  # what each reader got, once the step was sent
@@ -304,7 +242,6 @@ def _all_ranks_ok(ok: bool) -> bool:
 
 
 def wrap_worker_rpc(orig: Callable) -> Callable:
-    @functools.wraps(orig)
     def _execute_worker_rpc(self, rpc_request, *args, **kwargs):
         prompt_embeds_sites.maybe_patch()
         method, rpc_args, _, output_rank = rpc_request
@@ -319,9 +256,8 @@ def wrap_worker_rpc(orig: Callable) -> Callable:
         first = worker.first_stage
         index = getattr(self.rpc_broadcast_mq, "local_reader_rank", -1)
         error: Exception | None = None
-        step = _step_extension() if first else None
-        step = step if step is not None and step.active() else None
-        forms = [(r, r.prompt_embeds) for reqs in carried for r in reqs] if step else []
+        nodes = extensions.get("nodes", "node_copy") if first else None
+        step = nodes.worker_step(carried) if nodes is not None else None
         for new_reqs in carried:
             try:
                 hop2.internalize_prompt_embeds(new_reqs, index if index >= 0 else None, first)
@@ -329,51 +265,34 @@ def wrap_worker_rpc(orig: Callable) -> Callable:
                 error = error or e
         finish: Callable[[], None] | None = None
         if step is not None:  # never raises; every rank of the step's exchange takes part
-            from vllm.distributed import parallel_state as ps
-
-            try:
-                tp = ps.get_tp_group()
-            except Exception as e:  # no TP group in a worker that runs a step: not vLLM's
-                tp, error = None, error or e
-            if tp is not None:
-                finish, failed = step.exchange(forms, tp)
-                error = error or failed
+            finish, failed = step()
+            error = error or failed
         if error is None and any(isinstance(r.prompt_embeds, StepEmbeds)
                                  for reqs in carried for r in reqs):
             error = ShmEmbedsError("prompt_embeds to receive inside the step did not arrive "
                                    "(no extension received them on this rank)")
-        return _agree_then_run(self, orig, rpc_request, args, kwargs, method, output_rank,
-                               error, finish)
+        # all ranks agree whether every rank has its prompt_embeds (then ``finish``: every
+        # rank mapped what it needs); then vLLM's method, or the same failure on every rank
+        if error is not None:
+            logger.error("shm-embeds: could not map prompt_embeds for %s: %s", method, error)
+        try:
+            agreed = _all_ranks_ok(error is None)
+        except Exception as e:  # a peer died mid all-reduce: vLLM's error reply, not a crash
+            logger.error("shm-embeds: the ranks' agreement on prompt_embeds failed: %s", e)
+            agreed, error = False, error or e
+        finally:
+            if finish is not None:
+                finish()
+        if not agreed:  # the output rank reports the failure
+            if error is None:
+                error = ShmEmbedsError("another TP/PP rank could not map prompt_embeds")
+            if output_rank is None or self.rank == output_rank:
+                self.handle_output(ShmEmbedsError(
+                    f"shm-embeds: prompt_embeds could not be mapped on every rank: {error}"))
+            return None
+        return orig(self, rpc_request, *args, **kwargs)
 
     return _execute_worker_rpc
-
-
-def _agree_then_run(self: Any, orig: Callable, rpc_request: Any, args: tuple, kwargs: dict,
-                    method: Any, output_rank: Any, error: Exception | None,
-                    finish: Callable[[], None] | None = None) -> Any:
-    """All ranks agree whether every rank has its ``prompt_embeds`` (then ``finish``: every
-    rank has mapped what it needs); then vLLM's method, or the same failure on every rank
-    (the output rank reports it)."""
-    if error is not None:
-        logger.error("shm-embeds: could not map prompt_embeds for %s: %s", method, error)
-    try:
-        agreed = _all_ranks_ok(error is None)
-    except Exception as e:  # a peer died mid all-reduce: vLLM's error reply, not a crash
-        logger.error("shm-embeds: the ranks' agreement on prompt_embeds failed: %s", e)
-        agreed, error = False, error or e
-    finally:
-        if finish is not None:
-            finish()
-    if not agreed:
-        # every rank ends the step the same way; the output rank reports the failure
-        if error is None:
-            error = ShmEmbedsError("another TP/PP rank could not map prompt_embeds")
-        if output_rank is None or self.rank == output_rank:
-            self.handle_output(ShmEmbedsError(
-                f"shm-embeds: prompt_embeds could not be mapped on every rank: {error}"
-            ))
-        return None
-    return orig(self, rpc_request, *args, **kwargs)
 
 
 HOP2_RETIRE = ("--enable-shm-tensor-arena without its size cap and slot limit, reusing "

@@ -1,19 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Site in ``vllm/v1/worker/gpu/model_states/prompt_embeds.py`` (the newer model runner,
 "V2"): later pipeline stages do not upload ``prompt_embeds`` (group ``pp_upload``).
-
-On a later stage ``PromptEmbedsState.add_request`` (0.32/0.33) gets a shallow copy of
-the request without ``prompt_embeds``. The group is considered once that module is
-imported (:func:`maybe_patch`).
-
-Sites layer: may import vLLM's classes (``sites/__init__.py`` says which layers).
 Design notes: docs/design.md, "Module notes".
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 import sys
 from collections.abc import Callable
 
@@ -54,7 +47,6 @@ def maybe_patch() -> None:
 
 
 def wrap_add_request(orig: Callable) -> Callable:
-    @functools.wraps(orig)
     def add_request(self, req_index, new_req_data, *args, **kwargs):
         data = new_req_data
         try:
@@ -85,7 +77,6 @@ SITES = (
          retire=_RETIRE),
     Site(key="v2_embeds_first_rank", group="pp_upload", module="vllm.v1.worker.gpu.model_runner",
          qualname="GPUModelRunner.execute_model",
-         params=(),
          marks=("if self.uses_inputs_embeds and self.is_first_pp_rank:",
                 'model_inputs["inputs_embeds"] = None'),
          what="relied on: the newer runner prepares inputs_embeds (PromptEmbedsState.apply) "

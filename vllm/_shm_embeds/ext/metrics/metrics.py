@@ -3,7 +3,7 @@
 
 Every process of the server counts into its own ``prometheus_client`` multiprocess
 file in one directory (``counters.py``; :func:`ensure_stats_dir` makes and exports
-it). At scrape time the files are merged (``counters.read_server``) and
+it). At scrape time the files are merged (:func:`read_server`) and
 :func:`aggregate` derives the public families, so whichever API server answers, it
 reports the whole server. :class:`MetricsMiddleware` appends them to the response
 of vLLM's own ``/metrics`` route (``ext/binary/site_entrypoints.py``). Names follow vLLM's
@@ -137,7 +137,7 @@ def ensure_stats_dir() -> str:
         return current
     sweep_stale_stats_dirs()
     path = tempfile.mkdtemp(prefix=f"{STATS_DIR_PREFIX}{os.getpid()}.")
-    config.set_stats_dir(path)
+    os.environ["VLLM_SHM_EMBEDS_STATS_DIR"] = path  # the processes it starts inherit it
     state = process.current()
     state.stats_dir_made = path
     atexit.register(_remove_stats_dir, state)
@@ -209,9 +209,26 @@ def families() -> dict[str, tuple[str, str, tuple[str, ...]]]:
     return {k: v for k, v in METRICS.items() if v[0] == "gauge" or k in fed}
 
 
+def read_server(stats_dir: str) -> dict[tuple[counters.Key, str], float]:
+    """All processes' counts in ``stats_dir`` per ``(key, role)`` (``MultiProcessCollector``)."""
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    files = list(counters.stats_files(stats_dir).values()) if stats_dir else []
+    out: dict[tuple[counters.Key, str], float] = {}
+    if not files:
+        return out
+    for metric in MultiProcessCollector.merge(files, accumulate=True):
+        if metric.name != counters.FAMILY:
+            continue
+        for sample in metric.samples:
+            slot = counters.parse_labels(dict(sample.labels))
+            out[slot] = out.get(slot, 0) + sample.value
+    return out
+
+
 def aggregate(values: dict[tuple[counters.Key, str], float], pids: set[int],
               seg_dir: str | None = None) -> dict[str, dict[tuple[str, ...], float]]:
-    """Metric values from the server's events (``counters.read_server``).
+    """Metric values from the server's events (:func:`read_server`).
 
     Returns ``{metric: {label values: value}}`` for every name of
     :func:`families` (label values in the order of its label names): each
@@ -285,8 +302,8 @@ class ShmEmbedsCollector:
 
     def collect(self) -> Iterator[Any]:
         try:
-            values = counters.read_server(self.stats_dir)
-            pids = counters.server_pids(self.stats_dir)
+            values = read_server(self.stats_dir)
+            pids = set(counters.stats_files(self.stats_dir))
         except (OSError, ValueError) as e:  # a removed dir, a file being created
             logger.debug("shm-embeds: counters unreadable at scrape: %s", e)
             values, pids = {}, set()

@@ -9,6 +9,8 @@ the bytes in vLLM's broadcast.
 May import: the core.
 """
 
+from typing import Any
+
 from vllm._shm_embeds.ext.nodes.events import NodeEvent
 from vllm._shm_embeds.extensions import Extension
 
@@ -17,3 +19,10 @@ EXTENSION = Extension(
     events=NodeEvent,
     api=("node_copy",),
 )
+
+
+def tp_group() -> Any:
+    """Worker: vLLM's TP ``GroupCoordinator`` (``vllm/distributed/parallel_state.py`` 0.32)."""
+    from vllm.distributed import parallel_state as ps
+
+    return ps.get_tp_group()

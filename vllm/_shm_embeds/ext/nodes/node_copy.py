@@ -23,6 +23,7 @@ from vllm.logger import init_logger
 
 from vllm._shm_embeds.config import shm_dir
 from vllm._shm_embeds.counters import count_many
+from vllm._shm_embeds.ext.nodes import tp_group
 from vllm._shm_embeds.ext.nodes.events import NodeEvent
 from vllm._shm_embeds.files import segment as seg
 from vllm._shm_embeds.handle import (
@@ -118,9 +119,8 @@ def active() -> bool:
 def enable_workers(parallel_config: Any, ask: Callable[..., Any]) -> str | None:
     """EngineCore, once per broadcast queue: ask every worker, then enable them all; None
     if on, else why not (all off). ``ask(fn, *args)``: every worker's answer of
-    ``fn(tp_ranks, tp_rank, local_world_size, *args)`` of this module (the core's
-    ``sites/multiproc_executor.py``, through vLLM's ``collective_rpc``). Raises: what
-    ``ask`` raises."""
+    ``fn(tp_ranks, tp_rank, local_world_size, *args)`` of this module (:func:`enable`).
+    Raises: what ``ask`` raises."""
     pc = parallel_config
     if getattr(pc, "data_parallel_size", 1) > 1:
         return "data parallelism is not covered"
@@ -151,6 +151,71 @@ def _disable(ask: Callable[..., Any]) -> None:
     except Exception:
         logger.warning("shm-embeds: could not tell every worker that one copy per node "
                        "is off", exc_info=True)
+
+
+def worker_call(worker: Any, fn: str, *args: Any) -> Any:
+    """Worker: ``fn(tp_ranks, tp_rank, local_world_size, *args)`` of this module
+    (``worker``: vLLM's ``WorkerWrapperBase``; ``ParallelConfig.local_world_size``,
+    ``vllm/config/parallel.py`` 0.32)."""
+    tp = tp_group()
+    local = worker.vllm_config.parallel_config.local_world_size
+    return globals()[fn](list(tp.ranks), tp.rank_in_group, local, *args)
+
+
+def _worker_call(fn: str, *args: Any) -> Callable:
+    """The callable sent to every worker (by value) for :func:`worker_call`; None where
+    that cannot run (no ``nodes`` extension there): it never raises (vLLM's reply
+    queues stay in step)."""
+    def call(worker: Any = None) -> Any:
+        try:
+            from vllm._shm_embeds import extensions
+
+            nodes = extensions.get("nodes", "node_copy")
+            return None if nodes is None else nodes.worker_call(worker, fn, *args)
+        except Exception:
+            import logging
+            logging.getLogger("vllm._shm_embeds").warning(
+                "shm-embeds: the nodes probe %s failed on this worker", fn, exc_info=True)
+            return None
+
+    return call
+
+
+def enable(executor: Any, rpc: Callable) -> bool:
+    """EngineCore (``sites/multiproc_executor.py``): True if the remote readers' bytes go
+    inside the step (every worker asked and enabled through vLLM's unwrapped
+    ``collective_rpc``, ``rpc``), else False (logged). Never raises."""
+    def ask(fn: str, *args: Any) -> Any:
+        return rpc(executor, _worker_call(fn, *args))
+
+    try:
+        why = enable_workers(executor.vllm_config.parallel_config, ask)
+    except Exception:  # never into vLLM: the remote readers get the bytes (workers told)
+        logger.warning("shm-embeds: one copy per node is off after an unexpected error",
+                       exc_info=True)
+        _disable(ask)
+        return False
+    if why is not None:
+        logger.info("shm-embeds: one copy per node is off: %s", why)
+    return why is None
+
+
+def worker_step(carried: list[list[Any]]) -> Callable[[], tuple] | None:
+    """Worker, first stage, before the step's forms are mapped: None when this rank takes
+    no part, else what to call after mapping: :func:`exchange` over vLLM's TP group
+    (``carried``: the step's ``scheduled_new_reqs`` lists). That call never raises."""
+    if not active():
+        return None
+    forms = [(r, r.prompt_embeds) for reqs in carried for r in reqs]
+
+    def run() -> tuple[Callable[[], None] | None, Exception | None]:
+        try:
+            tp = tp_group()
+        except Exception as e:  # no TP group in a worker that runs a step: not vLLM's
+            return None, e
+        return exchange(forms, tp)
+
+    return run
 
 
 # -- the exchange (every first-stage worker, each step that carries embeds)

@@ -23,13 +23,14 @@ import fcntl
 import grp
 import hashlib
 import os
+import queue
 import socket
 import stat
 import struct
+import threading
 
 from vllm.logger import init_logger
 
-from vllm._shm_embeds.lifetime import process
 from vllm._shm_embeds.procfs import proc_stat
 
 logger = init_logger(__name__)
@@ -209,10 +210,44 @@ def remove_if_ours(path: str, inode: int | None) -> None:
         pass
 
 
+_closer: queue.Queue | None = None  # this process's closer thread's fds
+_closer_lock = threading.Lock()
+
+
+def _reset_closer() -> None:
+    global _closer, _closer_lock
+    _closer, _closer_lock = None, threading.Lock()  # a forked child has no closer thread
+
+
+os.register_at_fork(after_in_child=_reset_closer)
+
+
+def close_fd_later(fd: int) -> None:
+    """Close ``fd`` on the daemon closer thread (a ``close`` may never return: FUSE)."""
+    global _closer
+    with _closer_lock:
+        if _closer is None:
+            _closer = queue.Queue()
+            threading.Thread(target=_close_forever, args=(_closer,), daemon=True,
+                             name="shm-embeds-fd-closer").start()
+        _closer.put(fd)
+
+
+def _close_forever(fds: queue.Queue) -> None:
+    while True:
+        fd = fds.get()
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        finally:
+            fds.task_done()
+
+
 def closer_busy() -> bool:
     """The closer thread's backlog is full (it may be stuck on a FUSE
     ``close``): receive no descriptors until it is not."""
-    closer = process.current().fd_closer
+    closer = _closer
     return closer is not None and closer.qsize() >= CLOSER_BACKLOG
 
 
@@ -225,7 +260,7 @@ def discard_fd(fd: int) -> None:
     if is_memfd(fd):
         os.close(fd)
         return
-    process.current().close_later(fd)
+    close_fd_later(fd)
 
 
 def close_unasked(fds: list[int]) -> None:
@@ -233,12 +268,12 @@ def close_unasked(fds: list[int]) -> None:
     the closer thread, memfds too: whatever they are, no ``close`` here (a
     memfd's last one frees its pages). They count in its backlog."""
     for fd in fds:
-        process.current().close_later(fd)
+        close_fd_later(fd)
 
 
 def close_later(sock: socket.socket) -> None:
     """Close ``sock`` on the closer thread (``sock`` is detached: unusable here)."""
-    process.current().close_later(sock.detach())
+    close_fd_later(sock.detach())
 
 
 def carries_fds(sock: socket.socket) -> bool:
