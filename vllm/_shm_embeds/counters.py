@@ -78,7 +78,8 @@ class Event(EventKind):
     # segments
     COPIED_BYTES = ("copied_bytes", "copied_bytes", "bytes copied into segments")
     SEGMENTS_CREATED = ("segments_created", "segments_created", "segments created")
-    SEGMENTS_UNLINKED = ("segments_unlinked", "segments_unlinked", "unlinked by their owner")
+    SEGMENTS_UNLINKED = ("segments_unlinked", "segments_unlinked",
+                         "segments unlinked by their owner")
     SEGMENTS_SWEPT = ("segments_swept", "segments_swept", "segments of dead owners removed")
     ADOPT_NAMES_TAKEN = ("adopt_names_taken", "adopt_names_taken",
                          "names found taken when adopting (another name was drawn)")

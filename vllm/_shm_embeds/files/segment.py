@@ -68,8 +68,8 @@ def pwrite_all(fd: int, buf: memoryview, offset: int, failed: list | None = None
 def write_segment(directory: str, handle: SharedTensorHandle, data: memoryview,
                   pool: concurrent.futures.Executor | None) -> list[int]:
     """Create the files of ``handle`` and ``pwrite`` header and ``data`` (``handle.nbytes``
-    bytes, C-contiguous); files 1.. are written by ``pool``. Returns the open fds (the caller closes
-    them). Raises OSError (ENOSPC, never SIGBUS), after removing the files."""
+    bytes, C-contiguous); files 1.. are written by ``pool``. Returns the open fds (the
+    caller closes them). Raises OSError (ENOSPC, never SIGBUS), after removing the files."""
     parts = handle.parts()
     fds: list[int] = []
     futures: list[concurrent.futures.Future] = []
@@ -194,8 +194,8 @@ def _open_by_owner_fd(handle: SharedTensorHandle, writable_first: bool) -> list[
 
 
 def open_files(directory: str, handle: SharedTensorHandle, reader: bool) -> list[int]:
-    """Open every file of ``handle``, by the owner's fds if given, else by name. Raises
-    ShmEmbedsError if a file is missing."""
+    """Open every file of ``handle``, by the owner's fds if given, else by name (file 0
+    read/write). Raises ShmEmbedsError if a file is missing."""
     fds = _open_by_owner_fd(handle, writable_first=True) if reader else None
     if fds is not None:
         return fds

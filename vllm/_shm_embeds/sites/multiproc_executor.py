@@ -129,7 +129,9 @@ def _hop2_plan(executor: Any, rpc: Callable | None = None) -> ExecutorRecord:
 
 def _rpc_args(args: tuple, kwargs: dict) -> tuple:
     # collective_rpc(method, timeout=None, args=(), kwargs=None, ...)
-    return (kwargs["args"] or ()) if "args" in kwargs else args[1] if len(args) > 1 else ()
+    if "args" in kwargs:
+        return kwargs["args"] or ()
+    return args[1] if len(args) > 1 else ()
 
 
 def _count_stock_remote(rpc_args: tuple) -> None:
