@@ -73,7 +73,8 @@ from vllm._shm_embeds import counters
 from vllm._shm_embeds.ext.json import torch_save
 from vllm._shm_embeds.ext.binary import common
 from vllm._shm_embeds.ext.json import json_body
-from vllm._shm_embeds.lifetime import streamed
+from vllm._shm_embeds.lifetime import transfer
+from vllm._shm_embeds.ext.digests import streamed
 
 STEPS = ("join", "json.loads", "validate", "load", "hash")
 JSON_STEPS = ("j.buffer", "j.scan", "j.load", "j.seg+hash", "j.direct", "j.total")
@@ -102,7 +103,7 @@ def _binary_round(tensor: torch.Tensor, header: bytes, chunks: list, block: int
         hashlib.sha256(flat[i : i + row_bytes]).digest()
     t4 = time.perf_counter()
     del flat
-    streamed.release_streamed(embeds)
+    transfer.release_streamed(embeds)
     return {"b.header": t1 - t0, "b.stream": t2 - t1, "b.finish": t3 - t2, "b.hash": t4 - t3}
 
 
@@ -121,13 +122,13 @@ def _json_path_round(chunks, ctx, route="/v1/completions") -> dict[str, float]:
     t3 = time.perf_counter()
     out = json_body._to_segment(ctx, tensor)
     t4 = time.perf_counter()
-    streamed.release_streamed(out)
+    transfer.release_streamed(out)
     del tensor, out
     t4b = time.perf_counter()
     out = torch_save.direct_decode(ctx, view[spans[0][0]:spans[0][1]])
     t4c = time.perf_counter()
     assert out is not None, "not the plain case: the direct decode did not run"
-    streamed.release_streamed(out)
+    transfer.release_streamed(out)
     view.release()
     raw.close()
     del out
@@ -139,7 +140,7 @@ def _json_path_round(chunks, ctx, route="/v1/completions") -> dict[str, float]:
     assert prepared.upload is not None, prepared.reason
     for t in prepared.upload.tensors:
         if t is not None:
-            streamed.release_streamed(t)
+            transfer.release_streamed(t)
     del prepared
     return {"j.buffer": t1 - t0, "j.scan": t2 - t1, "j.load": t3 - t2,
             "j.seg+hash": t4 - t3, "j.direct": t4c - t4b, "j.total": t6 - t5}
@@ -370,7 +371,7 @@ async def _json_async(chunks, ctx) -> None:
     raw.close()
     for t in prepared.upload.tensors:
         if t is not None:
-            streamed.release_streamed(t)
+            transfer.release_streamed(t)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ from vllm._shm_embeds.files import segment
 from vllm._shm_embeds.ext.digests import digests
 from vllm._shm_embeds.hops import hop1, hop2
 from vllm._shm_embeds.ext.binary import binary, common, gate, placeholders
-from vllm._shm_embeds.lifetime import process, streamed, transfer
+from vllm._shm_embeds.lifetime import process, transfer
+from vllm._shm_embeds.ext.digests import streamed
 
 LIMITS = common.ServerContext(hidden_size=8, max_model_len=16, dtype=torch.float32,
                             enable_prompt_embeds=True, max_body_bytes=16 * 8 * 4)
@@ -143,12 +144,12 @@ def test_streamed_segment_handover_and_release(shm_env):
     for i in range(0, len(raw), 100):
         seg.write(raw[i:i + 100])
     got = seg.finish()
-    assert torch.equal(got, t) and streamed.is_streamed(got)
-    assert streamed.is_streamed(got.view(40, 8)) and not streamed.is_streamed(got[1:])
+    assert torch.equal(got, t) and transfer.is_streamed(got)
+    assert transfer.is_streamed(got.view(40, 8)) and not transfer.is_streamed(got[1:])
     consumer = hop1.HandleOOBConsumer(None)
     consumer.arm(got)
     meta = consumer(got)[hop1.META_KEY]
-    assert not streamed.is_streamed(got)  # handed over: the peer owns it now
+    assert not transfer.is_streamed(got)  # handed over: the peer owns it now
     assert counters.stats().get("hop1_handover_tensors") == 1
     adopted = transfer.adopt_tensor(handle.SharedTensorHandle.from_meta(meta))
     assert torch.equal(adopted, t)
@@ -191,12 +192,12 @@ def test_request_end_lets_go_of_the_pages(shm_env):
     consumer.arm(got)
     meta = consumer(got)[hop1.META_KEY]  # handed over
     name = os.listdir(shm_env)
-    assert streamed.release_streamed(got)  # the request ended
+    assert transfer.release_streamed(got)  # the request ended
     assert _holds(shm_env) == [] and os.listdir(shm_env) == name  # the peer's now
     assert got.shape == t.shape and not got.any()  # still valid memory: zeros
     adopted = transfer.adopt_tensor(handle.SharedTensorHandle.from_meta(meta))
     assert torch.equal(adopted, t)  # the peer's bytes were not touched
-    assert not streamed.release_streamed(got)  # once only
+    assert not transfer.release_streamed(got)  # once only
     del adopted
     process.shutdown()
     # Not handed over (rejected by vLLM): unlinked and let go at once, by the

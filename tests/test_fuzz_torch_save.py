@@ -54,7 +54,7 @@ def _child(conn, seg_dir: str, stats_dir: str) -> None:
                       VLLM_SHM_EMBEDS_STATS_DIR=stats_dir, VLLM_SHM_EMBEDS_MIN_BYTES="0")
     from vllm._shm_embeds import counters
     from vllm._shm_embeds.ext.json import torch_save
-    from vllm._shm_embeds.lifetime import process, streamed
+    from vllm._shm_embeds.lifetime import process, transfer
 
     counters._state = counters._Counters()
     process._state = process.Process()
@@ -64,7 +64,7 @@ def _child(conn, seg_dir: str, stats_dir: str) -> None:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     warm = cases.saved(torch.randn(12, HIDDEN))
-    streamed.release_streamed(torch_save.direct_decode(ctx, memoryview(base64.b64encode(warm))))
+    transfer.release_streamed(torch_save.direct_decode(ctx, memoryview(base64.b64encode(warm))))
     cases.stock(warm)
     process.collect()
     rss0 = peak()
@@ -93,7 +93,7 @@ def _child(conn, seg_dir: str, stats_dir: str) -> None:
                                        f"{tuple(want.shape)} {want.dtype}")
             else:
                 verdict = ("tensor", None)
-            streamed.release_streamed(ours)
+            transfer.release_streamed(ours)
             del ours, want
             process.collect()
         if peak() - rss0 > RSS_GROWTH:

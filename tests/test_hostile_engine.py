@@ -23,7 +23,8 @@ from vllm._shm_embeds.files import segment as seg
 from vllm._shm_embeds.files import segment_dir
 from vllm._shm_embeds.handle import SegmentName, part_name
 from vllm._shm_embeds.hops import hop1
-from vllm._shm_embeds.lifetime import process, streamed, transfer
+from vllm._shm_embeds.lifetime import process, transfer
+from vllm._shm_embeds.ext.digests import streamed
 from vllm._shm_embeds.procfs import pid_namespace
 
 NOBODY = 65534
@@ -229,7 +230,7 @@ def test_segment_cap_takes_the_stock_path(shm_env, monkeypatch):
     assert _stat("fallback.hop1.segments") == 2
     assert not os.path.exists(os.path.join(shm_env, meta[hop1.META_KEY]["name"]))
     for k in kept:
-        streamed.release_streamed(k)
+        transfer.release_streamed(k)
     del kept
     process.collect()
 

@@ -30,7 +30,8 @@ from vllm._shm_embeds.files import census as census_mod
 from vllm._shm_embeds.files import segment
 from vllm._shm_embeds.ext.binary import binary, body_limits, common, gate
 from vllm._shm_embeds.ext.json import json_body
-from vllm._shm_embeds.lifetime import process, streamed, transfer
+from vllm._shm_embeds.lifetime import process, transfer
+from vllm._shm_embeds.ext.digests import streamed
 
 
 def _json_scope(length: int, hidden=64, max_len=2048, enable=True, ctype=b"application/json",

@@ -28,7 +28,8 @@ from vllm._shm_embeds.hops import hop1
 from vllm._shm_embeds.ext.binary import common, gate
 from vllm._shm_embeds.ext.json import json_body
 from vllm._shm_embeds.ext.binary.placeholders import resolve_placeholder
-from vllm._shm_embeds.lifetime import process, streamed
+from vllm._shm_embeds.lifetime import process, transfer
+from vllm._shm_embeds.ext.digests import streamed
 from vllm._shm_embeds.sites import core_client
 
 HIDDEN = 64
@@ -99,14 +100,14 @@ def test_prepare_equals_vllm_decode_and_digests(shm_env, route):
         _current.reset(token)
     want = safe_load_prompt_embeds(_ctx().model_config, b64.encode())
     assert torch.equal(got, want) and got.dtype == torch.float32
-    assert streamed.is_streamed(got)
+    assert transfer.is_streamed(got)
     d = digests.attached(got)
     stock, req = _stock_block_hashes(want, 16)
     assert d.digests == b"".join(req._prompt_embeds_per_block_hashes[(i, i + 16)]
                                  for i in range(0, 96, 16)) + d.digests[-32:]
     assert len(d.digests) == 7 * 32  # 6 full blocks and the short tail
     assert counters.stats()["json_tensors"] == 1
-    streamed.release_streamed(got)
+    transfer.release_streamed(got)
     del got
 
 
@@ -200,7 +201,7 @@ def test_prepare_leaves_other_long_strings_and_non_json_alone(shm_env):
     assert digests.attached(got).digests == b"".join(
         __import__("hashlib").sha256(t[i:i + 16].numpy().tobytes()).digest()
         for i in range(0, 40, 16))
-    streamed.release_streamed(got)
+    transfer.release_streamed(got)
 
 
 @pytest.mark.parametrize("late", [False, True])
@@ -420,7 +421,7 @@ def test_plain_payload_is_decoded_straight_into_the_segment(shm_env, shape):
     rows = want.shape[0]
     assert digests.attached(got).digests == b"".join(
         hashlib.sha256(want[i:i + 16].numpy().tobytes()).digest() for i in range(0, rows, 16))
-    streamed.release_streamed(got)
+    transfer.release_streamed(got)
 
 
 def _big():
@@ -470,7 +471,7 @@ def test_anything_else_goes_to_vllms_loader(shm_env, name):
     if name == "directory-bit":  # vLLM's loader answers with uninitialized memory:
         for t in out.upload.tensors:  # nothing to compare
             if t is not None:
-                streamed.release_streamed(t)
+                transfer.release_streamed(t)
     elif want is None:  # the loader's own error, raised where vLLM decodes
         assert out.reason == "rejected" and list(map(str, out.upload.errors.values())) == [
             error]
@@ -482,7 +483,7 @@ def test_anything_else_goes_to_vllms_loader(shm_env, name):
         want = want.resolve_neg().contiguous()
         assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8),
                                                        want.view(torch.uint8))
-        streamed.release_streamed(got)
+        transfer.release_streamed(got)
     process.collect()
     assert os.listdir(shm_env) == []
 
@@ -536,7 +537,7 @@ def test_spoiled_base64_is_rejected_as_vllm_rejects_it(shm_env, name, monkeypatc
     assert _direct_count() == 1
     for t in out.upload.tensors:
         if t is not None:
-            streamed.release_streamed(t)
+            transfer.release_streamed(t)
 
 
 @pytest.mark.parametrize("dtype,fail_at", [(torch.float32, 3), (torch.float16, 1)])
@@ -566,7 +567,7 @@ def test_no_space_midway_gives_the_body_back_and_leaves_nothing(shm_env, monkeyp
         assert out.body == body and out.upload is None
     else:  # vLLM gets the tensor its loader made here, in private memory: no second decode
         [t] = [t for t in out.upload.tensors if t is not None]
-        assert not streamed.is_streamed(t) and t.dtype == torch.float32
+        assert not transfer.is_streamed(t) and t.dtype == torch.float32
         out.upload.release()
     process.collect()
     assert os.listdir(shm_env) == []
@@ -905,7 +906,7 @@ def test_a_stride0_view_longer_than_the_model_is_never_made_dense(shm_env, rows)
     assert out.reason == "too_long"
     [t] = [t for t in out.upload.tensors if t is not None]
     assert t.shape == (rows, HIDDEN) and t.untyped_storage().nbytes() == HIDDEN * 4
-    assert not streamed.is_streamed(t) and os.listdir(shm_env) == []
+    assert not transfer.is_streamed(t) and os.listdir(shm_env) == []
     assert counters.stats().get("segments_created", 0) == 0
     assert counters.stats().get("json_fallback.too_long", 0) == 0  # the caller counts
     out.upload.release()
@@ -918,7 +919,7 @@ def test_a_stride0_view_within_the_model_goes_to_vllm_as_it_is(shm_env):
     out = json_body.prepare(_body(prompt="", prompt_embeds=payload), "/v1/completions", _ctx())
     assert out.reason == "not_dense"
     [t] = [t for t in out.upload.tensors if t is not None]
-    assert t.stride() == (0, 1) and not streamed.is_streamed(t)
+    assert t.stride() == (0, 1) and not transfer.is_streamed(t)
     assert os.listdir(shm_env) == [] and counters.stats().get("segments_created", 0) == 0
     out.upload.release()
 

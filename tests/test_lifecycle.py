@@ -10,9 +10,10 @@ import threading
 import pytest
 import torch
 
+from vllm._shm_embeds.config import shm_dir
 from vllm._shm_embeds.files import segment as seg
 from vllm._shm_embeds.hops import hop2
-from vllm._shm_embeds.lifetime import lifecycle, process, streamed, transfer
+from vllm._shm_embeds.lifetime import lifecycle, process, transfer
 from vllm._shm_embeds.lifetime.lifecycle import (BROADCAST, DRAINING, FREED, GONE, HELD,
                                                   MAPPED, IllegalTransition, Kind, State)
 
@@ -25,6 +26,20 @@ def _entry(tensor):
     """The index entry of the segment ``tensor`` maps here (or was copied from)."""
     return next((e for e in _owned()._index.all() if e.data_ptr == tensor.data_ptr()
                  or (e.source is not None and e.source() is tensor)), None)
+
+
+def _streamed(shape=(8, 32)):
+    """A segment owned as ``Kind.STREAMED`` (what a body extension's finished one is),
+    made with the core alone: the core's tests also run with every extension deleted."""
+    handle, fds = transfer.create_segment(torch.zeros(shape))
+    try:
+        mm = seg.map_segment(shm_dir(), handle, fds=fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    t, anchor = seg.tensor_view(mm, handle)
+    _owned().own(Kind.STREAMED, handle, mm, t, anchor)
+    return t
 
 
 def _adopt(rows=64):
@@ -159,24 +174,24 @@ def s_release_unknown(d):
 
 
 def s_streamed(d):
-    t = streamed.streamed_tensor_like(torch.float32, (8, 32))
+    t = _streamed()
     e = _entry(t)
-    assert (e.kind, e.state) == (Kind.STREAMED, HELD) and streamed.is_streamed(t)
-    assert streamed.release_streamed(t) and e.state is GONE  # HELD -> GONE
-    t = streamed.streamed_tensor_like(torch.float32, (8, 32))
+    assert (e.kind, e.state) == (Kind.STREAMED, HELD) and transfer.is_streamed(t)
+    assert transfer.release_streamed(t) and e.state is GONE  # HELD -> GONE
+    t = _streamed()
     e = _entry(t)
-    handle = streamed.hand_over(t)
-    assert handle is not None and e.state is MAPPED and not streamed.is_streamed(t)
+    handle = transfer.hand_over(t)
+    assert handle is not None and e.state is MAPPED and not transfer.is_streamed(t)
     adopted = transfer.adopt_tensor(handle)  # the peer (here: this process)
-    assert streamed.release_streamed(t) and e.state is GONE  # MAPPED -> GONE
+    assert transfer.release_streamed(t) and e.state is GONE  # MAPPED -> GONE
     assert transfer.release_adopted(adopted)
-    t = streamed.streamed_tensor_like(torch.float32, (8, 32))
+    t = _streamed()
     e = _entry(t)
-    adopted = transfer.adopt_tensor(streamed.hand_over(t))
+    adopted = transfer.adopt_tensor(transfer.hand_over(t))
     del t
     assert _die(e) == [GONE]  # MAPPED -> GONE
     transfer.release_adopted(adopted)
-    t = streamed.streamed_tensor_like(torch.float32, (8, 32))
+    t = _streamed()
     e = _entry(t)
     del t
     assert _die(e) == [GONE] and os.listdir(d) == []  # HELD -> GONE
@@ -236,20 +251,20 @@ def s_draining(d):
     draining(e, a)
     del v
     dropped(e, a)
-    t = streamed.streamed_tensor_like(torch.float32, (8, 32))
+    t = _streamed()
     t.fill_(1)
     e, v = _entry(t), transfer.send_view(t)
-    assert streamed.release_streamed(t)  # HELD -> DRAINING
+    assert transfer.release_streamed(t)  # HELD -> DRAINING
     draining(e, t)
     del v
     dropped(e, t)
-    t = streamed.streamed_tensor_like(torch.float32, (8, 32))
+    t = _streamed()
     t.fill_(1)
     e = _entry(t)
-    adopted = transfer.adopt_tensor(streamed.hand_over(t))
+    adopted = transfer.adopt_tensor(transfer.hand_over(t))
     v = transfer.send_view(t)
     transfer.release_adopted(adopted)  # the peer's end
-    assert streamed.release_streamed(t)  # MAPPED -> DRAINING
+    assert transfer.release_streamed(t)  # MAPPED -> DRAINING
     draining(e, t)
     del v
     dropped(e, t)
@@ -278,8 +293,8 @@ def s_unlink_all(d):
     freed = _adopt()
     hop2.externalize(freed, readers=1)
     transfer.release_adopted(freed)
-    mapped = streamed.streamed_tensor_like(torch.float32, (8, 32))
-    peer = transfer.adopt_tensor(streamed.hand_over(mapped))
+    mapped = _streamed()
+    peer = transfer.adopt_tensor(transfer.hand_over(mapped))
     entries = [_entry(t) for t in (held, broadcast, freed, mapped, peer)]
     assert [e.state for e in entries] == [HELD, BROADCAST, FREED, MAPPED, HELD]
     assert _owned().unlink_all() == 4
@@ -330,7 +345,7 @@ def test_a_verb_returns_after_the_unlinks_of_a_concurrent_safe_point(shm_env, mo
         return unlink(*args)
 
     monkeypatch.setattr(seg, "unlink_segment", held)
-    t = streamed.streamed_tensor_like(torch.float32, (8, 32))
+    t = _streamed()
     e = _entry(t)
     del t
     gc.collect()

@@ -70,7 +70,7 @@ _RANK_SCRIPT = textwrap.dedent("""
     if mode == "no_segment" and rank == 2:
         def full(*a, **k):
             raise OSError(errno.ENOSPC, "injected: no space")
-        node_copy.StreamedFile = full
+        os.posix_fallocate = full  # the segment made, then removed
     if mode == "leader_bug" and rank == 2:
         def bug(nbytes):
             raise RuntimeError("injected: a bug of ours")

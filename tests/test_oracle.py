@@ -39,7 +39,7 @@ from vllm._shm_embeds.ext.json import torch_save
 from vllm._shm_embeds.ext.digests import digests
 from vllm._shm_embeds.ext.binary import common, placeholders
 from vllm._shm_embeds.ext.json import json_body
-from vllm._shm_embeds.lifetime import streamed
+from vllm._shm_embeds.lifetime import transfer
 
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
@@ -266,7 +266,7 @@ def test_digests_equal_vllm_block_hashes(shm_env, route, data):
     finally:
         if seg is not None:
             digests.forget(seg)
-            streamed.release_streamed(seg)
+            transfer.release_streamed(seg)
             del seg
 
 
@@ -366,7 +366,7 @@ def _check_against_stock(c, b64: bytes, want_direct: bool | None):
     finally:
         if ours is not None:
             digests.forget(ours)
-            streamed.release_streamed(ours)
+            transfer.release_streamed(ours)
             del ours
 
 

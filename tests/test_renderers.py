@@ -17,7 +17,8 @@ import torch
 
 from vllm._shm_embeds.ext.digests import digests
 from vllm._shm_embeds.ext.binary import placeholders
-from vllm._shm_embeds.lifetime import streamed
+from vllm._shm_embeds.lifetime import transfer
+from vllm._shm_embeds.ext.digests import streamed
 from vllm._shm_embeds.ext.binary import site_renderers as renderers
 
 H, BLOCK = 8, 4
@@ -61,7 +62,7 @@ def test_chat_prompt_assembled_read_only_then_hashed_off_the_event_loop(upload, 
     full, mask = renderers.wrap_build_mixed_prompt_embeds(stock)(token_ids, parts, positions)
     want, want_mask = stock(token_ids, [p.clone() for p in parts], positions)
     assert torch.equal(full, want) and mask == want_mask
-    assert streamed.is_streamed(full) and any(t is full for t in upload.made)
+    assert transfer.is_streamed(full) and any(t is full for t in upload.made)
     assert _perms(full)[:2] == "r-", _perms(full)  # mapped read-only
     assert digests.attached(full) is None  # not hashed on the calling thread
 
@@ -128,7 +129,7 @@ def test_prompt_of_no_binary_part_is_vllms(upload):
     plain = [torch.randn(3, H)]
     out, mask = renderers.wrap_build_mixed_prompt_embeds(stock)(list(range(5)), plain,
                                                                [(1, 3)])
-    assert not streamed.is_streamed(out) and upload.made == []
+    assert not transfer.is_streamed(out) and upload.made == []
 
     async def render(self, messages, params):
         return "c", {"prompt_embeds": out}

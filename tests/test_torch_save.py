@@ -26,7 +26,7 @@ from torch_save_cases import HIDDEN
 from vllm._shm_embeds import counters
 from vllm._shm_embeds.ext.json import pickle_scan, torch_save
 from vllm._shm_embeds.ext.json import json_body
-from vllm._shm_embeds.lifetime import process, streamed
+from vllm._shm_embeds.lifetime import process, transfer
 
 
 def _outline(raw: bytes) -> torch_save._Outline:
@@ -51,7 +51,7 @@ def _release(out) -> list[torch.Tensor]:
     got = [t for t in (out.upload.tensors if out.upload else []) if t is not None]
     copies = [t.clone() for t in got]
     for t in got:
-        streamed.release_streamed(t)
+        transfer.release_streamed(t)
     return copies
 
 

@@ -35,7 +35,8 @@ from vllm._shm_embeds import counters
 from vllm._shm_embeds.handle import InlineEmbeds, SharedTensorHandle
 from vllm._shm_embeds.hops import hop2
 from vllm._shm_embeds.lifetime import process, transfer
-from vllm._shm_embeds.lifetime.streamed import StreamedSegment, release_streamed
+from vllm._shm_embeds.ext.digests.streamed import StreamedSegment
+from vllm._shm_embeds.lifetime.transfer import release_streamed
 from vllm._shm_embeds.sites import multiproc_executor, shm_broadcast
 
 ROWS, COLS = 16384, 1024  # 64 MiB of float32

@@ -33,31 +33,23 @@ class Kind:
 
 
 FLAG = Kind(pydantic.TypeAdapter(bool), "a flag (1/0)")
-BYTES = Kind(pydantic.TypeAdapter(Annotated[int, pydantic.Field(ge=0, strict=False)]),
-             "a byte count")
+BYTES = Kind(pydantic.TypeAdapter(Annotated[int, pydantic.Field(ge=0)]), "a byte count")
 WRITER_COUNT = Kind(pydantic.TypeAdapter(Annotated[int, pydantic.Field(ge=1, le=MAX_WRITERS)]),
                f"a count in 1..{MAX_WRITERS}")
-SECONDS = Kind(pydantic.TypeAdapter(Annotated[float, pydantic.Field(gt=0)]),
-               "a number of seconds")
-COUNT = Kind(pydantic.TypeAdapter(Annotated[int, pydantic.Field(ge=1, strict=False)]),
-             "a positive count")
+SECONDS = Kind(pydantic.TypeAdapter(Annotated[float, pydantic.Field(gt=0)]), "a number of seconds")
+COUNT = Kind(pydantic.TypeAdapter(Annotated[int, pydantic.Field(ge=1)]), "a positive count")
 NAME = Kind()  # text, stripped; unset or blank: the default
 PATH = Kind(strip=False)  # text as given
 
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    """One setting (a variable) or one fixed limit (:data:`LIMITS`).
-
-    Attributes:
-        name: the environment variable; a limit's name in :data:`TEST_LIMITS`.
-        default: the value when unset, blank or bad; a callable is asked at each
-            parse; None where derived elsewhere (e.g. :func:`budget_bytes`).
-        doc: the "meaning" cell of ``docs/configuration.md``.
-        shown: the default as the doc says it, where the value alone does not.
-        field: the :class:`Settings` attribute; default: the name after
-            ``VLLM_SHM_EMBEDS_``, lower case.
-    """
+    """One setting (a variable) or one fixed limit (:data:`LIMITS`). ``name``: the
+    variable, or the limit's name in :data:`TEST_LIMITS`; ``default``: the value when
+    unset, blank or bad (a callable is asked at each parse; None: derived elsewhere, e.g.
+    :func:`budget_bytes`); ``doc`` and ``shown`` (the default, where the value alone does
+    not say it): cells of ``docs/configuration.md``; ``field``: the :class:`Settings`
+    attribute (default: the name after ``VLLM_SHM_EMBEDS_``, lower case)."""
 
     name: str
     kind: Kind
@@ -69,8 +61,7 @@ class Setting:
 
     def __post_init__(self) -> None:
         if not self.field:
-            object.__setattr__(self, "field",
-                               self.name.removeprefix("VLLM_SHM_EMBEDS_").lower())
+            object.__setattr__(self, "field", self.name.removeprefix("VLLM_SHM_EMBEDS_").lower())
 
     def parse(self, raw: str | None, problems: list[str], label: str = "") -> Any:
         """The value of ``raw``; a bad one gives the default and a message in
@@ -121,32 +112,22 @@ SETTINGS: tuple[Setting, ...] = (
         "JSON bodies smaller than this go to vLLM's own decode; a binary body's tensor goes by "
         "shared memory whatever its size."),
     Setting("VLLM_SHM_EMBEDS_DIR", PATH, "/dev/shm", "path",
-        "the tmpfs where segments live. When other users may write there (`/dev/shm`), the server"
-        " keeps its segments in a directory of its own inside, mode 0700, removed at exit "
-        "([security.md](security.md#the-private-segment-directory)). If it is missing, not "
-        "writable, or lets other users rename entries (writable by them and not sticky), the "
-        "plugin stays off and says why."),
+        "the tmpfs where segments live, in a private directory when it is shared (below). If it"
+        " is missing, not writable, or lets other users rename entries, the plugin stays off "
+        "and says why."),
     Setting("VLLM_SHM_EMBEDS_STATS_DIR", PATH, None, "path",
-        "the per-server directory in which every process keeps its counters "
-        "([metrics.md](metrics.md#how-the-values-are-collected)). Unset: the OpenAI server uses a"
-        " private directory and removes it at exit. If you set it, use a fresh directory per run:"
-        " files left in it are counted."),
+        "where every process of the server keeps its counters "
+        "([metrics.md](metrics.md#how-the-values-are-collected)); unset: the OpenAI server uses "
+        "a private one, removed at exit. If set, use a fresh one per run: files left are counted."),
     Setting("VLLM_SHM_EMBEDS_MAX_BYTES", BYTES, None, "bytes",
-        "a cap on this server's shm-embeds segments (every process of the server; a body still arriving counts by what it has written, plus what this process's bodies"
-        " will still write). A segment keeps its name until vLLM frees its request, so the named "
-        "segments are what running requests hold, on `/dev/shm` as on a file system of its own. "
-        "It is checked before each new segment; a tensor that would go over takes the stock path,"
-        " counted with reason `budget`; nothing is refused for it. On a segment directory with a "
-        "file system of its own (e.g. a tmpfs mounted for it) everything in use there counts too,"
-        " which also covers the TP workers' mappings in the one step after a request is freed. A "
-        "full `/dev/shm` means ENOSPC, which also takes the stock path.",
-        shown="half the segment directory's file system; on `/dev/shm`'s file system at most "
-              f"what was free at start less {RING_RESERVE_BYTES >> 20} MiB (vLLM's broadcast "
-              "rings live there)"),
+        "a cap on this server's segments (what counts: below), checked before each new one; a "
+        "tensor that would go over takes the stock path, counted with reason `budget`; nothing "
+        "is refused for it.",
+        shown="half the segment directory's file system; on `/dev/shm`'s, at most what was "
+              f"free at start less {RING_RESERVE_BYTES >> 20} MiB (vLLM's broadcast rings)"),
     Setting("VLLM_SHM_EMBEDS_STRICT", FLAG, False, "flag",
-        "on: an illegal segment lifecycle transition (a bug of the plugin) raises "
-        "`IllegalTransition` instead of being logged and refused; for tests (`tests/conftest.py` "
-        "sets it), leave it off in production."),
+        "on: an illegal segment lifecycle transition (a plugin bug) raises `IllegalTransition` "
+        "instead of being logged and refused; for tests only (`tests/conftest.py` sets it)."),
 )
 
 MAX_SEGMENTS = 4096  # far beyond what running requests hold; 4096 x 5 VMAs < vm.max_map_count
@@ -154,15 +135,13 @@ MAX_SEGMENTS = 4096  # far beyond what running requests hold; 4096 x 5 VMAs < vm
 # Changed only by TEST_LIMITS; callables and None are computed.
 LIMITS: tuple[Setting, ...] = (
     Setting("WRITERS", WRITER_COUNT, _default_writers, "threads",  # the machine's CPUs decide
-        f"1 to {MAX_WRITERS} threads that write one tensor of 8 MiB or more into its segment, "
-        "each into a file of its own (tmpfs serializes writes to one file). Readers map the "
-        "files back to back, so the tensor stays contiguous.",
+        f"1 to {MAX_WRITERS} threads writing a tensor of 8 MiB or more, each into a file of its "
+        "own (tmpfs serializes writes to one file), mapped back to back by readers.",
         shown="usable CPUs, at most 4"),
     Setting("MAX_SEGMENTS", COUNT, MAX_SEGMENTS, "segments",
-        "segments one process may own and map at once (each is a mapping of up to 1 + files VMAs,"
-        " well under `vm.max_map_count`). Beyond it a sender (API server, hop 2 in the "
-        "EngineCore) takes the stock path and the EngineCore reads an arriving segment into its "
-        "own memory (what stock holds), both counted with reason `segments`."),
+        "segments one process may own and map at once (up to 1 + files VMAs each). Beyond it a"
+        " sender takes the stock path and the EngineCore reads an arriving segment into its own"
+        " memory, both counted with reason `segments`."),
 )
 
 # Internal, unsupported (tests, benchmarks), e.g. "BODY_TIMEOUT_S=2,INFLIGHT_BYTES=1048576".
@@ -179,9 +158,9 @@ class Declared(NamedTuple):
 
 
 class Settings:
-    """This process's parsed values (frozen): one attribute per declared setting and
-    limit (its ``field``), ``problems`` (one message per bad value a default replaced)
-    and ``fatal`` (messages that keep the feature off: no usable segment directory)."""
+    """This process's parsed values (frozen): one attribute per setting and limit (its
+    ``field``), ``problems`` (each bad value a default replaced) and ``fatal`` (what keeps
+    the feature off: no usable segment directory)."""
 
     problems: tuple[str, ...]
     fatal: tuple[str, ...]
@@ -194,9 +173,8 @@ class Settings:
 
 
 class ProcessCache:
-    """What this process worked out from its environment, until :meth:`reset`:
-    ``parsed`` (key, :class:`Settings`), ``budget`` and ``shares`` (per segment
-    directory: :func:`budget_bytes`'s default, :func:`shares_dev_shm`)."""
+    """What this process worked out from its environment, until :meth:`reset`; ``budget``
+    and ``shares`` per segment directory."""
 
     def __init__(self) -> None:
         self.reset()
@@ -248,9 +226,8 @@ def _parse(d: Declared, raw: tuple[str | None, ...]) -> Settings:
     values = {s.field: s.parse(value, problems) for s, value in zip(d.settings, raw)}
     values |= _limits(d.limits, raw[len(d.settings)], problems)
     directory = values["dir"]
-    fatal = ()
-    if not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
-        fatal = (f"segment directory {directory} is missing or not writable",)
+    usable = os.path.isdir(directory) and os.access(directory, os.W_OK | os.X_OK)
+    fatal = () if usable else (f"segment directory {directory} is missing or not writable",)
     return Settings(values | {"problems": tuple(problems), "fatal": fatal})
 
 

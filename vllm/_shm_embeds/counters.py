@@ -1,9 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Counters of what shm-embeds did: an in-memory add plus, with
-``VLLM_SHM_EMBEDS_STATS_DIR`` set, a write to this process's ``prometheus_client``
-multiprocess file. Never count from a finalizer (this takes a lock).
-
-Base layer: may import the other base modules. Design notes: docs/design.md, "Module notes".
+"""Counters of what shm-embeds did: an in-memory add plus, with ``VLLM_SHM_EMBEDS_STATS_DIR``
+set, a write to this process's ``prometheus_client`` multiprocess file. Never count from a
+finalizer (this takes a lock). Base layer: may import the other base modules.
+Design notes: docs/design.md, "Module notes".
 """
 
 from __future__ import annotations
@@ -48,8 +47,7 @@ class Event(EventKind):
     HOP1_SHM_TENSORS = ("hop1_shm_tensors", "tensors", "hop-1 tensors sent by shared memory "
                         "(API server) or adopted (EngineCore: received_tensors)")
     HOP1_SHM_BYTES = ("hop1_shm_bytes", "bytes", "their bytes")
-    HOP1_STOCK_TENSORS = ("hop1_stock_tensors", "tensors",
-                          "hop-1 tensors sent the stock way (as ZMQ frames)")
+    HOP1_STOCK_TENSORS = ("hop1_stock_tensors", "tensors", "hop-1 tensors sent as ZMQ frames")
     HOP1_STOCK_BYTES = ("hop1_stock_bytes", "bytes", "their bytes")
     HOP2_SHM_TENSORS = ("hop2_shm_tensors", "tensors", "hop-2 tensors sent as handles "
                         "(EngineCore) or mapped (each TP worker: received_tensors)")
@@ -78,8 +76,7 @@ class Event(EventKind):
     # segments
     COPIED_BYTES = ("copied_bytes", "copied_bytes", "bytes copied into segments")
     SEGMENTS_CREATED = ("segments_created", "segments_created", "segments created")
-    SEGMENTS_UNLINKED = ("segments_unlinked", "segments_unlinked",
-                         "segments unlinked by their owner")
+    SEGMENTS_UNLINKED = ("segments_unlinked", "segments_unlinked", "segments their owner unlinked")
     SEGMENTS_SWEPT = ("segments_swept", "segments_swept", "segments of dead owners removed")
     ADOPT_NAMES_TAKEN = ("adopt_names_taken", "adopt_names_taken",
                          "names found taken when adopting (another name was drawn)")
@@ -128,8 +125,8 @@ class _Counters:
 
                 try:
                     self.file = MmapedDict(os.path.join(directory, f"counter_{self.pid}.db"))
-                except OSError:  # counters are best effort, never fail a request
-                    self.file = None
+                except OSError:
+                    pass  # counters are best effort, never fail a request
                 else:  # a file this pid left earlier: go on from its values
                     for mkey, value, _ in self.file.read_all_values():
                         slot = parse_labels(json.loads(mkey)[2])
@@ -148,12 +145,10 @@ class _Counters:
             for key, delta in deltas.items():
                 slot = (key, self.role)
                 self.file_totals[slot] += delta
-                mkey = self.keys.get(slot)
-                if mkey is None:
-                    mkey = self.keys[slot] = mmap_key(
-                        FAMILY, FAMILY, _LABELS, (key.event, self.role, key.hop, key.reason),
-                        _HELP)
-                store.write_value(mkey, float(self.file_totals[slot]), 0.0)
+                if slot not in self.keys:
+                    self.keys[slot] = mmap_key(FAMILY, FAMILY, _LABELS,
+                                               (key.event, self.role, key.hop, key.reason), _HELP)
+                store.write_value(self.keys[slot], float(self.file_totals[slot]), 0.0)
 
 
 _state = _Counters()
@@ -172,22 +167,17 @@ def set_role(role: str) -> None:
     """Record this process's role (``client``, ``engine``, ``worker``) for later counts."""
     state = _state
     with state.lock:
-        if role not in state.roles:
-            state.roles.add(role)
-            state.role = "+".join(sorted(state.roles))
+        state.roles.add(role)
+        state.role = "+".join(sorted(state.roles))
 
 
 def roles() -> list[str]:
-    """This process's roles, sorted."""
     return sorted(_state.roles)
 
 
 def events() -> list[EventKind]:
     """Every declared event: the core's, then each loaded extension's (metrics, tests)."""
-    out: list[EventKind] = list(Event)
-    for ext in extensions.loaded().values():
-        out += list(ext.events or ())
-    return out
+    return [*Event, *(e for ext in extensions.loaded().values() for e in ext.events or ())]
 
 
 def count(event: EventKind, n: int = 1, /) -> None:
@@ -234,8 +224,7 @@ def read_stats_dir(stats_dir: str) -> list[dict[str, Any]]:
         counters: Counter[str] = Counter()
         seen: set[str] = set()
         for mkey, value, _, _ in MmapedDict.read_all_values_from_file(path):
-            _, _, labels, _ = json.loads(mkey)
-            key, role = parse_labels(labels)
+            key, role = parse_labels(json.loads(mkey)[2])
             counters[key.flat()] += int(value)
             seen.update(r for r in role.split("+") if r)
         out.append({"pid": pid, "roles": sorted(seen), "counters": dict(counters)})

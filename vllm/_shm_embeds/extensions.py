@@ -23,15 +23,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # Extension name -> its folder, relative to this package. In load order: an
 # extension comes after every one it needs.
-EXTENSIONS: dict[str, str] = {
-    "digests": "ext/digests",
-    "metrics": "ext/metrics",
-    "binary": "ext/binary",
-    "json": "ext/json",
-    "regions": "ext/regions",
-    "conversations": "ext/conversations",
-    "nodes": "ext/nodes",
-}
+EXTENSIONS: dict[str, str] = {name: f"ext/{name}" for name in (
+    "digests", "metrics", "binary", "json", "regions", "conversations", "nodes")}
 
 
 class Group(NamedTuple):
@@ -43,8 +36,7 @@ class Group(NamedTuple):
         server_only: considered only in an API server.
         message: the warning when it stays stock (pid, problems).
         covers: what it is, for the generated table in ``docs/design.md``.
-        wanted: None, or a configuration check: a group not wanted is not
-            considered (no status, no warning).
+        wanted: None, or a configuration check; a group not wanted is skipped silently.
         before_patch: None, or what to run once its sites hold, before patching.
     """
 
@@ -66,8 +58,7 @@ class Extension:
         api: its modules other extensions and the core may reach (:func:`get`).
         sites: its modules that declare ``SITES`` (vLLM sites it patches).
         groups: its site groups, ``name ->`` :class:`Group`, patched all or none.
-        provides: entries for other extensions' registries, by registry name
-            (e.g. ``body_formats``: the binary extension's gate offers bodies to them).
+        provides: entries for other extensions' registries, by name (e.g. ``body_formats``).
         settings: its ``VLLM_SHM_EMBEDS_*`` variables (``config.Setting``).
         limits: its fixed limits (``config.Setting``; changed only by tests).
         events: its counted events (a ``counters.EventKind`` enum), or None.
@@ -90,7 +81,6 @@ _SITE_MODULES: dict[str, list[ModuleType]] = {}
 
 
 def present(name: str) -> bool:
-    """True if ``name``'s folder is in this tree."""
     folder = EXTENSIONS.get(name)
     return folder is not None and os.path.isfile(os.path.join(HERE, folder, "__init__.py"))
 

@@ -1,8 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Segment names and :class:`SharedTensorHandle`: what crosses a hop instead of bytes.
 Pure data and parsing, no I/O. Base layer: may import the other base modules.
-Design notes (the segment layout): docs/design.md, "Module notes".
-"""
+Design notes (the segment layout): docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 

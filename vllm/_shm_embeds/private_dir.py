@@ -65,7 +65,6 @@ def _check_dir(path: str) -> None:
 
 
 def _mkdir_private(path: str) -> None:
-    """``mkdir`` 0700, then :func:`_check_dir`. Raises FileExistsError if ``path`` is taken."""
     os.mkdir(path, 0o700)
     os.chmod(path, 0o700, follow_symlinks=False)  # a umask may only take bits away
     _check_dir(path)
@@ -108,8 +107,7 @@ def resolve(mount: str) -> str:
             # Never remade once removed at exit, nor by a process that did not make it
             # (vLLM may SIGKILL an EngineCore: it would be left behind). Stock path.
             return found
-        st = os.lstat(mount)
-        if _is_private(st) and _parent_is_safe(mount):
+        if _is_private(os.lstat(mount)) and _parent_is_safe(mount):
             _resolved[mount] = mount
             return mount
         inherited = os.environ.get(ENV, "")
@@ -154,10 +152,9 @@ def read_owner(outer: str) -> tuple[int, int, int] | None:
     try:
         fd = os.open(os.path.join(outer, OWNER_FILE),
                      os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            return None
         with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
             pidns, pid, start = (int(x) for x in f.read(64).split())
     except (OSError, ValueError):
         return None

@@ -56,12 +56,9 @@ def owner_is_dead(pid: int, start: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb"):
             pass
-    except OSError:
-        return False  # /proc unreadable here: cannot tell, keep it
-    try:
         now = proc_start_time(pid)
-    except ValueError:
-        return False  # cannot tell: keep it
+    except (OSError, ValueError):
+        return False  # /proc unreadable here, or unexpected: cannot tell, keep it
     if now is None:
         return True  # zombie, or exited between the two reads
     return start != 0 and now != start

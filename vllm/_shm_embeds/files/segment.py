@@ -82,10 +82,9 @@ def write_segment(directory: str, handle: SharedTensorHandle, data: memoryview,
         pwrite_all(fds[0], memoryview(HEADER), 0)
         jobs = [(fd, data[start : start + length], HEADER_BYTES if i == 0 else 0)
                 for i, (fd, (_, start, length)) in enumerate(zip(fds, parts))]
-        if len(jobs) > 1:
-            assert pool is not None
-            for job in jobs[1:]:
-                futures.append(pool.submit(pwrite_all, *job, failed))
+        assert pool is not None or len(jobs) == 1
+        for job in jobs[1:]:
+            futures.append(pool.submit(pwrite_all, *job, failed))
         if jobs[0][1].nbytes:
             pwrite_all(*jobs[0], failed)
     except BaseException as e:
@@ -125,11 +124,7 @@ def _mmap_fixed(addr: int, length: int, prot: int, flags: int, fd: int) -> None:
 
 
 def _base(mm: mmap.mmap) -> int:
-    anchor = ctypes.c_char.from_buffer(mm)
-    try:
-        return ctypes.addressof(anchor)
-    finally:
-        del anchor  # no export of mm may outlive this call
+    return ctypes.addressof(ctypes.c_char.from_buffer(mm))  # no export of mm outlives this
 
 
 def map_files(fds: list[int], sizes: list[int], prot: int | list[int]) -> mmap.mmap:
@@ -236,11 +231,10 @@ def map_segment(directory: str, handle: SharedTensorHandle, reader_index: int | 
         for i, (fd, (part, _, length)) in enumerate(zip(fds, handle.parts())):
             want = length + (HEADER_BYTES if i == 0 else 0)
             size = os.fstat(fd).st_size
-            if i and handle.held and size > want:  # a held file may have grown: its start
-                size = want
-            if size != want:
+            # a held file may have grown: its start is mapped
+            if size != want and not (i and handle.held and size > want):
                 raise ShmEmbedsError(f"segment {part!r} holds {size} bytes, handle expects {want}")
-            sizes.append(size)
+            sizes.append(want)
         # A held file 1 (a memfd) is mapped read-only by everyone.
         mm = map_files(fds, sizes, [prot] + [mmap.PROT_READ] * (len(fds) - 1)
                        if handle.held else prot)

@@ -23,8 +23,7 @@ def list_segments(directory: str) -> list[tuple[str, SegmentName]]:
     try:
         with os.scandir(directory) as it:
             for entry in it:
-                parsed = SegmentName.parse(entry.name)
-                if parsed is not None:
+                if (parsed := SegmentName.parse(entry.name)) is not None:
                     out.append((entry.name, parsed))
     except OSError:
         pass

@@ -22,8 +22,7 @@ def check_dir_size(vllm_config: Any, directory: str | None = None) -> str | None
     """The start-up warning if the directory's file system is smaller than running
     requests' embeds could need for ``vllm_config`` (vLLM 0.32/0.33 field names); else None."""
     directory = directory or shm_dir()
-    mc, sc = vllm_config.model_config, vllm_config.scheduler_config
-    pc = vllm_config.parallel_config
+    mc, sc, pc = vllm_config.model_config, vllm_config.scheduler_config, vllm_config.parallel_config
     engines = max(1, int(getattr(pc, "data_parallel_size_local", 1) or 1))
     dtype_bytes = mc.dtype.itemsize
     need = engines * sc.max_num_seqs * (mc.max_model_len * mc.get_hidden_size() * dtype_bytes
@@ -42,7 +41,5 @@ def check_dir_size(vllm_config: Any, directory: str | None = None) -> str | None
         f"bytes ({dtype_name(mc.dtype)}) of prompt_embeds could need "
         f"{_human(need)} ({need} bytes), and queued requests hold theirs too. "
         f"prompt_embeds that do not fit take the slower stock path. Make it at least "
-        f"{_human(need)} "
-        f"(Docker: --shm-size={docker}), or lower --max-num-seqs / --max-model-len."
+        f"{_human(need)} (Docker: --shm-size={docker}), or lower --max-num-seqs / --max-model-len."
     )
-

@@ -21,11 +21,11 @@ from vllm._shm_embeds import extensions
 from vllm._shm_embeds.counters import Event, count, count_many, count_reason
 from vllm._shm_embeds.handle import SharedTensorHandle, ShmEmbedsError
 from vllm._shm_embeds.lifetime import process
-from vllm._shm_embeds.lifetime.streamed import hand_over
 from vllm._shm_embeds.lifetime.transfer import (
     adopt_tensor,
     dense_nbytes,
     eligible,
+    hand_over,
     held_by,
     share_held,
     share_tensor,

@@ -1,8 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Hop 2, EngineCore -> every TP worker: handles instead of tensors in the broadcast.
-
-Works on any objects with a ``prompt_embeds`` attribute; knows nothing of vLLM's classes.
-"""
+"""Hop 2, EngineCore -> every TP worker: handles instead of tensors in the broadcast. Works
+on any objects with a ``prompt_embeds`` attribute; knows nothing of vLLM's classes."""
 
 from __future__ import annotations
 
@@ -19,26 +17,13 @@ from vllm.logger import init_logger
 from vllm._shm_embeds.config import shm_dir
 from vllm._shm_embeds.counters import Event, count, count_many, count_reason
 from vllm._shm_embeds.files import segment as seg
-from vllm._shm_embeds.handle import (
-    HEADER_BYTES,
-    MAX_READERS,
-    EmbedsPlaceholder,
-    InlineEmbeds,
-    SharedTensorHandle,
-    ShmEmbedsError,
-    StepEmbeds,
-    dtype_name,
-    placeholder_tensor,
-)
+from vllm._shm_embeds.handle import (HEADER_BYTES, MAX_READERS, EmbedsPlaceholder, InlineEmbeds,
+                                     SharedTensorHandle, ShmEmbedsError, StepEmbeds, dtype_name,
+                                     placeholder_tensor)
 from vllm._shm_embeds.lifetime import process
 from vllm._shm_embeds.lifetime.lifecycle import Kind
-from vllm._shm_embeds.lifetime.transfer import (
-    create_segment,
-    dense_nbytes,
-    eligible,
-    open_tensor,
-    send_view,
-)
+from vllm._shm_embeds.lifetime.transfer import (create_segment, dense_nbytes, eligible,
+                                                 open_tensor, send_view)
 
 logger = init_logger(__name__)
 
@@ -203,12 +188,9 @@ def internalize_prompt_embeds(new_reqs: Iterable[Any], reader_index: int | None,
                               first_stage: bool = True) -> int:
     """Replace each of our forms in ``new_reqs[i].prompt_embeds`` by a tensor (worker; a
     later stage: a ``handle.placeholder_tensor``; a :class:`StepEmbeds` is left for the
-    step's extension); returns the number mapped.
-
-    Raises:
-        ShmEmbedsError: the first error (segment not mapped, reader index out of range,
-            placeholder on the first stage), after every form was tried.
-    """
+    step's extension); returns the number mapped. Raises ShmEmbedsError: the first error
+    (segment not mapped, reader index out of range, placeholder on the first stage), after
+    every form was tried."""
     n = placeholders = 0
     first: ShmEmbedsError | None = None
     for req in new_reqs:

@@ -217,10 +217,8 @@ class Index:
             return (e is not None and e.data_ptr is not None and e.mm is not None
                     and e.state not in (DRAINING, GONE) and seg.within(e.mm, tensor))
 
-        entry = self.at(tensor.data_ptr())
-        if holds(entry):
-            return entry
-        return next((e for e in self._names.values() if holds(e)), None)
+        first = self.at(tensor.data_ptr())  # most often, the tensor is the whole segment
+        return next((e for e in (first, *self._names.values()) if holds(e)), None)
 
     def mapped(self, tensor: torch.Tensor) -> OwnedSegment | None:
         """The ``MAPPED`` segment that is exactly ``tensor``, if any."""

@@ -62,21 +62,20 @@ class OwnedSegments:
         self._lock = threading.Lock()
         # Held across unlinks (before ``_lock``): a verb returns once every unlink is done.
         self._settling = threading.RLock()
-        self._streams: set = set()  # ``streamed.StreamedFile``s being filled
-        self._drained: list[OwnedSegment] = []  # DRAINING, last send done: pages to drop
+        self._streams: set = set()  # an extension's streamed files being filled
+        self._drained: list[OwnedSegment] = []  # pages to drop at the end of ``collect``
 
     def own(self, kind: Kind, handle: SharedTensorHandle, mm: mmap.mmap,
             tensor: torch.Tensor, anchor: Any = None, fds: list[int] | None = None) -> None:
         """Own a segment: ``tensor`` maps it (``anchor``: the buffer its storage keeps
         alive), or for a ``COPY`` is the tensor copied into it. ``fds``: kept open."""
-        name = handle.name
         ptr = tensor.data_ptr()
         if kind is Kind.COPY:
             entry = OwnedSegment(handle, mm, kind, ptr, source=weakref.ref(tensor), fds=fds)
-            watched, record = tensor, SourceDied(name, ptr)
+            watched, record = tensor, SourceDied(handle.name, ptr)
         else:
             entry = OwnedSegment(handle, mm, kind, ptr, data_ptr=ptr, fds=fds)
-            watched, record = anchor, StorageDied(name)
+            watched, record = anchor, StorageDied(handle.name)
         with self._lock:
             self._index.move(entry, "own", HELD)
         weakref.finalize(watched, on_release, self._state, record)
@@ -145,20 +144,12 @@ class OwnedSegments:
         """A request's end: ``DRAINING`` while a zero-copy send may read it."""
         return DRAINING if entry.sends else GONE
 
-    def _drop_drained(self) -> None:
-        with self._lock:
-            drained, self._drained = self._drained, []
-        for entry in drained:
-            if self._drop(entry) and entry.kind is not Kind.STREAMED:
-                count(Event.ENGINE_PAGES_RELEASED)
-
     @_settles
     def collect(self) -> int:
         """Safe point: unlink the names no reader or request needs; how many went."""
         if not self._index and not self._state.released:
             return 0
         idle_fds: list[int] = []
-        drop: list[OwnedSegment] = []
         known = self._state.release_known
         with self._lock:
             gone = self._apply_records()
@@ -182,14 +173,14 @@ class OwnedSegments:
                 if self._index.move(entry, "settle", to):
                     gone.append(entry)
                     if freed and to is GONE:
-                        drop.append(entry)
+                        self._drained.append(entry)
+            drained, self._drained = self._drained, []
         for fd in idle_fds:
             os.close(fd)
         self._unlink(gone)
-        for entry in drop:
-            if self._drop(entry):
+        for entry in drained:
+            if self._drop(entry) and entry.kind is not Kind.STREAMED:
                 count(Event.ENGINE_PAGES_RELEASED)
-        self._drop_drained()
         return len(gone)
 
     def send_view(self, tensor: torch.Tensor) -> torch.Tensor | None:
@@ -310,11 +301,9 @@ class OwnedSegments:
             if view is not None and not self._index.move(view, "release_adopted",
                                                          self._finish(view)):
                 view = None
-        self._unlink(gone)
-        self._unlink(copies)  # only their headers are mapped here
-        self._unlink(adopted)
+        self._unlink(gone + copies + adopted)
         dropped = False
-        for entry in adopted:
+        for entry in adopted:  # (not the copies: only their headers are mapped here)
             dropped |= entry.state is GONE and self._drop(entry)
         if view is not None:
             dropped |= view.state is GONE and self._drop(view)
@@ -343,7 +332,7 @@ class OwnedSegments:
         return True
 
     def stream_started(self, f: Any) -> None:
-        """``f`` (a ``streamed.StreamedFile``) is being filled from a request body."""
+        """``f`` (``reserved``, ``filled``: bytes) is being filled from a request body."""
         with self._lock:
             self._streams.add(f)
 
@@ -361,11 +350,10 @@ class OwnedSegments:
         with self._lock:
             return len(self._index) + len(self._streams)
 
-    def pending(self, streamed_only: bool = False) -> int:
-        """Names this process owns and has not unlinked (or only streamed ones)."""
+    def pending(self) -> int:
+        """Names this process owns and has not unlinked."""
         with self._lock:
-            return sum(1 for e in self._index.linked()
-                       if e.kind is Kind.STREAMED or not streamed_only)
+            return len(self._index.linked())
 
     @_settles
     def unlink_all(self) -> int:

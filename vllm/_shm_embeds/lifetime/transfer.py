@@ -294,6 +294,33 @@ def is_held(tensor: Any) -> bool:
     return any(holder.is_held(tensor) for holder in process.current().holders)
 
 
+def is_streamed(tensor: Any) -> bool:
+    """True if ``tensor`` is exactly a streamed segment not yet handed over."""
+    return isinstance(tensor, torch.Tensor) and process.current().owned.is_streamed(tensor)
+
+
+def hand_over(tensor: Any) -> SharedTensorHandle | None:
+    """Hop 1 sender, no copy: the handle of the streamed segment that is exactly ``tensor``
+    (the peer adopts it), else None."""
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    handle = process.current().owned.hand_over(tensor)
+    if handle is not None:
+        count(Event.HOP1_HANDOVER_TENSORS)
+    return handle
+
+
+def release_streamed(tensor: Any) -> bool:
+    """``tensor``'s request ended (``OwnedSegments.release_streamed``, or a holder's
+    ``release``). True if it was one of ours (its pages dropped: later reads see zeros)."""
+    if not isinstance(tensor, torch.Tensor):
+        return False
+    state = process.current()
+    return state.owned.release_streamed(tensor) or any(
+        getattr(holder, "release", None) is not None and holder.release(tensor)
+        for holder in state.holders)
+
+
 def release_adopted(tensor: Any) -> bool:
     """EngineCore: vLLM freed the request whose ``prompt_embeds`` is ``tensor``
     (``OwnedSegments.release_adopted``). True if pages were dropped now (later

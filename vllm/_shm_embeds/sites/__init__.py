@@ -98,7 +98,6 @@ def apply() -> dict[str, list[str]]:
         if group in STATUS or (g.server_only and not api_server) or (
                 g.wanted is not None and not g.wanted()):
             continue
-        message = g.message
         try:
             problems, resolved = check(group)
             problems[:0] = [f"{'hop 1' if need == 'hop1' else need} is off"
@@ -113,7 +112,7 @@ def apply() -> dict[str, list[str]]:
             problems = [f"unexpected error: {e}"]
         STATUS[group] = problems
         if problems:
-            logger.warning(message, os.getpid(), "; ".join(problems))
+            logger.warning(g.message, os.getpid(), "; ".join(problems))
     # Without free_request, a segment's name goes once every TP rank mapped it.
     process.current().release_known = not STATUS.get("release")
     return STATUS

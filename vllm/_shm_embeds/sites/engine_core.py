@@ -11,7 +11,6 @@ from vllm._shm_embeds.counters import set_role
 from vllm._shm_embeds.hops.hop1 import HandleOOBProvider
 from vllm._shm_embeds.lifetime import process
 from vllm._shm_embeds.sites.core_client import HOP1_RETIRE
-from vllm._shm_embeds.sites.records import EngineCoreRecord, peek, record
 from vllm._shm_embeds.sites.site import Site
 
 MODULE = "vllm.v1.engine.core"
@@ -24,9 +23,7 @@ def wrap_engine_input(orig: Callable) -> Callable:
         try:
             set_role("engine")
             process.start_engine_reaper()
-            provider = HandleOOBProvider(self.tensor_ipc_receiver)
-            record(self, EngineCoreRecord).provider = provider
-            self.tensor_ipc_receiver = provider
+            self.tensor_ipc_receiver = HandleOOBProvider(self.tensor_ipc_receiver)
         except Exception:  # never into vLLM's input thread: stock then
             logger.exception("shm-embeds: hop 1 receiver not installed; stock path")
         return orig(self, *args, **kwargs)
@@ -36,8 +33,8 @@ def wrap_engine_input(orig: Callable) -> Callable:
 
 def wrap_engine_preprocess(orig: Callable) -> Callable:
     def preprocess_add_request(self, request, *args, **kwargs):
-        provider = getattr(peek(self, EngineCoreRecord), "provider", None)
-        if provider is not None and request.prompt_embeds is not None:
+        provider = getattr(self, "tensor_ipc_receiver", None)
+        if isinstance(provider, HandleOOBProvider) and request.prompt_embeds is not None:
             error = provider.is_failed(request.prompt_embeds)
             if error is not None:
                 raise ValueError(error)

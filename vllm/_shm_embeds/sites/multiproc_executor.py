@@ -19,22 +19,12 @@ from vllm._shm_embeds.hops import hop2
 from vllm._shm_embeds.lifetime import process
 from vllm._shm_embeds.lifetime.transfer import dense_nbytes, eligible
 from vllm._shm_embeds.sites.core_client import wrap_shutdown
-from vllm._shm_embeds.sites.records import (ATTR, ExecutorRecord, QueueRecord, WorkerRecord,
-                                             peek, record)
+from vllm._shm_embeds.sites.records import ATTR, ExecutorRecord, QueueRecord, peek, record
 from vllm._shm_embeds.sites.site import STATUS, Site
 
 logger = init_logger(__name__)
 
 MODULE = "vllm.v1.executor.multiproc_executor"
-
-REMOTE_GROUP = "remote"  # sites/shm_broadcast.py: the enqueue split
-
-
-def _first_stage_ranks(executor: Any) -> int:
-    """Ranks on the first pipeline stage: TP x PCP (``vllm/config/parallel.py`` 0.32)."""
-    pc = executor.vllm_config.parallel_config
-    return (getattr(pc, "tensor_parallel_size", 1)
-            * getattr(pc, "prefill_context_parallel_size", 1))
 
 
 def worker_hop2_wire(worker: Any = None) -> int | None:
@@ -76,15 +66,16 @@ def _stock_executor(executor: Any) -> str | None:
     return None
 
 
-def _hop2_plan(executor: Any, rpc: Callable | None = None) -> ExecutorRecord:
-    """The executor's record, with ``plan`` None for stock (logged once per queue); with
-    ``rpc``, every worker is asked first."""
+def _hop2_plan(executor: Any, rpc: Callable) -> ExecutorRecord:
+    """The executor's record, with ``plan`` None for stock (logged once per queue); every
+    worker is asked first (``rpc``: vLLM's ``collective_rpc``)."""
     mq = getattr(executor, "rpc_broadcast_mq", None)
     known = peek(executor, ExecutorRecord)
     if known is not None and known.mq is mq:
         return known
-    rec = ExecutorRecord(mq, None)
+    rec = ExecutorRecord(mq)
     model_config = getattr(executor.vllm_config, "model_config", None)
+    n_remote = getattr(mq, "n_remote_reader", 0)
     reason = plan = None
     untested = _stock_executor(executor)
     if not getattr(model_config, "enable_prompt_embeds", False):
@@ -93,24 +84,26 @@ def _hop2_plan(executor: Any, rpc: Callable | None = None) -> ExecutorRecord:
         reason = "no broadcast queue in this executor"
     elif untested is not None:
         reason = untested
-    elif getattr(mq, "n_remote_reader", 0) > 0 and STATUS.get(REMOTE_GROUP) != []:
-        reason = (f"{mq.n_remote_reader} reader(s) on other nodes and no split of the "
+    elif n_remote > 0 and STATUS.get("remote") != []:  # the enqueue split (shm_broadcast.py)
+        reason = (f"{n_remote} reader(s) on other nodes and no split of the "
                   "broadcast (the remote sites are off)")
         rec.stock_remote = True
     else:
-        try:
-            plan = hop2.reader_plan(_first_stage_ranks(executor), mq.n_local_reader,
-                                    getattr(mq, "n_remote_reader", 0))
+        try:  # the first stage's ranks: TP x PCP (``vllm/config/parallel.py`` 0.32)
+            pc = executor.vllm_config.parallel_config
+            first_stage = (getattr(pc, "tensor_parallel_size", 1)
+                           * getattr(pc, "prefill_context_parallel_size", 1))
+            plan = hop2.reader_plan(first_stage, mq.n_local_reader, n_remote)
         except (ValueError, TypeError, AttributeError) as e:
             reason = f"no reader plan: {e}"
-        if plan is not None and rpc is not None:
+        if plan is not None:
             reason = _workers_join(executor, rpc)
             if reason is not None:
                 plan = None
             elif plan.remote_bytes and (
                     nodes := extensions.get("nodes", "node_copy")) is not None:
                 plan = dataclasses.replace(plan, in_step=nodes.enable(executor, rpc))
-        if plan is None and getattr(mq, "n_remote_reader", 0) > 0:
+        if plan is None and n_remote > 0:
             rec.stock_remote = True  # counted per tensor
     if plan is None:
         logger.info("shm-embeds: hop 2 uses the stock path: %s", reason)
@@ -127,17 +120,20 @@ def _hop2_plan(executor: Any, rpc: Callable | None = None) -> ExecutorRecord:
     return rec
 
 
-def _rpc_args(args: tuple, kwargs: dict) -> tuple:
-    # collective_rpc(method, timeout=None, args=(), kwargs=None, ...)
+def _new_reqs(args: tuple, kwargs: dict) -> list[list]:
+    """The non-empty ``scheduled_new_reqs`` of the RPC's arguments (``collective_rpc(method,
+    timeout=None, args=(), kwargs=None, ...)``)."""
     if "args" in kwargs:
-        return kwargs["args"] or ()
-    return args[1] if len(args) > 1 else ()
+        rpc_args = kwargs["args"] or ()
+    else:
+        rpc_args = args[1] if len(args) > 1 else ()
+    return [reqs for arg in rpc_args if (reqs := getattr(arg, "scheduled_new_reqs", None))]
 
 
-def _count_stock_remote(rpc_args: tuple) -> None:
+def _count_stock_remote(new_reqs: list[list]) -> None:
     """Count the tensors that go stock because readers are remote and the split is off."""
-    for arg in rpc_args:
-        for req in getattr(arg, "scheduled_new_reqs", None) or ():
+    for reqs in new_reqs:
+        for req in reqs:
             tensor = getattr(req, "prompt_embeds", None)
             if isinstance(tensor, torch.Tensor):
                 count_many({Event.HOP2_STOCK_TENSORS: 1,
@@ -145,14 +141,12 @@ def _count_stock_remote(rpc_args: tuple) -> None:
                 count_reason(Event.FALLBACK, eligible(tensor) or "remote", hop="2")
 
 
-def _send_views(rpc_args: tuple) -> list:
-    """``hop2.send_views`` for every ``SchedulerOutput`` argument. Never raises."""
+def _send_views(new_reqs: list[list]) -> list:
+    """``hop2.send_views`` for each list of ``new_reqs``. Never raises."""
     held: list = []
     try:
-        for arg in rpc_args:
-            new_reqs = getattr(arg, "scheduled_new_reqs", None)
-            if new_reqs:
-                held += hop2.send_views(new_reqs)
+        for reqs in new_reqs:
+            held += hop2.send_views(reqs)
     except Exception:
         logger.warning("shm-embeds: hop 2 could not hold a sent tensor's pages",
                        exc_info=True)
@@ -161,16 +155,14 @@ def _send_views(rpc_args: tuple) -> list:
     return held
 
 
-def _externalize(mq: Any, plan: hop2.ReaderPlan, rpc_args: tuple) -> list:
-    """``hop2.externalize_prompt_embeds`` for every ``SchedulerOutput`` argument, the remote
-    readers' forms put on ``mq``'s record; never raises (after an error: [], stock)."""
+def _externalize(mq: Any, plan: hop2.ReaderPlan, new_reqs: list[list]) -> list:
+    """``hop2.externalize_prompt_embeds`` for each list of ``new_reqs``, the remote readers'
+    forms put on ``mq``'s record; never raises (after an error: [], stock)."""
     swapped: list = []
     try:
         process.collect()
-        for arg in rpc_args:
-            new_reqs = getattr(arg, "scheduled_new_reqs", None)
-            if new_reqs:
-                swapped += hop2.externalize_prompt_embeds(new_reqs, plan.handle_readers)
+        for reqs in new_reqs:
+            swapped += hop2.externalize_prompt_embeds(reqs, plan.handle_readers)
         if swapped and plan.remote:
             # what the readers on other nodes get instead (shm_broadcast.py)
             record(mq, QueueRecord).remote = [
@@ -186,17 +178,14 @@ def _externalize(mq: Any, plan: hop2.ReaderPlan, rpc_args: tuple) -> list:
 def wrap_executor_rpc(orig: Callable) -> Callable:
     def collective_rpc(self, method, *args, **kwargs):
         known = _hop2_plan(self, orig)
-        plan, rpc_args = known.plan, _rpc_args(args, kwargs)
+        plan, mq, new_reqs = known.plan, known.mq, _new_reqs(args, kwargs)
         if plan is None and known.stock_remote:
             try:
-                _count_stock_remote(rpc_args)
+                _count_stock_remote(new_reqs)
             except Exception:  # counting only
                 logger.debug("shm-embeds: counting failed", exc_info=True)
-        swapped: list = []
-        if plan is not None:
-            mq = self.rpc_broadcast_mq  # vLLM's shutdown may set it to None meanwhile
-            swapped = _externalize(mq, plan, rpc_args)
-        held = _send_views(rpc_args)  # the tensors left stock
+        swapped = _externalize(mq, plan, new_reqs) if plan is not None else []
+        held = _send_views(new_reqs)  # the tensors left stock
         try:
             result = orig(self, method, *args, **kwargs)
         finally:
@@ -252,10 +241,7 @@ def wrap_worker_rpc(orig: Callable) -> Callable:
         if not carried:
             return orig(self, rpc_request, *args, **kwargs)
         set_role("worker")
-        worker = record(self, WorkerRecord)
-        if worker.first_stage is None:
-            worker.first_stage = prompt_embeds_sites.first_pp_stage()
-        first = worker.first_stage
+        first = prompt_embeds_sites.first_pp_stage()
         index = getattr(self.rpc_broadcast_mq, "local_reader_rank", -1)
         error: Exception | None = None
         nodes = extensions.get("nodes", "node_copy") if first else None
@@ -286,8 +272,7 @@ def wrap_worker_rpc(orig: Callable) -> Callable:
             if finish is not None:
                 finish()
         if not agreed:  # the output rank reports the failure
-            if error is None:
-                error = ShmEmbedsError("another TP/PP rank could not map prompt_embeds")
+            error = error or ShmEmbedsError("another TP/PP rank could not map prompt_embeds")
             if output_rank is None or self.rank == output_rank:
                 self.handle_output(ShmEmbedsError(
                     f"shm-embeds: prompt_embeds could not be mapped on every rank: {error}"))

@@ -20,13 +20,6 @@ class ClientRecord:
 
 
 @dataclasses.dataclass
-class EngineCoreRecord:
-    """``EngineCoreProc``'s: ``provider``, the hop-1 receiver (``hop1.HandleOOBProvider``)."""
-
-    provider: Any = None
-
-
-@dataclasses.dataclass
 class ExecutorRecord:
     """``MultiprocExecutor``'s (hop-2 sender): ``mq``, the broadcast queue ``plan``
     (``hop2.ReaderPlan``; None: stock) is for; ``stock_remote``: stock for remote readers."""
@@ -34,13 +27,6 @@ class ExecutorRecord:
     mq: Any = None
     plan: Any = None
     stock_remote: bool = False
-
-
-@dataclasses.dataclass
-class WorkerRecord:
-    """``WorkerProc``'s: ``first_stage``, on the first PP stage (None until asked once)."""
-
-    first_stage: bool | None = None
 
 
 @dataclasses.dataclass

@@ -18,10 +18,8 @@ MODULE = "vllm.distributed.device_communicators.shm_broadcast"
 def wrap_enqueue(orig: Callable) -> Callable:
     def enqueue(self, obj, *args, **kwargs):
         plan = getattr(peek(self, QueueRecord), "remote", None)
-        if not plan:  # every other enqueue of every queue: vLLM's, untouched
-            return orig(self, obj, *args, **kwargs)
         n_local, n_remote = self.n_local_reader, self.n_remote_reader
-        if n_local <= 0 or n_remote <= 0:
+        if not plan or n_local <= 0 or n_remote <= 0:  # every other enqueue: vLLM's, untouched
             return orig(self, obj, *args, **kwargs)
         handles = [(req, req.prompt_embeds) for req, _ in plan]
         try:

@@ -50,13 +50,11 @@ from vllm._shm_embeds.ext.binary.binary_header import (  # noqa: F401 (re-export
 from vllm._shm_embeds.ext.binary.common import COMPLETIONS, ServerContext, prefix_hooks
 from vllm._shm_embeds.ext.binary.gate import Body, Claim, Disconnected, Outcome, Refused
 from vllm._shm_embeds.ext.binary.placeholders import Upload
-from vllm._shm_embeds.lifetime.streamed import (
-    StreamedSegment,
-    release_streamed,
-    streamed_tensor_like,
-)
+from vllm._shm_embeds.lifetime.transfer import release_streamed
 
 digests = extensions.require("digests", "digests")
+_streamed = extensions.require("digests", "streamed")
+StreamedSegment = _streamed.StreamedSegment
 
 logger = init_logger(__name__)
 
@@ -378,7 +376,7 @@ def _convert(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tens
             out.append(t)
             continue
         try:
-            dst = streamed_tensor_like(dtype, tuple(t.shape))
+            dst = _streamed.streamed_tensor_like(dtype, tuple(t.shape))
         except OSError as e:  # no room: cast in private memory, the stock way
             count_reason(BinaryEvent.BINARY_FALLBACK, seg.fallback_reason(e))
             dst = t.to(dtype)

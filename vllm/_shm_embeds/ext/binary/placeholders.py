@@ -22,7 +22,7 @@ from shm_embeds_client.wire import HEADER_LENGTH
 
 from vllm._shm_embeds import extensions
 from vllm._shm_embeds.ext.binary.common import Receive, Send
-from vllm._shm_embeds.lifetime.streamed import release_streamed
+from vllm._shm_embeds.lifetime.transfer import release_streamed
 
 _digests = extensions.require("digests", "digests")
 forget = _digests.forget
@@ -88,7 +88,7 @@ class Upload:
     def release(self) -> None:
         """The request has ended: unlink what vLLM did not take over (hop 1
         hands the rest over), let go of this process's pages of every
-        tensor (``streamed.release_streamed``) and end the region leases."""
+        tensor (``transfer.release_streamed``) and end the region leases."""
         for keep in self.keeps:
             keep.close()  # its copy done before the pages go
         self.keeps.clear()

@@ -15,8 +15,7 @@ import torch
 
 from vllm._shm_embeds import extensions
 from vllm._shm_embeds.ext.binary.placeholders import current_upload, resolve_placeholder
-from vllm._shm_embeds.lifetime.streamed import is_streamed
-from vllm._shm_embeds.lifetime.transfer import is_held
+from vllm._shm_embeds.lifetime.transfer import is_held, is_streamed
 from vllm._shm_embeds.sites.site import Site
 
 digests = extensions.require("digests", "digests")

@@ -30,7 +30,7 @@ from vllm._shm_embeds.config import writers
 from vllm._shm_embeds.counters import Event, count, count_many
 from vllm._shm_embeds.ext.digests.events import DigestEvent
 from vllm._shm_embeds.lifetime import process
-from vllm._shm_embeds.lifetime.streamed import StreamedSegment
+from vllm._shm_embeds.ext.digests.streamed import StreamedSegment
 
 logger = init_logger(__name__)
 

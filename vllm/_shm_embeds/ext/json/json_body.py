@@ -37,7 +37,7 @@ from vllm._shm_embeds.ext.json.events import JsonEvent
 from vllm._shm_embeds.files import segment as seg
 from vllm._shm_embeds.ext.json import torch_save
 from vllm._shm_embeds.ext.json.json_read import body_buffer, read_body  # noqa: F401
-from vllm._shm_embeds.lifetime.streamed import is_streamed, release_streamed
+from vllm._shm_embeds.lifetime.transfer import is_streamed, release_streamed
 
 digests = extensions.require("digests", "digests")
 _body_limits = extensions.require("binary", "body_limits")

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -27,13 +29,13 @@ from vllm._shm_embeds.ext.nodes import tp_group
 from vllm._shm_embeds.ext.nodes.events import NodeEvent
 from vllm._shm_embeds.files import segment as seg
 from vllm._shm_embeds.handle import (
+    HEADER_BYTES,
     SharedTensorHandle,
     ShmEmbedsError,
     StepEmbeds,
     dtype_name,
 )
 from vllm._shm_embeds.lifetime import process, transfer
-from vllm._shm_embeds.lifetime.streamed import StreamedFile
 
 logger = init_logger(__name__)
 
@@ -225,43 +227,52 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def _allocated_segment(handle: SharedTensorHandle) -> tuple[mmap.mmap, str]:
+    """A new one-file segment for ``handle`` with every page allocated (a full tmpfs is
+    an OSError here, never a SIGBUS while receiving), mapped read/write: the mapping and
+    its path. Raises OSError (nothing is left)."""
+    path = os.path.join(shm_dir(), handle.name)
+    size = HEADER_BYTES + handle.nbytes
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        seg.pwrite_all(fd, memoryview(seg.HEADER), 0)
+        os.posix_fallocate(fd, 0, size)
+        return seg.map_files([fd], [size], mmap.PROT_READ | mmap.PROT_WRITE), path
+    except BaseException:
+        seg.unlink_quietly(path)
+        raise
+    finally:
+        os.close(fd)
+
+
 class _Leader:
     """What a node's first rank made in one step: segments to unlink after it."""
 
     def __init__(self) -> None:
-        self.files: list[tuple[StreamedFile, int]] = []
+        self.files: list[tuple[str, int]] = []  # (path, bytes)
 
     def target(self, dtype: torch.dtype, shape: tuple[int, ...]
                ) -> tuple[torch.Tensor, SharedTensorHandle | None]:
-        """A tensor to receive into: over a new segment of this node whose pages are all
-        allocated (``posix_fallocate``: a full tmpfs is an OSError here, never a SIGBUS
-        while receiving), else in memory. Never raises but MemoryError."""
+        """A tensor to receive into: over a new segment of this node
+        (:func:`_allocated_segment`), else in memory. Never raises but MemoryError."""
         try:
             state = process.current()
             handle = SharedTensorHandle(state.new_name(), dtype_name(dtype), shape)
             transfer.check_budget(handle.nbytes)
-            f = StreamedFile(shm_dir(), handle)
+            mm, path = _allocated_segment(handle)
         except Exception as e:  # budget, ENOSPC, segment cap, ours: the bytes in memory
             logger.warning("shm-embeds: this node's copy is in memory: %s", e)
             return torch.empty(shape, dtype=dtype), None
-        try:
-            f.allocate()
-            f.assume_filled()
-            mm = f.finish(writable=True)
-        except Exception as e:
-            logger.warning("shm-embeds: this node's copy is in memory: %s", e)
-            f.abort()
-            return torch.empty(shape, dtype=dtype), None
         state.census(shm_dir()).wrote(handle.nbytes)
-        self.files.append((f, handle.nbytes))
+        self.files.append((path, handle.nbytes))
         return seg.tensor_view(mm, handle)[0], handle
 
     def finish(self) -> None:
         """Unlink the step's segments (mapped tensors stay valid). Never raises."""
         files, self.files = self.files, []
-        for f, nbytes in files:
+        for path, nbytes in files:
             try:
-                if f.abort():
+                if seg.unlink_quietly(path):
                     process.current().census(shm_dir()).unlinked(nbytes)
             except Exception:
                 logger.debug("shm-embeds: could not unlink a node segment", exc_info=True)

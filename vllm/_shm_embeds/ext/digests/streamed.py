@@ -1,14 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """Streamed segments: a request body written into a segment as it arrives
 (:class:`StreamedFile`: the file I/O; :class:`StreamedSegment`: its name, books and
-budget), then :func:`hand_over` (hop 1 sender, no copy) or :func:`release_streamed`."""
+budget). The core's books own it once filled: ``transfer.hand_over`` sends it at hop 1
+without a copy, ``transfer.release_streamed`` ends it.
+
+May import: the core."""
 
 from __future__ import annotations
 
 import errno
 import mmap
 import os
-from typing import Any
 
 import torch
 
@@ -163,31 +165,3 @@ def streamed_tensor_like(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Te
     streamed = StreamedSegment(dtype, shape)
     streamed._file.assume_filled()  # filled by the caller through the mapping
     return streamed.finish()
-
-
-def is_streamed(tensor: Any) -> bool:
-    """True if ``tensor`` is exactly a streamed segment not yet handed over."""
-    return isinstance(tensor, torch.Tensor) and process.current().owned.is_streamed(tensor)
-
-
-def hand_over(tensor: Any) -> SharedTensorHandle | None:
-    """Hop 1 sender, no copy: the handle of the streamed segment that is exactly ``tensor``
-    (the peer adopts it), else None."""
-    if not isinstance(tensor, torch.Tensor):
-        return None
-    handle = process.current().owned.hand_over(tensor)
-    if handle is not None:
-        count(Event.HOP1_HANDOVER_TENSORS)
-    return handle
-
-
-def release_streamed(tensor: Any) -> bool:
-    """``tensor``'s request ended (``OwnedSegments.release_streamed``, or a holder's
-    ``release``). True if it was one of ours (its pages dropped: later reads see zeros)."""
-    if not isinstance(tensor, torch.Tensor):
-        return False
-    state = process.current()
-    return state.owned.release_streamed(tensor) or any(
-        getattr(holder, "release", None) is not None and holder.release(tensor)
-        for holder in state.holders)
-
