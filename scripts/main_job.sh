@@ -202,7 +202,8 @@ run_mode() {  # run_mode MODEL MODE(stock|arena|shm) LENGTHS
   if [ "$mode" = shm ]; then  # fail on a silent fallback: counters, not logs
     "$PY" - "$stats" <<'PYEOF' || fail "[$name] the shm path did not carry the embeds"
 import sys
-from vllm._shm_embeds.counters import read_stats_dir
+sys.path.insert(0, "tests")  # the counter files' reader: helpers.read_stats_dir
+from helpers import read_stats_dir
 runs = read_stats_dir(sys.argv[1])
 def total(role, key):
     return sum(r["counters"].get(key, 0) for r in runs if role in r["roles"])

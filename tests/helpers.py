@@ -11,6 +11,7 @@ import io
 import json
 import os
 import random
+import select
 import shutil
 import signal
 import socket
@@ -667,9 +668,7 @@ class Server:
         return self.log_path.read_text()
 
     def read_stats(self) -> list[dict]:
-        """Every process's counters (``counters.read_stats_dir``)."""
-        from vllm._shm_embeds.counters import read_stats_dir
-
+        """Every process's counters (:func:`read_stats_dir`)."""
         return read_stats_dir(self.stats) if self.stats else []
 
     def totals(self, role=None) -> dict:
@@ -771,8 +770,6 @@ def run_offline(tmp_path, shm_on: bool, model: str, lengths=None, extra=(), seg_
             shutil.rmtree(seg_dir, ignore_errors=True)  # even when the run failed
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert left == [], f"segments left after shutdown: {left}"
-    from vllm._shm_embeds.counters import read_stats_dir
-
     return json.loads(out.read_text()), read_stats_dir(str(stats)), proc.stdout + proc.stderr
 
 
@@ -890,3 +887,47 @@ def proc_status_bytes(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     raise KeyError(field)
+
+
+def read_stats_dir(stats_dir: str) -> list[dict]:
+    """``[{"pid": int, "roles": [str], "counters": {flat name: int}}]``, one per
+    process's counter file in ``stats_dir`` (``vllm._shm_embeds.counters``)."""
+    from collections import Counter
+
+    from prometheus_client.mmap_dict import MmapedDict
+
+    from vllm._shm_embeds.counters import parse_labels, stats_files
+
+    out = []
+    for pid, path in stats_files(stats_dir).items():
+        found: Counter[str] = Counter()
+        seen: set[str] = set()
+        for mkey, value, _, _ in MmapedDict.read_all_values_from_file(path):
+            key, role = parse_labels(json.loads(mkey)[2])
+            found[key.flat()] += int(value)
+            seen.update(r for r in role.split("+") if r)
+        out.append({"pid": pid, "roles": sorted(seen), "counters": dict(found)})
+    return out
+
+
+def true_in_forked_child(check) -> bool:
+    """``check()`` in a forked child, which then leaves without running anything else
+    (an exception or a hang past 60 s counts as False)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            ok = bool(check())
+        except BaseException:
+            ok = False
+        os.write(w, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(w)
+    try:
+        ready = select.select([r], [], [], 60)[0]
+        return bool(ready) and os.read(r, 1) == b"1"
+    finally:
+        os.close(r)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)

@@ -444,7 +444,7 @@ class Nodes:
         """Every process's counters split by node and role:
         ``{"head:engine": {pid: counters}, "head:worker": ..., "follower:worker":
         ..., ...}`` (a process counted with two roles is under both)."""
-        from vllm._shm_embeds.counters import read_stats_dir
+        from helpers import read_stats_dir
 
         out: dict[str, dict[int, dict[str, int]]] = {}
         for rec in read_stats_dir(self.stats):

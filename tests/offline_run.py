@@ -37,7 +37,7 @@ def settled_stats(n: int) -> list[dict] | None:
     stats_dir = os.environ.get("VLLM_SHM_EMBEDS_STATS_DIR")
     if not stats_dir or os.environ.get("VLLM_SHM_EMBEDS") != "1":
         return None
-    from vllm._shm_embeds.counters import read_stats_dir
+    from helpers import read_stats_dir
 
     deadline = time.monotonic() + 30
     while True:

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from helpers import true_in_forked_child
 
 from vllm._shm_embeds.config import shm_dir
 from vllm._shm_embeds.files import segment as seg
@@ -448,20 +449,14 @@ def test_a_forked_child_keeps_only_what_describes_the_server(shm_env):
     and has none of its parent's segments, threads or metrics directory."""
     state = process.current()
     state.release_known, state.model_name, state.stats_dir_made = False, "m", "/x"
-    state.hash_pool()
+    state.writer_pool()
     a = _adopt()
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: report, then leave without running anything else
+
+    def child_state_is_new() -> bool:
         child = process.current()
-        ok = (child is not state and child.pid == os.getpid() and not child.release_known
-              and child.model_name == "m" and child.stats_dir_made is None
-              and child.hasher is None and child.pool is None
-              and child.owned.live() == 0)
-        os.write(w, b"1" if ok else b"0")
-        os._exit(0)
-    os.close(w)
-    assert os.read(r, 1) == b"1"
-    os.close(r)
-    os.waitpid(pid, 0)
+        return (child is not state and child.pid == os.getpid() and not child.release_known
+                and child.model_name == "m" and child.stats_dir_made is None
+                and child.pool is None and child.owned.live() == 0)
+
+    assert true_in_forked_child(child_state_is_new)
     assert transfer.release_adopted(a)

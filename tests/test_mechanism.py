@@ -218,94 +218,6 @@ def test_without_free_request_names_go_once_mapped(shm_env, monkeypatch):
     assert process.collect() == 1 and os.listdir(shm_env) == []
 
 
-def _sealed_memfd(t: torch.Tensor) -> int:
-    """A producer's region: ``t``'s bytes in a memfd sealed against any change."""
-    import fcntl
-
-    fd = os.memfd_create("test-region", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
-    data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-    while data:
-        data = data[os.write(fd, data):]
-    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK
-                | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-    return fd
-
-
-def _memfd_refs() -> int:
-    """This process's mappings and fds of test regions."""
-    maps = sum("memfd:test-region" in line for line in open("/proc/self/maps"))
-    fds = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            fds += "memfd:test-region" in os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            pass
-    return maps + fds
-
-
-def test_region_crosses_both_hops_without_a_copy(shm_env):
-    """A registered region goes by descriptor at hop 1 (a header-only
-    segment for the reader flags) and hop 2; nobody copies its bytes, and
-    every mapping and fd of it goes when the request is freed."""
-    src = torch.randn(1024, 32)
-    fd = _sealed_memfd(src)
-    before = counters.stats()
-    h = transfer.share_held(src, (os.getpid(), fd, os.fstat(fd).st_ino))
-    assert handle.SharedTensorHandle.from_meta(h.to_meta()) == h
-    assert os.path.getsize(os.path.join(shm_env, h.name)) == handle.HEADER_BYTES
-    adopted = transfer.adopt_tensor(h)  # the EngineCore, through /proc/<pid>/fd
-    assert torch.equal(adopted, src)
-    os.close(fd)  # the API server lets go: the EngineCore holds its own fd
-    hb = hop2.externalize(adopted, readers=1)
-    assert len(hb.owner_files) == 2 and hb.held
-    reader = transfer.open_tensor(hb, 0)  # a TP worker, through the EngineCore's fds
-    assert torch.equal(reader, src)
-    d = delta(before, counters.stats())
-    assert d.get("copied_bytes", 0) == 0 and d.get("hop2_reused_tensors", 0) == 1
-    assert delta(before, counters.stats()).get("hop1_region_adopted", 0) == 1
-    assert process.collect() == 0 and len(os.listdir(shm_env)) == 1  # the header file
-    del reader
-    assert transfer.release_adopted(adopted)
-    assert os.listdir(shm_env) == []
-    assert _memfd_refs() == 0 and not adopted.any()
-
-
-def test_region_gone_before_adoption_is_a_clear_error(shm_env):
-    """The API server's descriptor closed (request aborted, region gone) or
-    reused by another file: the EngineCore refuses the handle and leaves
-    nothing behind."""
-    src = torch.randn(64, 32)
-    fd = _sealed_memfd(src)
-    h = transfer.share_held(src, (os.getpid(), fd, os.fstat(fd).st_ino))
-    os.close(fd)
-    with pytest.raises(handle.ShmEmbedsError, match="held file is gone"):
-        transfer.adopt_tensor(h)
-    other = _sealed_memfd(src)  # very likely the same number, another inode
-    h = transfer.share_held(src, (os.getpid(), other, os.fstat(other).st_ino + 1))
-    with pytest.raises(handle.ShmEmbedsError, match="held file is gone"):
-        transfer.adopt_tensor(h)
-    os.close(other)
-    # the number reused by a FIFO's read end (no writer): refused, never blocks
-    fifo = os.path.join(shm_env, "fifo")
-    os.mkfifo(fifo)
-    rd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-    h = transfer.share_held(src, (os.getpid(), rd, os.fstat(rd).st_ino))
-    with pytest.raises(handle.ShmEmbedsError, match="held file is gone"):
-        transfer.adopt_tensor(h)
-    os.close(rd)
-    os.unlink(fifo)
-    # a TP reader without the owner's fds never opens file 1 by name (planted)
-    planted = h.renamed(process.current().new_name())
-    open(os.path.join(shm_env, handle.part_name(planted.name, 1)), "wb").close()
-    with pytest.raises(handle.ShmEmbedsError, match="only through its owner"):
-        transfer.open_tensor(planted, 0)
-    os.unlink(os.path.join(shm_env, handle.part_name(planted.name, 1)))
-    process.collect()
-    assert os.listdir(shm_env) == [] and _memfd_refs() == 0
-    with pytest.raises(handle.ShmEmbedsError, match="malformed"):
-        handle.SharedTensorHandle.from_meta({**h.to_meta(), "held": [1, 2]})
-
-
 def test_missing_segment_is_a_clear_error(shm_env):
     h = handle.SharedTensorHandle(str(SegmentName(1, 1, 1, 1)), "float32", (2, 2))
     with pytest.raises(handle.ShmEmbedsError, match="not found"):
@@ -353,34 +265,6 @@ def test_full_dev_shm_falls_back(shm_env, monkeypatch):
     consumer.arm(tensor)
     assert consumer(tensor) is None  # inline
     assert delta(before, counters.stats()).get("fallback.hop1.no_space", 0) == 1
-
-
-def test_region_header_on_a_full_dev_shm_goes_inline(shm_env, monkeypatch):
-    """A registered region still needs a 4 KiB header file (hop 2's reader
-    flags); with ``/dev/shm`` full it goes the stock way, inline, counted,
-    and leaves nothing."""
-    import types
-
-    src = torch.randn(64, 32)
-    fd = _sealed_memfd(src)
-    try:
-        monkeypatch.setattr(process.current(), "holders", [types.SimpleNamespace(
-            find=lambda t: (os.getpid(), fd, os.fstat(fd).st_ino) if t is src else None)])
-
-        def no_space(fd, buf, offset):
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        monkeypatch.setattr(os, "pwrite", no_space)
-        before = counters.stats()
-        consumer = hop1.HandleOOBConsumer()
-        consumer.arm(src)
-        assert consumer(src) is None  # inline: the stock way
-        assert delta(before, counters.stats()).get("fallback.hop1.no_space", 0) == 1
-        assert delta(before, counters.stats()).get("hop1_stock_bytes", 0) == src.nbytes
-        assert delta(before, counters.stats()).get("hop1_region_tensors", 0) == 0
-        assert consumer.take_created() == [] and os.listdir(shm_env) == []
-    finally:
-        os.close(fd)
 
 
 def test_externalize_internalize_restore(shm_env):

@@ -33,6 +33,7 @@ from helpers import (
     embed_weights,
     encode_embeds,
     holders,
+    read_stats_dir,
     ours_in,
     parse_metrics,
     tiny_model,
@@ -41,7 +42,6 @@ from helpers import (
 )
 
 from vllm._shm_embeds import counters
-from vllm._shm_embeds.counters import read_stats_dir
 from vllm._shm_embeds.files import sizing
 from vllm._shm_embeds.ext.metrics import metrics as hmetrics
 from vllm._shm_embeds.lifetime import process

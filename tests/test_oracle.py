@@ -34,6 +34,7 @@ import types
 
 import pytest
 import torch
+from helpers import true_in_forked_child
 
 from vllm._shm_embeds.ext.json import torch_save
 from vllm._shm_embeds.ext.digests import digests
@@ -270,6 +271,16 @@ def test_digests_equal_vllm_block_hashes(shm_env, route, data):
             del seg
 
 
+def test_hash_pool_is_new_in_a_forked_child():
+    """The hashing threads are per process: a forked child makes its own pool (its
+    parent's threads do not exist there) and hashes with it."""
+    parent = digests.hash_pool()
+    t = torch.randn(40, 8)
+    want = digests.hash_tensor(t, 16).result()
+    assert true_in_forked_child(lambda: digests.hash_pool() is not parent
+                                and digests.hash_tensor(t, 16).result(timeout=30) == want)
+
+
 def test_digest_block_size_as_the_engine_core_uses_it():
     """``block_tokens_of`` picks vLLM's ``hash_block_size`` when set, else
     ``prefix_match_unit``, else ``block_size``, and nothing with prefix
@@ -335,7 +346,9 @@ def _payload_tensor(c) -> tuple[torch.Tensor, bool]:
     if c.layout == "neg" and dtype.is_floating_point:
         t = torch._neg_view(t)
     plain = (dtype == c.model and c.shape in ("2d", "batch1") and c.rows >= 1
-             and t.is_contiguous() and t.storage_offset() == 0 and not t.requires_grad
+             # torch.save keeps a size-1 dim's stride, which is_contiguous() ignores
+             and t.stride() == torch.empty(t.shape).stride()
+             and t.storage_offset() == 0 and not t.requires_grad
              and not t.is_neg() and t.untyped_storage().nbytes() == t.nbytes)
     return t, plain
 

@@ -1,9 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Every ``VLLM_SHM_EMBEDS*`` setting and fixed limit, parsed with one rule; the only
-reader of the environment. A bad value never raises: the default is used and
-``Settings.problems`` says so. Base layer: may import the other base modules.
-Design notes: docs/design.md, "Module notes".
-"""
+"""Every ``VLLM_SHM_EMBEDS*`` setting and fixed limit, parsed with one rule; the only reader
+of the environment. A bad value never raises: the default is used and ``Settings.problems``
+says so. Base layer: may import the other base modules.
+Design notes: docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 
@@ -304,8 +303,7 @@ def env_vars() -> dict[str, Callable[[], Any]]:
     """Name -> getter for vLLM's ``vllm/envs.py`` ``environment_variables``, so that
     vLLM does not warn about our variables (:data:`TEST_LIMITS` included)."""
     return {s.name: getter(s) for s in declared().settings} | {
-        "VLLM_SHM_EMBEDS_MAX_BYTES": budget_bytes,
-        TEST_LIMITS: lambda: os.environ.get(TEST_LIMITS)}
+        "VLLM_SHM_EMBEDS_MAX_BYTES": budget_bytes, TEST_LIMITS: lambda: os.environ.get(TEST_LIMITS)}
 
 
 def markdown_table() -> str:

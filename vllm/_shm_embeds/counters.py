@@ -58,10 +58,6 @@ class Event(EventKind):
     HOP1_ADOPTED_TENSORS = ("hop1_adopted_tensors", None, "hop-1 segments the EngineCore adopted")
     HOP1_HANDOVER_TENSORS = ("hop1_handover_tensors", "reused_tensors",
                              "a binary or JSON-path body's segment sent at hop 1 as it is")
-    HOP1_REGION_TENSORS = ("hop1_region_tensors", "reused_tensors",
-                           "registered regions sent at hop 1 by descriptor")
-    HOP1_REGION_BYTES = ("hop1_region_bytes", None, "their bytes")
-    HOP1_REGION_ADOPTED = ("hop1_region_adopted", None, "registered regions the EngineCore opened")
     HOP2_REUSED_TENSORS = ("hop2_reused_tensors", "reused_tensors",
                            "hop-2 tensors sent without a copy (segments adopted at hop 1)")
     HOP2_PLACEHOLDER_TENSORS = ("hop2_placeholder_tensors", "placeholder_tensors", "hop-2 "
@@ -213,19 +209,3 @@ def parse_labels(labels: dict[str, str]) -> tuple[Key, str]:
     return Key(labels.get("event", ""), labels.get("hop", ""),
                labels.get("reason", "")), labels.get("role", "")
 
-
-def read_stats_dir(stats_dir: str) -> list[dict[str, Any]]:
-    """``[{"pid": int, "roles": [str], "counters": {flat name: int}}]``, one per
-    process file in ``stats_dir`` (tests, benchmarks)."""
-    from prometheus_client.mmap_dict import MmapedDict
-
-    out = []
-    for pid, path in stats_files(stats_dir).items():
-        counters: Counter[str] = Counter()
-        seen: set[str] = set()
-        for mkey, value, _, _ in MmapedDict.read_all_values_from_file(path):
-            key, role = parse_labels(json.loads(mkey)[2])
-            counters[key.flat()] += int(value)
-            seen.update(r for r in role.split("+") if r)
-        out.append({"pid": pid, "roles": sorted(seen), "counters": dict(counters)})
-    return out

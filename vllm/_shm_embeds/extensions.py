@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # Extension name -> its folder, relative to this package. In load order: an
 # extension comes after every one it needs.
 EXTENSIONS: dict[str, str] = {name: f"ext/{name}" for name in (
-    "digests", "metrics", "binary", "json", "regions", "conversations", "nodes")}
+    "digests", "metrics", "binary", "json", "held", "regions", "conversations", "nodes")}
 
 
 class Group(NamedTuple):
@@ -160,8 +160,7 @@ def site_modules() -> list[ModuleType]:
         if name in _SITE_MODULES or name not in loaded():
             continue
         try:
-            _SITE_MODULES[name] = [importlib.import_module(package_of(name, m))
-                                   for m in ext.sites]
+            _SITE_MODULES[name] = [importlib.import_module(package_of(name, m)) for m in ext.sites]
         except Exception:
             logger.warning("shm-embeds: extension %s not loaded (its vLLM sites)", name,
                            exc_info=True)

@@ -15,14 +15,13 @@ from typing import Any
 import torch
 
 from vllm._shm_embeds.config import MAX_WRITERS
-from vllm._shm_embeds.procfs import pid_namespace
 
 SEGMENT_PREFIX = "vllm-shm-embeds"
 HEADER_BYTES = 4096
 MAGIC = b"SHMEMB01"
 # The hop-2 wire format (pickled handles and forms, the per-step agreement): bump on any
 # change; a worker answering another number keeps its engine's hop 2 stock.
-HOP2_WIRE = 3
+HOP2_WIRE = 4
 READER_FLAGS_OFFSET = 64
 MAX_READERS = HEADER_BYTES - READER_FLAGS_OFFSET  # flag bytes per segment
 PAGE_BYTES = mmap.PAGESIZE
@@ -93,8 +92,6 @@ class SharedTensorHandle:
         owner_pid, owner_files: hop 2: the owner and its ``(fd, inode)`` per file;
             readers open ``/proc/<owner_pid>/fd/<fd>`` (0, (): by name).
         readers: hop 2: readers this broadcast has flags for (0: hop 1, unchecked).
-        held: ``(pid, fd, inode)`` of the sender's memfd holding the bytes (never
-            changed): file 0 is then the header alone and the memfd is file 1.
     """
 
     name: str
@@ -104,7 +101,6 @@ class SharedTensorHandle:
     flag_base: int = 0
     owner_pid: int = 0
     owner_files: tuple[tuple[int, int], ...] = ()
-    held: tuple[int, int, int] = ()
     readers: int = 0
 
     @property
@@ -116,10 +112,14 @@ class SharedTensorHandle:
         """Size of the tensor data in bytes (the segment is 4096 bytes larger)."""
         return math.prod(self.shape) * self.torch_dtype.itemsize
 
+    @property
+    def unnamed_data(self) -> bool:
+        """File 0 is the header alone and the data a file with no name (``split == (0,)``:
+        a memfd, ``ext/held``): opened by descriptor only, read-only, maybe longer."""
+        return self.split[:1] == (0,)
+
     def parts(self) -> list[tuple[str, int, int]]:
         """``(file name, first data byte, data bytes)`` for each file of the segment."""
-        if self.held:
-            return [(self.name, 0, 0), (part_name(self.name, 1), 0, self.nbytes)]
         bounds = [0, *self.split, self.nbytes]
         return [(part_name(self.name, i), bounds[i], bounds[i + 1] - bounds[i])
                 for i in range(len(bounds) - 1)]
@@ -133,36 +133,29 @@ class SharedTensorHandle:
         meta = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
         if self.split:
             meta["split"] = list(self.split)
-        if self.held:
-            meta["held"] = list(self.held)
         return meta
 
     @classmethod
     def from_meta(cls, meta: Any) -> SharedTensorHandle:
         """Inverse of :meth:`to_meta`. Raises ``ShmEmbedsError`` (only) on malformed
-        input (types, negative sizes, not our name, a bad split or held file)."""
+        input (types, negative sizes, not our name, a bad split)."""
         try:
             name, dtype, shape = meta["name"], meta["dtype"], meta["shape"]
-            split, held = meta.get("split", ()), meta.get("held", ())
+            split = meta.get("split", ())
             if not (isinstance(name, str) and isinstance(dtype, str)
-                    and all(isinstance(x, (list, tuple)) for x in (shape, split, held))):
+                    and all(isinstance(x, (list, tuple)) for x in (shape, split))):
                 raise TypeError("field types")
-            ints = [int(x) for x in (*shape, *split, *held)
+            ints = [int(x) for x in (*shape, *split)
                     if isinstance(x, int) and not isinstance(x, bool)]
-            if len(ints) != len(shape) + len(split) + len(held) or min(ints, default=0) < 0:
+            if len(ints) != len(shape) + len(split) or min(ints, default=0) < 0:
                 raise ValueError("not non-negative integers")
-            handle = cls(name, dtype, tuple(shape), tuple(split), held=tuple(held))
+            handle = cls(name, dtype, tuple(shape), tuple(split))
             nbytes = handle.nbytes
-            if held and (len(held) != 3 or min(held) <= 0 or split):
-                raise ValueError("held")
         except (KeyError, TypeError, ValueError, AttributeError, ShmEmbedsError) as e:
             raise ShmEmbedsError(f"malformed shm-embeds handle {reprlib.repr(meta)}") from e
         parsed = SegmentName.parse(handle.name)
         if parsed is None or parsed.part != 0:
             raise ShmEmbedsError(f"not a shm-embeds segment name: {reprlib.repr(handle.name)}")
-        if held and (held[0] != parsed.pid or parsed.pidns != pid_namespace()):
-            # a held file is opened through the fd of the process that named the segment
-            raise ShmEmbedsError(f"malformed shm-embeds handle held file {reprlib.repr(held)}")
         split = handle.split
         bounds = [0, *split, nbytes]
         if len(split) >= MAX_WRITERS or any(

@@ -28,7 +28,6 @@ def _declare_env_vars() -> None:
     if isinstance(table, dict):
         for name, getter in config.env_vars().items():
             table.setdefault(name, getter)
-        # internal: the private segment directory, which the server's processes inherit
         table.setdefault(private_dir.ENV, lambda: os.environ.get(private_dir.ENV))
 
 

@@ -83,12 +83,10 @@ def _make(mount: str) -> str:
             continue  # squatted or a collision: another random name
         try:
             _mkdir_private(os.path.join(outer, INNER))
-            me = os.getpid()
             fd = os.open(os.path.join(outer, OWNER_FILE),
-                         os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o600)
+                         os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             with os.fdopen(fd, "w") as f:
-                f.write(f"{pid_namespace()} {me} {proc_start_time(me) or 0}\n")
+                f.write(f"{pid_namespace()} {os.getpid()} {proc_start_time(os.getpid()) or 0}\n")
         except BaseException:
             shutil.rmtree(outer, ignore_errors=True)
             raise

@@ -36,8 +36,7 @@ def proc_stat(pid: int) -> list[bytes] | None:
 
 
 def proc_start_time(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot; None and ValueError as
-    :func:`proc_stat`."""
+    """Start time of ``pid`` in clock ticks since boot; None and ValueError as :func:`proc_stat`."""
     fields = proc_stat(pid)
     return int(fields[19]) if fields is not None else None
 

@@ -9,7 +9,6 @@ import ctypes
 import errno
 import mmap
 import os
-import stat
 import warnings
 from typing import Any
 
@@ -153,23 +152,6 @@ def drop_pages(mm: mmap.mmap) -> None:
                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1)
 
 
-def open_held(pid: int, fd: int, inode: int, nbytes: int) -> int:
-    """Open a held file read-only via ``/proc/<pid>/fd/<fd>``: only a memfd of that inode
-    and at least ``nbytes`` (a kept conversation grows its file). Raises ShmEmbedsError."""
-    path = f"/proc/{pid}/fd/{fd}"
-    try:
-        if not os.readlink(path).startswith("/memfd:"):
-            raise ShmEmbedsError("the held file is gone (descriptor reused)")
-        fd2 = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
-    except OSError as e:
-        raise ShmEmbedsError("the held file is gone") from e
-    st = os.fstat(fd2)
-    if not stat.S_ISREG(st.st_mode) or st.st_ino != inode or st.st_size < nbytes:
-        os.close(fd2)
-        raise ShmEmbedsError("the held file is gone (descriptor reused)")
-    return fd2
-
-
 def _open_by_owner_fd(handle: SharedTensorHandle, writable_first: bool) -> list[int] | None:
     """Open the files through ``/proc/<owner_pid>/fd``; None if that is not possible."""
     if not handle.owner_pid or len(handle.owner_files) != len(handle.parts()):
@@ -194,9 +176,9 @@ def open_files(directory: str, handle: SharedTensorHandle, reader: bool) -> list
     fds = _open_by_owner_fd(handle, writable_first=True) if reader else None
     if fds is not None:
         return fds
-    if handle.held:  # its file 1 has no name: never open one that someone planted
-        raise ShmEmbedsError("a held file can be opened only through its "
-                             "owner's descriptor, which is gone")
+    if handle.unnamed_data:  # never open a data file someone planted at a name
+        raise ShmEmbedsError("a segment with unnamed data can be opened only through "
+                             "its owner's descriptors, which are gone")
     fds = []
     try:
         for i, (part, _, _) in enumerate(handle.parts()):
@@ -204,11 +186,9 @@ def open_files(directory: str, handle: SharedTensorHandle, reader: bool) -> list
             try:
                 fds.append(os.open(os.path.join(directory, part), flags))
             except FileNotFoundError as e:
-                raise ShmEmbedsError(
-                    f"shm-embeds segment {part!r} not found in {directory} (its owner "
-                    "released it, something else removed it, or the process is on "
-                    "another host)"
-                ) from e
+                raise ShmEmbedsError(f"shm-embeds segment {part!r} not found in {directory} "
+                                     "(its owner released it, something else removed it, or "
+                                     "the process is on another host)") from e
     except BaseException:
         for fd in fds:
             os.close(fd)
@@ -219,8 +199,8 @@ def open_files(directory: str, handle: SharedTensorHandle, reader: bool) -> list
 def map_segment(directory: str, handle: SharedTensorHandle, reader_index: int | None = None,
                 fds: list[int] | None = None) -> mmap.mmap:
     """Map a segment after checking sizes and magic: read-only with a ``reader_index``
-    (its flag is set), else read/write. ``fds``: its files, kept open. Raises
-    ShmEmbedsError: a file is missing, has the wrong size, or no header."""
+    (its flag is set), else read/write (unnamed data: read-only). ``fds``: its files,
+    kept open. Raises ShmEmbedsError: a file is missing, has the wrong size, or no header."""
     reader = reader_index is not None
     prot = mmap.PROT_READ if reader else mmap.PROT_READ | mmap.PROT_WRITE
     own = fds is None
@@ -231,13 +211,12 @@ def map_segment(directory: str, handle: SharedTensorHandle, reader_index: int | 
         for i, (fd, (part, _, length)) in enumerate(zip(fds, handle.parts())):
             want = length + (HEADER_BYTES if i == 0 else 0)
             size = os.fstat(fd).st_size
-            # a held file may have grown: its start is mapped
-            if size != want and not (i and handle.held and size > want):
+            # unnamed data may have grown (a kept conversation's memfd): its start is mapped
+            if size != want and not (i and handle.unnamed_data and size > want):
                 raise ShmEmbedsError(f"segment {part!r} holds {size} bytes, handle expects {want}")
             sizes.append(want)
-        # A held file 1 (a memfd) is mapped read-only by everyone.
         mm = map_files(fds, sizes, [prot] + [mmap.PROT_READ] * (len(fds) - 1)
-                       if handle.held else prot)
+                       if handle.unnamed_data else prot)
         if mm[: len(MAGIC)] != MAGIC:
             mm.close()
             raise ShmEmbedsError(f"segment {handle.name!r} has no shm-embeds header")

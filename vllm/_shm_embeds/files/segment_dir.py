@@ -4,8 +4,10 @@ of this user count (:func:`our_file`)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
+from collections.abc import Callable
 
 from vllm._shm_embeds.files.segment import unlink_quietly
 from vllm._shm_embeds.handle import SegmentName
@@ -30,29 +32,27 @@ def list_segments(directory: str) -> list[tuple[str, SegmentName]]:
     return out
 
 
-def sweep(directory: str, pidns: int) -> int:
-    """Unlink our files whose owner (in ``pidns``) is certainly dead; how many. Never raises."""
+def unlink_ours(directory: str, whose: Callable[[SegmentName], bool]) -> int:
+    """Unlink our files (:func:`our_file`) whose name ``whose`` accepts; how many segments
+    (by their file 0). Never raises."""
     removed = 0
-    verdict: dict[tuple[int, int], bool] = {}
-    for n, parsed in list_segments(directory):
-        if parsed.pidns != pidns:
-            continue
-        path = os.path.join(directory, n)
+    for name, parsed in list_segments(directory):
+        path = os.path.join(directory, name)
         try:
-            if not our_file(os.lstat(path)):
-                continue
-            key = (parsed.pid, parsed.start)
-            if key not in verdict:
-                verdict[key] = owner_is_dead(parsed.pid, parsed.start)
-            if verdict[key] and unlink_quietly(path):
+            if whose(parsed) and our_file(os.lstat(path)) and unlink_quietly(path):
                 removed += parsed.part == 0
         except (OSError, ValueError, OverflowError):
             continue  # gone meanwhile, or cannot tell: keep it
     return removed
 
 
-def held_bytes(directory: str, owners: set[int] | None = None,
-               pidns: int | None = None) -> int:
+def sweep(directory: str, pidns: int) -> int:
+    """Unlink our files whose owner (in ``pidns``) is certainly dead; how many. Never raises."""
+    dead = functools.cache(owner_is_dead)  # one verdict per owner
+    return unlink_ours(directory, lambda p: p.pidns == pidns and dead(p.pid, p.start))
+
+
+def held_bytes(directory: str, owners: set[int] | None = None, pidns: int | None = None) -> int:
     """Bytes (allocated blocks) our segment files in ``directory`` hold; with ``owners``,
     only those pids' in PID namespace ``pidns``."""
     held = 0

@@ -26,8 +26,6 @@ from vllm._shm_embeds.lifetime.transfer import (
     dense_nbytes,
     eligible,
     hand_over,
-    held_by,
-    share_held,
     share_tensor,
 )
 
@@ -39,6 +37,11 @@ META_KEY = "shm_embeds"
 def digests_module() -> Any:
     """The ``digests`` extension's module, or None without it."""
     return extensions.get("digests", "digests")
+
+
+def held_module() -> Any:
+    """The ``held`` extension's module (a holder's memfd sent by descriptor), or None."""
+    return extensions.get("held", "held")
 
 
 class HandleOOBConsumer:
@@ -83,29 +86,25 @@ class HandleOOBConsumer:
     def __call__(self, tensor: torch.Tensor) -> dict | None:
         if tensor is self._armed:
             self._armed = None
-            holder = held_by(tensor)
-            # a streamed segment goes as it is, whatever its size; a held file by its fd
-            handover = hand_over(tensor) if holder is None else None
-            reason = None if handover is not None or holder is not None else eligible(tensor)
-            if reason is None:
-                found = None
-                try:
-                    if holder is not None:
-                        handle = share_held(tensor, holder)
-                    elif handover is not None:
-                        handle = handover
-                    else:
-                        handle, found = self._copy(tensor)
-                except OSError as e:
-                    reason = process.placement_failed("hop 1", tensor.nbytes, e)
-                except Exception:  # ours, unexpected: the stock path, never the caller
-                    logger.warning("shm-embeds: hop 1 sends a tensor the stock way after "
-                                   "an unexpected error", exc_info=True)
-                    reason = "error"
-                else:
+            found = meta = reason = None
+            try:
+                # a streamed segment goes as it is, a holder's memfd by its fd (any size)
+                handle = hand_over(tensor)
+                if handle is None and (held := held_module()) is not None:
+                    handle, meta = held.share(tensor) or (None, None)
+                if handle is None and (reason := eligible(tensor)) is None:
+                    handle, found = self._copy(tensor)
+            except OSError as e:
+                reason = process.placement_failed("hop 1", tensor.nbytes, e)
+            except Exception:  # ours, unexpected: the stock path, never the caller
+                logger.warning("shm-embeds: hop 1 sends a tensor the stock way after "
+                               "an unexpected error", exc_info=True)
+                reason = "error"
+            else:
+                if handle is not None:
                     self._created.append(handle)
                     count_many({Event.HOP1_SHM_TENSORS: 1, Event.HOP1_SHM_BYTES: tensor.nbytes})
-                    meta = handle.to_meta()
+                    meta = meta or handle.to_meta()
                     # digests our own code computed over exactly these bytes
                     if (digests := digests_module()) is not None:
                         meta.update(digests.handover_meta(tensor, found))
@@ -149,12 +148,16 @@ class HandleOOBProvider:
                 return self.inner(dtype, shape, meta)
             return self._fail("out-of-band tensor without a provider")
         try:
-            handle = SharedTensorHandle.from_meta(meta[META_KEY])
+            sent, held = meta[META_KEY], None
+            if isinstance(sent, dict) and "held" in sent:  # a holder's memfd (ext/held)
+                if (held := held_module()) is None:
+                    raise ShmEmbedsError("a held file, and no held extension here")
+                handle, memfd = held.from_meta(sent)
+            else:
+                handle = SharedTensorHandle.from_meta(sent)
             if handle.dtype != dtype or handle.shape != tuple(shape):
-                raise ShmEmbedsError(
-                    f"handle {handle} does not match tensor {dtype!r}{shape!r}"
-                )
-            tensor = adopt_tensor(handle)
+                raise ShmEmbedsError(f"handle {handle} does not match tensor {dtype!r}{shape!r}")
+            tensor = adopt_tensor(handle) if held is None else held.adopt(handle, memfd)
         except Exception as e:  # ShmEmbedsError, or anything else of ours
             return self._fail(e)
         count_many({Event.HOP1_SHM_TENSORS: 1, Event.HOP1_SHM_BYTES: handle.nbytes,

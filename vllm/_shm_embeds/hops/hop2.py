@@ -51,9 +51,8 @@ def externalize(tensor: torch.Tensor, readers: int) -> SharedTensorHandle:
         raise
     owned.own(Kind.COPY, new, mm, tensor, fds=fds)
     entry = owned.lookup(tensor)
-    assert entry is not None
-    handle = owned.broadcast(entry, readers)
-    assert handle is not None
+    handle = owned.broadcast(entry, readers) if entry is not None else None
+    assert handle is not None  # just owned: found, every flag free
     return handle
 
 
@@ -107,9 +106,8 @@ def reader_plan(first_stage: int, n_local: int, n_remote: int) -> ReaderPlan:
                       n_remote > 0 and first_stage > n_local)
 
 
-def remote_form(tensor: torch.Tensor, plan: ReaderPlan
-                ) -> StepEmbeds | EmbedsPlaceholder | InlineEmbeds:
-    """What ``plan``'s remote readers get instead of the handle."""
+def remote_form(tensor: torch.Tensor, plan: ReaderPlan) -> EmbedsPlaceholder | InlineEmbeds:
+    """What ``plan``'s remote readers get instead of the handle (:attr:`ReaderPlan.in_step`)."""
     if plan.in_step:
         return StepEmbeds(dtype_name(tensor.dtype), tuple(tensor.shape))
     if plan.remote_bytes:
@@ -117,12 +115,12 @@ def remote_form(tensor: torch.Tensor, plan: ReaderPlan
     return EmbedsPlaceholder(dtype_name(tensor.dtype), tuple(tensor.shape))
 
 
-def count_readers(plan: ReaderPlan, nbytes: int) -> None:
-    """Count one broadcast tensor of ``nbytes`` per reader kind (EngineCore)."""
+def count_readers(plan: ReaderPlan, swapped: list[tuple[Any, torch.Tensor]]) -> None:
+    """Count each broadcast tensor of ``swapped`` once per reader kind (EngineCore)."""
     for kind, n in plan.reader_kinds().items():
-        count_reason(Event.HOP2_READER_TENSORS, kind, hop="2", n=n)
+        count_reason(Event.HOP2_READER_TENSORS, kind, hop="2", n=n * len(swapped))
     if plan.remote_bytes and not plan.in_step:
-        count(Event.HOP2_REMOTE_BYTES, nbytes * plan.remote)
+        count(Event.HOP2_REMOTE_BYTES, sum(t.nbytes for _, t in swapped) * plan.remote)
 
 
 EMBEDS_FORMS = (SharedTensorHandle, EmbedsPlaceholder, InlineEmbeds)
@@ -134,9 +132,8 @@ def carries_embeds(new_reqs: Iterable[Any] | None) -> bool:
                for r in new_reqs or ())
 
 
-def externalize_prompt_embeds(
-    new_reqs: Iterable[Any], readers: int
-) -> list[tuple[Any, torch.Tensor]]:
+def externalize_prompt_embeds(new_reqs: Iterable[Any],
+                              readers: int) -> list[tuple[Any, torch.Tensor]]:
     """Swap each eligible ``prompt_embeds`` tensor on ``new_reqs`` (``NewRequestData``) for
     a handle; ``(obj, tensor)`` pairs for :func:`restore_prompt_embeds`."""
     swapped: list[tuple[Any, torch.Tensor]] = []
@@ -170,11 +167,10 @@ def send_views(new_reqs: Iterable[Any]) -> list[tuple[Any, torch.Tensor]]:
     swapped: list[tuple[Any, torch.Tensor]] = []
     for req in new_reqs:
         tensor = getattr(req, "prompt_embeds", None)
-        if isinstance(tensor, torch.Tensor):
-            view = send_view(tensor)
-            if view is not tensor:
-                req.prompt_embeds = view
-                swapped.append((req, tensor))
+        view = send_view(tensor)  # ``tensor`` itself if not a tensor
+        if view is not tensor:
+            req.prompt_embeds = view
+            swapped.append((req, tensor))
     return swapped
 
 

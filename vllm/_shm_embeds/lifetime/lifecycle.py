@@ -105,8 +105,7 @@ TRANSITIONS: tuple[Transition, ...] = (
     *(_row("unlink_all", s, {GONE}, ALL) for s in (HELD, BROADCAST, FREED, MAPPED, DRAINING)),
 )
 
-_ALLOWED: dict[tuple[str, State | None], Transition] = {(t.event, t.source): t
-                                                         for t in TRANSITIONS}
+_ALLOWED: dict[tuple[str, State | None], Transition] = {(t.event, t.source): t for t in TRANSITIONS}
 
 
 def allowed(kind: Kind, event: str, source: State | None, to: State) -> bool:

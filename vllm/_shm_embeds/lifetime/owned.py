@@ -162,7 +162,7 @@ class OwnedSegments:
                 if entry.in_use(known):  # the TP workers map it until the request ends
                     if not self._index.move(entry, "settle", HELD):
                         continue
-                    if entry.fds and not entry.handle.held:  # reopened by name if re-sent
+                    if entry.fds and not entry.handle.unnamed_data:  # reopened by name if re-sent
                         idle_fds += entry.fds
                         entry.fds = None
                     continue
@@ -231,8 +231,7 @@ class OwnedSegments:
                     entry.fds = seg.open_files(shm_dir(), entry.handle, reader=False)
                 except ShmEmbedsError:
                     vanished = True  # still mapped here: released when freed
-                    self._index.move(entry, "vanish",
-                                     GONE if entry.data_ptr is None else MAPPED)
+                    self._index.move(entry, "vanish", GONE if entry.data_ptr is None else MAPPED)
             if not vanished:
                 if not self._index.move(entry, "broadcast",
                                         FREED if entry.state is FREED else BROADCAST):
@@ -363,21 +362,10 @@ class OwnedSegments:
             for entry in self._index.all():
                 self._index.move(entry, "unlink_all", GONE)
         n = self._unlink(gone)
-        swept = 0
-        try:
-            directory = shm_dir()
-            names = segment_dir.list_segments(directory)
+        try:  # only regular files of ours: never what someone planted
+            swept = segment_dir.unlink_ours(shm_dir(), self._state.owns_name)
         except OSError:  # the directory is gone (removed by someone): nothing left in it
-            names = []
-        for name, parsed in names:
-            if not self._state.owns_name(parsed):
-                continue
-            path = os.path.join(directory, name)
-            try:  # only a regular file of ours: never what someone planted
-                if segment_dir.our_file(os.lstat(path)) and seg.unlink_quietly(path):
-                    swept += parsed.part == 0
-            except OSError:
-                continue
+            swept = 0
         if swept:
             count(Event.SEGMENTS_UNLINKED, swept)
         return n + swept

@@ -18,8 +18,7 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm._shm_embeds import counters, private_dir
-from vllm._shm_embeds.config import (MAX_WRITERS, enabled, max_segments, shm_dir, stats_dir,
-                                     writers)
+from vllm._shm_embeds.config import MAX_WRITERS, enabled, max_segments, shm_dir, stats_dir
 from vllm._shm_embeds.counters import Event, count
 from vllm._shm_embeds.files import segment as seg
 from vllm._shm_embeds.files import segment_dir
@@ -42,8 +41,8 @@ class Process:
     Attributes:
         released: finalizers' records, applied at safe points.
         holders: extensions' registries of memfds whose mapped bytes never change
-            (regions, kept conversations): ``find``, ``is_held``, ``send_view``,
-            ``settle``; ``release`` (optional).
+            (regions, kept conversations): ``send_view``, ``settle``, ``release``
+            (optional); ``ext/held`` asks them ``find`` and ``is_held``.
         release_known: vLLM tells when a request is freed (group ``release`` on).
         stats_dir_made: the metrics directory this process made (removed at exit).
     """
@@ -64,7 +63,6 @@ class Process:
         self.release_known = True
         self.model_name = ""
         self.stats_dir_made: str | None = None
-        self.hasher: concurrent.futures.ThreadPoolExecutor | None = None
 
     def forked(self) -> Process:
         """A forked child's state: new, but for what describes the server."""
@@ -108,14 +106,6 @@ class Process:
                 self.pool = concurrent.futures.ThreadPoolExecutor(
                     MAX_WRITERS - 1, thread_name_prefix="shm-embeds-writer")
             return self.pool
-
-    def hash_pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        """The threads that hash prompt_embeds blocks (``ext/digests/digests.py``)."""
-        with self.pool_lock:
-            if self.hasher is None:
-                self.hasher = concurrent.futures.ThreadPoolExecutor(
-                    writers(), thread_name_prefix="shm-embeds-hash")
-            return self.hasher
 
     def start_reaper(self, sweep_interval: float | None = None) -> None:
         if sweep_interval is not None:

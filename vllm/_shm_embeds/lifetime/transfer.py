@@ -79,20 +79,6 @@ def share_tensor(tensor: torch.Tensor) -> SharedTensorHandle:
     return handle
 
 
-def share_held(tensor: torch.Tensor, holder: tuple[int, int, int]) -> SharedTensorHandle:
-    """Hop 1 sender, no copy: a handle for ``tensor`` in a holder's memfd (``holder``:
-    :func:`held_by`), plus a header-only segment for hop 2's reader flags. Raises OSError."""
-    state = process.current()
-    name = state.new_name()
-    header = SharedTensorHandle(name, "uint8", (0,))
-    for fd in seg.write_segment(shm_dir(), header, memoryview(b""), None):
-        os.close(fd)
-    count_many({Event.SEGMENTS_CREATED: 1, Event.HOP1_REGION_TENSORS: 1,
-                Event.HOP1_REGION_BYTES: tensor.nbytes})
-    return SharedTensorHandle(name, dtype_name(tensor.dtype), tuple(tensor.shape),
-                              held=tuple(holder))
-
-
 def discard_shared(handle: SharedTensorHandle) -> bool:
     """Remove a segment that will never be adopted. True if it was still there."""
     gone = seg.unlink_segment(shm_dir(), handle.name, len(handle.parts()))
@@ -118,24 +104,7 @@ def adopt_tensor(handle: SharedTensorHandle) -> torch.Tensor:
     except seg.TooManySegments:
         count_reason(Event.FALLBACK, "segments", hop="1")
         return _adopt_by_copy(handle)
-    if handle.held:
-        return _adopt_held(handle)
-    mine = handle.renamed(state.new_name(capped=False))
-    for i in range(nparts):
-        try:
-            mine = _rename_part(directory, handle, mine, i)
-        except BaseException as e:
-            for j in range(i):  # the parts already taken (never what sits at a name)
-                seg.unlink_quietly(os.path.join(directory, part_name(mine.name, j)))
-            _unlink_peer(directory, handle.name, nparts)
-            if isinstance(e, FileNotFoundError):
-                raise ShmEmbedsError(
-                    f"shm-embeds segment {part_name(handle.name, i)!r} not found in "
-                    f"{directory}: the sender is on another host, or something removed it"
-                ) from e
-            if isinstance(e, OSError):
-                raise ShmEmbedsError(f"shm-embeds segment could not be adopted: {e}") from e
-            raise
+    mine = take_over(handle, nparts)
     try:
         mm = seg.map_segment(directory, mine)
     except OSError:  # e.g. ENOMEM at vm.max_map_count: read it instead
@@ -147,6 +116,29 @@ def adopt_tensor(handle: SharedTensorHandle) -> torch.Tensor:
     tensor, anchor = seg.tensor_view(mm, mine)
     state.owned.own(Kind.ADOPTED, mine, mm, tensor, anchor)
     return tensor
+
+
+def take_over(handle: SharedTensorHandle, nparts: int) -> SharedTensorHandle:
+    """Rename a peer's first ``nparts`` files to a fresh name of ours: ``handle`` under it.
+    Raises ShmEmbedsError (the peer's files and those taken are removed)."""
+    directory = shm_dir()
+    mine = handle.renamed(process.current().new_name(capped=False))
+    for i in range(nparts):
+        try:
+            mine = _rename_part(directory, handle, mine, i)
+        except BaseException as e:
+            for j in range(i):  # the parts already taken (never what sits at a name)
+                seg.unlink_quietly(os.path.join(directory, part_name(mine.name, j)))
+            unlink_peer(handle.name, nparts)
+            if isinstance(e, FileNotFoundError):
+                raise ShmEmbedsError(
+                    f"shm-embeds segment {part_name(handle.name, i)!r} not found in "
+                    f"{directory}: the sender is on another host, or something removed it"
+                ) from e
+            if isinstance(e, OSError):
+                raise ShmEmbedsError(f"shm-embeds segment could not be adopted: {e}") from e
+            raise
+    return mine
 
 
 def _rename_part(directory: str, handle: SharedTensorHandle, mine: SharedTensorHandle,
@@ -169,10 +161,10 @@ def _rename_part(directory: str, handle: SharedTensorHandle, mine: SharedTensorH
     raise FileExistsError(errno.EEXIST, "every segment name drawn was taken")
 
 
-def _unlink_peer(directory: str, name: str, nparts: int) -> None:
+def unlink_peer(name: str, nparts: int) -> None:
     """Remove a peer's segment that cannot be adopted (only our files); never raises."""
     for i in range(nparts):
-        path = os.path.join(directory, part_name(name, i))
+        path = os.path.join(shm_dir(), part_name(name, i))
         try:
             if segment_dir.our_file(os.lstat(path)):
                 seg.unlink_quietly(path)
@@ -181,38 +173,32 @@ def _unlink_peer(directory: str, name: str, nparts: int) -> None:
 
 
 def _adopt_by_copy(handle: SharedTensorHandle) -> torch.Tensor:
-    """Read a peer's segment (or held file) into memory and remove its files. Raises
-    ShmEmbedsError (the files go either way)."""
-    directory = shm_dir()
+    """Read a peer's segment into memory and remove its files. Raises ShmEmbedsError
+    (the files go either way)."""
     parts = handle.parts()
     try:
         out = torch.empty(handle.shape, dtype=handle.torch_dtype)
         dst = memoryview(out.reshape(-1).view(torch.uint8).numpy())
         for i, (part, start, length) in enumerate(parts):
-            if i and handle.held:
-                fd = seg.open_held(*handle.held, handle.nbytes)
-            else:
-                fd = os.open(os.path.join(directory, part),
-                             os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            fd = os.open(os.path.join(shm_dir(), part),
+                         os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
             try:
-                _read_part(fd, i, length, dst[start:start + length], handle.held)
+                _read_part(fd, i, length, dst[start:start + length])
             finally:
                 os.close(fd)
     except OSError as e:
         raise ShmEmbedsError(f"shm-embeds segment could not be read: {e}") from e
     finally:
-        _unlink_peer(directory, handle.name, 1 if handle.held else len(parts))
+        unlink_peer(handle.name, len(parts))
     count(Event.COPIED_BYTES, handle.nbytes)
     return out
 
 
-def _read_part(fd: int, i: int, length: int, dst: memoryview, held: tuple) -> None:
+def _read_part(fd: int, i: int, length: int, dst: memoryview) -> None:
     """Check file ``i``, read its ``length`` data bytes into ``dst``. Raises OSError,
     ShmEmbedsError."""
     st = os.fstat(fd)
-    want = length + (HEADER_BYTES if i == 0 else 0)
-    if not (segment_dir.our_file(st) or (i and held)) or not (
-            st.st_size == want or (i and held and st.st_size > want)):
+    if not segment_dir.our_file(st) or st.st_size != length + (HEADER_BYTES if i == 0 else 0):
         raise ShmEmbedsError("shm-embeds segment has the wrong size or owner")
     if i == 0 and os.pread(fd, len(MAGIC), 0) != MAGIC:
         raise ShmEmbedsError("shm-embeds segment has no header")
@@ -222,38 +208,6 @@ def _read_part(fd: int, i: int, length: int, dst: memoryview, held: tuple) -> No
         if n <= 0:
             raise ShmEmbedsError("shm-embeds segment was truncated")
         done += n
-
-
-def _adopt_held(handle: SharedTensorHandle) -> torch.Tensor:
-    """:func:`adopt_tensor` of a held file: rename the header, open the memfd via the
-    sender's fd, map both; the files stay open for hop 2's readers (by our fds)."""
-    directory = shm_dir()
-    mine = handle.renamed(process.current().new_name(capped=False))
-    try:
-        mine = _rename_part(directory, handle, mine, 0)
-    except FileNotFoundError as e:
-        raise ShmEmbedsError("shm-embeds held file header not found: the sender is on "
-                             "another host, or something removed it") from e
-    except OSError as e:
-        _unlink_peer(directory, handle.name, 1)
-        raise ShmEmbedsError(f"shm-embeds held file header could not be adopted: {e}") from e
-    fds: list[int] = []
-    try:
-        fds.append(os.open(os.path.join(directory, mine.name),
-                           os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW))
-        fds.append(seg.open_held(*handle.held, handle.nbytes))
-        mm = seg.map_segment(directory, mine, fds=fds)
-    except BaseException as e:
-        for fd in fds:
-            os.close(fd)
-        seg.unlink_segment(directory, mine.name, 1)
-        if isinstance(e, OSError):
-            raise ShmEmbedsError(f"shm-embeds held file could not be mapped: {e}") from e
-        raise
-    tensor, anchor = seg.tensor_view(mm, mine)
-    process.current().owned.own(Kind.HELD_FILE, mine, mm, tensor, anchor, fds=fds)
-    count(Event.HOP1_REGION_ADOPTED)
-    return tensor
 
 
 def open_tensor(handle: SharedTensorHandle, reader_index: int | None = None) -> torch.Tensor:
@@ -282,16 +236,6 @@ def send_view(tensor: Any) -> Any:
         if (view := holder.send_view(tensor)) is not None:
             break
     return tensor if view is None else view
-
-
-def held_by(tensor: Any) -> tuple[int, int, int] | None:
-    """``(pid, fd, inode)`` of a holder's memfd that is exactly ``tensor``, or None."""
-    return next((found for holder in process.current().holders
-                 if (found := holder.find(tensor)) is not None), None)
-
-
-def is_held(tensor: Any) -> bool:
-    return any(holder.is_held(tensor) for holder in process.current().holders)
 
 
 def is_streamed(tensor: Any) -> bool:
@@ -325,9 +269,7 @@ def release_adopted(tensor: Any) -> bool:
     """EngineCore: vLLM freed the request whose ``prompt_embeds`` is ``tensor``
     (``OwnedSegments.release_adopted``). True if pages were dropped now (later
     reads of ``tensor`` see zeros)."""
-    if not isinstance(tensor, torch.Tensor):
-        return False
-    if not process.current().owned.release_adopted(tensor):
+    if not (isinstance(tensor, torch.Tensor) and process.current().owned.release_adopted(tensor)):
         return False
     count(Event.ENGINE_PAGES_RELEASED)
     return True

@@ -19,14 +19,8 @@ from vllm.logger import init_logger
 from vllm._shm_embeds import extensions
 from vllm._shm_embeds.extensions import Group
 from vllm._shm_embeds.lifetime import process
-from vllm._shm_embeds.sites import (
-    core_client,
-    engine_core,
-    multiproc_executor,
-    prompt_embeds,
-    scheduler,
-    shm_broadcast,
-)
+from vllm._shm_embeds.sites import (core_client, engine_core, multiproc_executor, prompt_embeds,
+                                    scheduler, shm_broadcast)
 from vllm._shm_embeds.sites.site import APPLY, STATUS, Site
 
 logger = init_logger(__name__)

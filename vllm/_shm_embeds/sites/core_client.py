@@ -81,9 +81,6 @@ def _send_view(request: Any) -> Any:
 
 
 def wrap_send_input(orig: Callable) -> Callable:
-    """Around ``_send_input``: ``prompt_embeds`` over a :func:`_send_view` while sent; the
-    hop-1 consumer's segments of the message removed if encoding or sending failed."""
-
     def _send_input(self, request_type, request, *args, **kwargs):
         consumer = getattr(peek(self, ClientRecord), "consumer", None)
         if consumer is not None:  # (engine: AsyncMPClient._send_input's third parameter)
@@ -144,11 +141,9 @@ def wrap_client_init(orig: Callable) -> Callable:
             set_role("client")
             local = local_engines(self.vllm_config)
             digests = digests_module()
-            consumer = HandleOOBConsumer(
-                self.encoder.oob_tensor_consumer,
-                None if digests is None else
-                digests.block_tokens_of(getattr(self.vllm_config, "cache_config", None)),
-                local)
+            block_tokens = None if digests is None else digests.block_tokens_of(
+                getattr(self.vllm_config, "cache_config", None))
+            consumer = HandleOOBConsumer(self.encoder.oob_tensor_consumer, block_tokens, local)
             self.encoder.oob_tensor_consumer = consumer
             self.encoder = ArmingEncoder(self.encoder, consumer)
             record(self, ClientRecord).consumer = consumer
@@ -171,8 +166,7 @@ def _on_client_init(client: Any) -> None:
         if metrics is not None:
             metrics.set_model_name(client.vllm_config.model_config.served_model_name)
         if getattr(client, "client_index", 0) == 0:
-            warning = sizing.check_dir_size(client.vllm_config)
-            if warning:
+            if warning := sizing.check_dir_size(client.vllm_config):
                 logger.warning(warning)
     except Exception:
         logger.debug("shm-embeds: segment directory size not checked", exc_info=True)

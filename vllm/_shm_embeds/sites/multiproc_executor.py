@@ -77,12 +77,11 @@ def _hop2_plan(executor: Any, rpc: Callable) -> ExecutorRecord:
     model_config = getattr(executor.vllm_config, "model_config", None)
     n_remote = getattr(mq, "n_remote_reader", 0)
     reason = plan = None
-    untested = _stock_executor(executor)
     if not getattr(model_config, "enable_prompt_embeds", False):
         reason = "--enable-prompt-embeds is off"
     elif mq is None:
         reason = "no broadcast queue in this executor"
-    elif untested is not None:
+    elif (untested := _stock_executor(executor)) is not None:
         reason = untested
     elif n_remote > 0 and STATUS.get("remote") != []:  # the enqueue split (shm_broadcast.py)
         reason = (f"{n_remote} reader(s) on other nodes and no split of the "
@@ -100,8 +99,7 @@ def _hop2_plan(executor: Any, rpc: Callable) -> ExecutorRecord:
             reason = _workers_join(executor, rpc)
             if reason is not None:
                 plan = None
-            elif plan.remote_bytes and (
-                    nodes := extensions.get("nodes", "node_copy")) is not None:
+            elif plan.remote_bytes and (nodes := extensions.get("nodes", "node_copy")) is not None:
                 plan = dataclasses.replace(plan, in_step=nodes.enable(executor, rpc))
         if plan is None and n_remote > 0:
             rec.stock_remote = True  # counted per tensor
@@ -180,10 +178,7 @@ def wrap_executor_rpc(orig: Callable) -> Callable:
         known = _hop2_plan(self, orig)
         plan, mq, new_reqs = known.plan, known.mq, _new_reqs(args, kwargs)
         if plan is None and known.stock_remote:
-            try:
-                _count_stock_remote(new_reqs)
-            except Exception:  # counting only
-                logger.debug("shm-embeds: counting failed", exc_info=True)
+            _quietly("counting", _count_stock_remote, new_reqs)
         swapped = _externalize(mq, plan, new_reqs) if plan is not None else []
         held = _send_views(new_reqs)  # the tensors left stock
         try:
@@ -195,27 +190,23 @@ def wrap_executor_rpc(orig: Callable) -> Callable:
             if plan is not None and (queued := peek(mq, QueueRecord)) is not None:
                 queued.remote = None
         if swapped:
-            try:  # what each reader got, once the step was sent
-                for _, tensor in swapped:
-                    hop2.count_readers(plan, tensor.nbytes)
-            except Exception:  # counting only
-                logger.debug("shm-embeds: counting failed", exc_info=True)
+            _quietly("counting", hop2.count_readers, plan, swapped)  # what each reader got
             # once the reply arrives every TP rank has mapped the step
             if isinstance(result, Future):
-                result.add_done_callback(lambda _: _collect_quietly())
+                result.add_done_callback(lambda _: _quietly("safe point", process.collect))
             else:
-                _collect_quietly()
+                _quietly("safe point", process.collect)
         return result
 
     return collective_rpc
 
 
-def _collect_quietly() -> None:
-    """``process.collect`` that never raises (the reaper retries)."""
+def _quietly(what: str, fn: Callable, *args: Any) -> None:
+    """``fn(*args)``, never raising: counting only, or a safe point (the reaper retries)."""
     try:
-        process.collect()
+        fn(*args)
     except Exception:
-        logger.debug("shm-embeds: safe point failed", exc_info=True)
+        logger.debug("shm-embeds: %s failed", what, exc_info=True)
 
 
 _STAGES = hop2.StageChain()  # one worker per process

@@ -1,9 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Site in ``vllm/distributed/device_communicators/shm_broadcast.py``: hop 2 with
-readers on other nodes (group ``remote``): while ``multiproc_executor.py`` has a plan for
-the queue (``records.QueueRecord``), ``MessageQueue.enqueue`` (0.32/0.33) is called to the
-local readers alone (the handles), then to the remote ones alone (``hop2.remote_form``).
-"""
+"""Site in ``vllm/distributed/device_communicators/shm_broadcast.py`` (0.32/0.33): hop 2
+with readers on other nodes, ``MessageQueue.enqueue`` split by reader kind (group ``remote``)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import torch
 
 from vllm._shm_embeds import extensions
 from vllm._shm_embeds.ext.binary.placeholders import current_upload, resolve_placeholder
-from vllm._shm_embeds.lifetime.transfer import is_held, is_streamed
+from vllm._shm_embeds.lifetime.transfer import is_streamed
 from vllm._shm_embeds.sites.site import Site
 
 digests = extensions.require("digests", "digests")
@@ -68,8 +68,9 @@ def wrap_load_chat_embeds_async(orig: Callable) -> Callable:
 
 
 def _ours(tensor: torch.Tensor) -> bool:
-    """A binary or JSON-path body's segment, or a registered region's tensor."""
-    return is_streamed(tensor) or is_held(tensor)
+    """A binary or JSON-path body's segment, or a held file's tensor (a region's)."""
+    return is_streamed(tensor) or (
+        (held := extensions.get("held", "held")) is not None and held.is_held(tensor))
 
 
 def _assemble(tensors: list[torch.Tensor], positions: list[tuple[int, int]],

@@ -113,7 +113,7 @@ class Tips:
         return found[1], found[2]
 
     def find(self, tensor: Any) -> tuple[int, int, int] | None:
-        """``(pid, fd, inode)`` for hop 1 (``transfer.held_by``), or None."""
+        """``(pid, fd, inode)`` for hop 1 (``ext/held``), or None."""
         found = self.lookup(tensor)
         if found is None or found[0].fd is None:
             return None

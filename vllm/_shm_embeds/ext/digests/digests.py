@@ -19,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import hashlib
+import os
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -29,7 +30,6 @@ from vllm.logger import init_logger
 from vllm._shm_embeds.config import writers
 from vllm._shm_embeds.counters import Event, count, count_many
 from vllm._shm_embeds.ext.digests.events import DigestEvent
-from vllm._shm_embeds.lifetime import process
 from vllm._shm_embeds.ext.digests.streamed import StreamedSegment
 
 logger = init_logger(__name__)
@@ -38,6 +38,27 @@ ATTR = "_shm_embeds_block_sha256"  # attribute on a tensor: its BlockDigests
 META_FIELD = "block_sha256"  # key inside the hop-1 handle metadata
 DIGEST_BYTES = 32
 CHUNK_BYTES = 16 << 20  # bytes written, then hashed, per step
+
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _forget_pool() -> None:  # a forked child has none of its parent's threads
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def hash_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """This process's threads that hash blocks (``config.writers()`` of them)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(
+                writers(), thread_name_prefix="shm-embeds-hash")
+        return _pool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +133,7 @@ def write_chunks_and_digest(chunks: Iterable[memoryview | bytes], segment: Strea
             returns or raises.
     """
     block_bytes = row_bytes * block_tokens if block_tokens else 0
-    pool = process.current().hash_pool() if block_bytes and rows else None
+    pool = hash_pool() if block_bytes and rows else None
     limit = 2 * writers()
     futures: list[concurrent.futures.Future] = []
     try:
@@ -199,7 +220,7 @@ class StreamHasher:
 
     def _submit(self) -> None:
         pieces, self._pieces, self._held = self._pieces, [], 0
-        pool = process.current().hash_pool()
+        pool = hash_pool()
         self._futures.append(pool.submit(_hash_pieces, pieces, self._block_bytes))
 
     def feed(self, piece: bytes | memoryview) -> concurrent.futures.Future | None:
