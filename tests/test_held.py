@@ -96,18 +96,23 @@ def test_held_file_over_the_segment_cap_is_read(shm_env, monkeypatch):
     src = torch.randn(64, 32)
     fd = _sealed_memfd(src)
     _holding(monkeypatch, src, fd)
-    _, meta = _send(src)
+    (_, meta), (_, headless) = _send(src), _send(src)
+    os.unlink(os.path.join(shm_env, headless[hop1.META_KEY]["name"]))
 
     def full():
         raise transfer.seg.TooManySegments(1)
 
     monkeypatch.setattr(process.current(), "check_segments", full)
     before = counters.stats()
-    out = hop1.HandleOOBProvider()("float32", (64, 32), meta)
-    os.close(fd)
+    provider = hop1.HandleOOBProvider()
+    out = provider("float32", (64, 32), meta)
     assert torch.equal(out, src) and os.listdir(shm_env) == []
     d = delta(before, counters.stats())
     assert d.get("fallback.hop1.segments") == 1 and d.get("copied_bytes") == src.nbytes, d
+    # without the sender's header file (gone, or not ours) the memfd is never read
+    assert provider.is_failed(provider("float32", (64, 32), headless))
+    assert delta(before, counters.stats()).get("copied_bytes") == src.nbytes
+    os.close(fd)
 
 
 def test_held_file_gone_before_adoption_is_a_clear_error(shm_env, monkeypatch):
@@ -158,7 +163,7 @@ def test_held_metadata_without_the_extension_is_refused(shm_env, monkeypatch):
     monkeypatch.setattr(hop1, "held_module", lambda: None)
     provider = hop1.HandleOOBProvider()
     assert provider.is_failed(provider("float32", (64, 32), meta))
-    transfer.unlink_peer(meta[hop1.META_KEY]["name"], 1)
+    assert os.listdir(shm_env) == []  # the sender's header went too
 
 
 def test_held_header_on_a_full_dev_shm_goes_inline(shm_env, monkeypatch):

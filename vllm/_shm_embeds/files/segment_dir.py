@@ -39,7 +39,7 @@ def unlink_ours(directory: str, whose: Callable[[SegmentName], bool]) -> int:
     for name, parsed in list_segments(directory):
         path = os.path.join(directory, name)
         try:
-            if whose(parsed) and our_file(os.lstat(path)) and unlink_quietly(path):
+            if our_file(os.lstat(path)) and whose(parsed) and unlink_quietly(path):
                 removed += parsed.part == 0
         except (OSError, ValueError, OverflowError):
             continue  # gone meanwhile, or cannot tell: keep it

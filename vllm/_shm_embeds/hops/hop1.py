@@ -27,6 +27,7 @@ from vllm._shm_embeds.lifetime.transfer import (
     eligible,
     hand_over,
     share_tensor,
+    unlink_peer,
 )
 
 logger = init_logger(__name__)
@@ -150,7 +151,8 @@ class HandleOOBProvider:
         try:
             sent, held = meta[META_KEY], None
             if isinstance(sent, dict) and "held" in sent:  # a holder's memfd (ext/held)
-                if (held := held_module()) is None:
+                if (held := held_module()) is None:  # its header goes (a name of ours)
+                    unlink_peer(SharedTensorHandle.from_meta(sent).name, 1)
                     raise ShmEmbedsError("a held file, and no held extension here")
                 handle, memfd = held.from_meta(sent)
             else:

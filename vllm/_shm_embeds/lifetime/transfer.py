@@ -131,10 +131,9 @@ def take_over(handle: SharedTensorHandle, nparts: int) -> SharedTensorHandle:
                 seg.unlink_quietly(os.path.join(directory, part_name(mine.name, j)))
             unlink_peer(handle.name, nparts)
             if isinstance(e, FileNotFoundError):
-                raise ShmEmbedsError(
-                    f"shm-embeds segment {part_name(handle.name, i)!r} not found in "
-                    f"{directory}: the sender is on another host, or something removed it"
-                ) from e
+                raise ShmEmbedsError(f"shm-embeds segment {part_name(handle.name, i)!r} not "
+                                     f"found in {directory}: the sender is on another host, "
+                                     "or something removed it") from e
             if isinstance(e, OSError):
                 raise ShmEmbedsError(f"shm-embeds segment could not be adopted: {e}") from e
             raise
@@ -164,8 +163,8 @@ def _rename_part(directory: str, handle: SharedTensorHandle, mine: SharedTensorH
 def unlink_peer(name: str, nparts: int) -> None:
     """Remove a peer's segment that cannot be adopted (only our files); never raises."""
     for i in range(nparts):
-        path = os.path.join(shm_dir(), part_name(name, i))
         try:
+            path = os.path.join(shm_dir(), part_name(name, i))
             if segment_dir.our_file(os.lstat(path)):
                 seg.unlink_quietly(path)
         except OSError:

@@ -85,7 +85,11 @@ def open_memfd(pid: int, fd: int, inode: int, nbytes: int) -> int:
         fd2 = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
     except OSError as e:
         raise ShmEmbedsError("the held file is gone") from e
-    st = os.fstat(fd2)
+    try:
+        st = os.fstat(fd2)
+    except OSError as e:
+        os.close(fd2)
+        raise ShmEmbedsError("the held file is gone") from e
     if not stat.S_ISREG(st.st_mode) or st.st_ino != inode or st.st_size < nbytes:
         os.close(fd2)
         raise ShmEmbedsError("the held file is gone (descriptor reused)")
@@ -101,8 +105,11 @@ def adopt(handle: SharedTensorHandle, held: tuple[int, int, int]) -> torch.Tenso
         process.current().check_segments()
     except seg.TooManySegments:
         count_reason(Event.FALLBACK, "segments", hop="1")
-        transfer.unlink_peer(handle.name, 1)
-        return _read(held, handle)
+        mine = transfer.take_over(handle, 1)  # a header file of ours, as when mapped
+        try:
+            return _read(held, handle)
+        finally:
+            seg.unlink_segment(directory, mine.name, 1)
     mine = transfer.take_over(handle, 1)
     fds: list[int] = []
     try:
