@@ -150,8 +150,10 @@ _RANK_SCRIPT = textwrap.dedent("""
     wrapped(worker, ("execute_model", (sched,), {}, 0))
     print("RESULT", len(ran), [type(o).__name__ for o in outputs], flush=True)
     dist.destroy_process_group()
-    # no static destructors: under load gloo's teardown can abort ("terminate called
-    # without an active exception"), which says nothing about the step
+    # Python's exit handlers (ours included), then no C++ static destructors: under
+    # load gloo's teardown can abort ("terminate called without an active exception")
+    import atexit
+    atexit._run_exitfuncs()
     os._exit(0)
 """)
 
