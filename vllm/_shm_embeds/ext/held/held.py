@@ -101,16 +101,15 @@ def adopt(handle: SharedTensorHandle, held: tuple[int, int, int]) -> torch.Tenso
     ``config.MAX_SEGMENTS``, read the memfd into memory. Raises ShmEmbedsError (the
     header is removed). Returns a ``handle.dtype`` tensor of ``handle.shape``."""
     directory = shm_dir()
+    mine = transfer.take_over(handle, 1)  # a header file of ours, whichever way it goes
     try:
         process.current().check_segments()
     except seg.TooManySegments:
         count_reason(Event.FALLBACK, "segments", hop="1")
-        mine = transfer.take_over(handle, 1)  # a header file of ours, as when mapped
         try:
             return _read(held, handle)
         finally:
             seg.unlink_segment(directory, mine.name, 1)
-    mine = transfer.take_over(handle, 1)
     fds: list[int] = []
     try:
         fds.append(os.open(os.path.join(directory, mine.name),
