@@ -13,6 +13,7 @@ import torch
 from helpers import delta, mine, run_child, set_limits
 
 from vllm._shm_embeds import counters, handle
+from vllm._shm_embeds.files import segment as seg
 from vllm._shm_embeds.handle import SegmentName
 from vllm._shm_embeds.hops import hop1, hop2
 from vllm._shm_embeds.lifetime import process, transfer
@@ -224,6 +225,21 @@ def test_missing_segment_is_a_clear_error(shm_env):
         transfer.open_tensor(h)
     with pytest.raises(handle.ShmEmbedsError, match="not a shm-embeds segment"):
         handle.SharedTensorHandle.from_meta({"name": "../etc/x", "dtype": "float32", "shape": [1]})
+
+
+def test_pread_all_fills_the_buffer_or_says_the_file_ended(tmp_path):
+    """The one read loop (segments, held files, kept tensors, streamed read-backs)."""
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, bytes(range(10)))
+        buf = bytearray(8)
+        seg.pread_all(fd, memoryview(buf), 2)
+        assert bytes(buf) == bytes(range(2, 10))
+        with pytest.raises(OSError) as e:
+            seg.pread_all(fd, memoryview(bytearray(9)), 2)
+        assert e.value.errno == errno.EIO
+    finally:
+        os.close(fd)
 
 
 @pytest.mark.parametrize(

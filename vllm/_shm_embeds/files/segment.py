@@ -64,6 +64,15 @@ def pwrite_all(fd: int, buf: memoryview, offset: int, failed: list | None = None
         raise
 
 
+def pread_all(fd: int, buf: memoryview, offset: int) -> None:
+    """Fill ``buf`` from ``fd`` at ``offset``. Raises OSError (EIO: the file ends first)."""
+    done = 0
+    while done < len(buf):
+        if (n := os.preadv(fd, [buf[done:]], offset + done)) <= 0:
+            raise OSError(errno.EIO, "the file ended before its stated size")
+        done += n
+
+
 def write_segment(directory: str, handle: SharedTensorHandle, data: memoryview,
                   pool: concurrent.futures.Executor | None) -> list[int]:
     """Create the files of ``handle`` and ``pwrite`` header and ``data`` (``handle.nbytes``

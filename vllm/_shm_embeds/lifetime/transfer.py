@@ -182,7 +182,13 @@ def _adopt_by_copy(handle: SharedTensorHandle) -> torch.Tensor:
             fd = os.open(os.path.join(shm_dir(), part),
                          os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
             try:
-                _read_part(fd, i, length, dst[start:start + length])
+                skip = HEADER_BYTES if i == 0 else 0  # part 0's data follows its header
+                st = os.fstat(fd)
+                if not segment_dir.our_file(st) or st.st_size != length + skip:
+                    raise ShmEmbedsError("shm-embeds segment has the wrong size or owner")
+                if i == 0 and os.pread(fd, len(MAGIC), 0) != MAGIC:
+                    raise ShmEmbedsError("shm-embeds segment has no header")
+                seg.pread_all(fd, dst[start:start + length], skip)
             finally:
                 os.close(fd)
     except OSError as e:
@@ -191,22 +197,6 @@ def _adopt_by_copy(handle: SharedTensorHandle) -> torch.Tensor:
         unlink_peer(handle.name, len(parts))
     count(Event.COPIED_BYTES, handle.nbytes)
     return out
-
-
-def _read_part(fd: int, i: int, length: int, dst: memoryview) -> None:
-    """Check file ``i``, read its ``length`` data bytes into ``dst``. Raises OSError,
-    ShmEmbedsError."""
-    st = os.fstat(fd)
-    if not segment_dir.our_file(st) or st.st_size != length + (HEADER_BYTES if i == 0 else 0):
-        raise ShmEmbedsError("shm-embeds segment has the wrong size or owner")
-    if i == 0 and os.pread(fd, len(MAGIC), 0) != MAGIC:
-        raise ShmEmbedsError("shm-embeds segment has no header")
-    done, offset = 0, HEADER_BYTES if i == 0 else 0
-    while done < length:
-        n = os.preadv(fd, [dst[done:]], offset + done)
-        if n <= 0:
-            raise ShmEmbedsError("shm-embeds segment was truncated")
-        done += n
 
 
 def open_tensor(handle: SharedTensorHandle, reader_index: int | None = None) -> torch.Tensor:

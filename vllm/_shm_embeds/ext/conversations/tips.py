@@ -22,8 +22,7 @@ from typing import Any
 import torch
 from vllm.logger import init_logger
 
-from vllm._shm_embeds.files.segment import drop_pages, map_files, pwrite_all
-from vllm._shm_embeds.handle import ShmEmbedsError
+from vllm._shm_embeds.files.segment import drop_pages, map_files, pread_all, pwrite_all
 from vllm._shm_embeds.lifetime import process
 
 logger = init_logger(__name__)
@@ -55,12 +54,7 @@ class Tip:
 
     def read(self, out: memoryview, offset: int = 0) -> None:
         """``len(out)`` bytes from ``offset``. Raises OSError."""
-        done = 0
-        while done < len(out):
-            n = os.preadv(self.fd, [out[done:]], offset + done)
-            if n <= 0:
-                raise ShmEmbedsError("a kept tensor's file is shorter than its rows")
-            done += n
+        pread_all(self.fd, out, offset)
 
     def view(self, rows: int) -> tuple[torch.Tensor, mmap.mmap | None]:
         """The first ``rows`` rows, mapped read-only: ``(tensor (rows, hidden), mm)``.

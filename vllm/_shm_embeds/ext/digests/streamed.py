@@ -8,7 +8,6 @@ May import: the core."""
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
 
@@ -17,7 +16,8 @@ import torch
 from vllm._shm_embeds.config import shm_dir
 from vllm._shm_embeds.counters import Event, count
 from vllm._shm_embeds.files import segment as seg
-from vllm._shm_embeds.files.segment import HEADER, map_files, pwrite_all, unlink_quietly
+from vllm._shm_embeds.files.segment import (HEADER, map_files, pread_all, pwrite_all,
+                                             unlink_quietly)
 from vllm._shm_embeds.handle import HEADER_BYTES, SharedTensorHandle, ShmEmbedsError, dtype_name
 from vllm._shm_embeds.lifetime import process, transfer
 from vllm._shm_embeds.lifetime.lifecycle import Kind
@@ -81,12 +81,7 @@ class StreamedFile:
         """Copy the bytes written so far into ``out``. Raises ShmEmbedsError, OSError."""
         if self._fd is None:
             raise ShmEmbedsError("segment already finished or aborted")
-        done = 0
-        while done < self.filled:
-            n = os.preadv(self._fd, [out[done:self.filled]], HEADER_BYTES + done)
-            if n <= 0:
-                raise OSError(errno.EIO, "short read of a streamed segment")
-            done += n
+        pread_all(self._fd, out[:self.filled], HEADER_BYTES)
 
     def abort(self) -> bool:
         """Close and unlink (idempotent); True if this call unlinked the file."""

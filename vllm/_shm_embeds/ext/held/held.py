@@ -135,11 +135,7 @@ def _read(held: tuple[int, int, int], handle: SharedTensorHandle) -> torch.Tenso
     try:
         out = torch.empty(handle.shape, dtype=handle.torch_dtype)
         dst = memoryview(out.reshape(-1).view(torch.uint8).numpy())
-        done = 0
-        while done < len(dst):
-            if (n := os.preadv(fd, [dst[done:]], done)) <= 0:
-                raise ShmEmbedsError("the held file was truncated")
-            done += n
+        seg.pread_all(fd, dst, 0)
     except OSError as e:
         raise ShmEmbedsError(f"shm-embeds held file could not be read: {e}") from e
     finally:
