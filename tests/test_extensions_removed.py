@@ -177,3 +177,31 @@ def test_extension_whose_site_module_fails_is_left_out_whole(tmp_path):
     gone = {g for n in off for g in extensions.loaded()[n].groups}
     assert not gone & set(got["groups"]) and not gone & set(got["status"])
     assert got["status"]["hop1"] == [] and got["status"]["hop2"] == []
+
+
+def test_the_project_builds_with_extension_folders_deleted(tmp_path):
+    """A checkout with every ``ext/`` folder deleted and nothing else changed builds
+    (``pip wheel .``: what ``pip install .`` runs) and its wheel holds every
+    package that is left and none that was deleted (pyproject.toml finds them;
+    the offline engine above proves both hops on that tree)."""
+    deleted = tuple(extensions.EXTENSIONS)
+    src = tmp_path / "checkout"
+    for name in ("pyproject.toml", "README.md"):
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(os.path.join(REPO, name), src / name)
+    shutil.copytree(os.path.join(REPO, "vllm"), src / "vllm",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in deleted:
+        shutil.rmtree(src / "vllm" / "_shm_embeds" / extensions.EXTENSIONS[name])
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                          "--no-build-isolation", "-w", str(tmp_path / "wheel"), str(src)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    [wheel] = os.listdir(tmp_path / "wheel")
+    import zipfile
+    with zipfile.ZipFile(tmp_path / "wheel" / wheel) as z:
+        dirs = {os.path.dirname(n) for n in z.namelist() if n.endswith(".py")}
+    left = {os.path.relpath(root, src) for root, _, files in os.walk(src / "vllm")
+            if "__init__.py" in files}
+    assert dirs == left and "vllm/_shm_embeds" in dirs
+    assert not any(extensions.EXTENSIONS[n] in d for n in deleted for d in dirs)
