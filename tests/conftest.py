@@ -139,6 +139,19 @@ def shm_env(monkeypatch):
         shutil.rmtree(stats_dir, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def _client_pools(monkeypatch):
+    """Each test starts with the client's shared connection pools empty
+    (``shm_embeds_client.pool``; a test may replace httpx's clients with mocks),
+    and the pools before it are put back after it."""
+    import weakref
+
+    from shm_embeds_client import pool
+
+    monkeypatch.setattr(pool, "_default", {})
+    monkeypatch.setattr(pool, "_default_async", weakref.WeakKeyDictionary())
+
+
 @contextlib.contextmanager
 def _tmpfs(path, size: str):
     """A tmpfs of ``size`` at ``path`` (needs root; skips the test otherwise)."""

@@ -323,3 +323,85 @@ def test_a_json_conversation_sends_the_continuation_object(monkeypatch):
     assert conv.misses == 1 and conv.kept_id == "k4" and conv.rows == 10
     with pytest.raises(ValueError):
         sec.Conversation("http://x", "m", body="xml")
+
+
+# -- connection reuse (shm_embeds_client.pool)
+
+
+@pytest.fixture
+def made(monkeypatch):
+    """Every httpx client the client makes (each through a mock transport that
+    answers 200 with a fresh kept id)."""
+    out = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=OK, headers={wire.KEPT_HEADER: f"k{len(out)}"})
+
+    def counted(cls):
+        def make(*a, **kw):
+            out.append(cls(*a, transport=httpx.MockTransport(answer), **kw))
+            return out[-1]
+        return make
+
+    monkeypatch.setattr(httpx, "Client", counted(httpx.Client))
+    monkeypatch.setattr(httpx, "AsyncClient", counted(httpx.AsyncClient))
+    return out
+
+
+def test_a_conversation_keeps_one_client_for_its_turns_and_forks(made):
+    with sec.Conversation("http://srv:8000", "m") as conv:
+        for n in (3, 2, 1):
+            conv.complete(_rows(n))
+        branch = conv.fork()
+        branch.complete(_rows(1))
+        json_conv = sec.Conversation("http://srv:8000", "m", body="json")
+        json_conv.complete(_rows(2))
+        json_conv.complete(_rows(2))
+        assert len(made) == 2 and not made[0].is_closed  # this one's, json_conv's
+    assert not made[0].is_closed  # the branch still uses it
+    branch.complete(_rows(1))
+    branch.close()
+    assert made[0].is_closed and len(made) == 2
+    with pytest.raises(RuntimeError):
+        conv.complete(_rows(1))
+    conv.close()  # twice: nothing more
+    json_conv.close()
+    assert made[1].is_closed
+
+
+def test_one_shot_helpers_share_the_process_client(made):
+    from shm_embeds_client import pool
+
+    for _ in range(3):
+        sec.complete("http://srv:8000", "m", _rows(2))
+    sec.complete_openai_json("http://srv:8000", "m", _rows(2))
+    assert len(made) == 1
+    pool.close()
+    assert made[0].is_closed
+    sec.complete("http://srv:8000", "m", _rows(2))
+    assert len(made) == 2
+
+    async def main():
+        for _ in range(2):
+            await sec.acomplete("http://srv:8000", "m", _rows(2))
+        async with sec.AsyncConversation("http://srv:8000", "m") as conv:
+            await conv.acomplete(_rows(2))
+            await conv.acomplete(_rows(1))
+        return conv
+
+    conv = asyncio.run(main())
+    assert len(made) == 4 and made[3].is_closed  # the loop's shared one, the conversation's
+    with pytest.raises(RuntimeError):
+        asyncio.run(conv.acomplete(_rows(1)))
+
+
+def test_a_forked_child_makes_its_own_connections(made, monkeypatch):
+    from shm_embeds_client import pool
+
+    p = pool.Pool(httpx.Client)
+    parent = p.get()
+    monkeypatch.setattr(pool.os, "getpid", lambda: -1)  # as in a forked child
+    child = p.get()
+    assert child is not parent and p.release() is child
+    monkeypatch.undo()
+    assert not parent.is_closed

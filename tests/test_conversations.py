@@ -27,7 +27,7 @@ import types
 import pytest
 import requests
 import torch
-from helpers import asgi_peer, delta, kept_memfds, ours_in, wait_until
+from helpers import asgi_peer, delta, encode_embeds, kept_memfds, ours_in, wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from shm_embeds_client import wire
@@ -647,6 +647,19 @@ def test_a_json_conversation_in_process(shm_env, monkeypatch, salt):
             with pytest.raises(gate.Refused) as e:
                 cont(**args, **{k: v for k, v in bad.items() if k not in args})
             assert e.value.status == 400, bad
+        # The new rows are vLLM's loader's (renderers/embed_utils.py
+        # safe_load_prompt_embeds, 0.32): any floating-point dtype is cast to the
+        # model's and a leading 1 squeezed, then served as the cast rows; integer
+        # rows are vLLM's 400.
+        for new in (whole[9:].half(), whole[9:].bfloat16(), whole[9:].double(), whole[9:][None]):
+            served = cont(**{wire.PREFIX_DATA: encode_embeds(new)})  # (the client sends fewer)
+            uploads.append(served.upload)
+            [got] = [t for t in served.upload.tensors if t is not None]
+            assert got.dtype == torch.float32, new.dtype
+            assert torch.equal(got, torch.cat([whole[:9], new.squeeze(0).float()])), new.shape
+        with pytest.raises(gate.Refused) as e:
+            cont(**{wire.PREFIX_DATA: encode_embeds(whole[9:].to(torch.int32))})
+        assert e.value.status == 400 and "floating-point" in e.value.message, e.value.message
     finally:
         for upload in uploads:
             upload.release()

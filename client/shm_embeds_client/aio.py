@@ -11,6 +11,7 @@ import httpx
 from shm_embeds_client._framing import _achunks, _body
 from shm_embeds_client.http import _result, _url
 from shm_embeds_client.openai_json import openai_json_request
+from shm_embeds_client.pool import default_async_client
 
 __all__ = ["achat", "achat_openai_json", "acomplete", "acomplete_openai_json"]
 
@@ -18,13 +19,11 @@ __all__ = ["achat", "achat_openai_json", "acomplete", "acomplete_openai_json"]
 async def _apost(route: str, url: str, model: str, tensor: Any, timeout: float | None,
                  headers: dict | None, kwargs: dict,
                  client: httpx.AsyncClient | None = None) -> httpx.Response:
-    """Async :func:`~shm_embeds_client.http._post`: the response, whatever its status."""
+    """Async :func:`~shm_embeds_client.http._post`: the response, whatever its status
+    (through ``client``, else the loop's shared one, ``pool.default_async_client``)."""
     h, content = _body(route, model, tensor, kwargs, headers, True)
-    if client is not None:
-        return await client.post(_url(url, route), content=content, headers=h,
-                                 timeout=timeout)
-    async with httpx.AsyncClient(timeout=timeout) as c:
-        return await c.post(_url(url, route), content=content, headers=h)
+    return await (client or default_async_client()).post(
+        _url(url, route), content=content, headers=h, timeout=timeout)
 
 
 async def _asend(route, url, model, tensor, timeout, headers, kwargs):
@@ -48,8 +47,8 @@ async def achat(url: str, model: str, tensor: Any = None, *, timeout: float | No
 
 async def _asend_openai_json(route, url, model, tensor, timeout, headers, kwargs):
     h, body = openai_json_request(route, model, tensor, kwargs, headers)
-    async with httpx.AsyncClient(timeout=timeout) as c:
-        r = await c.post(_url(url, route), content=_achunks([memoryview(body)]), headers=h)
+    r = await default_async_client().post(_url(url, route), content=_achunks([memoryview(body)]),
+                                          headers=h, timeout=timeout)
     return _result(r, bool(kwargs.get("stream")))
 
 

@@ -37,9 +37,13 @@ from shm_embeds_client._tensors import _wire
 from shm_embeds_client.aio import _apost
 from shm_embeds_client.http import _post, _result, _url
 from shm_embeds_client.openai_json import openai_json_request
+from shm_embeds_client.pool import Pool
 from shm_embeds_client.wire import KEEP_HEADER, KEPT_HEADER, PREFIX_NOT_FOUND
 
 __all__ = ["AsyncConversation", "Conversation", "prefix_missing"]
+
+_CLOSED = Pool(lambda: None)  # a closed conversation's: get() raises
+_CLOSED.release()
 
 
 def prefix_missing(r: httpx.Response) -> bool:
@@ -90,7 +94,8 @@ class _Conversation:
         # The keep header is the conversation's own: a caller's spelling of it is dropped.
         self.headers = {k: v for k, v in (headers or {}).items()
                         if k.lower() != KEEP_HEADER.lower()}
-        self.client = client
+        self.client = client  # the caller's (left open), else the pool's
+        self._pool: Pool | None = None if client is not None else Pool(self._make_client)
         self.kept_id: str | None = None  # the server's id of the whole history, if kept
         self.last_sent_rows = 0  # rows sent by the last call (both requests of a miss)
         self.misses = 0  # whole-history resends after a PrefixNotFound
@@ -121,14 +126,21 @@ class _Conversation:
 
     def fork(self):
         """A branch: a new conversation with the same history (the same
-        tensors, a list of its own), kept id, settings and client; its
-        counters start at 0. Both may continue from the kept prefix."""
+        tensors, a list of its own), kept id, settings and connections (closed
+        once every branch is); its counters start at 0. Both may continue from
+        the kept prefix."""
         other = copy.copy(self)
+        other._pool = self._pool.share() if self._pool is not None else None
         other.headers = dict(self.headers)
         other._pieces = list(self._pieces)
         other.last_sent_rows = 0
         other.misses = 0
         return other
+
+    def _client(self) -> Any:
+        """The client to send through: the caller's, else this conversation's pool's.
+        Raises RuntimeError once closed."""
+        return self.client if self._pool is None else self._pool.get()
 
     def _prepare(self, new_rows: Any, completion_args: dict) -> tuple[torch.Tensor, dict]:
         if completion_args.get("stream"):
@@ -186,8 +198,9 @@ class Conversation(_Conversation):
         cache_salt: sent in every request (a kept id is bound to it).
         timeout: per request, seconds.
         headers: more request headers.
-        client: an ``httpx.Client`` to send through (left open; connections
-            reused); default, a client of its own per request.
+        client: an ``httpx.Client`` to send through (left open); default, one
+            of the conversation's own, made on first use and kept for every turn
+            (its connections reused), closed by :meth:`close` or ``with``.
         body: ``"binary"`` (binary bodies) or ``"json"`` (base64 JSON, the
             continuation as the JSON object of ``docs/conversations.md``).
     Attributes:
@@ -195,6 +208,25 @@ class Conversation(_Conversation):
         rows: the history's length; ``last_sent_rows``: rows sent by the last
             call; ``misses``: whole resends after ``PrefixNotFound``.
     """
+
+    @staticmethod
+    def _make_client() -> httpx.Client:
+        return httpx.Client()  # (looked up per conversation: a caller may replace it)
+
+    def close(self) -> None:
+        """Close the conversation's own connections (once every fork is closed
+        too); a client passed in is left open. The conversation sends no more."""
+        if self._pool is not None and self._pool is not _CLOSED:
+            client = self._pool.release()
+            self._pool = _CLOSED
+            if client is not None:
+                client.close()
+
+    def __enter__(self) -> Conversation:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def complete(self, new_rows: torch.Tensor, **completion_args: Any) -> Any:
         """Append ``new_rows`` (``(T, H)``, the history's dtype and H) and
@@ -224,17 +256,33 @@ class Conversation(_Conversation):
         if self.body == "json":
             h, content = openai_json_request("completions", self.model, tensor, args,
                                              self._request_headers())
-            if self.client is not None:
-                return self.client.post(_url(self.url, "completions"), content=bytes(content),
-                                        headers=h, timeout=self.timeout)
-            with httpx.Client(timeout=self.timeout) as c:
-                return c.post(_url(self.url, "completions"), content=bytes(content), headers=h)
+            return self._client().post(_url(self.url, "completions"), content=bytes(content),
+                                       headers=h, timeout=self.timeout)
         return _post("completions", self.url, self.model, tensor, self.timeout,
-                     self._request_headers(), args, self.client)
+                     self._request_headers(), args, self._client())
 
 
 class AsyncConversation(_Conversation):
-    """Async :class:`Conversation` (``client``: an ``httpx.AsyncClient``)."""
+    """Async :class:`Conversation` (``client``: an ``httpx.AsyncClient``; its own
+    otherwise, closed by :meth:`aclose` or ``async with``)."""
+
+    @staticmethod
+    def _make_client() -> httpx.AsyncClient:
+        return httpx.AsyncClient()
+
+    async def aclose(self) -> None:
+        """Async :meth:`Conversation.close`."""
+        if self._pool is not None and self._pool is not _CLOSED:
+            client = self._pool.release()
+            self._pool = _CLOSED
+            if client is not None:
+                await client.aclose()
+
+    async def __aenter__(self) -> AsyncConversation:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
 
     async def acomplete(self, new_rows: torch.Tensor, **completion_args: Any) -> Any:
         """Async :meth:`Conversation.complete`."""
@@ -253,12 +301,8 @@ class AsyncConversation(_Conversation):
         if self.body == "json":
             h, content = openai_json_request("completions", self.model, tensor, args,
                                              self._request_headers())
-            if self.client is not None:
-                return await self.client.post(_url(self.url, "completions"),
-                                              content=bytes(content), headers=h,
-                                              timeout=self.timeout)
-            async with httpx.AsyncClient(timeout=self.timeout) as c:
-                return await c.post(_url(self.url, "completions"), content=bytes(content),
-                                    headers=h)
+            return await self._client().post(_url(self.url, "completions"),
+                                             content=bytes(content), headers=h,
+                                             timeout=self.timeout)
         return await _apost("completions", self.url, self.model, tensor, self.timeout,
-                            self._request_headers(), args, self.client)
+                            self._request_headers(), args, self._client())

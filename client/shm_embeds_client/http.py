@@ -16,6 +16,7 @@ import httpx
 
 from shm_embeds_client._framing import _body, _chunks
 from shm_embeds_client.openai_json import openai_json_request
+from shm_embeds_client.pool import default_client
 
 __all__ = ["chat", "chat_openai_json", "complete", "complete_openai_json"]
 
@@ -39,12 +40,11 @@ def _post(route: str, url: str, model: str, tensor: Any, timeout: float | None,
           headers: dict | None, kwargs: dict,
           client: httpx.Client | None = None) -> httpx.Response:
     """The response to the request, whatever its status (read whole, not
-    streamed): through ``client`` if given (left open), else a client of its own."""
+    streamed): through ``client`` if given, else the process's shared one
+    (``pool.default_client``; connections reused)."""
     h, content = _body(route, model, tensor, kwargs, headers, False)
-    if client is not None:
-        return client.post(_url(url, route), content=content, headers=h, timeout=timeout)
-    with httpx.Client(timeout=timeout) as c:
-        return c.post(_url(url, route), content=content, headers=h)
+    return (client or default_client()).post(_url(url, route), content=content, headers=h,
+                                             timeout=timeout)
 
 
 def _send(route, url, model, tensor, timeout, headers, kwargs):
@@ -92,8 +92,8 @@ def chat(url: str, model: str, tensor: Any = None, *, timeout: float | None = 60
 
 def _send_openai_json(route, url, model, tensor, timeout, headers, kwargs):
     h, body = openai_json_request(route, model, tensor, kwargs, headers)
-    with httpx.Client(timeout=timeout) as c:  # the body's own memory, in 1 MiB views
-        r = c.post(_url(url, route), content=_chunks([memoryview(body)]), headers=h)
+    r = default_client().post(_url(url, route), content=_chunks([memoryview(body)]),
+                              headers=h, timeout=timeout)  # the body's own memory, in 1 MiB views
     return _result(r, bool(kwargs.get("stream")))
 
 
