@@ -275,19 +275,41 @@ def test_the_prefix_parameter_is_refused_where_no_extension_reads_it():
                                        "/v1/completions", limits, None, frozenset({wire.PREFIX}))
 
 
-@pytest.mark.parametrize("ref, kept_rows", [("B" * 43, 3), ("not an id", 3)])
-def test_a_refused_continuation_is_answered_once_its_body_is_in(ref, kept_rows):
-    """A miss (or any refusal once the header is valid) reads the rest of the body
-    and drops it: an HTTP/1.1 client that sends its whole body before it reads
-    gets the 404, not a connection closed on unread bytes."""
-    ctx = ServerContext(hidden_size=8, max_model_len=64, dtype=torch.float32,
-                        enable_prompt_embeds=True, max_body_bytes=1 << 20)
+@pytest.mark.parametrize("ref, kept_rows, new, status", [
+    ("B" * 43, 3, (40, 8), 404), ("not an id", 3, (40, 8), 404),
+    ("B" * 43, 30, (40, 8), 400),  # past --max-model-len (the header's shape)
+    ("B" * 43, 3, (40, 7), 400),  # another hidden size
+    ("B" * 43, 100, (4096, 1024), 400),  # 16 MiB of new rows past --max-model-len
+])
+def test_a_refused_continuation_is_answered_once_its_body_is_in(ref, kept_rows, new, status):
+    """A miss, or any refusal of the header, reads the rest of the body (within the
+    body cap) and drops it: an HTTP/1.1 client that sends its whole body before it
+    reads gets the 404 or 400, not a connection closed on unread bytes."""
+    big = new[1] == 1024
+    ctx = ServerContext(hidden_size=new[1] if big else 8, max_model_len=4096 if big else 64,
+                        dtype=torch.float32, enable_prompt_embeds=True,
+                        max_body_bytes=(32 if big else 1) << 20)
     messages = []
     with pytest.raises(gate.Refused) as e:
         asyncio.run(_binary_request({"model": "m", "prompt_embeds": sec.Continuation(
-            ref, torch.zeros(40, 8), kept_rows)}, ctx, piece=256, messages=messages))
-    assert e.value.status == 404 and e.value.err_type == wire.PREFIX_NOT_FOUND
+            ref, torch.zeros(*new), kept_rows)}, ctx, piece=65536 if big else 256,
+            messages=messages))
+    assert e.value.status == status, e.value.message
+    assert status == 400 or e.value.err_type == wire.PREFIX_NOT_FOUND
     assert messages == []  # every byte read
+
+
+def test_a_body_refused_for_its_header_past_the_cap_or_chunked_is_not_read():
+    """What is drained is bounded: a refused header whose ``Content-Length`` states
+    more than the body cap, or none (chunked), is answered without reading on."""
+    ctx = ServerContext(hidden_size=8, max_model_len=64, dtype=torch.float32,
+                        enable_prompt_embeds=True, max_body_bytes=1024)
+    for headers in ((), (("content-length", str(1 << 30)),)):
+        messages = []
+        with pytest.raises(gate.Refused) as e:
+            asyncio.run(_binary_request({"model": "m", "prompt_embeds": sec.Continuation(
+                "B" * 43, torch.zeros(40, 7), 3)}, ctx, headers, piece=64, messages=messages))
+        assert e.value.status in (400, 413) and messages, e.value.message
 
 
 async def _binary_request(body, ctx, headers=(), piece=4096, messages=None):

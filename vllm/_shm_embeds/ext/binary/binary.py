@@ -188,8 +188,12 @@ class BinaryFormat:
         keeps: list[Any] = []
         tensors: list[torch.Tensor] = []  # finished, not yet the upload's
         try:
-            parsed = parse_header(await _read_exact(body, json_len), path, ctx, content_length,
-                                  frozenset(hooks))
+            header = await _read_exact(body, json_len)
+            try:
+                parsed = parse_header(header, path, ctx, content_length, frozenset(hooks))
+            except Refused:  # e.g. a continuation past --max-model-len: answered, not reset
+                await _drain_stated(body, content_length, json_len, ctx)
+                raise
             body.extend(sum(s.nbytes for s in parsed.specs))
             try:  # every reference resolved and checked before a byte is read
                 keeps = [k for hook in hooks.values() if (k := hook.keep_request(
@@ -289,6 +293,17 @@ async def _drain(body: Body) -> None:
             pass
     except (Refused, Disconnected):
         pass
+
+
+async def _drain_stated(body: Body, content_length: int | None, json_len: int,
+                        ctx: ServerContext) -> None:
+    """:func:`_drain` a body refused for its JSON header, when its
+    ``Content-Length`` says the rest is within the body cap (a chunked body, or
+    one over the cap, is not read: the connection closes on it)."""
+    rest = None if content_length is None else content_length - json_len
+    if rest is not None and 0 <= rest <= ctx.max_body_bytes:
+        body.extend(rest)
+        await _drain(body)
 
 
 def _after(spec: TensorSpec, pre: Any, ctx: ServerContext) -> TensorSpec:
