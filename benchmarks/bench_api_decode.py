@@ -72,7 +72,7 @@ import _common as C  # noqa: E402
 from vllm._shm_embeds import counters
 from vllm._shm_embeds.ext.json import torch_save
 from vllm._shm_embeds.ext.binary import common
-from vllm._shm_embeds.ext.json import json_body
+from vllm._shm_embeds.ext.json import json_body, json_strings
 from vllm._shm_embeds.lifetime import transfer
 from vllm._shm_embeds.ext.digests import streamed
 
@@ -113,9 +113,9 @@ def _json_path_round(chunks, ctx, route="/v1/completions") -> dict[str, float]:
     t0 = time.perf_counter()
     raw = _fill(json_body.body_buffer(sum(map(len, chunks))), chunks)
     t1 = time.perf_counter()
-    spans = json_body.find_long_strings(raw)
+    spans = json_strings.find_long_strings(raw)
     names = [f"p{i}" for i in range(len(spans))]
-    json.loads(json_body._skeleton(raw, spans, names))
+    json.loads(json_strings.build_skeleton(raw, spans, names))
     t2 = time.perf_counter()
     view = memoryview(raw)
     tensor = json_body._load(ctx, view[spans[0][0]:spans[0][1]])

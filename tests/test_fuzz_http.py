@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from test_binary_framing import LIMITS, _framed, _scope, desc, hdr
 
 from vllm._shm_embeds.ext.binary import binary, common, gate
-from vllm._shm_embeds.ext.json import json_body
+from vllm._shm_embeds.ext.json import json_strings
 
 
 def _drive(headers, chunks, end: str, path: str = "/v1/completions"):
@@ -140,11 +140,11 @@ def test_fuzz_json_scanner(doc, ascii_only, min_len):
     """Spans are exactly the escape-free strings of ``min_len`` bytes or more,
     in place; the Python steps are at most ``len // min_len + 2``."""
     raw = json.dumps(doc, ensure_ascii=ascii_only).encode()
-    spans, steps = json_body.scan_strings(raw, min_len)
+    spans, steps = json_strings.scan_strings(raw, min_len)
     assert steps <= len(raw) // min_len + 2
     names = [f"@{i}@" for i in range(len(spans))]
     back = {n: raw[a:b].decode() for n, (a, b) in zip(names, spans)}
-    assert _swap(json.loads(json_body._skeleton(raw, spans, names)), back) == json.loads(raw)
+    assert _swap(json.loads(json_strings.build_skeleton(raw, spans, names)), back) == json.loads(raw)
     want = [s for s in _strings(doc)
             if "\\" not in (e := json.dumps(s, ensure_ascii=ascii_only)[1:-1])
             and len(e.encode()) >= min_len]
@@ -155,8 +155,8 @@ def test_fuzz_json_scanner(doc, ascii_only, min_len):
 def test_fuzz_json_scanner_any_bytes(raw, min_len):
     """On any bytes: spans or ``Fallback``, steps bounded."""
     try:
-        spans, steps = json_body.scan_strings(raw, min_len)
-    except json_body.Fallback as f:
+        spans, steps = json_strings.scan_strings(raw, min_len)
+    except json_strings.Fallback as f:
         assert f.reason == "unterminated"
         return
     assert steps <= len(raw) // min_len + 2

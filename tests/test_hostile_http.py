@@ -29,7 +29,7 @@ from vllm._shm_embeds.config import shm_dir
 from vllm._shm_embeds.files import census as census_mod
 from vllm._shm_embeds.files import segment
 from vllm._shm_embeds.ext.binary import binary, body_limits, common, gate
-from vllm._shm_embeds.ext.json import json_body
+from vllm._shm_embeds.ext.json import json_body, json_strings
 from vllm._shm_embeds.lifetime import process, transfer
 from vllm._shm_embeds.ext.digests import streamed
 
@@ -298,9 +298,9 @@ def test_escapes_next_to_embeds_scan_in_bounded_time():
             f(raw)
             out = min(out, time.perf_counter() - t0)
         return out
-    spans = json_body.find_long_strings(raw)
+    spans = json_strings.find_long_strings(raw)
     assert [raw[a:b].decode() for a, b in spans] == [emb]
-    assert best(json_body.find_long_strings) < 10 * best(json.loads) + 0.02
+    assert best(json_strings.find_long_strings) < 10 * best(json.loads) + 0.02
 
 
 def _peak_bytes(f, *args):

@@ -26,7 +26,7 @@ from vllm._shm_embeds.ext.json import torch_save
 from vllm._shm_embeds.ext.digests import digests
 from vllm._shm_embeds.hops import hop1
 from vllm._shm_embeds.ext.binary import common, gate
-from vllm._shm_embeds.ext.json import json_body
+from vllm._shm_embeds.ext.json import json_body, json_strings
 from vllm._shm_embeds.ext.binary.placeholders import resolve_placeholder
 from vllm._shm_embeds.lifetime import process, transfer
 from vllm._shm_embeds.ext.digests import streamed
@@ -66,10 +66,10 @@ def _stock_block_hashes(embeds: torch.Tensor, block: int, extra_tokens: int = 0)
 def test_find_long_strings_skips_escapes_and_short_strings():
     long = "A" * 5000
     raw = json.dumps({"a": "x", "b": long, "c": "q\"" + long, "d": [long]}).encode()
-    spans = json_body.find_long_strings(raw)
+    spans = json_strings.find_long_strings(raw)
     assert [raw[a:b].decode() for a, b in spans] == [long, long]  # "c" has an escape
-    with pytest.raises(json_body.Fallback):
-        json_body.find_long_strings(b'{"a": "' + b"A" * 5000)
+    with pytest.raises(json_strings.Fallback):
+        json_strings.find_long_strings(b'{"a": "' + b"A" * 5000)
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])

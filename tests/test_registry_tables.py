@@ -565,12 +565,18 @@ def test_an_import_against_the_layers_fails(rel, source):
     assert not layer_violations(rel, "import os\nfrom vllm.logger import init_logger\n")
 
 
-def test_pyproject_lists_every_subpackage():
-    """A wheel holds every folder of the package (``[tool.setuptools]
-    packages`` lists them by hand): none forgotten, none that is gone."""
+def test_pyproject_finds_every_subpackage():
+    """A wheel holds every folder of the package and nothing else: ``[tool.setuptools.
+    packages.find]`` (setuptools' own discovery, as ``pip install .`` runs it) finds
+    each subpackage, so deleting an ``ext/`` folder needs no edit there."""
     import tomllib
 
+    from setuptools import find_namespace_packages
+
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
-        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"]) - {"vllm"}
+        find = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]
+    assert find.get("namespaces") is True
+    listed = set(find_namespace_packages(REPO, include=find["include"],
+                                         exclude=find.get("exclude", ()))) - {"vllm"}
     found = {_module_name(rel) for rel in _package_files() if rel.endswith("__init__.py")}
     assert listed == found

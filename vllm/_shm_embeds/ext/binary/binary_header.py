@@ -45,7 +45,7 @@ MAX_JSON_BASE_VALUES = 1 << 16  # values and keys of a JSON header besides its d
 MAX_JSON_VALUES_PER_TENSOR = 32  # ... and per tensor (a chat part and its descriptor: ~20)
 
 # One JSON string (escapes included), or an unterminated one to the end (a match
-# never fails); possessive: linear time, no backtracking (as ``json_body._STRING``).
+# never fails); possessive: linear time, no backtracking (as ``json_strings._STRING``).
 _STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+(?:"|\\?\Z)', re.DOTALL)
 _NOT_STRUCTURE = bytes(sorted(set(range(256)) - set(b"{}[],:")))
 _NESTING = bytes.maketrans(b"{[]}", b"\x01\x01\xff\xff")  # +1 / -1 as int8

@@ -2,6 +2,7 @@
 """Extension ``json``: base64 JSON ``prompt_embeds`` decoded off the event loop into segments.
 
 ``json_body.py`` (the body format), ``json_read.py`` (reading the body),
+``json_strings.py`` (its long strings found, its skeleton built),
 ``torch_save.py`` and ``pickle_scan.py`` (a plain ``torch.save`` payload
 decoded straight into a segment), ``site_embed_utils.py`` (vLLM's loader for
 the rest). A body format of the ``binary`` extension.

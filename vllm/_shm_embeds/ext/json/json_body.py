@@ -6,10 +6,10 @@ a JSON body's ``prompt_embeds`` on the event loop, then hop 1 copies the tensor.
 :class:`JsonFormat` (a body format of the one body gate, ``gate.BodyGate``) takes
 ``application/json`` POSTs on the two completion routes of at least
 ``VLLM_SHM_EMBEDS_MIN_BYTES``; on the loop it only collects the chunks, and a
-worker thread (:func:`prepare`) finds the long strings, decodes each plain payload
-straight into a segment (``torch_save.direct_decode``; others through vLLM's own
-``safe_load_prompt_embeds``) and hands vLLM a small skeleton body of placeholders.
-Whatever it does not take gets stock's answer; fallbacks are counted.
+worker thread (:func:`prepare`) finds the long strings (``json_strings.py``),
+decodes each plain payload straight into a segment (``torch_save.direct_decode``;
+others through vLLM's ``safe_load_prompt_embeds``) and hands vLLM a small skeleton
+body of placeholders. Whatever it does not take gets stock's answer (counted).
 
 Knows HTTP; of vLLM only its logger and ``vllm/renderers/embed_utils.py``.
 Design notes: docs/design.md, "Module notes".
@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import json
 import mmap
-import re
 from typing import Any
 
 import torch
@@ -37,6 +35,7 @@ from vllm._shm_embeds.ext.json.events import JsonEvent
 from vllm._shm_embeds.files import segment as seg
 from vllm._shm_embeds.ext.json import torch_save
 from vllm._shm_embeds.ext.json.json_read import body_buffer, read_body  # noqa: F401
+from vllm._shm_embeds.ext.json.json_strings import Fallback, build_skeleton, find_long_strings
 from vllm._shm_embeds.lifetime.transfer import is_streamed, release_streamed
 
 digests = extensions.require("digests", "digests")
@@ -52,16 +51,7 @@ Upload, new_token, placeholder = _placeholders.Upload, _placeholders.new_token, 
 logger = init_logger(__name__)
 
 CONTENT_TYPE = b"application/json"
-MIN_STRING_BYTES = 1024  # shorter strings stay in the skeleton as they are
 JSON_SLACK_BYTES = 1 << 20  # bytes a body may hold besides its base64 payloads
-
-
-class Fallback(Exception):
-    """The body goes to the stock app unchanged; ``reason`` names the counter."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 @dataclasses.dataclass
@@ -80,75 +70,6 @@ class Prepared:
     upload: Upload | None
     reason: str | None = None
     keep: Any = None
-
-
-# One JSON string (escapes included), possessive: linear time, no backtracking.
-_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
-
-
-@functools.lru_cache(maxsize=4)
-def _skip(min_len: int) -> re.Pattern:
-    """Everything up to the next string that starts with ``min_len`` plain
-    bytes: text outside strings, strings shorter than that, and strings with
-    an escape within their first ``min_len`` bytes (matched in C)."""
-    short = rb'"[^"\\]{0,%d}+(?:"|\\.(?:[^"\\]++|\\.)*+")' % (min_len - 1)
-    return re.compile(rb'(?:[^"]++|' + short + rb')*+', re.DOTALL)
-
-
-def scan_strings(raw: bytes | mmap.mmap,
-                 min_len: int = MIN_STRING_BYTES) -> tuple[list[tuple[int, int]], int]:
-    """:func:`find_long_strings`, and how many steps of Python it took.
-
-    Steps are at most ``len(raw) // min_len + 2``: each but the last passes a
-    string of at least ``min_len`` bytes; the rest is matched in C in linear
-    time (:func:`_skip`, :data:`_STRING`, ``find``).
-    """
-    spans: list[tuple[int, int]] = []
-    skip = _skip(max(1, min_len)).match
-    find = raw.find
-    pos, size, steps = 0, len(raw), 0
-    while True:
-        steps += 1
-        pos = skip(raw, pos).end()
-        if pos >= size:
-            return spans, steps
-        end = find(b'"', pos + 1)  # raw[pos] opens a string of min_len plain bytes or more
-        if end < 0:
-            raise Fallback("unterminated")
-        if find(b"\\", pos + 1, end) < 0:
-            if end - pos - 1 >= min_len:
-                spans.append((pos + 1, end))
-            pos = end + 1
-            continue
-        m = _STRING.match(raw, pos)  # a long string with an escape: not ours
-        if m is None:
-            raise Fallback("unterminated")
-        pos = m.end()
-
-
-def find_long_strings(raw: bytes | mmap.mmap,
-                      min_len: int = MIN_STRING_BYTES) -> list[tuple[int, int]]:
-    """``(start, end)`` of the contents of every JSON string of ``raw`` at
-    least ``min_len`` bytes long that holds no backslash escape.
-
-    Scans string by string from the start (outside strings a ``"`` always
-    opens one in valid JSON), in time linear in ``len(raw)`` whatever the
-    escapes (:func:`scan_strings`); on input that is not valid JSON the
-    result is meaningless, and ``json.loads`` of the skeleton rejects it.
-    Raises:
-        Fallback: ``unterminated`` string.
-    """
-    return scan_strings(raw, min_len)[0]
-
-
-def _skeleton(raw: bytes, spans: list[tuple[int, int]], names: list[str]) -> bytes:
-    """``raw`` with the contents of each span replaced by the matching name."""
-    out, pos = [], 0
-    for (a, b), name in zip(spans, names):
-        out += [raw[pos:a], name.encode()]
-        pos = b
-    out.append(raw[pos:])
-    return b"".join(out)
 
 
 class _Refused(Exception):
@@ -279,7 +200,7 @@ def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext,
         token = new_token()
         names = [placeholder(token, i) for i in range(len(spans))]
         try:
-            body = json.loads(_skeleton(raw, spans, names))
+            body = json.loads(build_skeleton(raw, spans, names))
         except (ValueError, RecursionError):
             raise Fallback("not_json") from None
         index = {name: i for i, name in enumerate(names)}
@@ -305,7 +226,7 @@ def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext,
             whole = _continuation(ctx, body, cont, pieces.get(i), hooks[wire.PREFIX])
             tensors = [None] * len(spans)
             tensors[i] = whole
-            body = json.loads(_skeleton(raw, [spans[i]], [names[i]]))  # the rest as sent
+            body = json.loads(build_skeleton(raw, [spans[i]], [names[i]]))  # the rest as sent
             body["prompt_embeds"] = names[i]
             count_many({JsonEvent.JSON_BODIES: 1, JsonEvent.JSON_TENSORS: 1,
                         JsonEvent.JSON_BYTES: whole.nbytes})
@@ -358,7 +279,7 @@ def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext,
         ours = [i for i in keep if tensors[i] is not None or i in errors]
         if not ours:  # nothing decoded (a plain payload found no room): vLLM's
             raise Fallback(next(iter(reasons.values()), "error"))
-        skeleton = _skeleton(raw, [spans[i] for i in ours], [names[i] for i in ours])
+        skeleton = build_skeleton(raw, [spans[i] for i in ours], [names[i] for i in ours])
     except Fallback as f:
         _release(tensors)
         return Prepared(raw if isinstance(raw, bytes) else raw[:], None, f.reason)
@@ -386,11 +307,14 @@ def _continuation(ctx: ServerContext, body: dict, cont: dict, piece: memoryview 
                   hook: Any) -> torch.Tensor:
     """The whole tensor of a JSON continuation ``cont`` (``{PREFIX: id, PREFIX_ROWS: K,
     PREFIX_DATA: base64}``, ``shm_embeds_client.wire``): the kept rows ``hook`` holds
-    under the body's ``cache_salt``, then the rows ``piece`` decodes to (vLLM's loader),
-    in a new segment with their digests (private memory if no room). Raises
-    gate.Refused: 404 ``PrefixNotFound`` (not held); 400: not that object, a payload
-    vLLM's loader refuses, other rows than the kept ones' (dtype, hidden size, count),
-    more than ``--max-model-len`` rows."""
+    under the body's ``cache_salt``, then the rows ``piece`` decodes to, in a new
+    segment with their digests (private memory if no room). The new rows are what
+    vLLM's loader makes of them (``safe_load_prompt_embeds``, renderers/embed_utils.py,
+    0.32): any floating-point dtype cast to the model's, a leading 1 squeezed, then
+    served as stock serves those rows. Raises gate.Refused: 404 ``PrefixNotFound`` (not
+    held); 400: not that object, a payload vLLM's loader refuses (integer, bool or
+    complex data too), kept rows of another dtype than the model's or another hidden
+    size, another kept-row count, more than ``--max-model-len`` rows."""
     rows = cont.get(wire.PREFIX_ROWS)
     if (set(cont) != {wire.PREFIX, wire.PREFIX_ROWS, wire.PREFIX_DATA} or piece is None
             or type(rows) is not int or rows < 1):

@@ -2,7 +2,8 @@
 """Extension ``regions``: sealed memfds a same-host producer registers, then names in bodies.
 
 ``memfd.py`` (what a registered memfd must be), ``registry.py`` (registry,
-leases, per-uid limits), ``server.py`` (the registration socket),
+leases, per-uid limits), ``server.py`` (the registration socket: its
+connections and thread), ``operations.py`` (what each message does),
 ``sockets.py`` (socket file, peer credentials, descriptors), ``mirror.py``
 (a sibling API server's registry), ``service.py`` (start and stop),
 ``region_refs.py`` (the body format), ``settings.py`` (its variables and

@@ -2,18 +2,14 @@
 """Registered regions: sealed memfds of same-host producers, mapped read-only.
 
 A producer hands the API server a sealed memfd holding one ``prompt_embeds``
-tensor (the socket protocol: ``ext/regions/server.py``) and gets a region id;
+tensor (the socket protocol: ``ext/regions/operations.py``) and gets a region id;
 requests name the region (Triton's ``shared_memory_region`` parameters) and
-get this process's zero-copy, read-only mapping of it as their tensor.
-
-Lifetime: an unregistered region (``unregister``, its connection closing, the
-idle TTL, :meth:`RegionRegistry.close`) leaves lookup at once; its fd and
-mapping stay until its last :class:`Lease` is released, so requests in flight
-keep working. Then the fd is closed and private zero pages replace the
-mapping (``segment.drop_pages``: a tensor object still held stays valid);
-the address range goes with the last tensor over it.
+get this process's zero-copy, read-only mapping of it as their tensor. An
+unregistered region leaves lookup at once; its fd and mapping stay until its
+last :class:`Lease` is released, so requests in flight keep working.
 
 Knows files and tensors, not vLLM and not HTTP. Thread-safe (one lock).
+Design notes: docs/design.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """The Unix socket over which same-host producers register memfd regions.
 
-The protocol is pinned (``docs/regions.md`` spells it out): an ``AF_UNIX``,
-``SOCK_SEQPACKET`` socket, one UTF-8 JSON object of at most 64 KiB per message, one
-answer each: ``register`` (one sealed memfd attached), ``unregister``, and the
-siblings' internal ``lookup`` (``ext/regions/mirror.py``). A connection's regions are
-unregistered when it closes; the peer's uid must be in ``allowed_uids``. One daemon
-thread serves every connection (``selectors``) and runs the registry's idle expiry;
-registrations run on two workers. No ``close`` of a peer's fd happens on that
-thread (``ext/regions/sockets.py``'s closer thread does it).
+An ``AF_UNIX``, ``SOCK_SEQPACKET`` socket (the protocol is pinned: ``docs/regions.md``;
+what each message does: ``ext/regions/operations.py``). :class:`RegionServer`
+listens, accepts and reads the connections: the peer's uid must be in
+``allowed_uids``, producers' connections are capped, and a connection's regions are
+unregistered when it closes. One daemon thread serves every connection
+(``selectors``) and runs the registry's idle expiry; registrations run on two
+workers. No ``close`` of a peer's fd happens on that thread
+(``ext/regions/sockets.py``'s closer thread does it).
 
 Knows sockets and the registry (``ext/regions/registry.py``), not vLLM and not HTTP.
 Design notes: docs/design.md, "Module notes".
@@ -16,9 +16,7 @@ Design notes: docs/design.md, "Module notes".
 
 from __future__ import annotations
 
-import array
 import collections
-import json
 import os
 import selectors
 import socket
@@ -26,16 +24,16 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
-from shm_embeds_client import wire
 from vllm.logger import init_logger
 
-from vllm._shm_embeds.counters import count, count_reason
+from vllm._shm_embeds.counters import count_reason
 from vllm._shm_embeds.ext.regions.events import RegionEvent
-from vllm._shm_embeds.ext.regions.memfd import NOT_MEMFD, RegionError
+from vllm._shm_embeds.ext.regions.memfd import NOT_MEMFD
 from vllm._shm_embeds.ext.regions import settings
-from vllm._shm_embeds.ext.regions.registry import Lease, RegionRegistry
+from vllm._shm_embeds.ext.regions.operations import MAX_MESSAGE, Conn, Operations, Reply
+from vllm._shm_embeds.ext.regions.registry import RegionRegistry
 from vllm._shm_embeds.ext.regions.sockets import (  # peer_is_sibling: public here too
     ANC_BYTES,
     carries_fds,
@@ -43,7 +41,6 @@ from vllm._shm_embeds.ext.regions.sockets import (  # peer_is_sibling: public he
     close_later,
     close_unasked,
     closer_busy,
-    discard_fd,
     group_id,
     is_memfd,
     is_sibling,
@@ -57,8 +54,6 @@ from vllm._shm_embeds.ext.regions.sockets import (  # peer_is_sibling: public he
 
 logger = init_logger(__name__)
 
-MAX_MESSAGE = wire.MAX_MESSAGE  # bytes of one JSON message (the client's)
-MAX_LOOKUP_REPLY = 128 << 10  # SEQPACKET: a message over SO_SNDBUF fails (EMSGSIZE)
 MAX_CONNECTIONS = 64  # producers' (siblings' do not count)
 # One producer process's share of them: no single producer holds the pool.
 MAX_CONNECTIONS_PER_PRODUCER = 8
@@ -67,28 +62,9 @@ EXPIRE_EVERY_S = 1.0
 MAX_UNREAD_CLOSES = 64  # connections with unread messages waiting for the closer thread
 
 
-class Reply(NamedTuple):
-    """What the server answers one message: ``message`` (sent as JSON), and
-    for a lookup the ``lease`` whose fd goes with it (released once sent)."""
-
-    message: dict[str, Any]
-    lease: Lease | None = None
-
-
-class _Conn:
-    """One connection; out of the selector while its registration runs."""
-
-    def __init__(self, sock: socket.socket, pid: int, uid: int, allowed: bool) -> None:
-        self.sock, self.pid, self.uid, self.allowed = sock, pid, uid, allowed
-        self.regions: set[str] = set()  # ids this connection registered
-        self.last_active = time.monotonic()  # its last message or answer
-        self.busy = False  # a registration of it runs
-        # a sibling API server (same uid and parent): may look regions up, takes no slot
-        self.sibling = is_sibling(pid, uid)
-
-
-class RegionServer:
-    """Serves the region protocol on ``path`` from one daemon thread.
+class RegionServer(Operations):
+    """Serves the region protocol on ``path`` from one daemon thread (each
+    message answered by :class:`operations.Operations`).
 
     Args:
         path: the socket file to create.
@@ -123,9 +99,9 @@ class RegionServer:
         self._wake_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None  # registrations
-        self._done: collections.deque[tuple[_Conn, bool]] = collections.deque()
+        self._done: collections.deque[tuple[Conn, bool]] = collections.deque()
         self._stop = False
-        self._conns: set[_Conn] = set()
+        self._conns: set[Conn] = set()
         # shut down, with messages unread: closed on the closer thread once it is not behind
         self._unread: list[socket.socket] = []
 
@@ -202,7 +178,7 @@ class RegionServer:
                 for key, _ in sel.select(max(0.0, next_expire - time.monotonic())):
                     if key.data is None:
                         accepting = self._accept(sel)
-                    elif isinstance(key.data, _Conn):
+                    elif isinstance(key.data, Conn):
                         self._serve(sel, key.data)
                     else:
                         self._drain_wake()
@@ -301,7 +277,8 @@ class RegionServer:
         try:
             pid, uid = peer_cred(sock)
             sock.setblocking(False)
-            conn = _Conn(sock, pid, uid, uid in self.registry.limits.allowed_uids)
+            conn = Conn(sock, pid, uid, uid in self.registry.limits.allowed_uids,
+                        is_sibling(pid, uid))
             if not conn.allowed and not conn.sibling:  # nothing it sent is read
                 logger.warning("shm-embeds: regions connection from uid %d (pid %d), which "
                                "is not allowed (VLLM_SHM_EMBEDS_REGIONS_UIDS), closed", uid,
@@ -330,17 +307,7 @@ class RegionServer:
         self._conns.add(conn)
         return True
 
-    @staticmethod
-    def _send(sock: socket.socket, reply: dict[str, Any], fds: list[int] = ()) -> bool:
-        try:
-            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
-            sock.sendmsg([json.dumps(reply).encode()], anc if fds else [],
-                         socket.MSG_NOSIGNAL)
-            return True
-        except OSError:  # EAGAIN (the peer does not read its replies), EPIPE
-            return False
-
-    def _close_conn(self, sel: selectors.BaseSelector, conn: _Conn, reason: str) -> None:
+    def _close_conn(self, sel: selectors.BaseSelector, conn: Conn, reason: str) -> None:
         self._conns.discard(conn)
         try:
             sel.unregister(conn.sock)
@@ -350,7 +317,7 @@ class RegionServer:
         if conn.regions:
             self.registry.unregister_ids(conn.regions, reason)
 
-    def _serve(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
+    def _serve(self, sel: selectors.BaseSelector, conn: Conn) -> None:
         """Read and answer one message of ``conn``. Every fd it carries is
         installed (room for ``SCM_MAX_FD``: none is released by the kernel
         here), but while the closer thread is behind (a FUSE close may never
@@ -396,126 +363,3 @@ class RegionServer:
                 lease.release()
         if not sent or hostile:
             self._close_conn(sel, conn, "disconnect")
-
-    def _register(self, conn: _Conn, fd: int, msg: dict[str, Any]) -> None:
-        """On a worker: register ``fd`` (owned), answer, hand ``conn`` back."""
-        sent = False
-        try:
-            try:
-                if self._stop:
-                    discard_fd(fd)
-                    count_reason(RegionEvent.REGION_REFUSED, "closed")
-                    raise RegionError("the server is shutting down", "closed")
-                region = self.registry.register(fd, conn.uid, msg.get("datatype"),
-                                                msg.get("shape"))
-                conn.regions.add(region.id)  # unregistered with the connection
-                reply = {"region": region.id, "byte_size": region.nbytes}
-            except RegionError as e:
-                reply = {"error": str(e)}  # counted by the registry
-            except Exception:
-                logger.exception("shm-embeds: a registration failed")
-                reply = {"error": "internal error"}
-            sent = self._send(conn.sock, reply)
-        finally:
-            conn.last_active = time.monotonic()
-            self._done.append((conn, sent))
-            self._poke()
-
-    def _handle(self, sel: selectors.BaseSelector, conn: _Conn, data: bytes, fds: list[int],
-                flags: int) -> Reply | None:
-        """The reply to one message, or None: a registration handed to a
-        worker (``conn`` is out of ``sel`` until it answered). Every fd in
-        ``fds`` but one handed on goes to the closer thread (nobody asked for
-        it); ``MSG_CTRUNC`` in ``flags`` (room for every fd, so: this process
-        is out of fds) refuses the message. The operation is :data:`OPS`'s
-        (``lookup`` for a sibling API server only)."""
-        try:
-            if not conn.allowed:
-                raise RegionError("this user may not register regions", "uid")
-            if flags & socket.MSG_TRUNC:
-                raise RegionError(f"message longer than {MAX_MESSAGE} bytes", "too_long")
-            if flags & socket.MSG_CTRUNC:
-                raise RegionError("too many file descriptors attached", "fds")
-            try:
-                msg = json.loads(data.decode("utf-8"))
-            except (UnicodeDecodeError, ValueError, RecursionError):  # e.g. [[[[...]]]]
-                msg = None
-            if not isinstance(msg, dict):
-                raise RegionError("malformed message: expected one UTF-8 JSON object",
-                                  "malformed")
-            op = OPS.get(msg.get("op")) if isinstance(msg.get("op"), str) else None
-            if op is None or (op is RegionServer._op_lookup and not conn.sibling):
-                raise RegionError('unknown op: expected "register" or "unregister"', "op")
-            return op(self, sel, conn, msg, fds)
-        except RegionError as e:
-            count_reason(RegionEvent.REGION_REFUSED, e.reason)
-            return Reply({"error": str(e)})
-        except Exception:
-            logger.exception("shm-embeds: a regions message failed")
-            return Reply({"error": "internal error"})
-        finally:
-            close_unasked(fds)
-
-    def _op_register(self, sel: selectors.BaseSelector, conn: _Conn, msg: dict,
-                     fds: list[int]) -> None:
-        """Hand the one fd to a worker (:meth:`_register` answers)."""
-        if len(fds) > 1:
-            raise RegionError("too many file descriptors: register takes exactly "
-                              f"one (SCM_RIGHTS), got {len(fds)}", "fds")
-        if not fds:
-            raise RegionError("register takes exactly one file descriptor "
-                              "(SCM_RIGHTS), got 0", "fds")
-        fd = fds.pop()
-        sel.unregister(conn.sock)  # its next message: once this one is answered
-        try:
-            conn.busy = True
-            self._pool.submit(self._register, conn, fd, msg)
-        except BaseException:
-            conn.busy = False
-            sel.register(conn.sock, selectors.EVENT_READ, conn)
-            discard_fd(fd)
-            raise
-        return None
-
-    def _op_unregister(self, sel: selectors.BaseSelector, conn: _Conn, msg: dict,
-                       fds: list[int]) -> Reply:
-        if fds:
-            raise RegionError("unregister takes no file descriptor", "fds")
-        region_id = msg.get("region")
-        try:
-            self.registry.unregister(region_id, uid=conn.uid)
-        except RegionError as e:
-            return Reply({"error": str(e)})
-        conn.regions.discard(region_id)
-        return Reply({"ok": True})
-
-    def _op_lookup(self, sel: selectors.BaseSelector, conn: _Conn, msg: dict,
-                   fds: list[int]) -> Reply:
-        """A sibling API server's lookup: the region's description, and its fd
-        sent with the reply (the lease held until then)."""
-        if fds:
-            raise RegionError("lookup takes no file descriptor", "fds")
-        try:
-            lease = self.registry.lookup(msg.get("region"))
-        except RegionError as e:
-            return Reply({"error": str(e)})
-        region = lease.region
-        reply = {"datatype": region.datatype, "shape": list(region.shape),
-                 "byte_size": region.nbytes}
-        try:
-            extra = {**reply, **(self.describe(region.tensor) if self.describe else {})}
-            if len(json.dumps(extra)) <= MAX_LOOKUP_REPLY:
-                reply = extra
-            else:  # the sibling does without (e.g. computes the digests)
-                count(RegionEvent.REGION_LOOKUP_TRIMMED)
-        except Exception:
-            logger.exception("shm-embeds: describing a region failed")
-        return Reply(reply, lease)
-
-
-# The operations a message may name (``op``): one method each.
-OPS: dict[str, Callable[..., Reply | None]] = {
-    "register": RegionServer._op_register,
-    "unregister": RegionServer._op_unregister,
-    "lookup": RegionServer._op_lookup,
-}
