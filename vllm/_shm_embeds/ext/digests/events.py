@@ -18,3 +18,5 @@ class DigestEvent(EventKind):
                             "tensors whose digests the EngineCore took")
     HASH_REUSED_BLOCKS = ("hash_reused_blocks", None, "blocks whose digest was reused")
     HASH_ENGINE_BLOCKS = ("hash_engine_blocks", None, "blocks vLLM hashed itself")
+    HASH_MASKED_BLOCKS = ("hash_masked_blocks", None, "blocks of a mixed prompt keyed with "
+                          "their is-token-ids mask")

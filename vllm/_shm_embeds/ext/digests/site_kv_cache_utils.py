@@ -43,12 +43,39 @@ def wrap_gen_prompt_embeds_extra_hash_keys(orig: Callable) -> Callable:
                     count(DigestEvent.HASH_ENGINE_BLOCKS)  # vLLM hashes this block itself
         except Exception:  # never into vLLM's scheduler: vLLM hashes the block
             logger.debug("shm-embeds: digests not used for a block", exc_info=True)
-        return orig(request, start_token_idx, end_token_idx, *args, **kwargs)
+        keys = orig(request, start_token_idx, end_token_idx, *args, **kwargs)
+        return with_mask(keys, getattr(request, "prompt_is_token_ids", None),
+                         start_token_idx, end_token_idx)
 
     return _gen_prompt_embeds_extra_hash_keys
 
 
-# What upstream change would retire the digest sites.
+MASK_KEY = "prompt_is_token_ids"
+
+
+def with_mask(keys: list, mask: list[bool] | None, start: int, end: int) -> list:
+    """``keys`` (vLLM's extra keys of the block ``[start, end)``), with
+    ``(MASK_KEY, mask bytes)`` added when the prompt is mixed (``mask``:
+    ``Request.prompt_is_token_ids``, vllm/v1/request.py 0.32) and the block holds
+    a token id. vLLM's keys hash the token ids (0 where embeds are) and the embeds
+    rows (zeros where token ids are) but not which is which, so a token id 0 and
+    an all-zero embeds row at one position share a block (upstream #56655).
+    Blocks of embeds only keep vLLM's keys as they are. Never raises."""
+    if not keys or mask is None:
+        return keys
+    try:
+        block = mask[start:end]
+        if not any(block):
+            return keys
+        count(DigestEvent.HASH_MASKED_BLOCKS)
+        return [*keys, (MASK_KEY, bytes(bool(b) for b in block))]
+    except Exception:  # never into vLLM's scheduler
+        logger.debug("shm-embeds: no mask key for a block", exc_info=True)
+        return keys
+
+
+# What upstream change would retire the digest sites (and the mask key: vLLM keying a
+# mixed prompt's blocks by prompt_is_token_ids, upstream #56655).
 HASH_RETIRE = ("vLLM hashing prompt_embeds in the frontend, or carrying digests on "
                "EngineCoreRequest")
 
@@ -61,7 +88,9 @@ SITES = (
                 "hashlib.sha256(tensor_data(block_prompt_embeds)).digest()"),
          wrap=wrap_gen_prompt_embeds_extra_hash_keys,
          what="EngineCore: the API server's digests fill "
-              "Request._prompt_embeds_per_block_hashes, so vLLM hashes nothing again",
+              "Request._prompt_embeds_per_block_hashes, so vLLM hashes nothing again; "
+              "a mixed prompt's block that holds token ids is keyed with its "
+              "is-token-ids mask too (upstream #56655)",
          why="vLLM SHA-256-hashes the embeds on the EngineCore's input thread",
          retire=HASH_RETIRE),
     Site(key="embeds_block_hash_caller", group="json", module=MODULE,
