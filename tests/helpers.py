@@ -420,6 +420,51 @@ def by_role(stats, role):
     return [s["counters"] for s in stats if role in s["roles"]]
 
 
+_FORKED = """
+import json, os, sys, traceback
+exec(sys.argv[1])  # the imports every case shares, paid once
+for env, code, out, err in json.loads(sys.stdin.read()):
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            for fd, path in ((1, out), (2, err)):
+                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+            os.environ.update(env)
+            exec(code, {"__name__": "__main__"})
+            status = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush(); sys.stderr.flush()
+            os._exit(status)
+    print(os.waitpid(pid, 0)[1], flush=True)
+"""
+
+
+def forked_cases(preamble: str, cases: list[tuple[dict, str]], tmp,
+                 timeout: float = 600) -> list[tuple[int, str, str]]:
+    """Run each ``(env, code)`` of ``cases`` in a child forked from one interpreter
+    that first ran ``preamble`` (e.g. vLLM's imports: 10-15 s each here, paid once):
+    ``os.environ`` updated with ``env``, then ``code``; the child exits with
+    ``os._exit`` (no atexit hooks). ``[(wait status, stdout, stderr)]``, in order.
+    ``preamble`` must not import what the cases decide at import (the plugin)."""
+    paths = [(str(tmp / f"case{i}.out"), str(tmp / f"case{i}.err")) for i in range(len(cases))]
+    out = subprocess.run([sys.executable, "-c", _FORKED, preamble], text=True,
+                         input=json.dumps([(env, code, o, e) for (env, code), (o, e)
+                                           in zip(cases, paths)]),
+                         capture_output=True, timeout=timeout, env=os.environ)
+    assert out.returncode == 0, out.stderr[-3000:]
+    statuses = [int(line) for line in out.stdout.split()]
+    assert len(statuses) == len(cases), out.stdout[-2000:] + out.stderr[-3000:]
+    results = []
+    for status, (o, e) in zip(statuses, paths):
+        with open(o) as fo, open(e) as fe:
+            results.append((status, fo.read(), fe.read()))
+    return results
+
+
 def run_child(code: str, obj=None, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh Python (this environment), ``pickle`` of ``obj`` on stdin."""
     import pickle

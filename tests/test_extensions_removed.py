@@ -16,13 +16,14 @@ copy; its submodules then follow the copy's ``__path__``.
 
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
-from helpers import REPO, SITECUSTOMIZE, by_role, run_offline, tiny_model
+from helpers import REPO, SITECUSTOMIZE, by_role, forked_cases, run_offline, tiny_model
 
 from vllm._shm_embeds import extensions
 
@@ -70,26 +71,54 @@ def stripped_tree(tmp: str, deleted: tuple[str, ...]) -> dict[str, str]:
 
 _PROBE = textwrap.dedent("""
     import json, os
-    import vllm.entrypoints.launchers.app  # an API server's process: every group considered
     import vllm._shm_embeds as pkg
     from vllm._shm_embeds import extensions, plugin, sites
     from vllm._shm_embeds.sites.site import STATUS
     plugin.register()
-    print("PROBE " + json.dumps({"file": pkg.__file__, "status": STATUS,
-                                 "loaded": list(extensions.loaded()),
-                                 "missing": extensions.MISSING,
-                                 "groups": list(sites.GROUPS)}))
+    print("PROBE " + KEY + " " + json.dumps({"file": pkg.__file__, "status": STATUS,
+                                             "loaded": list(extensions.loaded()),
+                                             "missing": extensions.MISSING,
+                                             "groups": list(sites.GROUPS)}))
 """)
 
 
-def _probe(env: dict[str, str]) -> dict:
-    env = {**os.environ, **env, "VLLM_SHM_EMBEDS": "1"}
-    out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    line = [ln for ln in out.stdout.splitlines() if ln.startswith("PROBE ")]
-    assert line, out.stdout[-2000:] + out.stderr[-3000:]
-    return json.loads(line[-1][len("PROBE "):])
+def _probes(cases: dict[str, str], tmp: pathlib.Path) -> dict[str, dict]:
+    """``{key: what the plugin loaded}`` for each ``{key: tree root}``
+    (:func:`stripped_tree`'s ``tmp``; outputs in ``tmp``). One interpreter imports vLLM as an API
+    server's process does (every group considered), then a child forked per tree
+    puts the tree's finder first (as its sitecustomize would) and loads the plugin
+    from it (``helpers.forked_cases``: the imports, 15 s a case here, paid once)."""
+    preamble = ("import sys, vllm.entrypoints.launchers.app\n"
+                "assert 'vllm._shm_embeds' not in sys.modules, 'vLLM loaded the plugin'")
+    todo = [({"VLLM_SHM_EMBEDS": "1"}, _SITECUSTOMIZE.format(root=os.path.join(root, "tree"))
+             + f"\nKEY = {key!r}\n" + _PROBE) for key, root in cases.items()]
+    out = {}
+    for key, (status, stdout, stderr) in zip(cases, forked_cases(preamble, todo, tmp)):
+        assert status == 0, stderr[-3000:]
+        line = [ln for ln in stdout.splitlines() if ln.startswith(f"PROBE {key} ")]
+        assert line, stdout[-2000:] + stderr[-3000:]
+        out[key] = json.loads(line[-1][len(f"PROBE {key} "):])
+    return out
+
+
+DELETIONS = {**{n: (n,) for n in extensions.EXTENSIONS}, "all": tuple(extensions.EXTENSIONS)}
+
+
+@pytest.fixture(scope="module")
+def probed(tmp_path_factory):
+    """What the plugin loaded from each stripped tree (:data:`DELETIONS`), and
+    from a tree whose binary site module raises on import (``"broken"``)."""
+    roots = {key: str(tmp_path_factory.mktemp(f"probe-{key}")) for key in [*DELETIONS, "broken"]}
+    for key, deleted in DELETIONS.items():
+        stripped_tree(roots[key], deleted)
+    stripped_tree(roots["broken"], ())
+    broken = os.path.join(roots["broken"], "tree", "vllm", "_shm_embeds", "ext", "binary",
+                          "site_renderers.py")
+    with open(broken) as f:
+        text = f.read()
+    with open(broken, "w") as f:
+        f.write('raise RuntimeError("planted: this site module cannot load")\n' + text)
+    return roots, _probes(roots, tmp_path_factory.mktemp("probe-out"))
 
 
 def _needing(name: str) -> set[str]:
@@ -101,12 +130,12 @@ def _needing(name: str) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("deleted", [*[(n,) for n in extensions.EXTENSIONS],
-                                     tuple(extensions.EXTENSIONS)],
-                         ids=[*extensions.EXTENSIONS, "all"])
-def test_plugin_applies_with_extensions_deleted(tmp_path, deleted):
-    got = _probe(stripped_tree(str(tmp_path), deleted))
-    assert got["file"].startswith(str(tmp_path))  # the copy was loaded, not this tree
+@pytest.mark.xdist_group("extension_probes")
+@pytest.mark.parametrize("key", list(DELETIONS))
+def test_plugin_applies_with_extensions_deleted(probed, key):
+    roots, probes = probed
+    deleted, got = DELETIONS[key], probes[key]
+    assert got["file"].startswith(roots[key])  # the copy was loaded, not this tree
     off = set().union(*(_needing(n) for n in deleted))
     assert set(got["loaded"]) == set(extensions.EXTENSIONS) - off
     for name in deleted:
@@ -161,15 +190,14 @@ def test_core_tests_pass_without_extensions(tmp_path):
     assert " passed" in out.stdout and " failed" not in out.stdout
 
 
-def test_extension_whose_site_module_fails_is_left_out_whole(tmp_path):
+@pytest.mark.xdist_group("extension_probes")
+def test_extension_whose_site_module_fails_is_left_out_whole(probed):
     """An extension whose site module raises on import (here binary's renderers)
     is left out with everything that needs it: none of their groups is patched,
     in part or whole, and the core's hops still are."""
-    env = stripped_tree(str(tmp_path), ())
-    broken = tmp_path / "tree" / "vllm" / "_shm_embeds" / "ext" / "binary" / "site_renderers.py"
-    broken.write_text('raise RuntimeError("planted: this site module cannot load")\n'
-                      + broken.read_text())
-    got = _probe(env)
+    roots, probes = probed
+    got = probes["broken"]
+    assert got["file"].startswith(roots["broken"])
     off = _needing("binary")
     assert set(got["loaded"]) == set(extensions.EXTENSIONS) - off
     assert got["missing"]["binary"] == "failed to load"

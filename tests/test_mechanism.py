@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from helpers import delta, mine, run_child, set_limits
+from helpers import delta, forked_cases, mine, run_child, set_limits
 
 from vllm._shm_embeds import counters, handle
 from vllm._shm_embeds.files import segment as seg
@@ -369,16 +369,17 @@ PLUGIN_CASES = [
 ]
 
 
-def test_plugin_patches_only_when_enabled():
-    """Each case in a fresh interpreter (the plugin decides at load); the four
-    run at once."""
-    procs = [subprocess.Popen([sys.executable, "-c", _PLUGIN_PROBE], text=True,
-                              env=dict(os.environ, VLLM_SHM_EMBEDS=flag, **extra),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for flag, extra, _ in PLUGIN_CASES]
-    for (flag, extra, expected), proc in zip(PLUGIN_CASES, procs):
-        stdout, stderr = proc.communicate(timeout=300)
-        assert proc.returncode == 0, stderr[-2000:]
+def test_plugin_patches_only_when_enabled(tmp_path):
+    """Each case in an interpreter of its own (the plugin decides at load):
+    children forked after vLLM's imports (``helpers.forked_cases``)."""
+    preamble = ("import vllm.plugins\n"
+                "from vllm.v1.executor import multiproc_executor\n"
+                "from vllm.v1.engine import core_client\n"
+                "import sys; assert 'vllm._shm_embeds' not in sys.modules")
+    results = forked_cases(preamble, [({"VLLM_SHM_EMBEDS": flag, **extra}, _PLUGIN_PROBE)
+                                      for flag, extra, _ in PLUGIN_CASES], tmp_path)
+    for (flag, extra, expected), (status, stdout, stderr) in zip(PLUGIN_CASES, results):
+        assert status == 0, stderr[-2000:]
         assert stdout.strip().splitlines()[-1] == expected, (flag, extra)
         assert ("shm-embeds: off" in stdout + stderr) == (expected == "0"), (flag, extra)
 

@@ -18,8 +18,6 @@ is removed at exit: test_faults.py's SIGTERM test).
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,6 +30,7 @@ from helpers import (
     delta,
     embed_weights,
     encode_embeds,
+    forked_cases,
     holders,
     read_stats_dir,
     ours_in,
@@ -396,21 +395,20 @@ def test_feature_off_shows_no_shm_embeds_metric(tmp_path):
     directory is made. (Was a whole server; the plugin decides all of this
     at load, which is what this runs.)"""
 
-    code = "import vllm.entrypoints.launchers.app\n" + _OFF_PROBE
-    runs = {}
+    cases = []
     for flag in "01":  # the plugin on too: the probe can fail
-        tmp = tmp_path / flag
-        tmp.mkdir()
-        env = dict(os.environ, VLLM_SHM_EMBEDS=flag, TMPDIR=str(tmp))
-        env.pop("VLLM_SHM_EMBEDS_STATS_DIR", None)
-        runs[flag] = subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    (out, err), (on, on_err) = (runs[f].communicate(timeout=300) for f in "01")
-    assert runs["0"].returncode == 0, err[-2000:]
+        (tmp_path / flag).mkdir()
+        cases.append(({"VLLM_SHM_EMBEDS": flag, "TMPDIR": str(tmp_path / flag)},
+                      "import os, tempfile\n"
+                      "os.environ.pop('VLLM_SHM_EMBEDS_STATS_DIR', None)\n"
+                      "tempfile.tempdir = None  # TMPDIR as this case sets it\n" + _OFF_PROBE))
+    (off, out, err), (on_status, on, on_err) = forked_cases(
+        "import vllm.entrypoints.launchers.app", cases, tmp_path)
+    assert off == 0, err[-2000:]
     assert out.split("\n")[-3:-1] == ["stock", "False False"], out
     assert "shm-embeds: off" in out + err
     assert os.listdir(tmp_path / "0") == []
-    assert runs["1"].returncode == 0, on_err[-2000:]
+    assert on_status == 0, on_err[-2000:]
     assert on.split("\n")[-3:-1] == ["wrapped", "True True"], on
 
 
