@@ -59,21 +59,21 @@ class Engine(NamedTuple):
 
 # Every engine of a default full run (opt-in ones: OPT_IN_ENGINES), with the
 # engine-seconds of the run MEASURED names.
-MEASURED = ("clean clone of 5724642, 2026-12-03 (tests 12:17 after setup, 2 cores, on a day "
-            "this machine ran vLLM 2.6-3x slower than on 2026-12-01)")
+MEASURED = ("clean clone of 2f0dfe1, 2026-12-07 (tests 16:04 after setup, 19:36 in all, "
+            "2 cores)")
 INVENTORY = (
-    Engine("conftest.py offline_tiny", 1, 1, "offline, TP=2, plugin on", 66),
-    Engine("conftest.py offline_pp", 1, 1, "offline, PP=2, plugin on", 69),
-    Engine("test_offline.py", 1, 1, "offline, TP=2, wide model, 256 MiB of embeds", 94),
-    Engine("conftest.py main_server", 1, 1, "vllm serve, TP=2, spawn workers", 147),
+    Engine("conftest.py offline_tiny", 1, 1, "offline, TP=2, plugin on", 80),
+    Engine("conftest.py offline_pp", 1, 1, "offline, PP=2, plugin on", 59),
+    Engine("test_offline.py", 1, 1, "offline, TP=2, wide model, 256 MiB of embeds", 100),
+    Engine("conftest.py main_server", 1, 1, "vllm serve, TP=2, spawn workers", 200),
     Engine("conftest.py dp_server", 1, 2, "vllm serve, DP=2 (a TP worker each, mp executor), "
-           "two API servers, async scheduling off", 140),
-    Engine("conftest.py small_shm_server", 1, 1, "vllm serve, TP=2, 256 KiB tmpfs", 97),
-    Engine("test_nodes.py runs", 2, 2, "two nodes, PP=2 and TP=4, plugin on; the follower killed", 224),
+           "two API servers, async scheduling off", 172),
+    Engine("conftest.py small_shm_server", 1, 1, "vllm serve, TP=2, 256 KiB tmpfs", 92),
+    Engine("test_nodes.py runs", 2, 2, "two nodes, PP=2 and TP=4, plugin on; the follower killed", 267),
     Engine("test_nodes.py follower_without_plugin", 1, 1,
-           "two nodes, TP=4, plugin on the head only (stock hop 2)", 90),
-    Engine("test_nodes.py dp_run", 1, 2, "two nodes, DP=2, an EngineCore per node", 92),
-    Engine("test_extensions_removed.py", 1, 1, "offline, TP=2, every extension deleted", 60),
+           "two nodes, TP=4, plugin on the head only (stock hop 2)", 124),
+    Engine("test_nodes.py dp_run", 1, 2, "two nodes, DP=2, an EngineCore per node", 95),
+    Engine("test_extensions_removed.py", 1, 1, "offline, TP=2, every extension deleted", 59),
 )
 # Started only when asked (an environment variable, or Ray installed).
 OPT_IN_ENGINES = (
