@@ -53,7 +53,11 @@ of the whole history (``conversation.py``, ``docs/conversations.md``)::
     out = conv.complete(turn1, max_tokens=16)   # the whole tensor, kept
     out = conv.complete(turn2, max_tokens=16)   # only turn2's rows after it
     branch = conv.fork()                        # another turn from the same prefix
+    conv.close()                                # its connections (or: with sec.Conversation(...))
     out = await sec.AsyncConversation(...).acomplete(turn1, max_tokens=16)
+
+Calls reuse their connections (``pool.py``): the one-shot helpers share one
+``httpx`` client per process, a conversation keeps one of its own for its turns.
 
 For a client that must keep the OpenAI JSON wire format (a server without
 the plugin): ``sec.complete_openai_json(...)`` and ``sec.chat_openai_json``
