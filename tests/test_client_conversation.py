@@ -365,6 +365,8 @@ def test_a_conversation_keeps_one_client_for_its_turns_and_forks(made):
     with pytest.raises(RuntimeError):
         conv.complete(_rows(1))
     conv.close()  # twice: nothing more
+    with pytest.raises(RuntimeError):  # a fork of a closed conversation is closed too
+        conv.fork().complete(_rows(1))
     json_conv.close()
     assert made[1].is_closed
 

@@ -85,8 +85,10 @@ class Pool:
             return self._client
 
     def share(self) -> Pool:
+        """Another user of the client (a fork); a closed pool stays closed."""
         with self._lock:
-            self._users += 1
+            if self._users > 0:
+                self._users += 1
         return self
 
     def release(self) -> Any:
