@@ -316,8 +316,22 @@ def _vllm_shm_files() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith(("vllm_dist_", "psm_"))}
 
 
+def _our_dead_dirs() -> set[str]:
+    """Private segment directories of ours at the top of /dev/shm whose maker is gone."""
+    from vllm._shm_embeds import private_dir, procfs
+
+    out = set()
+    for name in os.listdir("/dev/shm"):
+        owner = private_dir.read_owner(os.path.join("/dev/shm", name)) \
+            if name.startswith(private_dir.PREFIX) else None
+        if owner is not None and procfs.owner_is_dead(owner[1], owner[2]):
+            out.add(name)
+    return out
+
+
 def pytest_sessionstart(session):
     session.config._vllm_shm_before = _vllm_shm_files()
+    session.config._ours_before = _our_dead_dirs()
 
 
 def pytest_sessionfinish(session):
@@ -328,6 +342,10 @@ def pytest_sessionfinish(session):
     once every xdist worker is done."""
     if hasattr(session.config, "workerinput"):
         return
+    left = _our_dead_dirs() - getattr(session.config, "_ours_before", set())
+    if left:  # a process of a test made one and did not remove it at its exit
+        print(f"\nleft in /dev/shm by this run: {', '.join(sorted(left))}")
+        session.exitstatus = 1
     from helpers import remove_vllm_leftovers
 
     new = _vllm_shm_files() - getattr(session.config, "_vllm_shm_before", set())

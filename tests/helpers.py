@@ -421,7 +421,7 @@ def by_role(stats, role):
 
 
 _FORKED = """
-import json, os, sys, traceback
+import atexit, json, os, sys, traceback
 exec(sys.argv[1])  # the imports every case shares, paid once
 for env, code, out, err in json.loads(sys.stdin.read()):
     sys.stdout.flush(); sys.stderr.flush()
@@ -437,8 +437,11 @@ for env, code, out, err in json.loads(sys.stdin.read()):
         except BaseException:
             traceback.print_exc()
         finally:
-            sys.stdout.flush(); sys.stderr.flush()
-            os._exit(status)
+            try:
+                atexit._run_exitfuncs()  # as at a normal exit: the plugin removes what it made
+            finally:
+                sys.stdout.flush(); sys.stderr.flush()
+                os._exit(status)
     print(os.waitpid(pid, 0)[1], flush=True)
 """
 
@@ -447,8 +450,9 @@ def forked_cases(preamble: str, cases: list[tuple[dict, str]], tmp,
                  timeout: float = 600) -> list[tuple[int, str, str]]:
     """Run each ``(env, code)`` of ``cases`` in a child forked from one interpreter
     that first ran ``preamble`` (e.g. vLLM's imports: 10-15 s each here, paid once):
-    ``os.environ`` updated with ``env``, then ``code``; the child exits with
-    ``os._exit`` (no atexit hooks). ``[(wait status, stdout, stderr)]``, in order.
+    ``os.environ`` updated with ``env``, then ``code``; the child runs the atexit
+    handlers (the plugin removes its private directory there), then ``os._exit``.
+    ``[(wait status, stdout, stderr)]``, in order.
     ``preamble`` must not import what the cases decide at import (the plugin)."""
     paths = [(str(tmp / f"case{i}.out"), str(tmp / f"case{i}.err")) for i in range(len(cases))]
     out = subprocess.run([sys.executable, "-c", _FORKED, preamble], text=True,
