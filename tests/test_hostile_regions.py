@@ -39,7 +39,7 @@ from vllm._shm_embeds.ext.binary.common import COMPLETIONS, ServerContext
 from vllm._shm_embeds.lifetime import process
 from vllm._shm_embeds.ext.regions import server as rs
 from vllm._shm_embeds.ext.regions import service
-from vllm._shm_embeds.ext.regions import sockets as rsock
+from vllm._shm_embeds.files import sockets as rsock
 from vllm._shm_embeds.ext.regions.registry import RegionError, RegionRegistry
 
 NOBODY = 65534

@@ -94,6 +94,15 @@ def _open_sink(spec: TensorSpec) -> StreamedSegment | _Private:
         return _fall_back(None, spec, e)
 
 
+async def _resolve(hook: Any, value: Any, body: dict, spec: TensorSpec) -> Any:
+    """``hook.resolve``; on a thread when it is a round trip to a sibling API server
+    (``hook.is_remote``), so that the event loop never waits on another process."""
+    if getattr(hook, "is_remote", None) is not None and hook.is_remote(value):
+        return await asyncio.get_running_loop().run_in_executor(
+            None, hook.resolve, value, body, spec.dtype, spec.shape[1])
+    return hook.resolve(value, body, spec.dtype, spec.shape[1])
+
+
 def _hook_sink(hooks: dict[str, Any], pre: Any, spec: TensorSpec, keeping: bool) -> Any:
     """Where a prefix hook writes a continuation or a kept tensor (e.g. after its
     kept rows, in place), or None (a segment of its own)."""
@@ -206,8 +215,7 @@ class BinaryFormat:
                         raise _bad("parameter", "a continuation (shm_embeds_prefix) is the "
                                    "only prompt_embeds tensor of a /v1/completions request")
                     for name, value in spec.extra:
-                        prefixes[-1] = hooks[name].resolve(value, parsed.body, spec.dtype,
-                                                           spec.shape[1])
+                        prefixes[-1] = await _resolve(hooks[name], value, parsed.body, spec)
                     fulls.append(_after(spec, prefixes[-1], ctx))
                 for pre in prefixes:  # a keep answered while its copy still ran
                     if pre is not None:
@@ -217,7 +225,11 @@ class BinaryFormat:
                 raise
             for full, pre in zip(fulls, prefixes):
                 try:
-                    segs.append(_hook_sink(hooks, pre, full, bool(keeps)) or _open_sink(full))
+                    sink = (await asyncio.get_running_loop().run_in_executor(
+                        None, _hook_sink, hooks, pre, full, bool(keeps))
+                        if getattr(pre, "tip", None) is not None and pre.tip.remote is not None
+                        else _hook_sink(hooks, pre, full, bool(keeps)))  # (a round trip)
+                    segs.append(sink or _open_sink(full))
                 except OSError as e:  # (the hook gave back what it took)
                     logger.debug("shm-embeds: a prefix hook's sink failed: %s", e)
                     segs.append(_open_sink(full))

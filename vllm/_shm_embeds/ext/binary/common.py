@@ -111,6 +111,9 @@ class ServerContext:
 
     @classmethod
     def from_vllm_config(cls, config: Any) -> ServerContext:
+        global _api_servers
+        count = getattr(getattr(config, "parallel_config", None), "_api_process_count", 1)
+        _api_servers = count if type(count) is int and count > 0 else 1
         return cls.from_model_config(
             config.model_config, block_tokens_of(getattr(config, "cache_config", None)))
 
@@ -120,6 +123,17 @@ class ServerContext:
         config = getattr(getattr(scope.get("app"), "state", None), "vllm_config", None)
         return None if getattr(config, "model_config", None) is None else \
             cls.from_vllm_config(config)
+
+
+_api_servers = 1
+
+
+def api_servers() -> int:
+    """How many API servers this ``vllm serve`` runs (``--api-server-count``; DP starts
+    one per rank): vLLM's ``parallel_config._api_process_count`` (set by
+    vllm/entrypoints/launchers/api_server/entry.py, 0.32) as this process's last
+    served config said; 1 before any."""
+    return _api_servers
 
 
 def embeds_slots(route: str, body: Any) -> Iterator[tuple[str, Any, Any]]:

@@ -21,3 +21,8 @@ class ConversationEvent(EventKind):
     PREFIX_HITS = ("prefix_hits", None, "tensors whose prefix was a kept tensor")
     PREFIX_ROWS = ("prefix_rows", None, "rows of theirs the client did not send")
     PREFIX_MISSES = ("prefix_misses", None, "prefix references that matched no kept tensor")
+    SIBLING_HITS = ("sibling_hits", None,
+                    "prefixes kept by a sibling API server, served here from its memory")
+    SIBLING_SERVED = ("sibling_served", None, "kept tensors of this API server a sibling pinned")
+    SIBLING_KEPT = ("sibling_kept", None,
+                    "ids this API server made for a sibling's continuation of its rows")

@@ -26,9 +26,9 @@ from vllm.logger import init_logger
 
 from vllm._shm_embeds import extensions
 from vllm._shm_embeds.counters import Event, count, count_many, count_reason
-from vllm._shm_embeds.ext.conversations import settings, tips
+from vllm._shm_embeds.ext.conversations import remote, settings, siblings, tips
 from vllm._shm_embeds.ext.conversations.events import ConversationEvent
-from vllm._shm_embeds.ext.conversations.store import Kept, current
+from vllm._shm_embeds.ext.conversations.store import Kept, current, tag_of, well_formed
 from vllm._shm_embeds.files import segment as seg
 from vllm._shm_embeds.handle import ShmEmbedsError
 
@@ -61,17 +61,54 @@ def _bad(reason: str, message: str) -> Exception:
 
 
 def store():
-    """This process's kept tensors (``store.Store``)."""
-    return current(_close_tip)
+    """This process's kept tensors (``store.Store``); its ids are served to sibling
+    API servers (``siblings.Owner``, started with it)."""
+    return current(_close_tip, _listen)
 
 
 def _close_tip(tip: tips.Tip) -> None:
     tip.close()
 
 
+def max_bytes() -> int:
+    """This API server's share of ``KEEP_MAX_BYTES``: the budget is the whole
+    server's, split over its API servers (vLLM's ``_api_process_count``)."""
+    return settings.keep_max_bytes() // _common.api_servers()
+
+
+def max_entries() -> int:
+    """This API server's share of ``KEEP_MAX_ENTRIES`` (at least one)."""
+    return max(1, settings.keep_max_entries() // _common.api_servers())
+
+
+def block_digests(block: int, rows: int, digests: bytes) -> Any:
+    """``digests.BlockDigests`` of ``rows`` rows (a sibling's, checked by length)."""
+    return _digests.BlockDigests(block, rows, digests)
+
+
+def _listen() -> str:
+    return siblings.Owner(store, max_bytes, max_entries, settings.keep_max_s,
+                          block_digests).listen()
+
+
+def _let_go(tip: tips.Tip) -> None:
+    """A use of ``tip`` ended: of this store's, or of a sibling's lease."""
+    if tip.remote is not None:
+        tip.remote.let_go()
+    else:
+        store().let_go(tip)
+
+
+def _unclaim(tip: tips.Tip, start: int, rows: int) -> None:
+    if tip.remote is not None:
+        tip.remote.unclaim(rows)
+    else:
+        store().unclaim(tip, start, rows)
+
+
 def holder() -> tips.Tips:
     """This process's request tensors over tips (hop 1 sends them by descriptor)."""
-    return tips.holder(store().let_go)
+    return tips.holder(_let_go)
 
 
 def salt_of(body: dict) -> str | None:
@@ -127,6 +164,30 @@ class Prefix:
             store().unpin(kept)
 
 
+class SiblingPrefix(Prefix):
+    """Kept rows a sibling API server holds (``remote.pin``), pinned there until
+    :meth:`release`; ready at once."""
+
+    def __init__(self, lease: remote.Remote, rows: int, digests: Any) -> None:
+        self._lease = lease
+        self.rows, self.tip = rows, lease.tip
+        self.row_bytes = lease.tip.row_bytes
+        self.digests = digests
+        self._tensor = None
+
+    async def ready(self) -> None:
+        return None
+
+    def wait(self) -> None:
+        return None
+
+    def release(self) -> None:
+        lease, self._lease = self._lease, None
+        self._tensor = None
+        if lease is not None:
+            lease.let_go()
+
+
 class TipSink:
     """A continuation's or a kept request's whole tensor written into ``tip`` from
     row ``start`` (the rows before are the kept ones: ``has_prefix``); the sink
@@ -179,8 +240,8 @@ class TipSink:
         it claimed are given back (no one has read them)."""
         if not self._done:
             self._done = True
-            store().unclaim(self.tip, self.start, self.rows)
-            store().let_go(self.tip)
+            _unclaim(self.tip, self.start, self.rows)
+            _let_go(self.tip)
 
 
 def _new_tip(dtype: torch.dtype, rows: int, hidden: int) -> tips.Tip | None:
@@ -190,7 +251,7 @@ def _new_tip(dtype: torch.dtype, rows: int, hidden: int) -> tips.Tip | None:
     except OSError as e:
         count_reason(ConversationEvent.KEEP_REFUSED, seg.fallback_reason(e))
         return None
-    if store().claim(tip, 0, rows, settings.keep_max_bytes()) is not None:
+    if store().claim(tip, 0, rows, max_bytes()) is not None:
         tip.close()
         return None
     return tip
@@ -244,15 +305,20 @@ class KeepRequest:
         self.future: concurrent.futures.Future | None = None
         self.kid: str | None = None
         self.answered = False
+        self._sibling: tuple[remote.Remote, int, Any] | None = None  # kept there at the answer
 
     def start(self, tensor: torch.Tensor) -> None:
         """Keep ``tensor`` (the request's, digests attached): a tensor over a tip is
         kept as it is; any other is copied into a new tip on a thread. No room:
         answered without an id."""
         found = holder().lookup(tensor)
+        if found is not None and found[0].remote is not None:  # a sibling's tip, grown here
+            found[0].remote.hold()
+            self._sibling = (found[0].remote, found[1], _digests.attached(tensor))
+            return
         if found is not None:  # written into its tip as it arrived: nothing to copy
             self.kid = store().put(found[0], found[1], _digests.attached(tensor), self.salt,
-                                   self.ttl_s, settings.keep_max_entries())
+                                   self.ttl_s, max_entries())
             if self.kid is not None:
                 count_many({ConversationEvent.KEPT_TENSORS: 1,
                             ConversationEvent.KEPT_BYTES: tensor.nbytes})
@@ -260,7 +326,7 @@ class KeepRequest:
         if tensor.dim() != 2 or tensor.numel() == 0:
             return
         reserved = store().reserve(tuple(tensor.shape), tensor.dtype, self.salt, self.ttl_s,
-                                   settings.keep_max_entries())
+                                   max_entries())
         if reserved is None:
             return
         kid, kept = reserved
@@ -313,8 +379,24 @@ class KeepRequest:
 
     async def response_headers(self, status: int) -> list[tuple[bytes, bytes]]:
         """At the response's start: the id header of a 200 (the entry expires at its
-        TTL; its copy may still run); any other status forgets the kept tensor."""
-        if self.kid is None or self.answered:
+        TTL; its copy may still run); any other status forgets the kept tensor. A
+        sibling's tip grown here is kept there now (a round trip, on a thread)."""
+        if self._sibling is not None and not self.answered:
+            self.answered = True
+            lease, rows, d = self._sibling
+            try:
+                if status == 200:
+                    self.kid = await asyncio.get_running_loop().run_in_executor(
+                        None, lease.commit, rows, d, self.salt, self.ttl_s)
+            finally:
+                self._sibling = None
+                lease.let_go()
+            if self.kid is None:
+                return []
+            count_many({ConversationEvent.KEPT_TENSORS: 1,
+                        ConversationEvent.KEPT_BYTES: rows * lease.tip.row_bytes})
+            return [(KEPT_HEADER, self.kid.encode())]
+        if self.kid is None or self.answered or self._sibling is not None:
             return []
         self.answered = True
         if status != 200:
@@ -326,6 +408,9 @@ class KeepRequest:
     def close(self) -> None:
         """The request has ended: a kept tensor whose id was never sent is forgotten;
         waits for the copy (the source's pages go next)."""
+        sibling, self._sibling = self._sibling, None
+        if sibling is not None:  # never answered: nothing was kept there
+            sibling[0].let_go()
         if self.kid is None:
             return
         self.wait()
@@ -345,7 +430,10 @@ class Hook:
         """The kept rows ``value`` names under the body's ``cache_salt``, pinned (their
         bytes after ``Prefix.ready``/``wait``). Raises Refused: 404 ``PrefixNotFound``
         (not held), 400 (another datatype or hidden size than the kept rows')."""
-        kept = store().pin(value, salt_of(body))
+        salt = salt_of(body)
+        kept = store().pin(value, salt)
+        if kept is None and self.is_remote(value):
+            return self._resolve_sibling(value, salt, dtype, hidden)
         if kept is None:
             count(ConversationEvent.PREFIX_MISSES)
             raise PrefixNotFound()
@@ -355,6 +443,30 @@ class Hook:
             raise _bad("prefix_dtype", "a continuation must have the datatype and hidden "
                        "size of the prompt_embeds it continues")
         count_many({ConversationEvent.PREFIX_HITS: 1, ConversationEvent.PREFIX_ROWS: prefix.rows})
+        return prefix
+
+    def is_remote(self, value: Any) -> bool:
+        """``value`` names an id another API server of this ``vllm serve`` made:
+        resolving it is a round trip (callers keep it off the event loop)."""
+        return well_formed(value) and tag_of(value) != store().tag
+
+    def _resolve_sibling(self, value: str, salt: str | None, dtype: torch.dtype,
+                         hidden: int) -> SiblingPrefix:
+        pinned = remote.pin(value, salt, tag_of)
+        if pinned is None:
+            count(ConversationEvent.PREFIX_MISSES)
+            raise PrefixNotFound()
+        lease, rows, sent = pinned
+        d = None
+        if sent is not None and len(sent[1]) == -(-rows // sent[0]) * _digests.DIGEST_BYTES:
+            d = block_digests(sent[0], rows, sent[1])
+        prefix = SiblingPrefix(lease, rows, d)
+        if lease.tip.dtype != dtype or lease.tip.hidden != hidden:
+            prefix.release()
+            raise _bad("prefix_dtype", "a continuation must have the datatype and hidden "
+                       "size of the prompt_embeds it continues")
+        count_many({ConversationEvent.PREFIX_HITS: 1, ConversationEvent.SIBLING_HITS: 1,
+                    ConversationEvent.PREFIX_ROWS: rows})
         return prefix
 
     def open_sink(self, prefix: Prefix | None, dtype: torch.dtype, shape: tuple[int, ...],
@@ -367,7 +479,12 @@ class Hook:
         if (prefix is None and not keeping) or rows == 0:
             return None
         if prefix is not None and prefix.tip is not None and prefix.tip.dtype == dtype:
-            got = store().claim(prefix.tip, prefix.rows, rows, settings.keep_max_bytes())
+            lease = prefix.tip.remote  # a sibling's tip: claimed there
+            if lease is None:
+                got = store().claim(prefix.tip, prefix.rows, rows, max_bytes())
+            else:
+                got = lease.claim(rows)
+                got = None if got == "ok" else got
             if got == "full":
                 return None
             if got is None:

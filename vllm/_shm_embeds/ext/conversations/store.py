@@ -8,7 +8,8 @@ up together with the ``cache_salt`` it was kept under, so an id with another sal
 (or none) is exactly an unknown id. An entry may be reserved before its rows are
 written and filled after (``Kept.ready``). Entries go at their TTL, or least
 recently used first when the store is over its entries or bytes; never while
-pinned (a request reading its rows). Knows ids and tips, not files.
+pinned (a request reading its rows). An id starts with its store's tag, which
+names the API server to ask for it (``siblings.py``). Knows ids and tips, not files.
 May import: the core.
 """
 
@@ -33,7 +34,17 @@ from vllm._shm_embeds.counters import count_reason
 from vllm._shm_embeds.ext.conversations.events import ConversationEvent
 
 ID_BYTES = 32
-_ID = re.compile(r"[A-Za-z0-9_-]{43}\Z")  # secrets.token_urlsafe(32)
+_ID = re.compile(r"[A-Za-z0-9_-]{43}\Z")  # secrets.token_urlsafe(32)'s length
+TAG_CHARS = 8  # an id's first characters: the API server that keeps it (``siblings.py``)
+
+
+def tag_of(kid: str) -> str:
+    """The tag of the API server that made ``kid`` (a well-formed id)."""
+    return kid[:TAG_CHARS]
+
+
+def well_formed(kid: Any) -> bool:
+    return isinstance(kid, str) and bool(_ID.match(kid))
 
 
 @dataclasses.dataclass(eq=False)
@@ -72,8 +83,10 @@ class Store:
     (``close(tip)``) when no entry, pin or request uses it any more."""
 
     def __init__(self, close: Callable[[Any], Any],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, tag: str | None = None) -> None:
+        """``tag``: the first :data:`TAG_CHARS` characters of every id (None: random ids)."""
         self._close, self._clock = close, clock
+        self.tag = tag
         self._lock = threading.Lock()
         self._entries: collections.OrderedDict[bytes, Kept] = collections.OrderedDict()
         self._tips: set = set()
@@ -133,7 +146,8 @@ class Store:
         filled by :meth:`fill`; the least recently used unpinned entry goes if the
         store holds ``max_entries`` (an id costs no bytes: rows are charged by
         :meth:`claim`); None if every entry is pinned."""
-        kid = secrets.token_urlsafe(ID_BYTES)
+        kid = (secrets.token_urlsafe(ID_BYTES) if self.tag is None else  # 210 random bits
+               self.tag + secrets.token_urlsafe(ID_BYTES)[:43 - TAG_CHARS])
         kept = Kept(tuple(shape), dtype, math.prod(shape) * dtype.itemsize,
                     self._clock() + ttl_s)
         with self._lock:
@@ -172,7 +186,7 @@ class Store:
         """The live entry ``kid`` names under ``salt``, pinned (not evicted until
         :meth:`unpin`), and now the most recently used; else None, the same way
         for a malformed id, an unknown one, another salt or an expired entry."""
-        if not isinstance(kid, str) or not _ID.match(kid):
+        if not well_formed(kid):
             return None
         key = _key(kid, salt)
         with self._lock:
@@ -287,12 +301,13 @@ _store: Store | None = None
 _store_lock = threading.Lock()
 
 
-def current(close: Callable[[Any], Any]) -> Store:
-    """This process's store (a forked child starts an empty one)."""
+def current(close: Callable[[Any], Any], tag: Callable[[], str] | None = None) -> Store:
+    """This process's store (a forked child starts an empty one); ``tag``, called
+    once when it is made, gives its ids' tag."""
     global _store
     with _store_lock:
         if _store is None:
-            _store = Store(close)
+            _store = Store(close, tag=tag() if tag is not None else None)
         return _store
 
 

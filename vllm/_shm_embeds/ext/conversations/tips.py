@@ -32,10 +32,14 @@ class Tip:
     """One memfd of rows of ``dtype`` and ``hidden`` columns. ``rows`` (claimed),
     ``refs`` and ``charged`` are the store's books (its lock). Raises OSError."""
 
-    def __init__(self, dtype: torch.dtype, hidden: int) -> None:
+    remote: Any = None  # a sibling's tip (``remote.Remote``): its books are the sibling's
+
+    def __init__(self, dtype: torch.dtype, hidden: int, fd: int | None = None) -> None:
+        """A new memfd, or ``fd`` (owned from here: a sibling's tip, received)."""
         self.dtype, self.hidden = dtype, hidden
         self.row_bytes = hidden * dtype.itemsize
-        self.fd: int | None = os.memfd_create("shm-embeds-kept", os.MFD_CLOEXEC)
+        self.fd: int | None = (os.memfd_create("shm-embeds-kept", os.MFD_CLOEXEC)
+                               if fd is None else fd)
         self.inode = os.fstat(self.fd).st_ino
         self.rows = 0
         self.refs = 0
@@ -43,10 +47,13 @@ class Tip:
         self._size_lock = threading.Lock()
 
     def ensure(self, rows: int) -> None:
-        """Make the file hold at least ``rows`` rows (it never shrinks). Raises OSError."""
+        """Make the file hold at least ``rows`` rows. ``fallocate``, never ``ftruncate``:
+        a sibling API server may grow the same memfd, and the file never shrinks
+        under the rows another process claimed. Raises OSError."""
         with self._size_lock:
-            if os.fstat(self.fd).st_size < rows * self.row_bytes:
-                os.ftruncate(self.fd, rows * self.row_bytes)
+            size = os.fstat(self.fd).st_size
+            if size < rows * self.row_bytes:
+                os.posix_fallocate(self.fd, size, rows * self.row_bytes - size)
 
     def write(self, data: memoryview, offset: int) -> None:
         """``data`` at byte ``offset`` (rows this caller claimed). Raises OSError."""

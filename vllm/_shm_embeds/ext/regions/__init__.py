@@ -3,9 +3,9 @@
 
 ``memfd.py`` (what a registered memfd must be), ``registry.py`` (registry,
 leases, per-uid limits), ``server.py`` (the registration socket: its
-connections and thread), ``operations.py`` (what each message does),
-``sockets.py`` (socket file, peer credentials, descriptors), ``mirror.py``
-(a sibling API server's registry), ``service.py`` (start and stop),
+connections and thread), ``operations.py`` (what each message does; the
+socket plumbing is the core's ``files/sockets.py``), ``mirror.py`` (a
+sibling API server's registry), ``service.py`` (start and stop),
 ``region_refs.py`` (the body format), ``settings.py`` (its variables and
 limits). ``docs/regions.md``.
 May import: the core; of vLLM only ``vllm.logger``.

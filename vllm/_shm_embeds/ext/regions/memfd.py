@@ -23,7 +23,7 @@ import torch
 from vllm.logger import init_logger
 
 from vllm._shm_embeds.files import segment as seg
-from vllm._shm_embeds.ext.regions.sockets import is_memfd
+from vllm._shm_embeds.files.sockets import is_memfd
 
 logger = init_logger(__name__)
 

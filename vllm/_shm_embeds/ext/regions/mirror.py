@@ -35,7 +35,7 @@ from vllm._shm_embeds.ext.regions.registry import (
     RegionLimits,
     RegionRegistry,
 )
-from vllm._shm_embeds.ext.regions.sockets import peer_is_sibling, received_fds
+from vllm._shm_embeds.files.sockets import peer_is_sibling, received_fds
 
 _MAX_REPLY = 1 << 20  # bytes of a lookup answer (digests included)
 _TIMEOUT_S = 10.0

@@ -32,7 +32,7 @@ from vllm._shm_embeds.counters import count, count_reason
 from vllm._shm_embeds.ext.regions.events import RegionEvent
 from vllm._shm_embeds.ext.regions.memfd import RegionError
 from vllm._shm_embeds.ext.regions.registry import Lease, RegionRegistry
-from vllm._shm_embeds.ext.regions.sockets import close_unasked, discard_fd
+from vllm._shm_embeds.files.sockets import close_unasked, discard_fd
 
 logger = init_logger(__name__)
 

@@ -35,7 +35,7 @@ from vllm._shm_embeds.files import segment as seg
 from vllm._shm_embeds.ext.regions import memfd
 from vllm._shm_embeds.ext.regions import settings
 from vllm._shm_embeds.ext.regions.memfd import NOT_MEMFD, RegionError  # noqa: F401 (the API)
-from vllm._shm_embeds.ext.regions.sockets import discard_fd
+from vllm._shm_embeds.files.sockets import discard_fd
 
 logger = init_logger(__name__)
 

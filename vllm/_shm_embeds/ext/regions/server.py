@@ -8,7 +8,7 @@ listens, accepts and reads the connections: the peer's uid must be in
 unregistered when it closes. One daemon thread serves every connection
 (``selectors``) and runs the registry's idle expiry; registrations run on two
 workers. No ``close`` of a peer's fd happens on that thread
-(``ext/regions/sockets.py``'s closer thread does it).
+(``files/sockets.py``'s closer thread does it).
 
 Knows sockets and the registry (``ext/regions/registry.py``), not vLLM and not HTTP.
 Design notes: docs/design.md, "Module notes".
@@ -34,7 +34,7 @@ from vllm._shm_embeds.ext.regions.memfd import NOT_MEMFD
 from vllm._shm_embeds.ext.regions import settings
 from vllm._shm_embeds.ext.regions.operations import MAX_MESSAGE, Conn, Operations, Reply
 from vllm._shm_embeds.ext.regions.registry import RegionRegistry
-from vllm._shm_embeds.ext.regions.sockets import (  # peer_is_sibling: public here too
+from vllm._shm_embeds.files.sockets import (  # peer_is_sibling: public here too
     ANC_BYTES,
     carries_fds,
     close_if_drained,

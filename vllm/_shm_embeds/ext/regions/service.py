@@ -53,7 +53,7 @@ def _served_by_sibling(path: str) -> bool:
     region ids named here). One non-blocking try: never waits."""
     import socket
 
-    from vllm._shm_embeds.ext.regions.sockets import peer_is_sibling
+    from vllm._shm_embeds.files.sockets import peer_is_sibling
 
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
@@ -93,7 +93,8 @@ def start_regions(path: str, ctx: Any) -> Any:
     cannot be used."""
     import errno
 
-    from vllm._shm_embeds.ext.regions import mirror, registry, server, sockets
+    from vllm._shm_embeds.ext.regions import mirror, registry, server
+    from vllm._shm_embeds.files import sockets
 
     datatype = next((k for k, v in registry.DTYPES.items() if v == ctx.dtype), None)
     limits = registry.RegionLimits.from_config(ctx.hidden_size, ctx.max_model_len, datatype)

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The regions socket's plumbing: its file, its peers, the descriptors they send.
+"""Sibling sockets' plumbing (``ext/regions``, ``ext/conversations/siblings.py``).
 
 * :func:`owner_lock`, :func:`listen_at` (:func:`clear_path`, :func:`set_mode`),
   :func:`remove_if_ours`, :func:`group_id`: one process per host serves a path; a
@@ -11,7 +11,7 @@
   ``readlink`` and ``F_GET_SEALS`` touches one before it is known to be a memfd, and
   one that is not (or unasked for) is closed on a daemon thread of its own.
 
-Knows sockets and descriptors, not regions.
+Knows sockets and descriptors, not regions nor conversations.
 Design notes: docs/design.md, "Module notes".
 """
 

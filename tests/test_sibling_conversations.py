@@ -1,0 +1,196 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Kept ids across API servers (``ext/conversations/siblings.py``, ``remote.py``),
+in-process: children forked from this process are siblings (same uid and parent),
+as the API servers of one ``vllm serve`` are; this process is not one of theirs.
+
+The owner keeps 40 rows; a sibling continues them with 10 rows written after
+them in the owner's own memfd (the same inode, charged once, nothing copied) and
+keeps the whole under the owner's new id. Another salt, an unknown id, a
+non-sibling and an owner that exited all miss the same way; a sibling that dies
+mid-request leaves no pin or use behind.
+"""
+
+import asyncio
+import multiprocessing
+import time
+
+import pytest
+import torch
+
+ROWS, NEW, HIDDEN, SALT = 40, 10, 8, "salt-a"
+
+
+def _owner(conn) -> None:
+    from vllm._shm_embeds.ext.conversations import prefixes
+
+    try:
+        tensor = torch.arange(ROWS * HIDDEN, dtype=torch.float32).view(ROWS, HIDDEN)
+        tip = prefixes._new_tip(tensor.dtype, ROWS, HIDDEN)
+        tip.ensure(ROWS)
+        tip.write(memoryview(tensor.view(-1).view(torch.uint8).numpy()), 0)
+        kid = prefixes.store().put(tip, ROWS, None, SALT, 60, 16)
+        prefixes.store().let_go(tip)
+        conn.send(kid)
+        while conn.recv() != "exit":
+            store = prefixes.store()
+            with store._lock:
+                entries = [(k.shape[0], k.tip.inode, k.pins, k.tip.refs)
+                           for k in store._entries.values()]
+            conn.send((entries, store.nbytes, tip.rows))
+    except BaseException as e:  # the test reads it
+        conn.send(repr(e))
+
+
+def _continue(conn, kid: str, die: bool) -> None:
+    from vllm._shm_embeds.ext.conversations import prefixes
+
+    try:
+        prefix = prefixes.HOOK.resolve(kid, {"cache_salt": SALT}, torch.float32, HIDDEN)
+        got = prefix.tensor.clone()
+        sink = prefixes.HOOK.open_sink(prefix, torch.float32, (ROWS + NEW, HIDDEN), True)
+        new = -torch.ones(NEW, HIDDEN)
+        sink.write(memoryview(new.view(-1).view(torch.uint8).numpy()))
+        whole = sink.finish()
+        if die:  # a crash mid-request: the owner must end its pin and claim
+            conn.send("pinned")
+            time.sleep(60)
+        keep = prefixes.KeepRequest(60, SALT)
+        keep.start(whole)
+        headers = asyncio.run(keep.response_headers(200))
+        keep.close()
+        prefix.release()
+        conn.send((got.tolist(), whole.tolist(), sink.has_prefix, dict(headers),
+                   prefixes.holder().release(whole)))
+    except BaseException as e:
+        conn.send(repr(e))
+
+
+def _miss(conn, kid: str, salt: str | None) -> None:
+    from vllm._shm_embeds.ext.conversations import prefixes
+
+    try:
+        prefixes.HOOK.resolve(kid, {"cache_salt": salt}, torch.float32, HIDDEN)
+        conn.send("hit")
+    except prefixes.PrefixNotFound as e:
+        conn.send((e.status, e.message))
+    except BaseException as e:
+        conn.send(repr(e))
+
+
+@pytest.fixture
+def owner():
+    ctx = multiprocessing.get_context("fork")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_owner, args=(there,), daemon=True)
+    proc.start()
+    kid = here.recv()
+    assert isinstance(kid, str) and len(kid) == 43, kid
+    yield kid, here, proc
+    if proc.is_alive():
+        here.send("exit")
+        proc.join(30)
+
+
+def _run(target, *args, timeout: float = 60):
+    ctx = multiprocessing.get_context("fork")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(there, *args), daemon=True)
+    proc.start()
+    assert here.poll(timeout), "the sibling did not answer"
+    return here.recv(), here, proc
+
+
+def _stats(conn):
+    conn.send("stats")
+    return conn.recv()
+
+
+def test_a_sibling_grows_the_owners_tip_in_place(owner):
+    kid, conn, _ = owner
+    (got, whole, has_prefix, headers, released), _, proc = _run(_continue, kid, False)
+    proc.join(30)
+    want = torch.arange(ROWS * HIDDEN, dtype=torch.float32).view(ROWS, HIDDEN)
+    assert got == want.tolist()
+    assert has_prefix, "the new rows were not written after the kept ones"
+    assert whole == torch.cat([want, -torch.ones(NEW, HIDDEN)]).tolist()
+    assert released
+    new_id = headers[b"shm-embeds-kept"].decode()
+    assert new_id[:8] == kid[:8] and new_id != kid  # the owner's id: turns stay there
+    entries, nbytes, tip_rows = _stats(conn)
+    assert sorted(e[0] for e in entries) == [ROWS, ROWS + NEW]
+    assert len({e[1] for e in entries}) == 1, "a second file: the rows were copied"
+    assert nbytes == (ROWS + NEW) * HIDDEN * 4 and tip_rows == ROWS + NEW  # once
+    assert all(e[2] == 0 for e in entries), "a pin outlived the sibling's request"
+    # the next turn continues the owner's new id from another sibling
+    got2, _, proc = _run(_miss, new_id, SALT)
+    assert got2 == "hit", got2
+
+
+def test_misses_are_one_404(owner):
+    from vllm._shm_embeds.ext.conversations import prefixes, remote, store
+
+    kid, conn, proc = owner
+    answers = [_run(_miss, *case)[0] for case in (
+        (kid, "other-salt"), (kid, None), (kid[:8] + "A" * 35, SALT), ("B" * 43, SALT))]
+    assert all(a == answers[0] for a in answers), answers
+    assert answers[0][0] == 404
+    assert "another" in answers[0][1] and kid not in answers[0][1]
+    # this process is the owner's parent, not its sibling: never served
+    assert remote.pin(kid, SALT, store.tag_of) is None
+    with pytest.raises(prefixes.PrefixNotFound):
+        prefixes.HOOK.resolve(kid, {"cache_salt": SALT}, torch.float32, HIDDEN)
+    conn.send("exit")
+    proc.join(30)
+    assert _run(_miss, kid, SALT)[0] == answers[0]  # the owner exited: the same 404
+
+
+def test_a_sibling_that_dies_mid_request_leaves_nothing_held(owner):
+    kid, conn, _ = owner
+    said, _, proc = _run(_continue, kid, True)
+    assert said == "pinned"
+    entries, _, _ = _stats(conn)
+    assert entries[0][2] == 1 and entries[0][3] == 2  # pinned; the claim's use
+    proc.kill()
+    proc.join(30)
+    deadline = time.monotonic() + 10
+    while (entries := _stats(conn)[0])[0][2:] != (0, 1) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert entries[0][2:] == (0, 1), entries  # the entry's own use only
+
+
+@pytest.mark.integration
+@pytest.mark.online
+def test_turns_that_reach_either_api_server_never_miss(dp_server):
+    """``--data-parallel-size 2``: two API servers. Each turn opens a new connection
+    (``Connection: close``), so turns land on either; every continuation is served
+    (no 404, no resend), answers as the whole conversation's token ids, and a turn
+    on the API server that did not keep the id grows the owner's memfd in place
+    (``sibling_hits``, ``tip_grown``, nothing copied)."""
+    import requests
+    from helpers import delta, embed_weights
+
+    import shm_embeds_client as sec
+
+    url, server = dp_server["url"], dp_server
+    kw = {"max_tokens": 4, "temperature": 0.0}
+    w = embed_weights(server.model)
+    ids = torch.randint(3, 1000, (12 * 24,), generator=torch.Generator().manual_seed(5))
+    embeds = w[ids].contiguous()
+    before = server.totals()
+    with sec.Conversation(url, "tiny", ttl_s=30, cache_salt="dp",
+                          headers={"Connection": "close"}) as conv:
+        for turn in range(12):
+            end = (turn + 1) * 24
+            got = conv.complete(embeds[end - 24:end], **kw)["choices"][0]["text"]
+            want = requests.post(url + "/v1/completions", timeout=300, json={
+                "model": "tiny", "prompt": ids[:end].tolist(), **kw}).json()
+            assert got == want["choices"][0]["text"], turn
+            assert conv.misses == 0 and conv.last_sent_rows == 24, turn
+            d = delta(before, server.totals())
+            if turn >= 3 and d.get("sibling_hits", 0) >= 2:
+                break
+    assert d.get("sibling_hits", 0) >= 1, f"no turn reached the other API server: {d}"
+    assert d.get("sibling_kept") == d.get("sibling_hits"), d  # each kept at its owner
+    assert "prefix_misses" not in d and "kept_copied_bytes" not in d, d
+    assert d.get("tip_grown") == turn, d  # every continuation grew the one memfd
+    assert d.get("prefix_hits") == turn, d

@@ -1,0 +1,136 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A continuation of an id a sibling API server kept (``siblings.py`` serves it).
+
+:func:`pin` connects to the sibling the id's tag names (only a sibling: same uid
+and parent), pins the kept rows there and receives their memfd (``SCM_RIGHTS``):
+a :class:`tips.Tip` of this process over the sibling's file, whose books (rows
+claimed, bytes charged) stay the sibling's. Rows after them are claimed there
+(:meth:`Remote.claim`) and written here into the same file (nothing copied), and
+a keep of the grown tensor is made there (:meth:`Remote.commit`: an id of the
+sibling, so every turn of a conversation stays with the server that kept it and
+its rows are in memory once). The connection is the lease: closing it (the last
+:meth:`Remote.let_go`, or this process's end) ends every pin and claim it held.
+Round trips block (at most ``TIMEOUT_S`` each): callers keep them off the event loop.
+Knows sockets and tips, not vLLM and not HTTP.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm._shm_embeds.ext.conversations import siblings
+from vllm._shm_embeds.ext.conversations.tips import Tip
+from vllm._shm_embeds.files.sockets import close_unasked, is_memfd, peer_is_sibling
+
+logger = init_logger(__name__)
+
+TIMEOUT_S = 5.0
+
+
+class Remote:
+    """One continuation's connection to the sibling that holds its prefix; counted
+    uses (:meth:`hold`, :meth:`let_go`), closed with the last."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock: socket.socket | None = sock
+        self._lock = threading.Lock()
+        self._uses = 1
+        self.tip: Tip | None = None
+
+    def _ask(self, msg: dict, blob: bytes = b"") -> dict | None:
+        """One round trip; None if the sibling is gone or answers nonsense."""
+        with self._lock:
+            if self._sock is None:
+                return None
+            try:
+                siblings.send(self._sock, msg, blob)
+                answer, _, fds = siblings.recv(self._sock, 0)
+                close_unasked(fds)
+                return answer
+            except (OSError, EOFError, ValueError):
+                return None
+
+    def claim(self, rows: int) -> str:
+        """Claim rows up to ``rows`` after the pinned ones: ``"ok"`` (one more use
+        of this lease, ended by :meth:`let_go`), ``"taken"`` (another request grew
+        it first) or ``"full"`` (no room there, or the sibling is gone)."""
+        got = (self._ask({"op": "claim", "rows": rows}) or {}).get("got")
+        if got == "ok":
+            with self._lock:
+                self._uses += 1
+            return got
+        return "taken" if got == "taken" else "full"
+
+    def unclaim(self, rows: int) -> None:
+        """Give back a claim whose rows nobody read (no answer waited for)."""
+        with self._lock:
+            if self._sock is not None:
+                try:
+                    siblings.send(self._sock, {"op": "unclaim", "rows": rows})
+                except OSError:
+                    pass
+
+    def commit(self, rows: int, digests: Any, salt: str | None, ttl_s: float) -> str | None:
+        """Keep the first ``rows`` rows (claimed by this lease) there, with
+        ``digests`` (``BlockDigests`` or None): the sibling's new id, or None."""
+        msg = {"op": "commit", "rows": rows, "salt": salt, "ttl": ttl_s,
+               "block": digests.block_tokens if digests is not None else None}
+        kid = (self._ask(msg, digests.digests if digests is not None else b"") or {}).get("id")
+        return kid if isinstance(kid, str) else None
+
+    def hold(self) -> None:
+        with self._lock:
+            self._uses += 1
+
+    def let_go(self, _: Any = None) -> None:
+        """One use ended; the last closes the connection (the sibling ends the pin
+        and claims) and this process's descriptor of the file (mappings stay)."""
+        with self._lock:
+            self._uses -= 1
+            if self._uses:
+                return
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+        if self.tip is not None:
+            self.tip.close()
+
+
+def pin(kid: str, salt: str | None, tag_of: Callable[[str], str]) -> tuple[Remote, int, Any] | None:
+    """Pin ``kid`` under ``salt`` at the sibling API server its tag names:
+    ``(remote, rows, (block_tokens, digests bytes) or None)`` with ``remote.tip``
+    the kept rows' file here, or None: no such sibling (or not one), not held
+    there, or any failure (the same miss for all)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    remote = Remote(sock)
+    fds: list[int] = []
+    try:
+        sock.settimeout(TIMEOUT_S)
+        sock.connect(siblings.address(tag_of(kid)))
+        if not peer_is_sibling(sock):  # never tell another process an id
+            raise ConnectionRefusedError("not a sibling")
+        siblings.send(sock, {"op": "pin", "id": kid, "salt": salt})
+        answer, blob, fds = siblings.recv(sock)
+        rows, hidden = answer.get("rows"), answer.get("hidden")
+        dtype = siblings.DTYPES.get(answer.get("dtype"))
+        if (answer.get("miss") or len(fds) != 1 or type(rows) is not int or rows < 1
+                or type(hidden) is not int or hidden < 1 or dtype is None
+                or not is_memfd(fds[0]) or os.fstat(fds[0]).st_size < rows * hidden
+                * dtype.itemsize):
+            return None
+        remote.tip = Tip(dtype, hidden, fds.pop())
+        remote.tip.remote = remote
+        block = answer.get("block")
+        return remote, rows, (block, blob) if type(block) is int else None
+    except (OSError, EOFError, ValueError, AttributeError):
+        return None
+    finally:
+        close_unasked(fds)
+        if remote.tip is None:
+            remote.let_go()

@@ -1,0 +1,249 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Kept ids served to sibling API servers (``--api-server-count`` > 1, or DP).
+
+Each API server keeps its own conversations; its ids start with its *tag* (8
+random characters, ``store.TAG_CHARS``), and it answers for them on the abstract
+``AF_UNIX`` ``SOCK_SEQPACKET`` socket named by that tag (:func:`listen`; no file,
+gone with the process). Only a sibling (same uid and parent: another API server
+of this ``vllm serve``, ``files/sockets.py`` as the regions socket checks it) is
+served; any other peer is closed unread. One connection is one continuation's
+lease (``remote.py`` is the asking side): ``pin`` (the kept rows' memfd fd by
+``SCM_RIGHTS``, rows, dtype, digests), ``claim`` (rows after them, to write in
+place), ``unclaim``, ``commit`` (the grown rows kept under a new id of this
+server). Whatever the connection held ends with it (a sibling's crash too).
+Messages: :func:`send` / :func:`recv` (one JSON object, then its blob in parts).
+Knows sockets and the store (``store.py``), not vLLM and not HTTP.
+"""
+
+from __future__ import annotations
+
+import array
+import errno
+import json
+import math
+import os
+import secrets
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from vllm.logger import init_logger
+
+from vllm._shm_embeds.counters import count
+from vllm._shm_embeds.ext.conversations.events import ConversationEvent
+from vllm._shm_embeds.files.sockets import (ANC_BYTES, close_unasked, is_sibling, peer_cred,
+                                            received_fds)
+
+logger = init_logger(__name__)
+
+MAX_MESSAGE = 16 << 10  # bytes of one JSON message
+PART = 32 << 10  # bytes of one message of a blob (well under SO_SNDBUF)
+MAX_BLOB = 64 << 20  # bytes of digests one message may carry (2M blocks)
+DIGEST_BYTES = 32  # SHA-256
+MAX_CONNECTIONS = 128  # sibling continuations served at once; beyond, a miss
+READY_WAIT_S = 30.0  # a pin waits this long for a keep still copying
+TAG_TRIES = 8  # tags tried past squatters of the abstract name
+DTYPES = {n: getattr(torch, n) for n in ("float16", "bfloat16", "float32", "float64")}
+
+
+def address(tag: str) -> str:
+    """The abstract socket name of the API server whose ids start with ``tag``."""
+    return f"\0vllm-shm-embeds-kept.{os.getuid()}.{tag}"
+
+
+def send(sock: socket.socket, msg: dict, blob: bytes = b"", fds: tuple[int, ...] = ()) -> None:
+    """One message: ``msg`` as JSON (with ``fds``), then ``blob`` in parts. Raises OSError."""
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
+    sock.sendmsg([json.dumps({**msg, "blob": len(blob)}).encode()], anc, socket.MSG_NOSIGNAL)
+    view = memoryview(blob)
+    for i in range(0, len(view), PART):
+        sock.sendmsg([view[i:i + PART]], [], socket.MSG_NOSIGNAL)
+
+
+def recv(sock: socket.socket, max_blob: int = MAX_BLOB) -> tuple[dict, bytes, list[int]]:
+    """One message: ``(msg, blob, fds)`` (the caller owns ``fds``). Raises EOFError
+    (closed), ValueError (malformed: its fds closed), OSError (timeout included)."""
+    data, anc, flags, _ = sock.recvmsg(MAX_MESSAGE, ANC_BYTES, socket.MSG_CMSG_CLOEXEC)
+    fds = received_fds(anc)
+    try:
+        if not data and not fds:
+            raise EOFError("closed")
+        msg = json.loads(data) if not flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) else None
+        n = msg.get("blob") if isinstance(msg, dict) else None
+        if type(n) is not int or not 0 <= n <= max_blob:
+            raise ValueError("malformed message")
+        blob = bytearray()
+        while len(blob) < n:
+            part = sock.recv(min(PART, n - len(blob)))
+            if not part:
+                raise EOFError("closed")
+            blob += part
+    except BaseException:
+        close_unasked(fds)
+        raise
+    return msg, bytes(blob), fds
+
+
+class Owner:
+    """This API server's side: the listener and one thread per sibling connection.
+
+    Args:
+        store: ``() -> store.Store`` (this process's).
+        max_bytes, max_entries: ``() -> int``, this server's share of the budget.
+        max_s: ``() -> float``, the longest keep.
+        block_digests: ``(block_tokens, rows, digests) -> digests.BlockDigests``.
+    """
+
+    def __init__(self, store: Callable[[], Any], max_bytes: Callable[[], int],
+                 max_entries: Callable[[], int], max_s: Callable[[], float],
+                 block_digests: Callable[[int, int, bytes], Any]) -> None:
+        self._store = store
+        self._limits = (max_bytes, max_entries, max_s, block_digests)
+        self._sock: socket.socket | None = None
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.tag = secrets.token_urlsafe(6)
+
+    def listen(self) -> str:
+        """Bind this server's abstract name (another tag past a squatter) and start
+        accepting; returns the tag its ids must start with. Never raises: without a
+        socket, ids still work here (siblings then miss)."""
+        for _ in range(TAG_TRIES):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            try:
+                sock.bind(address(self.tag))
+                sock.listen(64)
+            except OSError as e:
+                sock.close()
+                if e.errno != errno.EADDRINUSE:
+                    logger.warning("shm-embeds: kept ids are not served to sibling API "
+                                   "servers: %s", e)
+                    return self.tag
+                self.tag = secrets.token_urlsafe(6)
+                continue
+            self._sock = sock
+            threading.Thread(target=self._accept, args=(sock,), daemon=True,
+                             name="shm-embeds-kept-siblings").start()
+            return self.tag
+        logger.warning("shm-embeds: kept ids are not served to sibling API servers (every "
+                       "name tried is taken)")
+        return self.tag
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    threading.Event().wait(0.1)
+                    continue
+                return  # closed
+            try:
+                served = is_sibling(*peer_cred(sock)) and self._slots.acquire(blocking=False)
+            except OSError:
+                served = False
+            if not served:  # nothing it sent is read; a sibling beyond the cap misses
+                sock.close()
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(sock,), daemon=True,
+                                 name="shm-embeds-kept-sibling").start()
+            except RuntimeError:  # no thread: the sibling misses
+                sock.close()
+                self._slots.release()
+
+    def _serve(self, sock: socket.socket) -> None:
+        """One sibling connection: its messages until it closes; then every pin and
+        use it held ends. No exception leaves this thread."""
+        lease = _Lease(self._store(), *self._limits)
+        try:
+            while True:
+                msg, blob, fds = recv(sock)
+                close_unasked(fds)  # a sibling sends none
+                reply = lease.handle(msg, blob)
+                if reply is not None:
+                    send(sock, *reply)
+        except (EOFError, ValueError, OSError, TypeError, KeyError):
+            pass
+        except Exception:
+            logger.exception("shm-embeds: serving a sibling API server failed")
+        finally:
+            lease.end()
+            sock.close()
+            self._slots.release()
+
+
+class _Lease:
+    """What one sibling connection holds in the store: one pinned entry, the uses of
+    the rows it claimed after it."""
+
+    def __init__(self, store: Any, max_bytes: Callable[[], int],
+                 max_entries: Callable[[], int], max_s: Callable[[], float],
+                 block_digests: Callable[[int, int, bytes], Any]) -> None:
+        self.store = store
+        self.max_bytes, self.max_entries, self.max_s = max_bytes, max_entries, max_s
+        self.block_digests = block_digests
+        self.kept: Any = None
+        self.claimed: list[int] = []  # ends of the claims (one use of the tip each)
+
+    def handle(self, msg: dict, blob: bytes) -> tuple | None:
+        """The answer to one message (None: none). Raises ValueError, TypeError."""
+        op = msg.get("op")
+        if op == "pin" and self.kept is None:
+            return self._pin(msg.get("id"), msg.get("salt"))
+        tip = self.kept.tip if self.kept is not None else None
+        rows = msg.get("rows")
+        if tip is None or type(rows) is not int:
+            raise ValueError("not pinned")
+        start = self.kept.shape[0]
+        if op == "claim":
+            got = self.store.claim(tip, start, rows, self.max_bytes()) if rows > start else "taken"
+            if got is None:
+                self.claimed.append(rows)
+            return ({"got": got or "ok"},)
+        if op == "unclaim" and rows in self.claimed:
+            self.store.unclaim(tip, start, rows)
+            return None
+        ttl, salt, block = msg.get("ttl"), msg.get("salt"), msg.get("block")
+        if op == "commit" and rows in self.claimed and type(ttl) in (int, float) and (
+                math.isfinite(ttl) and ttl > 0 and (salt is None or isinstance(salt, str))):
+            d = (self.block_digests(block, rows, blob) if type(block) is int and block > 0
+                 and len(blob) == -(-rows // block) * DIGEST_BYTES else None)
+            kid = self.store.put(tip, rows, d, salt, min(ttl, self.max_s()),
+                                 self.max_entries())
+            if kid is not None:
+                count(ConversationEvent.SIBLING_KEPT)
+            return ({"id": kid},)
+        raise ValueError("unknown op")
+
+    def _pin(self, kid: Any, salt: Any) -> tuple:
+        if salt is not None and not isinstance(salt, str):
+            raise ValueError("salt")
+        kept = self.store.pin(kid, salt)
+        if kept is not None:
+            try:
+                kept.ready.result(READY_WAIT_S)
+            except Exception:  # (TimeoutError) a miss
+                pass
+            if not kept.ready.done() or kept.tip is None or kept.tip.fd is None:
+                self.store.unpin(kept)
+                kept = None
+        if kept is None:
+            return ({"miss": True},)
+        self.kept = kept
+        count(ConversationEvent.SIBLING_SERVED)
+        d = kept.digests
+        return ({"rows": kept.shape[0], "hidden": kept.shape[1],
+                 "dtype": str(kept.dtype).removeprefix("torch."),
+                 "block": d.block_tokens if d is not None else None},
+                d.digests if d is not None else b"", (kept.tip.fd,))
+
+    def end(self) -> None:
+        kept, self.kept = self.kept, None
+        if kept is None:
+            return
+        for _ in self.claimed:
+            self.store.let_go(kept.tip)
+        self.store.unpin(kept)
+
