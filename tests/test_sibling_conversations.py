@@ -160,37 +160,42 @@ def test_a_sibling_that_dies_mid_request_leaves_nothing_held(owner):
 
 @pytest.mark.integration
 @pytest.mark.online
-def test_turns_that_reach_either_api_server_never_miss(dp_server):
+@pytest.mark.parametrize("body", ["binary", "json"])
+def test_turns_that_reach_either_api_server_never_miss(dp_server, body):
     """``--data-parallel-size 2``: two API servers. Each turn opens a new connection
     (``Connection: close``), so turns land on either; every continuation is served
     (no 404, no resend), answers as the whole conversation's token ids, and a turn
     on the API server that did not keep the id grows the owner's memfd in place
-    (``sibling_hits``, ``tip_grown``, nothing copied)."""
+    (``sibling_hits``, ``tip_grown``; nothing copied but a JSON first turn's keep)."""
     import requests
     from helpers import delta, embed_weights
 
     import shm_embeds_client as sec
 
     url, server = dp_server["url"], dp_server
-    kw = {"max_tokens": 4, "temperature": 0.0}
+    kw = {"max_tokens": 4, "temperature": 0.0, "return_token_ids": True}
     w = embed_weights(server.model)
     ids = torch.randint(3, 1000, (12 * 24,), generator=torch.Generator().manual_seed(5))
     embeds = w[ids].contiguous()
     before = server.totals()
-    with sec.Conversation(url, "tiny", ttl_s=30, cache_salt="dp",
+    with sec.Conversation(url, "tiny", ttl_s=30, cache_salt=f"dp-{body}", body=body,
                           headers={"Connection": "close"}) as conv:
         for turn in range(12):
             end = (turn + 1) * 24
-            got = conv.complete(embeds[end - 24:end], **kw)["choices"][0]["text"]
+            got = conv.complete(embeds[end - 24:end], **kw)["choices"][0]["token_ids"]
             want = requests.post(url + "/v1/completions", timeout=300, json={
-                "model": "tiny", "prompt": ids[:end].tolist(), **kw}).json()
-            assert got == want["choices"][0]["text"], turn
+                "model": "tiny", "prompt": ids[:end].tolist(), "cache_salt": f"dp-{body}",
+                **kw}).json()
+            assert got == want["choices"][0]["token_ids"] and len(got) == 4, turn
             assert conv.misses == 0 and conv.last_sent_rows == 24, turn
             d = delta(before, server.totals())
             if turn >= 3 and d.get("sibling_hits", 0) >= 2:
                 break
     assert d.get("sibling_hits", 0) >= 1, f"no turn reached the other API server: {d}"
     assert d.get("sibling_kept") == d.get("sibling_hits"), d  # each kept at its owner
-    assert "prefix_misses" not in d and "kept_copied_bytes" not in d, d
+    assert d.get("sibling_served") == d.get("sibling_hits"), d
+    assert "prefix_misses" not in d, d
+    copied = 24 * embeds.shape[1] * embeds.element_size() if body == "json" else 0
+    assert d.get("kept_copied_bytes", 0) == copied, d  # the history: never
     assert d.get("tip_grown") == turn, d  # every continuation grew the one memfd
     assert d.get("prefix_hits") == turn, d
