@@ -108,16 +108,20 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
-def server_procs(server) -> dict[str, list[int]]:
-    """The API server's pid, the EngineCore's and the TP workers' (children of it)."""
+def server_procs(server, api_servers: int = 1) -> dict[str, list[int]]:
+    """The API servers' pids (``vllm serve``'s ``APIServer`` children when there are
+    several, else the server's own), the EngineCore's and the TP workers'."""
     from helpers import descendants
 
     engine = [p.pid for p in descendants(server.proc, "EngineCore")]
     workers = [p.pid for p in descendants(server.proc, "Worker") if p.pid not in engine]
-    if len(engine) != 1 or not workers:
-        raise BenchError(f"expected one EngineCore and TP workers under the server, found "
-                         f"EngineCore {engine}, workers {workers}")
-    return {"api": [server.proc.pid], "engine": engine, "workers": workers}
+    api = ([p.pid for p in descendants(server.proc, "APIServer")] if api_servers > 1
+           else [server.proc.pid])
+    if len(engine) != 1 or not workers or len(api) != api_servers:
+        raise BenchError(f"expected one EngineCore, TP workers and {api_servers} API "
+                         f"servers under the server, found EngineCore {engine}, workers "
+                         f"{workers}, API servers {api}")
+    return {"api": api, "engine": engine, "workers": workers}
 
 
 def cpu_of(procs: dict[str, list[int]]) -> dict[str, float]:
@@ -221,8 +225,11 @@ def run_conversation(mode: str, rep: int, server, procs, turns: Turns, args,
     sent: list[int] = []  # Content-Length of each request the Conversation sends
     client = httpx.Client(timeout=600, event_hooks={"request": [
         lambda req: sent.append(int(req.headers.get("Content-Length", 0)))]})
+    # Several API servers: a new connection each turn, so that turns spread over them.
+    spread = {"Connection": "close"} if args.api_servers > 1 else None
     conv = (sec.Conversation(url, MODEL, ttl_s=args.ttl_s, cache_salt=salt, client=client,
-                             body="json" if mode == "plugin_kept_json" else "binary")
+                             body="json" if mode == "plugin_kept_json" else "binary",
+                             headers=spread)
             if mode in KEPT else None)
     before_files = set(seg_files(server.seg_dir)) if mode in PLUGIN_MODES else set()
     before_memfds = {i for p in procs["api"] for i in memfds(p)}  # other conversations'
@@ -290,6 +297,7 @@ def run_conversation(mode: str, rep: int, server, procs, turns: Turns, args,
                 from helpers import delta
 
                 s["plugin_counters"] = delta(stats0, server.totals())
+                s["sibling_hits"] = s["plugin_counters"].get("sibling_hits", 0)
             if conv is not None:
                 s["sent_rows"], s["misses"] = conv.last_sent_rows, conv.misses
                 s["kept"] = conv.kept_id is not None
@@ -330,7 +338,9 @@ def run_server(plugin: bool, modes: list[str], args, turns: Turns, tmp: pathlib.
     from helpers import Server, ours_in, private_dirs_in
 
     name = "plugin" if plugin else "stock"
-    server = Server(tmp / name, "-tp", "2", shm_on=plugin, check_clean=False,
+    several = ("--api-server-count", str(args.api_servers)) if args.api_servers > 1 else ()
+    server = Server(tmp / name, "-tp", "2", *several, shm_on=plugin, check_clean=False,
+                    serve_cli=bool(several),
                     model=os.path.join(ROOT, ".models", "wide"),
                     max_model_len=args.turns * args.new_rows + 64,
                     env_extra={"VLLM_SHM_EMBEDS_MIN_BYTES": str(1 << 20)})
@@ -340,7 +350,7 @@ def run_server(plugin: bool, modes: list[str], args, turns: Turns, tmp: pathlib.
     pids: list[int] = []
     try:
         server.start()
-        procs = server_procs(server)
+        procs = server_procs(server, args.api_servers)
         pids = [p for v in procs.values() for p in v]
         print(f"[{name}] server up in {time.monotonic() - t:.0f} s: API {procs['api']}, "
               f"EngineCore {procs['engine']}, workers {procs['workers']}", flush=True)
@@ -366,7 +376,8 @@ ROW_COLS = [("turn", "turn", "d"), ("history_rows", "rows", "d"), ("wire_mib", "
             ("ttft_ms", "TTFT ms", ".0f"), ("api_cpu_s", "API CPU s", ".2f"),
             ("engine_cpu_s", "EngineCore CPU s", ".2f"), ("workers_cpu_s", "workers CPU s", ".2f"),
             ("shm_mib", "kept in shm MiB", ".0f"), ("hit_tokens", "cache hits", ".0f"),
-            ("query_tokens", "cache queries", ".0f"), ("match", "answer = text", "s")]
+            ("query_tokens", "cache queries", ".0f"), ("misses", "misses", ".0f"),
+            ("sibling_hits", "served by a sibling", ".0f"), ("match", "answer = text", "s")]
 SUMMARY_COLS = [("mode", "mode", "s"), ("ttft_last_ms", "turn-N TTFT ms", ".0f"),
                 ("x_text", "x text", ".2f"), ("cpu_first_s", "server CPU turn 1 s", ".2f"),
                 ("cpu_last_s", "turn N s", ".2f"), ("cpu_slope_s", "+ s / turn", ".3f"),
@@ -381,7 +392,8 @@ def per_turn(samples: list[dict], ref: dict[int, object]) -> list[dict]:
     for (mode, turn), group in C.group_samples(samples, ("mode", "turn")):
         row = {"mode": mode, "turn": turn, "history_rows": group[0]["history_rows"]}
         for key in ("wire_bytes", "ttft_ms", "api_cpu_s", "engine_cpu_s", "workers_cpu_s",
-                    "server_cpu_s", "shm_bytes", "hit_tokens", "query_tokens"):
+                    "server_cpu_s", "shm_bytes", "hit_tokens", "query_tokens", "misses",
+                    "sibling_hits"):
             vals = [s[key] for s in group if s.get(key) is not None]
             row[key] = C.median(vals) if vals else None
         row["wire_mib"] = row["wire_bytes"] / C.MIB
@@ -431,6 +443,9 @@ def main() -> None:
                     help="seconds after each answer before the CPU is read (vLLM's readers "
                          "spin 1 s after a step)")
     ap.add_argument("--ttl-s", type=float, default=60.0, help="kept modes: Shm-Embeds-Keep")
+    ap.add_argument("--api-servers", type=int, default=1,
+                    help="--api-server-count of both servers; above 1 each kept turn opens "
+                         "a new connection (turns spread over the API servers)")
     ap.add_argument("--seed", type=int, default=37)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                   "conversation.json"))

@@ -81,7 +81,7 @@ HASH_RETIRE = ("vLLM hashing prompt_embeds in the frontend, or carrying digests 
 
 SITES = (
     # generate_block_hash_extra_keys looks it up in its module's globals.
-    Site(key="embeds_block_hash", group="json", module=MODULE,
+    Site(key="embeds_block_hash", group="digests", module=MODULE,
          qualname="_gen_prompt_embeds_extra_hash_keys",
          params=("request", "start_token_idx", "end_token_idx"),
          marks=("request._prompt_embeds_per_block_hashes.get(block_range)",
@@ -93,7 +93,7 @@ SITES = (
               "is-token-ids mask too (upstream #56655)",
          why="vLLM SHA-256-hashes the embeds on the EngineCore's input thread",
          retire=HASH_RETIRE),
-    Site(key="embeds_block_hash_caller", group="json", module=MODULE,
+    Site(key="embeds_block_hash_caller", group="digests", module=MODULE,
          qualname="generate_block_hash_extra_keys",
          params=("request", "start_token_idx", "end_token_idx"),
          marks=("_gen_prompt_embeds_extra_hash_keys(",),
