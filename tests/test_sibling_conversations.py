@@ -20,9 +20,17 @@ import torch
 ROWS, NEW, HIDDEN, SALT = 40, 10, 8, "salt-a"
 
 
+def _several() -> None:
+    """This process is one of several API servers (vLLM's ``_api_process_count``)."""
+    from vllm._shm_embeds.ext.binary import common
+
+    common._api_servers = 2
+
+
 def _owner(conn) -> None:
     from vllm._shm_embeds.ext.conversations import prefixes
 
+    _several()
     try:
         tensor = torch.arange(ROWS * HIDDEN, dtype=torch.float32).view(ROWS, HIDDEN)
         tip = prefixes._new_tip(tensor.dtype, ROWS, HIDDEN)
@@ -44,6 +52,7 @@ def _owner(conn) -> None:
 def _continue(conn, kid: str, die: bool) -> None:
     from vllm._shm_embeds.ext.conversations import prefixes
 
+    _several()
     try:
         prefix = prefixes.HOOK.resolve(kid, {"cache_salt": SALT}, torch.float32, HIDDEN)
         got = prefix.tensor.clone()
@@ -68,6 +77,7 @@ def _continue(conn, kid: str, die: bool) -> None:
 def _miss(conn, kid: str, salt: str | None) -> None:
     from vllm._shm_embeds.ext.conversations import prefixes
 
+    _several()
     try:
         prefixes.HOOK.resolve(kid, {"cache_salt": salt}, torch.float32, HIDDEN)
         conn.send("hit")
@@ -137,8 +147,14 @@ def test_misses_are_one_404(owner):
     assert "another" in answers[0][1] and kid not in answers[0][1]
     # this process is the owner's parent, not its sibling: never served
     assert remote.pin(kid, SALT, store.tag_of) is None
-    with pytest.raises(prefixes.PrefixNotFound):
-        prefixes.HOOK.resolve(kid, {"cache_salt": SALT}, torch.float32, HIDDEN)
+    from vllm._shm_embeds.ext.binary import common
+
+    was, common._api_servers = common._api_servers, 2
+    try:
+        with pytest.raises(prefixes.PrefixNotFound):
+            prefixes.HOOK.resolve(kid, {"cache_salt": SALT}, torch.float32, HIDDEN)
+    finally:
+        common._api_servers = was
     conn.send("exit")
     proc.join(30)
     assert _run(_miss, kid, SALT)[0] == answers[0]  # the owner exited: the same 404
@@ -149,7 +165,7 @@ def test_a_sibling_that_dies_mid_request_leaves_nothing_held(owner):
     said, _, proc = _run(_continue, kid, True)
     assert said == "pinned"
     entries, _, _ = _stats(conn)
-    assert entries[0][2] == 1 and entries[0][3] == 2  # pinned; the claim's use
+    assert entries[0][2] == 0 and entries[0][3] == 2  # unpinned at the claim; its use
     proc.kill()
     proc.join(30)
     deadline = time.monotonic() + 10
@@ -202,3 +218,41 @@ def test_turns_that_reach_either_api_server_never_miss(dp_server, body):
     # ``vllm serve``'s EngineCore (not forked from an API server) uses the API
     # servers' digests: it hashes no block itself (the site's group is "digests")
     assert d.get("hash_reused_blocks", 0) > 0 and "hash_engine_blocks" not in d, d
+
+
+def _replay(conn, kid: str) -> None:
+    """A sibling that gives back a claim it already kept (and keeps one it gave back)."""
+    from vllm._shm_embeds.ext.conversations import remote, store
+
+    try:
+        pinned = remote.pin(kid, SALT, store.tag_of)
+        assert pinned is not None, "the first pin"
+        lease, rows, _ = pinned
+        assert lease.claim(rows + 20) == "ok"
+        lease.tip.ensure(rows + 20)  # (the rows' bytes: zeros here)
+        new = lease.commit(rows + 20, None, SALT, 60)
+        lease.unclaim(rows + 20)  # refused: those rows are kept now
+        assert new is not None, "the commit"
+        pinned = remote.pin(new, SALT, store.tag_of)
+        assert pinned is not None, "the second pin"
+        lease2, rows2, _ = pinned
+        assert lease2.claim(rows2 + 5) == "ok"
+        lease2.unclaim(rows2 + 5)
+        late = lease2.commit(rows2 + 5, None, SALT, 60)  # refused: given back
+        conn.send((new is not None, rows2, late))
+    except BaseException as e:
+        conn.send(repr(e))
+
+
+def test_the_owner_never_rewinds_kept_rows(owner):
+    """Rows once kept never change: an unclaim after a commit, or a commit after an
+    unclaim, is refused by the owner (whatever a sibling sends)."""
+    kid, conn, _ = owner
+    said, _, proc = _run(_replay, kid)
+    assert isinstance(said, tuple), said
+    made, rows2, late = said
+    proc.join(30)
+    assert made and rows2 == ROWS + 20 and late is None
+    entries, _, tip_rows = _stats(conn)
+    assert tip_rows == ROWS + 20, "the kept rows were given back"
+    assert sorted(e[0] for e in entries) == [ROWS, ROWS + 20]

@@ -94,12 +94,24 @@ def _open_sink(spec: TensorSpec) -> StreamedSegment | _Private:
         return _fall_back(None, spec, e)
 
 
+async def _off_loop(undo: Any, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` on a thread; if the awaiting task is cancelled, what it returns
+    (not None) is handed to ``undo`` once it does (nothing it took is left held)."""
+    fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() is not None
+                              or f.result() is None else undo(f.result()))
+        raise
+
+
 async def _resolve(hook: Any, value: Any, body: dict, spec: TensorSpec) -> Any:
     """``hook.resolve``; on a thread when it is a round trip to a sibling API server
     (``hook.is_remote``), so that the event loop never waits on another process."""
     if getattr(hook, "is_remote", None) is not None and hook.is_remote(value):
-        return await asyncio.get_running_loop().run_in_executor(
-            None, hook.resolve, value, body, spec.dtype, spec.shape[1])
+        return await _off_loop(lambda p: p.release(), hook.resolve, value, body, spec.dtype,
+                               spec.shape[1])
     return hook.resolve(value, body, spec.dtype, spec.shape[1])
 
 
@@ -225,10 +237,11 @@ class BinaryFormat:
                 raise
             for full, pre in zip(fulls, prefixes):
                 try:
-                    sink = (await asyncio.get_running_loop().run_in_executor(
-                        None, _hook_sink, hooks, pre, full, bool(keeps))
-                        if getattr(pre, "tip", None) is not None and pre.tip.remote is not None
-                        else _hook_sink(hooks, pre, full, bool(keeps)))  # (a round trip)
+                    sink = (await _off_loop(lambda s: s.abort(), _hook_sink, hooks, pre, full,
+                                            bool(keeps))  # a round trip to a sibling
+                            if getattr(pre, "tip", None) is not None
+                            and getattr(pre.tip, "remote", None) is not None
+                            else _hook_sink(hooks, pre, full, bool(keeps)))
                     segs.append(sink or _open_sink(full))
                 except OSError as e:  # (the hook gave back what it took)
                     logger.debug("shm-embeds: a prefix hook's sink failed: %s", e)

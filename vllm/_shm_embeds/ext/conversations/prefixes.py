@@ -86,7 +86,11 @@ def block_digests(block: int, rows: int, digests: bytes) -> Any:
     return _digests.BlockDigests(block, rows, digests)
 
 
-def _listen() -> str:
+def _listen() -> str | None:
+    """This store's tag, served to siblings; None (random ids, nobody asked) when
+    this ``vllm serve`` has one API server."""
+    if _common.api_servers() < 2:
+        return None
     return siblings.Owner(store, max_bytes, max_entries, settings.keep_max_s,
                           block_digests).listen()
 
@@ -383,14 +387,25 @@ class KeepRequest:
         sibling's tip grown here is kept there now (a round trip, on a thread)."""
         if self._sibling is not None and not self.answered:
             self.answered = True
-            lease, rows, d = self._sibling
-            try:
-                if status == 200:
-                    self.kid = await asyncio.get_running_loop().run_in_executor(
-                        None, lease.commit, rows, d, self.salt, self.ttl_s)
-            finally:
-                self._sibling = None
+            (lease, rows, d), self._sibling = self._sibling, None
+            if status != 200:
                 lease.let_go()
+                return []
+            salt = self.salt
+            fut = asyncio.get_running_loop().run_in_executor(None, lease.commit, rows, d,
+                                                             salt, self.ttl_s)
+
+            def orphaned(f: asyncio.Future) -> None:  # cancelled: the id is never sent
+                if not f.cancelled() and f.exception() is None and f.result() is not None:
+                    lease.drop(f.result(), salt)
+                lease.let_go()
+
+            try:
+                self.kid = await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                fut.add_done_callback(orphaned)
+                raise
+            lease.let_go()
             if self.kid is None:
                 return []
             count_many({ConversationEvent.KEPT_TENSORS: 1,
@@ -448,7 +463,8 @@ class Hook:
     def is_remote(self, value: Any) -> bool:
         """``value`` names an id another API server of this ``vllm serve`` made:
         resolving it is a round trip (callers keep it off the event loop)."""
-        return well_formed(value) and tag_of(value) != store().tag
+        return (_common.api_servers() > 1 and well_formed(value)
+                and tag_of(value) != store().tag)
 
     def _resolve_sibling(self, value: str, salt: str | None, dtype: torch.dtype,
                          hidden: int) -> SiblingPrefix:

@@ -30,7 +30,7 @@ from vllm._shm_embeds.files.sockets import close_unasked, is_memfd, peer_is_sibl
 
 logger = init_logger(__name__)
 
-TIMEOUT_S = 5.0
+TIMEOUT_S = 5.0  # a round trip (a pin: the owner's wait for a keep's copy too)
 
 
 class Remote:
@@ -44,7 +44,9 @@ class Remote:
         self.tip: Tip | None = None
 
     def _ask(self, msg: dict, blob: bytes = b"") -> dict | None:
-        """One round trip; None if the sibling is gone or answers nonsense."""
+        """One round trip; None if the sibling is gone or answers nonsense (then the
+        connection is closed: a late answer is never taken for the next one's, and
+        the sibling ends what this lease held; this process's descriptor stays)."""
         with self._lock:
             if self._sock is None:
                 return None
@@ -54,7 +56,18 @@ class Remote:
                 close_unasked(fds)
                 return answer
             except (OSError, EOFError, ValueError):
+                self._sock.close()
+                self._sock = None
                 return None
+
+    def _tell(self, msg: dict) -> None:
+        """A message no answer is waited for; never blocks (the event loop's)."""
+        with self._lock:
+            if self._sock is not None:
+                try:
+                    siblings.send(self._sock, msg, flags=socket.MSG_DONTWAIT)
+                except OSError:  # (full: the sibling is not reading) it ends with the lease
+                    pass
 
     def claim(self, rows: int) -> str:
         """Claim rows up to ``rows`` after the pinned ones: ``"ok"`` (one more use
@@ -68,13 +81,12 @@ class Remote:
         return "taken" if got == "taken" else "full"
 
     def unclaim(self, rows: int) -> None:
-        """Give back a claim whose rows nobody read (no answer waited for)."""
-        with self._lock:
-            if self._sock is not None:
-                try:
-                    siblings.send(self._sock, {"op": "unclaim", "rows": rows})
-                except OSError:
-                    pass
+        """Give back a claim whose rows nobody read (and its use there)."""
+        self._tell({"op": "unclaim", "rows": rows})
+
+    def drop(self, kid: str, salt: str | None) -> None:
+        """Forget ``kid``, which :meth:`commit` made and nobody was told."""
+        self._tell({"op": "drop", "id": kid, "salt": salt})
 
     def commit(self, rows: int, digests: Any, salt: str | None, ttl_s: float) -> str | None:
         """Keep the first ``rows`` rows (claimed by this lease) there, with
@@ -116,7 +128,9 @@ def pin(kid: str, salt: str | None, tag_of: Callable[[str], str]) -> tuple[Remot
         if not peer_is_sibling(sock):  # never tell another process an id
             raise ConnectionRefusedError("not a sibling")
         siblings.send(sock, {"op": "pin", "id": kid, "salt": salt})
+        sock.settimeout(siblings.READY_WAIT_S + TIMEOUT_S)  # its keep may still copy
         answer, blob, fds = siblings.recv(sock)
+        sock.settimeout(TIMEOUT_S)
         rows, hidden = answer.get("rows"), answer.get("hidden")
         dtype = siblings.DTYPES.get(answer.get("dtype"))
         if (answer.get("miss") or len(fds) != 1 or type(rows) is not int or rows < 1

@@ -42,8 +42,9 @@ MAX_MESSAGE = 16 << 10  # bytes of one JSON message
 PART = 32 << 10  # bytes of one message of a blob (well under SO_SNDBUF)
 MAX_BLOB = 64 << 20  # bytes of digests one message may carry (2M blocks)
 DIGEST_BYTES = 32  # SHA-256
-MAX_CONNECTIONS = 128  # sibling continuations served at once; beyond, a miss
-READY_WAIT_S = 30.0  # a pin waits this long for a keep still copying
+MAX_CONNECTIONS = 1024  # sibling continuations in flight at once; beyond, a miss
+READY_WAIT_S = 30.0  # a pin waits this long for a keep still copying (the asker longer)
+SWEEP_EVERY_S = 1.0  # the accept thread lets expired entries go (ids a sibling made)
 TAG_TRIES = 8  # tags tried past squatters of the abstract name
 DTYPES = {n: getattr(torch, n) for n in ("float16", "bfloat16", "float32", "float64")}
 
@@ -53,10 +54,12 @@ def address(tag: str) -> str:
     return f"\0vllm-shm-embeds-kept.{os.getuid()}.{tag}"
 
 
-def send(sock: socket.socket, msg: dict, blob: bytes = b"", fds: tuple[int, ...] = ()) -> None:
+def send(sock: socket.socket, msg: dict, blob: bytes = b"", fds: tuple[int, ...] = (),
+         flags: int = 0) -> None:
     """One message: ``msg`` as JSON (with ``fds``), then ``blob`` in parts. Raises OSError."""
     anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
-    sock.sendmsg([json.dumps({**msg, "blob": len(blob)}).encode()], anc, socket.MSG_NOSIGNAL)
+    sock.sendmsg([json.dumps({**msg, "blob": len(blob)}).encode()], anc,
+                 socket.MSG_NOSIGNAL | flags)
     view = memoryview(blob)
     for i in range(0, len(view), PART):
         sock.sendmsg([view[i:i + PART]], [], socket.MSG_NOSIGNAL)
@@ -131,14 +134,19 @@ class Owner:
         return self.tag
 
     def _accept(self, listener: socket.socket) -> None:
+        listener.settimeout(SWEEP_EVERY_S)
         while True:
             try:
                 sock, _ = listener.accept()
+            except TimeoutError:
+                self._sweep()
+                continue
             except OSError as e:
-                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    threading.Event().wait(0.1)
-                    continue
-                return  # closed
+                if listener.fileno() < 0:
+                    return  # closed
+                logger.warning("shm-embeds: accepting a sibling API server failed: %s", e)
+                threading.Event().wait(0.1)
+                continue
             try:
                 served = is_sibling(*peer_cred(sock)) and self._slots.acquire(blocking=False)
             except OSError:
@@ -147,11 +155,21 @@ class Owner:
                 sock.close()
                 continue
             try:
+                sock.settimeout(None)
                 threading.Thread(target=self._serve, args=(sock,), daemon=True,
                                  name="shm-embeds-kept-sibling").start()
             except RuntimeError:  # no thread: the sibling misses
                 sock.close()
                 self._slots.release()
+
+    def _sweep(self) -> None:
+        """Entries a sibling's commit made have no timer on this event loop."""
+        try:
+            store = self._store()
+            if len(store):
+                store.sweep()
+        except Exception:
+            logger.exception("shm-embeds: sweeping kept ids failed")
 
     def _serve(self, sock: socket.socket) -> None:
         """One sibling connection: its messages until it closes; then every pin and
@@ -175,8 +193,10 @@ class Owner:
 
 
 class _Lease:
-    """What one sibling connection holds in the store: one pinned entry, the uses of
-    the rows it claimed after it."""
+    """What one sibling connection holds in the store: one pinned entry (unpinned once
+    rows after it are claimed: the claim holds the tip), and the claims, each one
+    use of the tip until the connection ends; a claim is given back (``unclaim``) or
+    kept (``commit``) once, never both."""
 
     def __init__(self, store: Any, max_bytes: Callable[[], int],
                  max_entries: Callable[[], int], max_s: Callable[[], float],
@@ -185,7 +205,9 @@ class _Lease:
         self.max_bytes, self.max_entries, self.max_s = max_bytes, max_entries, max_s
         self.block_digests = block_digests
         self.kept: Any = None
-        self.claimed: list[int] = []  # ends of the claims (one use of the tip each)
+        self.pinned = False
+        self.claims: dict[int, bool] = {}  # end of a claim -> committed
+        self.made: list[tuple[str, Any]] = []  # ids committed here: (id, salt)
 
     def handle(self, msg: dict, blob: bytes) -> tuple | None:
         """The answer to one message (None: none). Raises ValueError, TypeError."""
@@ -200,19 +222,27 @@ class _Lease:
         if op == "claim":
             got = self.store.claim(tip, start, rows, self.max_bytes()) if rows > start else "taken"
             if got is None:
-                self.claimed.append(rows)
+                self.claims[rows] = False
+                self._unpin()  # (the claim's use holds the tip; the entry may go)
             return ({"got": got or "ok"},)
-        if op == "unclaim" and rows in self.claimed:
+        if op == "unclaim" and self.claims.get(rows) is False:
+            del self.claims[rows]
             self.store.unclaim(tip, start, rows)
+            self.store.let_go(tip)
+            return None
+        if op == "drop" and (kid := msg.get("id"), salt := msg.get("salt")) in self.made:
+            self.store.drop(kid, salt, "unanswered")  # the sibling never sent it
             return None
         ttl, salt, block = msg.get("ttl"), msg.get("salt"), msg.get("block")
-        if op == "commit" and rows in self.claimed and type(ttl) in (int, float) and (
+        if op == "commit" and self.claims.get(rows) is False and type(ttl) in (int, float) and (
                 math.isfinite(ttl) and ttl > 0 and (salt is None or isinstance(salt, str))):
             d = (self.block_digests(block, rows, blob) if type(block) is int and block > 0
                  and len(blob) == -(-rows // block) * DIGEST_BYTES else None)
             kid = self.store.put(tip, rows, d, salt, min(ttl, self.max_s()),
                                  self.max_entries())
+            self.claims[rows] = True
             if kid is not None:
+                self.made.append((kid, salt))
                 count(ConversationEvent.SIBLING_KEPT)
             return ({"id": kid},)
         raise ValueError("unknown op")
@@ -231,7 +261,7 @@ class _Lease:
                 kept = None
         if kept is None:
             return ({"miss": True},)
-        self.kept = kept
+        self.kept, self.pinned = kept, True
         count(ConversationEvent.SIBLING_SERVED)
         d = kept.digests
         return ({"rows": kept.shape[0], "hidden": kept.shape[1],
@@ -239,11 +269,17 @@ class _Lease:
                  "block": d.block_tokens if d is not None else None},
                 d.digests if d is not None else b"", (kept.tip.fd,))
 
+    def _unpin(self) -> None:
+        if self.pinned:
+            self.pinned = False
+            self.store.unpin(self.kept)
+
     def end(self) -> None:
-        kept, self.kept = self.kept, None
-        if kept is None:
+        if self.kept is None:
             return
-        for _ in self.claimed:
-            self.store.let_go(kept.tip)
-        self.store.unpin(kept)
+        tip = self.kept.tip
+        self._unpin()
+        self.kept = None
+        for _ in self.claims:
+            self.store.let_go(tip)
 
