@@ -81,8 +81,12 @@ def max_entries() -> int:
     return max(1, settings.keep_max_entries() // _common.api_servers())
 
 
-def block_digests(block: int, rows: int, digests: bytes) -> Any:
-    """``digests.BlockDigests`` of ``rows`` rows (a sibling's, checked by length)."""
+def block_digests(block: Any, rows: int, digests: bytes) -> Any:
+    """``digests.BlockDigests`` of ``rows`` rows a sibling sent, or None unless
+    ``block`` is a block size and ``digests`` one digest per block."""
+    if type(block) is not int or block < 1 or len(digests) != (
+            -(-rows // block) * _digests.DIGEST_BYTES):
+        return None
     return _digests.BlockDigests(block, rows, digests)
 
 
@@ -473,10 +477,7 @@ class Hook:
             count(ConversationEvent.PREFIX_MISSES)
             raise PrefixNotFound()
         lease, rows, sent = pinned
-        d = None
-        if sent is not None and len(sent[1]) == -(-rows // sent[0]) * _digests.DIGEST_BYTES:
-            d = block_digests(sent[0], rows, sent[1])
-        prefix = SiblingPrefix(lease, rows, d)
+        prefix = SiblingPrefix(lease, rows, block_digests(*sent) if sent else None)
         if lease.tip.dtype != dtype or lease.tip.hidden != hidden:
             prefix.release()
             raise _bad("prefix_dtype", "a continuation must have the datatype and hidden "

@@ -116,7 +116,7 @@ class Remote:
 
 def pin(kid: str, salt: str | None, tag_of: Callable[[str], str]) -> tuple[Remote, int, Any] | None:
     """Pin ``kid`` under ``salt`` at the sibling API server its tag names:
-    ``(remote, rows, (block_tokens, digests bytes) or None)`` with ``remote.tip``
+    ``(remote, rows, (block_tokens, rows, digests bytes) or None)`` with ``remote.tip``
     the kept rows' file here, or None: no such sibling (or not one), not held
     there, or any failure (the same miss for all)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -141,7 +141,7 @@ def pin(kid: str, salt: str | None, tag_of: Callable[[str], str]) -> tuple[Remot
         remote.tip = Tip(dtype, hidden, fds.pop())
         remote.tip.remote = remote
         block = answer.get("block")
-        return remote, rows, (block, blob) if type(block) is int else None
+        return remote, rows, (block, rows, blob) if block is not None else None
     except (OSError, EOFError, ValueError, AttributeError):
         return None
     finally:

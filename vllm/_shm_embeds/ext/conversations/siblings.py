@@ -41,7 +41,6 @@ logger = init_logger(__name__)
 MAX_MESSAGE = 16 << 10  # bytes of one JSON message
 PART = 32 << 10  # bytes of one message of a blob (well under SO_SNDBUF)
 MAX_BLOB = 64 << 20  # bytes of digests one message may carry (2M blocks)
-DIGEST_BYTES = 32  # SHA-256
 MAX_CONNECTIONS = 1024  # sibling continuations in flight at once; beyond, a miss
 READY_WAIT_S = 30.0  # a pin waits this long for a keep still copying (the asker longer)
 SWEEP_EVERY_S = 1.0  # the accept thread lets expired entries go (ids a sibling made)
@@ -96,7 +95,8 @@ class Owner:
         store: ``() -> store.Store`` (this process's).
         max_bytes, max_entries: ``() -> int``, this server's share of the budget.
         max_s: ``() -> float``, the longest keep.
-        block_digests: ``(block_tokens, rows, digests) -> digests.BlockDigests``.
+        block_digests: ``(block_tokens, rows, digests) -> digests.BlockDigests``,
+            or None when they do not fit the rows.
     """
 
     def __init__(self, store: Callable[[], Any], max_bytes: Callable[[], int],
@@ -236,10 +236,8 @@ class _Lease:
         ttl, salt, block = msg.get("ttl"), msg.get("salt"), msg.get("block")
         if op == "commit" and self.claims.get(rows) is False and type(ttl) in (int, float) and (
                 math.isfinite(ttl) and ttl > 0 and (salt is None or isinstance(salt, str))):
-            d = (self.block_digests(block, rows, blob) if type(block) is int and block > 0
-                 and len(blob) == -(-rows // block) * DIGEST_BYTES else None)
-            kid = self.store.put(tip, rows, d, salt, min(ttl, self.max_s()),
-                                 self.max_entries())
+            kid = self.store.put(tip, rows, self.block_digests(block, rows, blob), salt,
+                                 min(ttl, self.max_s()), self.max_entries())
             self.claims[rows] = True
             if kid is not None:
                 self.made.append((kid, salt))
