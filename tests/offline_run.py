@@ -134,7 +134,7 @@ def preempt_tips(llm, weights, ids: list, sp, count) -> dict:
     for i in ids:
         whole = weights[torch.tensor(i)].contiguous()
         half, rows = whole.shape[0] // 2, whole.shape[0]
-        tip = prefixes._new_tip(whole.dtype, half, whole.shape[1])
+        tip = prefixes.new_tip(whole.dtype, half, whole.shape[1])
         first = sink(tip, 0, whole[:half], half)
         assert prefixes.store().claim(tip, half, rows, 1 << 30) is None  # grows in place
         tensors.append(sink(tip, half, whole[half:], rows))

@@ -539,7 +539,7 @@ def test_a_cancelled_waiter_leaves_a_pending_id_to_the_others(shm_env):
         await asyncio.sleep(0.05)
         waiting.cancel()
         await asyncio.sleep(0.05)
-        tip = prefixes._new_tip(torch.float32, 4, 8)
+        tip = prefixes.new_tip(torch.float32, 4, 8)
         tip.ensure(4)
         tip.write(memoryview(bytes(128)), 0)
         store.fill(kept, tip)

@@ -33,7 +33,7 @@ def _owner(conn) -> None:
     _several()
     try:
         tensor = torch.arange(ROWS * HIDDEN, dtype=torch.float32).view(ROWS, HIDDEN)
-        tip = prefixes._new_tip(tensor.dtype, ROWS, HIDDEN)
+        tip = prefixes.new_tip(tensor.dtype, ROWS, HIDDEN)
         tip.ensure(ROWS)
         tip.write(memoryview(tensor.view(-1).view(torch.uint8).numpy()), 0)
         kid = prefixes.store().put(tip, ROWS, None, SALT, 60, 16)

@@ -56,6 +56,12 @@ of the whole history (``conversation.py``, ``docs/conversations.md``)::
     conv.close()                                # its connections (or: with sec.Conversation(...))
     out = await sec.AsyncConversation(...).acomplete(turn1, max_tokens=16)
 
+A chat keeps its embeds parts the same way (``chat_conversation.py``)::
+
+    chat = sec.ChatConversation("http://localhost:8000", "my-model", ttl_s=600)
+    out = chat.send(turn1_embeds, max_tokens=16)     # the part sent, kept
+    out = chat.send(turn2_embeds, max_tokens=16)     # turn 1's part by id, turn 2's sent
+
 Calls reuse their connections (``pool.py``): the one-shot helpers share one
 ``httpx`` client per process, a conversation keeps one of its own for its turns.
 
@@ -83,7 +89,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["AsyncConversation", "Continuation", "Conversation",
+__all__ = ["AsyncConversation", "ChatConversation", "Continuation", "Conversation", "KeptPart",
            "Region", "RegionClient", "RegionRefused", "achat", "achat_openai_json",
            "acomplete", "acomplete_openai_json", "chat", "chat_openai_json", "complete",
            "complete_openai_json", "connect_regions", "frame", "openai_json_body"]
@@ -92,7 +98,8 @@ __all__ = ["AsyncConversation", "Continuation", "Conversation",
 _SUBMODULE = {
     "complete": "http", "chat": "http",
     "acomplete": "aio", "achat": "aio",
-    "frame": "_framing", "Continuation": "_framing",
+    "frame": "_framing", "Continuation": "_framing", "KeptPart": "_framing",
+    "ChatConversation": "chat_conversation",
     "Conversation": "conversation", "AsyncConversation": "conversation",
     "complete_openai_json": "http", "chat_openai_json": "http",
     "acomplete_openai_json": "aio", "achat_openai_json": "aio",

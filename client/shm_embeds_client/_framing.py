@@ -18,7 +18,7 @@ import torch
 
 from shm_embeds_client._tensors import _bytes_of, _wire
 from shm_embeds_client.regions import Region
-from shm_embeds_client.wire import CONTENT_TYPE, HEADER_LENGTH, JSON_CONTENT_TYPE, PREFIX
+from shm_embeds_client.wire import CONTENT_TYPE, HEADER_LENGTH, JSON_CONTENT_TYPE, PART, PREFIX
 
 _CHUNK = 1 << 20
 
@@ -49,6 +49,26 @@ class Continuation:
             raise ValueError("Continuation.prefix_rows must be the kept rows' count (>= 1)")
 
 
+@dataclass(frozen=True)
+class KeptPart:
+    """Embeds part ``index`` (0-based, in document order) of a chat request the server
+    kept (``kept_id``: its ``Shm-Embeds-Kept`` header), in place of a chat part's tensor:
+    sent as the string :attr:`ref` (``docs/conversations.md``; stock vLLM refuses it)."""
+
+    kept_id: str
+    index: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kept_id, str) or not self.kept_id:
+            raise ValueError("KeptPart.kept_id must be a non-empty kept id (str)")
+        if not isinstance(self.index, int) or self.index < 0:
+            raise ValueError("KeptPart.index must be an int >= 0")
+
+    @property
+    def ref(self) -> str:
+        return f"{PART}{self.kept_id}.{self.index}"
+
+
 def frame(body: dict, route: str = "completions") -> tuple[dict[str, str], list, int]:
     """Frame a request whose ``prompt_embeds`` values are tensors.
 
@@ -66,10 +86,13 @@ def frame(body: dict, route: str = "completions") -> tuple[dict[str, str], list,
             :class:`Continuation` in a chat request or beside another tensor.
     """
     tensors: list[torch.Tensor] = []
-    continued = False
+    continued, refs = False, 0
 
-    def take(t: Any) -> dict:
-        nonlocal continued
+    def take(t: Any) -> Any:
+        nonlocal continued, refs
+        if isinstance(t, KeptPart) and route == "chat":
+            refs += 1
+            return t.ref
         if isinstance(t, Continuation):
             if route != "completions":
                 raise ValueError("a Continuation (rows after a kept prefix) is for "
@@ -84,7 +107,7 @@ def frame(body: dict, route: str = "completions") -> tuple[dict[str, str], list,
         return desc
 
     body = _map_embeds(body, route, take)
-    if not tensors:
+    if not tensors and not refs:
         raise ValueError("no prompt_embeds tensor in the request")
     if continued and len(tensors) > 1:
         raise ValueError("a Continuation must be the request's only prompt_embeds tensor")

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from shm_embeds_client._framing import Continuation, _map_embeds, _request
+from shm_embeds_client._framing import Continuation, KeptPart, _map_embeds, _request
 from shm_embeds_client.wire import JSON_CONTENT_TYPE, PREFIX, PREFIX_DATA, PREFIX_ROWS
 
 __all__ = ["DTYPES", "openai_json_body", "openai_json_request"]
@@ -165,8 +165,13 @@ def openai_json_body(model: str, tensor: Any = None, *, route: str = "completion
         raise ValueError(f"route must be 'completions' or 'chat', got {route!r}")
     tensors: list[torch.Tensor] = []
     marker = f"shm-embeds-{secrets.token_hex(16)}"
+    refs = 0
 
     def take(t: Any) -> Any:
+        nonlocal refs
+        if isinstance(t, KeptPart) and route == "chat":  # a kept part, by id
+            refs += 1
+            return t.ref
         if isinstance(t, Continuation):  # the kept rows by id, then these rows
             if route != "completions":
                 raise ValueError("a Continuation is for completions requests")
@@ -175,7 +180,7 @@ def openai_json_body(model: str, tensor: Any = None, *, route: str = "completion
         return f"{marker}-{len(tensors) - 1}"
 
     skeleton = _map_embeds(_request(route, model, tensor, fields), route, take)
-    if not tensors:
+    if not tensors and not refs:
         raise ValueError("no prompt_embeds tensor in the request")
     parts = re.split(rb'"' + marker.encode() + rb'-(\d+)"', json.dumps(skeleton).encode())
     order = [int(i) for i in parts[1::2]]

@@ -53,3 +53,6 @@ PREFIX_NOT_FOUND = "PrefixNotFound"  # error type (HTTP 404): unknown, expired o
 # PREFIX_DATA: base64 torch.save of the new rows} (stock vLLM refuses an object there).
 PREFIX_ROWS = "prefix_rows"
 PREFIX_DATA = "data"
+# Chat: a kept turn's embeds part k named as the data of a prompt_embeds content
+# part, PART + id + "." + k (stock vLLM refuses it: not base64).
+PART = "shm-embeds-part:"

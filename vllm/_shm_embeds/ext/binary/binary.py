@@ -24,6 +24,7 @@ import sys
 from typing import Any
 
 import torch
+from shm_embeds_client import wire
 from starlette.datastructures import Headers
 from vllm.logger import init_logger
 
@@ -47,7 +48,7 @@ from vllm._shm_embeds.ext.binary.binary_header import (  # noqa: F401 (re-export
     parse_header,
     parse_spec,
 )
-from vllm._shm_embeds.ext.binary.common import COMPLETIONS, ServerContext, prefix_hooks
+from vllm._shm_embeds.ext.binary.common import COMPLETIONS, ServerContext, chat_hook, prefix_hooks
 from vllm._shm_embeds.ext.binary.gate import Body, Claim, Disconnected, Outcome, Refused
 from vllm._shm_embeds.ext.binary.placeholders import Upload
 from vllm._shm_embeds.lifetime.transfer import release_streamed
@@ -202,7 +203,8 @@ class BinaryFormat:
     async def prepare(self, path: str, body: Body, ctx: ServerContext | None,
                       claim: Claim) -> Outcome:
         (json_len, content_length), h = claim.state
-        hooks = prefix_hooks()
+        hooks, chat = prefix_hooks(), chat_hook()
+        turn = None  # a chat turn's kept parts and keep (chat_hook)
         segs: list[StreamedSegment | _Private] = []
         hashers: list[digests.StreamHasher | None] = []
         prefixes: list[Any] = []
@@ -211,7 +213,8 @@ class BinaryFormat:
         try:
             header = await _read_exact(body, json_len)
             try:
-                parsed = parse_header(header, path, ctx, content_length, frozenset(hooks))
+                parsed = parse_header(header, path, ctx, content_length, frozenset(
+                    [*hooks, *([wire.PART] if chat is not None else [])]))
             except Refused:  # e.g. a continuation past --max-model-len: answered, not reset
                 await _drain_stated(body, content_length, json_len, ctx)
                 raise
@@ -219,6 +222,9 @@ class BinaryFormat:
             try:  # every reference resolved and checked before a byte is read
                 keeps = [k for hook in hooks.values() if (k := hook.keep_request(
                     h, path, parsed.body, len(parsed.specs))) is not None]
+                if chat is not None and (turn := chat.chat_turn(
+                        h, path, parsed.body, ctx.dtype, ctx.hidden_size)) is not None:
+                    await turn.ready()
                 fulls = []
                 for spec in parsed.specs:
                     prefixes.append(None)
@@ -274,6 +280,9 @@ class BinaryFormat:
             hashers = []
             upload = Upload(parsed.token, tensors, ctx.hash_block_tokens)
             made, tensors = tensors, []  # (the upload's from here)
+            if turn is not None:
+                upload.turn, turn = turn, None
+                upload.keeps.append(upload.turn)
             try:
                 for keep in keeps:  # a copy, on a thread, while vLLM serves the request
                     keep.start(made[0])
@@ -302,6 +311,8 @@ class BinaryFormat:
                     pre.release()
             for keep in keeps:
                 keep.close()
+            if turn is not None:
+                turn.close()
         return Outcome(json.dumps(parsed.body).encode(), upload,
                        content_type=b"application/json")
 

@@ -261,7 +261,9 @@ def parse_header(
         route: ``/v1/completions`` or ``/v1/chat/completions``.
         limits: the served model's limits.
         content_length: the request's ``Content-Length`` (None if chunked).
-        accepted: descriptor parameters the loaded extensions read (:func:`parse_spec`).
+        accepted: descriptor parameters the loaded extensions read (:func:`parse_spec`);
+            with ``wire.PART`` in it, a chat part whose ``data`` is a string starting
+            with it (a kept part, ``conversations/chat.py``) is left as it is.
     Returns:
         the body with placeholders, and the specs of the tensors that follow.
     Raises:
@@ -289,11 +291,16 @@ def parse_header(
     if len(slots) > binary_max_tensors():
         raise _bad("too_many", f"the body carries {len(slots)} prompt_embeds tensors, more "
                    f"than the server's limit of {binary_max_tensors()}")
+    refs = 0
     for where, container, key in slots:
+        value = container.get(key) if isinstance(container, dict) else None
+        if wire.PART in accepted and isinstance(value, str) and value.startswith(wire.PART):
+            refs += 1
+            continue
         specs.append(parse_spec(container.get(key) if isinstance(container, dict)
                                 else container[key], limits, where, accepted))
         container[key] = placeholder(token, len(specs) - 1)
-    if not specs:
+    if not specs and not refs:
         raise _bad("no_tensor", "a binary request body needs at least one "
                    "prompt_embeds descriptor in its JSON header")
     total = sum(s.nbytes for s in specs)

@@ -192,3 +192,27 @@ def prefix_hooks() -> dict[str, Any]:
                 continue
             _HOOKS[hook.parameter] = hook
     return _HOOKS
+
+
+_CHAT: list[Any] | None = None
+
+
+def chat_hook() -> Any:
+    """The hook of the extension that provides ``chat_turns`` (conversations), or None:
+    ``chat_turn(headers, path, body, dtype, hidden)`` -> None or a turn with ``async
+    ready()``/``wait()``, ``part(data)``, ``build(token_ids, tensors, positions)``,
+    ``async hash(tensor, block)``, ``rendered(prompt)`` and the keep interface of
+    :func:`prefix_hooks` (``response_headers``, ``settled``, ``close``); raises
+    ``gate.Refused``. Parts it names are strings ``wire.PART...`` in a part's ``data``."""
+    global _CHAT
+    if _CHAT is None:
+        _CHAT = []
+        for ext, entry in extensions.provided("chat_turns"):
+            module, _, attr = entry["target"].partition(":")
+            try:
+                _CHAT.append(getattr(importlib.import_module(
+                    f"{extensions.package_of(ext)}.{module}"), attr))
+            except Exception:
+                logger.warning("shm-embeds: extension %s's chat hook not loaded", ext,
+                               exc_info=True)
+    return _CHAT[0] if _CHAT else None

@@ -62,6 +62,8 @@ class Upload:
         keeps: what an extension's hook does with the request's tensors while
             vLLM serves it (``binary.prefix_hooks``): headers at the response's
             start, closed before the tensors' pages go.
+        turn: a chat turn of ``common.chat_hook()`` (kept parts this request names,
+            its rendered prompt built and kept), also among ``keeps``; or None.
     """
 
     token: str
@@ -71,6 +73,7 @@ class Upload:
     leases: list[Any] = dataclasses.field(default_factory=list)
     errors: dict[int, BaseException] = dataclasses.field(default_factory=dict)
     keeps: list[Any] = dataclasses.field(default_factory=list)
+    turn: Any = None
 
     def responding(self) -> None:
         """vLLM has started the response body (the request's engines hold what
@@ -92,6 +95,7 @@ class Upload:
         for keep in self.keeps:
             keep.close()  # its copy done before the pages go
         self.keeps.clear()
+        self.turn = None
         borrowed = {id(lease.tensor) for lease in self.leases}
         for t in [*self.tensors, *self.made]:
             if t is not None and id(t) not in borrowed:

@@ -60,11 +60,19 @@ def wrap_load_chat_embeds_async(orig: Callable) -> Callable:
 
     async def _load_prompt_embeds_async(self, data_bytes, *args, **kwargs):
         tensor = resolve_placeholder(data_bytes)
+        if tensor is None and (turn := _turn()) is not None:
+            tensor = turn.part(data_bytes)  # a kept part this request names
         if tensor is not None:
             return tensor, None
         return await orig(self, data_bytes, *args, **kwargs)
 
     return _load_prompt_embeds_async
+
+
+def _turn():
+    """The chat turn (``Upload.turn``) of the request being served, or None."""
+    upload = current_upload()
+    return upload.turn if upload is not None else None
 
 
 def _ours(tensor: torch.Tensor) -> bool:
@@ -128,7 +136,14 @@ def wrap_build_mixed_prompt_embeds(orig: Callable) -> Callable:
     def _build_mixed_prompt_embeds(token_ids, prompt_embeds_tensors, positions,
                                    *args, **kwargs):
         tensors = list(prompt_embeds_tensors)
-        if args or kwargs or not tensors or not any(_ours(t) for t in tensors):
+        turn = _turn()
+        if turn is not None and not args and not kwargs and tensors:
+            built = turn.build(token_ids, tensors, list(positions))  # grown in place, kept
+            if built is not None:
+                current_upload().made.append(built[0])
+                return built
+        if args or kwargs or not tensors or not (turn is not None or any(
+                _ours(t) for t in tensors)):
             return orig(token_ids, prompt_embeds_tensors, positions, *args, **kwargs)
         total = len(token_ids)
         if len(tensors) == 1 and list(positions) == [(0, total)] and \
@@ -166,7 +181,9 @@ async def hash_prompt_embeds(prompt) -> None:
             or not tensor.shape[0] or digests.attached(tensor) is not None \
             or not _ours(tensor):
         return
-    found = await asyncio.wrap_future(digests.hash_tensor(tensor, block))
+    found = await upload.turn.hash(tensor, block) if upload.turn is not None else None
+    if found is None:
+        found = await asyncio.wrap_future(digests.hash_tensor(tensor, block))
     digests.attach(tensor, found)
 
 
@@ -178,6 +195,8 @@ def wrap_render_messages_async(orig: Callable) -> Callable:
     async def render_messages_async(self, messages, params, *args, **kwargs):
         conversation, prompt = await orig(self, messages, params, *args, **kwargs)
         await hash_prompt_embeds(prompt)
+        if (turn := _turn()) is not None:
+            turn.rendered(prompt)  # kept, if the request asked
         return conversation, prompt
 
     return render_messages_async

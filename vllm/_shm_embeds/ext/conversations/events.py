@@ -26,3 +26,7 @@ class ConversationEvent(EventKind):
     SIBLING_SERVED = ("sibling_served", None, "kept tensors of this API server a sibling pinned")
     SIBLING_KEPT = ("sibling_kept", None,
                     "ids this API server made for a sibling's continuation of its rows")
+    CHAT_PARTS = ("chat_parts", None, "chat prompt_embeds parts served from kept memory")
+    CHAT_GROWN = ("chat_grown", None, "chat prompts written after the kept turn's, in place")
+    CHAT_REBUILT = ("chat_rebuilt", None, "chat prompts naming kept parts that did not begin "
+                    "with their kept turn's prompt: built whole", ("reason",))

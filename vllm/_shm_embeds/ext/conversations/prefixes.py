@@ -3,7 +3,7 @@
 
 A request with ``Shm-Embeds-Keep: <seconds>`` has its ``prompt_embeds`` kept: written
 into a tip (``tips.py``) as its body arrives, or copied into one while vLLM serves it
-(:class:`KeepRequest`); a 200 answer carries ``Shm-Embeds-Kept: <id>``. A later
+(``keeps.KeepRequest``); a 200 answer carries ``Shm-Embeds-Kept: <id>``. A later
 request names the id and sends only the rows after those kept: they are written
 after the kept rows in the same tip (:meth:`Hook.open_sink`; a second branch or no
 room: a copy), the kept rows' block digests reused, and hop 1 sends the tip by
@@ -15,9 +15,7 @@ May import: the core; ``binary`` (gate, common) and ``digests`` via ``extensions
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import math
-import os
 from typing import Any
 
 import torch
@@ -25,11 +23,13 @@ from shm_embeds_client import wire
 from vllm.logger import init_logger
 
 from vllm._shm_embeds import extensions
-from vllm._shm_embeds.counters import Event, count, count_many, count_reason
-from vllm._shm_embeds.ext.conversations import remote, settings, siblings, tips
+from vllm._shm_embeds.counters import Event, count, count_many
+from vllm._shm_embeds.ext.conversations import remote, settings, tips
 from vllm._shm_embeds.ext.conversations.events import ConversationEvent
-from vllm._shm_embeds.ext.conversations.store import Kept, current, tag_of, well_formed
-from vllm._shm_embeds.files import segment as seg
+from vllm._shm_embeds.ext.conversations.keeps import KeepRequest
+from vllm._shm_embeds.ext.conversations.local import (block_digests, holder, let_go, max_bytes,
+                                                      new_tip, store, unclaim)
+from vllm._shm_embeds.ext.conversations.store import Kept, tag_of, well_formed
 from vllm._shm_embeds.handle import ShmEmbedsError
 
 logger = init_logger(__name__)
@@ -42,7 +42,6 @@ MISS = ("the prompt_embeds prefix this request names is not held by this server 
         "expired or evicted, kept under another cache_salt, or by another server process); "
         "send the whole tensor")
 KEEP_HEADER = wire.KEEP_HEADER.lower()
-KEPT_HEADER = wire.KEPT_HEADER.lower().encode()
 
 
 class PrefixNotFound(_gate.Refused):
@@ -60,71 +59,24 @@ def _bad(reason: str, message: str) -> Exception:
     return _gate.Refused(400, reason, message)
 
 
-def store():
-    """This process's kept tensors (``store.Store``); its ids are served to sibling
-    API servers (``siblings.Owner``, started with it)."""
-    return current(_close_tip, _listen)
-
-
-def _close_tip(tip: tips.Tip) -> None:
-    tip.close()
-
-
-def max_bytes() -> int:
-    """This API server's share of ``KEEP_MAX_BYTES``: the budget is the whole
-    server's, split over its API servers (vLLM's ``_api_process_count``)."""
-    return settings.keep_max_bytes() // _common.api_servers()
-
-
-def max_entries() -> int:
-    """This API server's share of ``KEEP_MAX_ENTRIES`` (at least one)."""
-    return max(1, settings.keep_max_entries() // _common.api_servers())
-
-
-def block_digests(block: Any, rows: int, digests: bytes) -> Any:
-    """``digests.BlockDigests`` of ``rows`` rows a sibling sent, or None unless
-    ``block`` is a block size and ``digests`` one digest per block."""
-    if type(block) is not int or block < 1 or len(digests) != (
-            -(-rows // block) * _digests.DIGEST_BYTES):
-        return None
-    return _digests.BlockDigests(block, rows, digests)
-
-
-def _listen() -> str | None:
-    """This store's tag, served to siblings; None (random ids, nobody asked) when
-    this ``vllm serve`` has one API server."""
-    if _common.api_servers() < 2:
-        return None
-    return siblings.Owner(store, max_bytes, max_entries, settings.keep_max_s,
-                          block_digests).listen()
-
-
-def _let_go(tip: tips.Tip) -> None:
-    """A use of ``tip`` ended: of this store's, or of a sibling's lease."""
-    if tip.remote is not None:
-        tip.remote.let_go()
-    else:
-        store().let_go(tip)
-
-
-def _unclaim(tip: tips.Tip, start: int, rows: int) -> None:
-    if tip.remote is not None:
-        tip.remote.unclaim(rows)
-    else:
-        store().unclaim(tip, start, rows)
-
-
-def holder() -> tips.Tips:
-    """This process's request tensors over tips (hop 1 sends them by descriptor)."""
-    return tips.holder(_let_go)
-
-
 def salt_of(body: dict) -> str | None:
     """The request's ``cache_salt`` (None: none). Raises Refused (400) if not a string."""
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise _bad("cache_salt", "cache_salt must be a string")
     return salt
+
+
+def keep_ttl(raw: str) -> float:
+    """Seconds a ``Shm-Embeds-Keep`` value asks for, cut to ``KEEP_MAX_S``. Raises
+    Refused (400): not a number of seconds above 0."""
+    try:
+        ttl = float(raw)
+    except ValueError:
+        ttl = math.nan
+    if not math.isfinite(ttl) or ttl <= 0:
+        raise _bad("keep", f"{wire.KEEP_HEADER} must be a number of seconds above 0")
+    return min(ttl, settings.keep_max_s())
 
 
 class Prefix:
@@ -134,6 +86,7 @@ class Prefix:
 
     def __init__(self, kept: Kept) -> None:
         self._kept = kept
+        self.chat = kept.chat  # a chat turn's ``chat.Rendered``, else None
         self.rows = kept.shape[0]
         self.row_bytes = kept.nbytes // max(1, self.rows)
         self.tip: tips.Tip | None = None
@@ -178,6 +131,7 @@ class SiblingPrefix(Prefix):
 
     def __init__(self, lease: remote.Remote, rows: int, digests: Any) -> None:
         self._lease = lease
+        self.chat = None
         self.rows, self.tip = rows, lease.tip
         self.row_bytes = lease.tip.row_bytes
         self.digests = digests
@@ -248,196 +202,8 @@ class TipSink:
         it claimed are given back (no one has read them)."""
         if not self._done:
             self._done = True
-            _unclaim(self.tip, self.start, self.rows)
-            _let_go(self.tip)
-
-
-def _new_tip(dtype: torch.dtype, rows: int, hidden: int) -> tips.Tip | None:
-    """A new tip with ``rows`` claimed for the caller, or None (no room, no memfd)."""
-    try:
-        tip = tips.Tip(dtype, hidden)
-    except OSError as e:
-        count_reason(ConversationEvent.KEEP_REFUSED, seg.fallback_reason(e))
-        return None
-    if store().claim(tip, 0, rows, max_bytes()) is not None:
-        tip.close()
-        return None
-    return tip
-
-
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_timer: asyncio.TimerHandle | None = None  # the one sweep timer: at the next expiry
-
-
-def _schedule_sweep(loop: asyncio.AbstractEventLoop) -> None:
-    """Have the store swept just after its next expiry (the loop's clock is monotonic)."""
-    global _timer
-    when = store().next_expiry()
-    if when is None or (_timer is not None and _timer.when() <= when + 0.5):
-        return
-    if _timer is not None:
-        _timer.cancel()
-    _timer = loop.call_at(when + 0.5, _swept, loop)
-
-
-def _swept(loop: asyncio.AbstractEventLoop) -> None:
-    global _timer
-    _timer = None
-    store().sweep()
-    _schedule_sweep(loop)
-
-
-def _copier() -> concurrent.futures.ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        _pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shm-embeds-keep")
-    return _pool
-
-
-def _after_fork_in_child() -> None:
-    global _pool, _timer
-    _pool = _timer = None
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-class KeepRequest:
-    """A keep asked for by one request: an id reserved at once, the copy made on a
-    thread while vLLM serves the request; the id goes in the response headers of a
-    200 without waiting for the copy (a continuation naming it waits for it, and
-    misses if it failed), any other status forgets it."""
-
-    def __init__(self, ttl_s: float, salt: str | None) -> None:
-        self.ttl_s, self.salt = ttl_s, salt
-        self.future: concurrent.futures.Future | None = None
-        self.kid: str | None = None
-        self.answered = False
-        self._sibling: tuple[remote.Remote, int, Any] | None = None  # kept there at the answer
-
-    def start(self, tensor: torch.Tensor) -> None:
-        """Keep ``tensor`` (the request's, digests attached): a tensor over a tip is
-        kept as it is; any other is copied into a new tip on a thread. No room:
-        answered without an id."""
-        found = holder().lookup(tensor)
-        if found is not None and found[0].remote is not None:  # a sibling's tip, grown here
-            found[0].remote.hold()
-            self._sibling = (found[0].remote, found[1], _digests.attached(tensor))
-            return
-        if found is not None:  # written into its tip as it arrived: nothing to copy
-            self.kid = store().put(found[0], found[1], _digests.attached(tensor), self.salt,
-                                   self.ttl_s, max_entries())
-            if self.kid is not None:
-                count_many({ConversationEvent.KEPT_TENSORS: 1,
-                            ConversationEvent.KEPT_BYTES: tensor.nbytes})
-            return
-        if tensor.dim() != 2 or tensor.numel() == 0:
-            return
-        reserved = store().reserve(tuple(tensor.shape), tensor.dtype, self.salt, self.ttl_s,
-                                   max_entries())
-        if reserved is None:
-            return
-        kid, kept = reserved
-        try:
-            self.future = _copier().submit(self._copy, tensor, _digests.attached(tensor), kept)
-        except RuntimeError:  # the pool is shut down (exit): no id
-            store().fill(kept, None)
-            return
-        self.kid = kid
-
-    @staticmethod
-    def _copy(tensor: torch.Tensor, digests: Any, kept: Kept) -> None:
-        # Whatever happens, the entry is filled (its waiters wake): by the copy or None;
-        # a tip whose bytes were not all written is never kept.
-        tip, written = None, False
-        try:
-            if kept.gone:  # evicted or dropped while waiting for this thread
-                return
-            rows, hidden = tensor.shape
-            tip = _new_tip(tensor.dtype, rows, hidden)
-            if tip is None:
-                return
-            # (a JSON payload's tensor may be a view: its values, in order)
-            src = tensor.resolve_neg().resolve_conj().contiguous()
-            tip.ensure(rows)
-            tip.write(memoryview(src.reshape(-1).view(torch.uint8).numpy()), 0)
-            written = True
-        except OSError as e:  # no memory: the id misses
-            count_reason(ConversationEvent.KEEP_REFUSED, seg.fallback_reason(e))
-        finally:
-            if tip is not None and not written:  # (any error, e.g. torch's allocator)
-                store().let_go(tip)
-                tip = None
-            if store().fill(kept, tip, digests) and tip is not None:
-                count_many({ConversationEvent.KEPT_TENSORS: 1,
-                            ConversationEvent.KEPT_BYTES: tensor.nbytes,
-                            ConversationEvent.KEPT_COPIED_BYTES: tensor.nbytes})
-            if tip is not None:
-                store().let_go(tip)  # (the entry uses it now, if it was kept)
-
-    async def settled(self) -> None:
-        """Wait, on the event loop, until the copy is done (an error included)."""
-        if self.future is not None:
-            await asyncio.wait([asyncio.wrap_future(self.future)])
-
-    def wait(self) -> None:
-        """Block until the copy is done (before the source's pages go)."""
-        if self.future is not None:
-            concurrent.futures.wait([self.future])
-
-    async def response_headers(self, status: int) -> list[tuple[bytes, bytes]]:
-        """At the response's start: the id header of a 200 (the entry expires at its
-        TTL; its copy may still run); any other status forgets the kept tensor. A
-        sibling's tip grown here is kept there now (a round trip, on a thread)."""
-        if self._sibling is not None and not self.answered:
-            self.answered = True
-            (lease, rows, d), self._sibling = self._sibling, None
-            if status != 200:
-                lease.let_go()
-                return []
-            salt = self.salt
-            fut = asyncio.get_running_loop().run_in_executor(None, lease.commit, rows, d,
-                                                             salt, self.ttl_s)
-
-            def orphaned(f: asyncio.Future) -> None:  # cancelled: the id is never sent
-                if not f.cancelled() and f.exception() is None and f.result() is not None:
-                    lease.drop(f.result(), salt)
-                lease.let_go()
-
-            try:
-                self.kid = await asyncio.shield(fut)
-            except asyncio.CancelledError:
-                fut.add_done_callback(orphaned)
-                raise
-            lease.let_go()
-            if self.kid is None:
-                return []
-            count_many({ConversationEvent.KEPT_TENSORS: 1,
-                        ConversationEvent.KEPT_BYTES: rows * lease.tip.row_bytes})
-            return [(KEPT_HEADER, self.kid.encode())]
-        if self.kid is None or self.answered or self._sibling is not None:
-            return []
-        self.answered = True
-        if status != 200:
-            store().drop(self.kid, self.salt, "failed")
-            return []
-        _schedule_sweep(asyncio.get_running_loop())
-        return [(KEPT_HEADER, self.kid.encode())]
-
-    def close(self) -> None:
-        """The request has ended: a kept tensor whose id was never sent is forgotten;
-        waits for the copy (the source's pages go next)."""
-        sibling, self._sibling = self._sibling, None
-        if sibling is not None:  # never answered: nothing was kept there
-            sibling[0].let_go()
-        if self.kid is None:
-            return
-        self.wait()
-        if not self.answered:
-            self.answered = True
-            store().drop(self.kid, self.salt, "unanswered")
-        if self.future is not None and (e := self.future.exception()) is not None:
-            logger.warning("shm-embeds: keeping a request's prompt_embeds failed: %r", e)
+            unclaim(self.tip, self.start, self.rows)
+            let_go(self.tip)
 
 
 class Hook:
@@ -507,7 +273,7 @@ class Hook:
             if got is None:
                 count(ConversationEvent.TIP_GROWN)
                 return TipSink(prefix.tip, prefix.rows, rows)
-        tip = _new_tip(dtype, rows, hidden)
+        tip = new_tip(dtype, rows, hidden)
         if tip is None:
             return None
         if prefix is not None:
@@ -560,18 +326,13 @@ class Hook:
         """The keep ``headers`` ask for, or None. Raises Refused (400): a bad
         ``Shm-Embeds-Keep``, or not one completions tensor."""
         raw = headers.get(KEEP_HEADER)
-        if raw is None:
-            return None
-        try:
-            ttl = float(raw)
-        except ValueError:
-            ttl = math.nan
-        if not math.isfinite(ttl) or ttl <= 0:
-            raise _bad("keep", f"{wire.KEEP_HEADER} must be a number of seconds above 0")
+        if raw is None or path == _common.CHAT:
+            return None  # (a chat turn's keep: chat.py)
+        ttl = keep_ttl(raw)
         if path != _common.COMPLETIONS or ntensors != 1:
             raise _bad("keep", f"{wire.KEEP_HEADER} needs a /v1/completions request "
                        "with one prompt_embeds tensor")
-        return KeepRequest(min(ttl, settings.keep_max_s()), salt_of(body))
+        return KeepRequest(ttl, salt_of(body))
 
 
 HOOK = Hook()

@@ -52,7 +52,8 @@ class Kept:
     """One kept tensor: the first ``shape[0]`` rows of ``tip`` (``tips.Tip``), of
     ``dtype``, ``nbytes`` bytes, and ``digests`` (its prefix-cache block digests,
     ``digests.BlockDigests``, or None) once ``ready`` is done (``tip`` None then:
-    the copy failed or the entry went first); ``expires`` (monotonic s)."""
+    the copy failed or the entry went first); ``expires`` (monotonic s); ``chat``: a
+    chat turn's rendered prompt (``chat.Rendered``), None for a completions tensor."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -63,6 +64,7 @@ class Kept:
     ready: concurrent.futures.Future = dataclasses.field(
         default_factory=concurrent.futures.Future)
     pins: int = 0
+    chat: Any = None
     gone: str = ""  # left the store: let go "now", or "at_unpin" (the last one)
 
     def __post_init__(self) -> None:
@@ -141,7 +143,7 @@ class Store:
             self._close(tip)
 
     def reserve(self, shape: tuple[int, ...], dtype: torch.dtype, salt: str | None,
-                ttl_s: float, max_entries: int) -> tuple[str, Kept] | None:
+                ttl_s: float, max_entries: int, chat: Any = None) -> tuple[str, Kept] | None:
         """An id for a tensor of ``shape`` and ``dtype`` to be kept ``ttl_s`` seconds,
         filled by :meth:`fill`; the least recently used unpinned entry goes if the
         store holds ``max_entries`` (an id costs no bytes: rows are charged by
@@ -149,7 +151,7 @@ class Store:
         kid = (secrets.token_urlsafe(ID_BYTES) if self.tag is None else  # 210 random bits
                self.tag + secrets.token_urlsafe(ID_BYTES)[:43 - TAG_CHARS])
         kept = Kept(tuple(shape), dtype, math.prod(shape) * dtype.itemsize,
-                    self._clock() + ttl_s)
+                    self._clock() + ttl_s, chat=chat)
         with self._lock:
             victims = self._room(0, None, max_entries)
             fits = len(self._entries) < max_entries
@@ -177,21 +179,24 @@ class Store:
         return kept_now
 
     def put(self, tip: Any, rows: int, digests: Any, salt: str | None, ttl_s: float,
-            max_entries: int) -> str | None:
+            max_entries: int, chat: Any = None) -> str | None:
         """:meth:`reserve` then :meth:`fill` with the first ``rows`` of ``tip``."""
-        reserved = self.reserve((rows, tip.hidden), tip.dtype, salt, ttl_s, max_entries)
+        reserved = self.reserve((rows, tip.hidden), tip.dtype, salt, ttl_s, max_entries, chat)
         return reserved[0] if reserved and self.fill(reserved[1], tip, digests) else None
 
-    def pin(self, kid: Any, salt: str | None) -> Kept | None:
+    def pin(self, kid: Any, salt: str | None, chat: bool = False) -> Kept | None:
         """The live entry ``kid`` names under ``salt``, pinned (not evicted until
         :meth:`unpin`), and now the most recently used; else None, the same way
-        for a malformed id, an unknown one, another salt or an expired entry."""
+        for a malformed id, an unknown one, another salt, an expired entry, or one
+        of the other kind (a chat turn's for ``chat`` False, a completions one's
+        for True)."""
         if not well_formed(kid):
             return None
         key = _key(kid, salt)
         with self._lock:
             kept = self._entries.get(key)
-            if kept is not None and kept.expires <= self._clock():
+            if kept is not None and (kept.expires <= self._clock()
+                                     or (kept.chat is not None) != chat):
                 kept = None
             if kept is not None:
                 kept.pins += 1

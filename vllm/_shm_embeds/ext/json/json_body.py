@@ -64,12 +64,14 @@ class Prepared:
         upload: the placeholders' tensors (None on fallback).
         reason: fallback reason, or None.
         keep: the keep the request's headers ask for (``Shm-Embeds-Keep``), or None.
+        turn: a chat turn (``common.chat_hook``: kept parts it names, its keep), or None.
     """
 
     body: bytes
     upload: Upload | None
     reason: str | None = None
     keep: Any = None
+    turn: Any = None
 
 
 class _Refused(Exception):
@@ -189,8 +191,12 @@ def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext,
     view = memoryview(raw)
     pieces: dict[int, memoryview] = {}
     tensors: list[torch.Tensor | None] = []
+    chat = _common.chat_hook() if headers is not None and route == _common.CHAT else None
+    turn = None
     try:
         spans = find_long_strings(raw)
+        if not spans and chat is not None:  # e.g. a chat turn naming kept parts only
+            turn = _chat_turn(chat, headers, route, _small_body(raw), ctx)
         if not spans:
             raise Fallback("no_embeds")
         if len(raw) - sum(b - a for a, b in spans) > JSON_SLACK_BYTES:
@@ -206,6 +212,9 @@ def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext,
         index = {name: i for i, name in enumerate(names)}
         values = [container[key] for _, container, key in embeds_slots(route, body)
                   if not isinstance(container, dict) or key in container]
+        if chat is not None:
+            turn = _chat_turn(chat, headers, route, body, ctx)
+            values = [v for v in values if not (isinstance(v, str) and v.startswith(wire.PART))]
         hooks = _common.prefix_hooks() if headers is not None else {}
         salt = body.get("cache_salt")
         if hooks and isinstance(salt, str) and salt in index:  # a long one: as it was sent
@@ -282,9 +291,13 @@ def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext,
         skeleton = build_skeleton(raw, [spans[i] for i in ours], [names[i] for i in ours])
     except Fallback as f:
         _release(tensors)
-        return Prepared(raw if isinstance(raw, bytes) else raw[:], None, f.reason)
+        return Prepared(raw if isinstance(raw, bytes) else raw[:],
+                        None if turn is None else Upload(new_token(), [], ctx.hash_block_tokens),
+                        f.reason, turn=turn)  # (kept parts are resolved where vLLM decodes)
     except BaseException:
         _release(tensors)
+        if turn is not None:
+            turn.close()
         raise
     finally:
         for piece in pieces.values():
@@ -296,7 +309,32 @@ def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext,
                     JsonEvent.JSON_BYTES: sum(t.nbytes for t in written)})
     reason = next((reasons[i] for i in keep if i in reasons), None)
     return Prepared(skeleton, Upload(token, tensors, ctx.hash_block_tokens, errors=errors),
-                    reason, keeping)
+                    reason, keeping, turn)
+
+
+def _small_body(raw: bytes | mmap.mmap) -> Any:
+    """``raw`` parsed, if it is small enough to be a skeleton (else None)."""
+    if len(raw) > JSON_SLACK_BYTES:
+        return None
+    try:
+        return json.loads(bytes(raw))
+    except (ValueError, RecursionError):
+        return None
+
+
+def _chat_turn(chat: Any, headers: Any, route: str, body: Any, ctx: ServerContext) -> Any:
+    """The chat turn of ``body`` (``chat.chat_turn``), its kept parts ready, or None.
+    Raises gate.Refused (404, 400)."""
+    if not isinstance(body, dict):
+        return None
+    turn = chat.chat_turn(headers, route, body, ctx.dtype, ctx.hidden_size)
+    if turn is not None:
+        try:
+            turn.wait()
+        except BaseException:
+            turn.close()
+            raise
+    return turn
 
 
 def _refused(status: int, reason: str, message: str) -> Exception:
@@ -415,6 +453,9 @@ class JsonFormat:
         ours = [t for t in upload.tensors if t is not None] if upload is not None else []
         # Kept: one tensor that vLLM will serve, whose bytes all arrived (a stride-0 view
         # would be a copy of bytes never sent). Else answered without an id.
+        if prepared.turn is not None:  # (the upload is made for it)
+            upload.turn = prepared.turn
+            upload.keeps.append(prepared.turn)
         if (prepared.keep is not None and len(ours) == 1 and not upload.errors
                 and prepared.reason not in (*REFUSED_BY_VLLM, "not_dense", "rejected")
                 and ours[0].untyped_storage().nbytes() >= ours[0].nbytes):

@@ -1,0 +1,272 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Chat conversations: the ``chat_turns`` hook (:data:`HOOK`), docs/conversations.md.
+
+A ``/v1/chat/completions`` request with ``Shm-Embeds-Keep`` has its rendered prompt
+kept (the embeds tensor vLLM builds, token ids, the parts' rows; :class:`Rendered`),
+answered ``Shm-Embeds-Kept: <id>``. A later request names that turn's embeds part
+``k`` as the ``data`` of a ``prompt_embeds`` part, ``wire.PART + id + "." + k``: served
+from the kept rows (not sent, decoded or copied). When the new rendered prompt begins
+with the kept one (same token ids, the kept parts at their rows), its new rows are
+written after the kept ones in their tip and only they are hashed (:meth:`ChatTurn.build`).
+May import: the core; ``binary`` (common, gate) and ``digests`` via ``extensions.require``.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import dataclasses
+from typing import Any
+
+import torch
+from shm_embeds_client import wire
+
+from vllm._shm_embeds import extensions
+from vllm._shm_embeds.counters import count, count_many, count_reason
+from vllm._shm_embeds.ext.conversations.events import ConversationEvent
+from vllm._shm_embeds.ext.conversations.keeps import KeepRequest
+from vllm._shm_embeds.ext.conversations.local import max_bytes, new_tip, store
+from vllm._shm_embeds.ext.conversations.prefixes import (KEEP_HEADER, Prefix, PrefixNotFound,
+                                                         TipSink, keep_ttl, salt_of)
+
+_common = extensions.require("binary", "common")
+_gate = extensions.require("binary", "gate")
+_digests = extensions.require("digests", "digests")
+
+MAX_REFS = 256  # part references one request may make (each is a pin)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rendered:
+    """A kept chat turn's prompt: ``token_ids`` (vLLM's expanded ids, the placeholder
+    id on embeds rows; ``array('i')``, 4 bytes a row) and ``positions`` (``(start,
+    rows)`` of each embeds part, in order), as vllm/renderers/hf.py (0.32) passes them
+    to ``_build_mixed_prompt_embeds``."""
+
+    token_ids: array.array
+    positions: tuple[tuple[int, int], ...]
+
+
+def is_ref(value: Any) -> bool:
+    """``value`` is a part reference (``wire.PART`` + id + ``.`` + index)."""
+    return isinstance(value, str) and value.startswith(wire.PART)
+
+
+def _parse(value: str) -> tuple[str, int]:
+    """``(id, index)`` of a reference. Raises Refused (400): not id.index."""
+    kid, dot, k = value[len(wire.PART):].rpartition(".")
+    if not dot or not k.isdigit() or len(k) > 6:
+        raise _gate.Refused(400, "part_ref", f"a kept part is named {wire.PART}<id>.<index>")
+    return kid, int(k)
+
+
+def _ids(token_ids: Any) -> array.array | None:
+    """``token_ids`` as ``array('i')``, or None (not 32-bit ids)."""
+    try:
+        return array.array("i", token_ids)
+    except (OverflowError, TypeError):
+        return None
+
+
+class ChatTurn:
+    """One chat request's kept parts (pinned until :meth:`close`) and keep; in the
+    upload as ``Upload.turn`` and among ``Upload.keeps``."""
+
+    def __init__(self, keep: KeepRequest | None, pins: dict[str, Prefix],
+                 refs: list[tuple[str, int]], base: str | None) -> None:
+        self.keep, self._pins, self._refs, self._base = keep, pins, refs, base
+        self._parts: dict[str, torch.Tensor] = {}
+        self._grown: tuple[torch.Tensor, Any, int] | None = None  # tensor, digests, rows
+        self._positions: tuple[tuple[int, int], ...] = ()
+
+    async def ready(self) -> None:
+        """Wait for kept turns whose copy still runs. Raises PrefixNotFound (it failed)."""
+        for p in self._pins.values():
+            await p.ready()
+        self._map()
+
+    def wait(self) -> None:
+        """:meth:`ready` on this thread."""
+        for p in self._pins.values():
+            p.wait()
+        self._map()
+
+    def _map(self) -> None:
+        for kid, k in self._refs:
+            chat = self._pins[kid].chat
+            if k >= len(chat.positions):
+                raise _gate.Refused(400, "part_ref", "a kept turn has no embeds part of "
+                                    "that index")
+            start, rows = chat.positions[k]
+            self._parts[f"{wire.PART}{kid}.{k}"] = self._pins[kid].tensor[start:start + rows]
+        count_many({ConversationEvent.CHAT_PARTS: len(self._refs),
+                    ConversationEvent.PREFIX_ROWS: sum(p.shape[0] for p in self._parts.values())})
+
+    def part(self, data: Any) -> torch.Tensor | None:
+        """The kept part a content part's ``data`` names in this request, or None."""
+        if isinstance(data, (bytes, bytearray)):
+            data = bytes(data).decode("ascii", "replace")
+        return self._parts.get(data) if isinstance(data, str) else None
+
+    def build(self, token_ids: list[int], tensors: list[torch.Tensor],
+              positions: list[tuple[int, int]]) -> tuple[torch.Tensor, list[bool]] | None:
+        """``_build_mixed_prompt_embeds``'s ``(embeds, is_token_ids)``, written into a
+        tip: after the kept turn's rows when this prompt begins with them (only the new
+        rows written; :meth:`hash` then hashes only them), else a new tip when the turn
+        is kept; None: not ours to build (the caller assembles it in a segment)."""
+        self._positions = tuple((int(s), int(n)) for s, n in positions)
+        total = len(token_ids)
+        if not tensors or any(t.dim() != 2 or t.shape[1] != tensors[0].shape[1]
+                              or t.dtype != tensors[0].dtype for t in tensors):
+            return None
+        dtype, hidden = tensors[0].dtype, tensors[0].shape[1]
+        at = 0
+        for (start, rows), t in zip(self._positions, tensors, strict=True):
+            if start < at or t.shape[0] != rows or start + rows > total:
+                return None
+            at = start + rows
+        sink, start = self._grow(token_ids, tensors, dtype, total), 0
+        if sink is not None:
+            start = sink.start
+        elif self.keep is not None and (tip := new_tip(dtype, total, hidden)) is not None:
+            sink = TipSink(tip, 0, total)
+        if sink is None:
+            return None
+        row = hidden * dtype.itemsize
+        try:
+            at = start
+            for (s, rows), t in zip(self._positions, tensors, strict=True):
+                if s < start:
+                    continue  # (a kept part, in the tip already)
+                if s > at:
+                    sink.write(bytes((s - at) * row))
+                sink.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+                at = s + rows
+            if total > at:
+                sink.write(bytes((total - at) * row))
+            out = sink.finish()
+        except BaseException:
+            sink.abort()
+            raise
+        if start:
+            self._grown = (out, self._pins[self._base].digests, start)
+        mask = [True] * total
+        for s, rows in self._positions:
+            mask[s:s + rows] = [False] * rows
+        return out, mask
+
+    def _grow(self, token_ids: list[int], tensors: list[torch.Tensor], dtype: torch.dtype,
+              total: int) -> TipSink | None:
+        """A sink after the kept turn's rows, if this prompt begins with that turn's."""
+        if self._base is None:
+            return None
+        prefix = self._pins[self._base]
+        chat: Rendered = prefix.chat
+        m, kept_rows = len(chat.positions), prefix.rows
+        named = [self._parts.get(f"{wire.PART}{self._base}.{k}") for k in range(m)]
+        why = None
+        if total <= kept_rows or prefix.tip.dtype != dtype:
+            why = "shape"
+        elif (len(tensors) < m or any(tensors[k] is not named[k] for k in range(m))
+              or self._positions[:m] != chat.positions
+              or (len(tensors) > m and self._positions[m][0] < kept_rows)):
+            why = "parts"
+        elif _ids(token_ids[:kept_rows]) != chat.token_ids:
+            why = "tokens"  # e.g. a template that drops or rewrites earlier turns
+        elif store().claim(prefix.tip, kept_rows, total, max_bytes()) is not None:
+            why = "taken"  # another branch grew it first, or no room
+        if why is not None:
+            count_reason(ConversationEvent.CHAT_REBUILT, why)
+            return None
+        count(ConversationEvent.CHAT_GROWN)
+        return TipSink(prefix.tip, kept_rows, total)
+
+    async def hash(self, tensor: torch.Tensor, block: int) -> Any:
+        """Digests of a prompt :meth:`build` grew: the kept turn's whole blocks as kept,
+        the rest hashed on the hash pool; None for any other tensor (hash it all)."""
+        if self._grown is None or self._grown[0] is not tensor:
+            return None
+        _, kept, rows = self._grown
+        reused = rows // block if kept is not None and kept.block_tokens == block else 0
+        found = await asyncio.wrap_future(_digests.hash_tensor(tensor[reused * block:], block))
+        if not reused:
+            return found
+        return _digests.BlockDigests(block, tensor.shape[0], kept.digests[
+            :reused * _digests.DIGEST_BYTES] + found.digests)
+
+    def rendered(self, prompt: Any) -> None:
+        """vLLM rendered the prompt (digests attached): keep it if asked (a prompt in a
+        tip as it is, any other copied into one on a thread)."""
+        tensor = prompt.get("prompt_embeds") if isinstance(prompt, dict) else None
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+        if (self.keep is None or not isinstance(tensor, torch.Tensor) or ids is None
+                or len(ids) != tensor.shape[0] or not self._positions):
+            return
+        token_ids = _ids(ids)
+        if token_ids is None:
+            return
+        self.keep.chat = Rendered(token_ids, self._positions)
+        self.keep.start(tensor)
+
+    async def response_headers(self, status: int) -> list[tuple[bytes, bytes]]:
+        return [] if self.keep is None else await self.keep.response_headers(status)
+
+    async def settled(self) -> None:
+        if self.keep is not None:
+            await self.keep.settled()
+
+    def close(self) -> None:
+        """The request has ended: its keep closed, its pins let go (idempotent)."""
+        if self.keep is not None:
+            self.keep.close()
+        pins, self._pins = self._pins, {}
+        self._parts.clear()
+        for p in pins.values():
+            p.release()
+
+
+class Hook:
+    """The binary extension's ``chat_turns`` hook (see the module docstring)."""
+
+    def chat_turn(self, headers: Any, path: str, body: dict, dtype: torch.dtype,
+                  hidden: int) -> ChatTurn | None:
+        """The chat turn of a request that keeps or names kept parts, its references
+        pinned (their bytes after ``ready``/``wait``), or None. Raises Refused: 404
+        ``PrefixNotFound`` (a turn not held, one message for every cause), 400 (a bad
+        keep header or reference, another datatype or hidden size, too many)."""
+        if path != _common.CHAT:
+            return None
+        raw = headers.get(KEEP_HEADER)
+        refs = [_parse(v) for _, c, key in _common.embeds_slots(path, body)
+                if is_ref(v := c.get(key))]
+        if raw is None and not refs:
+            return None
+        if len(refs) > MAX_REFS:
+            raise _gate.Refused(400, "part_ref", f"at most {MAX_REFS} kept parts a request")
+        keep = None if raw is None else KeepRequest(keep_ttl(raw), salt_of(body))
+        salt, pins = salt_of(body), {}
+        try:
+            for kid, _ in refs:
+                if kid in pins:
+                    continue
+                kept = store().pin(kid, salt, chat=True)
+                if kept is None:
+                    count(ConversationEvent.PREFIX_MISSES)
+                    raise PrefixNotFound()
+                pins[kid] = Prefix(kept)
+                if kept.dtype != dtype or kept.shape[1] != hidden:
+                    raise _gate.Refused(400, "prefix_dtype", "a kept part must have the "
+                                        "served model's datatype and hidden size")
+        except BaseException:
+            for p in pins.values():
+                p.release()
+            raise
+        first = refs[0][0] if refs else None
+        m = len(pins[first].chat.positions) if first else 0
+        base = first if first and refs[:m] == [(first, k) for k in range(m)] else None
+        if refs:
+            count(ConversationEvent.PREFIX_HITS, len(pins))
+        return ChatTurn(keep, pins, refs, base)
+
+
+HOOK = Hook()
