@@ -216,7 +216,8 @@ def main_server(tmp_path_factory):
            "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
            "VLLM_SHM_EMBEDS_REGIONS": str(tmp / "regions.sock")}
     with Server(tmp, "-tp", "2", "--chat-template", str(tmp / "chat.jinja"),
-                "--enable-prompt-tokens-details", env_extra=env) as server:
+                "--enable-prompt-tokens-details", "--trust-request-chat-template",
+                env_extra=env) as server:
         server["weights"] = embed_weights(server.model)
         server["fail_file"] = tmp / "fail-rank-1"
         server["regions"] = str(tmp / "regions.sock")

@@ -780,6 +780,17 @@ def parse_metrics(text: str) -> dict:
     return out
 
 
+def prefix_cache_hits(server) -> float:
+    """vLLM's ``vllm:prefix_cache_hits_total`` (tokens), from ``/metrics``.
+
+    (The usage's ``cached_tokens`` is not usable here: vLLM 0.32 answers the
+    empty text prompt next to the embeds too, and reports that one's.)
+    """
+    text = requests.get(server["url"] + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prefix_cache_hits_total"))
+
+
 def post_completion(url: str, body: dict, timeout: float = 300, max_tokens: int = 16):
     """POST a greedy ``/v1/completions`` request (model ``tiny``); the response."""
     return requests.post(

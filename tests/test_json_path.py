@@ -19,7 +19,7 @@ import types
 
 import pytest
 import torch
-from helpers import asgi_peer, delta, encode_embeds, set_limits, wait_until
+from helpers import asgi_peer, delta, encode_embeds, prefix_cache_hits, set_limits, wait_until
 
 from vllm._shm_embeds import counters, handle
 from vllm._shm_embeds.ext.json import torch_save
@@ -735,17 +735,7 @@ def test_same_tokens_as_stock_by_the_fast_path(server):
         assert text(fast.json()) == text(stock.json())
 
 
-def _prefix_hits(server) -> float:
-    """vLLM's ``vllm:prefix_cache_hits_total`` (tokens), from ``/metrics``.
-
-    (The usage's ``cached_tokens`` is not usable here: vLLM 0.32 answers the
-    empty text prompt next to the embeds too, and reports that one's.)
-    """
-    import requests
-
-    text = requests.get(server["url"] + "/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:prefix_cache_hits_total"))
+_prefix_hits = prefix_cache_hits
 
 
 @pytest.mark.integration

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from shm_embeds_client import wire
+from vllm.logger import init_logger
 
 from vllm._shm_embeds import extensions
 from vllm._shm_embeds.counters import count, count_many, count_reason
@@ -28,6 +29,8 @@ from vllm._shm_embeds.ext.conversations.keeps import KeepRequest
 from vllm._shm_embeds.ext.conversations.local import max_bytes, new_tip, store
 from vllm._shm_embeds.ext.conversations.prefixes import (KEEP_HEADER, Prefix, PrefixNotFound,
                                                          TipSink, keep_ttl, salt_of)
+
+logger = init_logger(__name__)
 
 _common = extensions.require("binary", "common")
 _gate = extensions.require("binary", "gate")
@@ -128,8 +131,10 @@ class ChatTurn:
         sink, start = self._grow(token_ids, tensors, dtype, total), 0
         if sink is not None:
             start = sink.start
-        elif self.keep is not None and (tip := new_tip(dtype, total, hidden)) is not None:
-            sink = TipSink(tip, 0, total)
+        else:  # the kept parts are copied: into a new tip here, or by the caller
+            count(ConversationEvent.KEPT_COPIED_BYTES, sum(p.nbytes for p in self._parts.values()))
+            if self.keep is not None and (tip := new_tip(dtype, total, hidden)) is not None:
+                sink = TipSink(tip, 0, total)
         if sink is None:
             return None
         row = hidden * dtype.itemsize
@@ -145,9 +150,10 @@ class ChatTurn:
             if total > at:
                 sink.write(bytes((total - at) * row))
             out = sink.finish()
-        except BaseException:
+        except Exception:  # e.g. no memory: the caller assembles it (a segment, or vLLM's)
             sink.abort()
-            raise
+            logger.debug("shm-embeds: a chat prompt's tip failed", exc_info=True)
+            return None
         if start:
             self._grown = (out, self._pins[self._base].digests, start)
         mask = [True] * total
