@@ -10,7 +10,9 @@ sent as data; a template that rewrites earlier turns is built whole, and answers
 same; the one 404 for every miss; stock vLLM refuses a reference.
 """
 
+import asyncio
 import concurrent.futures
+import time
 
 import pytest
 import requests
@@ -22,7 +24,7 @@ from hypothesis import strategies as st
 import shm_embeds_client as sec
 from shm_embeds_client import wire
 
-H, PLACEHOLDER = 8, 7
+H, PLACEHOLDER, BLOCK = 8, 7, 4
 
 
 def _prompt(draw_runs, g):
@@ -49,6 +51,7 @@ def test_a_chat_prompt_in_a_tip_equals_vllms_first_and_grown(shm_env, first, mor
 
     from vllm._shm_embeds import counters
     from vllm._shm_embeds.ext.conversations import chat, keeps, local
+    from vllm._shm_embeds.ext.digests import digests
     from vllm._shm_embeds.lifetime.transfer import release_streamed
 
     g = torch.Generator().manual_seed(seed)
@@ -60,6 +63,7 @@ def test_a_chat_prompt_in_a_tip_equals_vllms_first_and_grown(shm_env, first, mor
         made.append(out)
         want = stock(ids, tensors, positions)
         assert torch.equal(out, want[0]) and mask == want[1]
+        digests.attach(out, digests.hash_tensor(out, BLOCK).result())  # (hash_prompt_embeds)
         turn.rendered({"prompt_embeds": out, "prompt_token_ids": ids})
         kid = turn.keep.kid
         assert kid is not None and local.holder().lookup(out) is not None  # in a tip
@@ -90,6 +94,9 @@ def test_a_chat_prompt_in_a_tip_equals_vllms_first_and_grown(shm_env, first, mor
         if tokens_ok:  # written after the kept rows, in the same file
             assert grown is not None
             assert local.holder().lookup(grown[0])[0] is local.holder().lookup(out)[0]
+            # Its digests: the kept whole blocks' as kept, the rest hashed: as of the whole.
+            found = asyncio.run(nxt.hash(grown[0], BLOCK))
+            assert found.digests == digests.hash_tensor(grown[0], BLOCK).result().digests
         nxt.close()
     finally:
         turn.close()
@@ -229,9 +236,13 @@ def test_every_miss_is_the_one_404_and_stock_refuses_a_reference(server):
         return requests.post(server["url"] + "/v1/chat/completions", json=body,
                              headers={wire.KEEP_HEADER: "5"}, timeout=120)
 
+    short = sec.ChatConversation(server["url"], "tiny", ttl_s=1, cache_salt="one")
+    short.send(p, max_tokens=2)
+    time.sleep(1.5)
     misses = [ask(f"{wire.PART}{kept}.0", "two"), ask(f"{wire.PART}{kept}.0", None),
-              ask(f"{wire.PART}{'A' * 43}.0"), ask(f"{wire.PART}{done.kept_id}.0")]
-    assert [r.status_code for r in misses] == [404] * 4
+              ask(f"{wire.PART}{'A' * 43}.0"), ask(f"{wire.PART}{done.kept_id}.0"),
+              ask(f"{wire.PART}{short.kept_id}.0")]  # (expired)
+    assert [r.status_code for r in misses] == [404] * 5
     assert len({r.json()["error"]["message"] for r in misses}) == 1
     assert kept not in misses[0].text
     # A completions continuation naming the chat turn misses too.

@@ -72,7 +72,10 @@ def recv(sock: socket.socket, max_blob: int = MAX_BLOB) -> tuple[dict, bytes, li
     try:
         if not data and not fds:
             raise EOFError("closed")
-        msg = json.loads(data) if not flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) else None
+        try:
+            msg = json.loads(data) if not flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) else None
+        except RecursionError:  # (nested too deep: malformed, as any other)
+            msg = None
         n = msg.get("blob") if isinstance(msg, dict) else None
         if type(n) is not int or not 0 <= n <= max_blob:
             raise ValueError("malformed message")

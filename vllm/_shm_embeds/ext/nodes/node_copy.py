@@ -295,7 +295,7 @@ def _handle_in(buf: torch.Tensor) -> SharedTensorHandle | None:
         return None
     try:
         return SharedTensorHandle.from_meta(json.loads(raw))
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # (RecursionError: nested too deep)
         raise ShmEmbedsError("malformed node segment handle") from e
 
 
