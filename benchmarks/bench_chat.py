@@ -147,14 +147,7 @@ def run_chat(mode: str, rep: int, server, procs, turns: B.Turns, texts: list[str
             if conv is not None:
                 s["sent_rows"], s["misses"] = conv.last_sent_rows, conv.misses
                 s["kept"] = conv.kept_id is not None
-            now = B.prefix_counters(server.url)
-            s["hit_tokens"] = now[B.HITS] - counters[B.HITS]
-            s["query_tokens"] = now[B.QUERIES] - counters[B.QUERIES]
-            counters = now
-            samples.append(s)
-            print(f"  {mode} rep {rep} turn {turn}: {wire / C.MIB:8.1f} MiB, {ttft:8.0f} ms, "
-                  f"server CPU {s['server_cpu_s']:.2f} s, hits {s['hit_tokens']:.0f}/"
-                  f"{s['query_tokens']:.0f}", flush=True)
+            counters = B.record(server.url, s, counters, samples)
     finally:
         client.close()
     return samples

@@ -214,6 +214,19 @@ class Turns:
         return t + torch.randn(t.shape, generator=gen) * self.noise_std
 
 
+def record(url: str, s: dict, counters: dict, samples: list[dict]) -> dict:
+    """Add the turn's prefix-cache deltas to sample ``s`` (since ``counters``), keep and
+    print it; returns the counters now."""
+    now = prefix_counters(url)
+    s["hit_tokens"] = now[HITS] - counters[HITS]
+    s["query_tokens"] = now[QUERIES] - counters[QUERIES]
+    samples.append(s)
+    print(f"  {s['mode']} rep {s['rep']} turn {s['turn']}: {s['wire_bytes'] / C.MIB:8.1f} MiB, "
+          f"{s['ttft_ms']:8.0f} ms, server CPU {s['server_cpu_s']:.2f} s, "
+          f"hits {s['hit_tokens']:.0f}/{s['query_tokens']:.0f}", flush=True)
+    return now
+
+
 def run_conversation(mode: str, rep: int, server, procs, turns: Turns, args,
                      nonce: str) -> list[dict]:
     import shm_embeds_client as sec
@@ -301,14 +314,7 @@ def run_conversation(mode: str, rep: int, server, procs, turns: Turns, args,
             if conv is not None:
                 s["sent_rows"], s["misses"] = conv.last_sent_rows, conv.misses
                 s["kept"] = conv.kept_id is not None
-            now = prefix_counters(url)
-            s["hit_tokens"] = now[HITS] - counters[HITS]
-            s["query_tokens"] = now[QUERIES] - counters[QUERIES]
-            counters = now
-            samples.append(s)
-            print(f"  {mode} rep {rep} turn {turn}: {wire / C.MIB:8.1f} MiB, "
-                  f"{ttft:8.0f} ms, server CPU {s['server_cpu_s']:.2f} s, "
-                  f"hits {s['hit_tokens']:.0f}/{s['query_tokens']:.0f}", flush=True)
+            counters = record(url, s, counters, samples)
     finally:
         client.close()
     return samples

@@ -301,6 +301,17 @@ def test_module_docstrings_are_short():
                       f"to docs/design.md, \"Module notes\"): {', '.join(long)}")
 
 
+MAX_MODULE_LINES = 500
+
+
+def test_modules_are_small():
+    """A module of the package does one job in at most :data:`MAX_MODULE_LINES` lines
+    (issue 53): split it where its jobs part."""
+    long = [f"{rel} ({n} lines)" for rel in _package_files()
+            if (n := len(_read("vllm", "_shm_embeds", rel).splitlines())) > MAX_MODULE_LINES]
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {', '.join(long)}"
+
+
 def test_design_doc_states_the_sizes():
     """``docs/design.md`` states the core's and the extensions' lines (``wc -l``) as
     they are: a change that grows or shrinks either says so there."""
