@@ -44,9 +44,10 @@ runs = st.lists(st.tuples(st.lists(st.integers(10, 99), max_size=4), st.integers
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(first=runs, more=runs, same_tokens=st.booleans(), seed=st.integers(0, 2**16))
+@given(first=runs, more=runs, same_tokens=st.booleans(), caching=st.booleans(),
+       seed=st.integers(0, 2**16))
 def test_a_chat_prompt_in_a_tip_equals_vllms_first_and_grown(shm_env, first, more,
-                                                             same_tokens, seed):
+                                                             same_tokens, caching, seed):
     from vllm.renderers.hf import _build_mixed_prompt_embeds as stock
 
     from vllm._shm_embeds import counters
@@ -63,7 +64,8 @@ def test_a_chat_prompt_in_a_tip_equals_vllms_first_and_grown(shm_env, first, mor
         made.append(out)
         want = stock(ids, tensors, positions)
         assert torch.equal(out, want[0]) and mask == want[1]
-        digests.attach(out, digests.hash_tensor(out, BLOCK).result())  # (hash_prompt_embeds)
+        if caching:  # (prefix caching on: hash_prompt_embeds attaches the digests)
+            digests.attach(out, digests.hash_tensor(out, BLOCK).result())
         turn.rendered({"prompt_embeds": out, "prompt_token_ids": ids})
         kid = turn.keep.kid
         assert kid is not None and local.holder().lookup(out) is not None  # in a tip
@@ -128,6 +130,9 @@ def test_a_bad_reference_is_refused_and_pins_nothing(shm_env):
 
 # -- online, on the main server (TP=2)
 
+# Kept turns go at their TTL: the main server's later tests wait for every kept memfd
+# to go (test_conversations.py's _no_kept_left).
+TTL = 15
 ZEPHYR = ("{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n"
           "{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
           "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
@@ -160,7 +165,7 @@ def _parts(server, seed, *rows):
 @pytest.mark.parametrize("body", ["json", "binary"])
 def test_a_chat_conversation_sends_only_its_new_parts_and_answers_as_the_whole(server, body):
     kw = {"max_tokens": 4, "temperature": 0.0, "logprobs": True, "chat_template": ZEPHYR}
-    conv = sec.ChatConversation(server["url"], "tiny", body=body, cache_salt="chat-" + body)
+    conv = sec.ChatConversation(server["url"], "tiny", ttl_s=TTL, body=body, cache_salt="chat-" + body)
     parts = _parts(server, 3, 150, 100, 120, 90)
     before, last = server.totals(), 0
     for t, p in enumerate(parts):
@@ -187,7 +192,7 @@ def test_a_chat_conversation_sends_only_its_new_parts_and_answers_as_the_whole(s
 @pytest.mark.online
 def test_a_template_that_rewrites_earlier_turns_is_built_whole_and_answers_the_same(server):
     kw = {"max_tokens": 4, "temperature": 0.0, "logprobs": True, "chat_template": COUNTED}
-    conv = sec.ChatConversation(server["url"], "tiny")
+    conv = sec.ChatConversation(server["url"], "tiny", ttl_s=TTL)
     before = server.totals()
     for p in _parts(server, 4, 30, 20, 25):
         _same(conv.send(p, **kw), _whole(server, conv.messages[:-1], **kw))
@@ -201,12 +206,12 @@ def test_a_template_that_rewrites_earlier_turns_is_built_whole_and_answers_the_s
 def test_two_branches_of_one_kept_turn_at_once_with_n(server):
     kw = {"max_tokens": 4, "temperature": 1.0, "seed": 5, "n": 2, "logprobs": True,
           "chat_template": ZEPHYR}
-    root = sec.ChatConversation(server["url"], "tiny")
+    root = sec.ChatConversation(server["url"], "tiny", ttl_s=TTL)
     first, a, b = _parts(server, 5, 40, 30, 35)
     root.send(first, **kw)
     branches = []
     for p in (a, b):
-        c = sec.ChatConversation(server["url"], "tiny")
+        c = sec.ChatConversation(server["url"], "tiny", ttl_s=TTL)
         c.messages, c.kept_id, c._kept_parts = list(root.messages), root.kept_id, 1
         branches.append((c, p))
     before = server.totals()
@@ -221,11 +226,11 @@ def test_two_branches_of_one_kept_turn_at_once_with_n(server):
 @pytest.mark.integration
 @pytest.mark.online
 def test_every_miss_is_the_one_404_and_stock_refuses_a_reference(server):
-    conv = sec.ChatConversation(server["url"], "tiny", cache_salt="one")
+    conv = sec.ChatConversation(server["url"], "tiny", ttl_s=TTL, cache_salt="one")
     (p,) = _parts(server, 6, 20)
     conv.send(p, max_tokens=2)
     kept = conv.kept_id
-    done = sec.Conversation(server["url"], "tiny", body="json")
+    done = sec.Conversation(server["url"], "tiny", ttl_s=TTL, body="json")
     done.complete(p, max_tokens=2)
 
     def ask(ref, salt="one"):

@@ -90,7 +90,8 @@ def test_client_requires_no_vllm():
 
 
 def test_public_names_are_reexported():
-    assert sorted(sec.__all__) == ["AsyncConversation", "Continuation", "Conversation",
+    assert sorted(sec.__all__) == ["AsyncConversation", "ChatConversation", "Continuation",
+                                   "Conversation", "KeptPart",
                                    "Region", "RegionClient", "RegionRefused", "achat",
                                    "achat_openai_json", "acomplete", "acomplete_openai_json",
                                    "chat", "chat_openai_json", "complete",
