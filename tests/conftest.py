@@ -59,21 +59,21 @@ class Engine(NamedTuple):
 
 # Every engine of a default full run (opt-in ones: OPT_IN_ENGINES), with the
 # engine-seconds of the run MEASURED names.
-MEASURED = ("clean clone of 2f0dfe1, 2026-12-07 (tests 16:04 after setup, 19:36 in all, "
-            "2 cores)")
+MEASURED = ("clean clone of 64ac86d, 2026-12-07 (tests 8:34 after setup, 9:50 in all with a warm pip "
+            "cache, 2 cores)")
 INVENTORY = (
-    Engine("conftest.py offline_tiny", 1, 1, "offline, TP=2, plugin on", 80),
-    Engine("conftest.py offline_pp", 1, 1, "offline, PP=2, plugin on", 59),
-    Engine("test_offline.py", 1, 1, "offline, TP=2, wide model, 256 MiB of embeds", 100),
-    Engine("conftest.py main_server", 1, 1, "vllm serve, TP=2, spawn workers", 200),
+    Engine("conftest.py offline_tiny", 1, 1, "offline, TP=2, plugin on", 44),
+    Engine("conftest.py offline_pp", 1, 1, "offline, PP=2, plugin on", 31),
+    Engine("test_offline.py", 1, 1, "offline, TP=2, wide model, 256 MiB of embeds", 50),
+    Engine("conftest.py main_server", 1, 1, "vllm serve, TP=2, spawn workers", 104),
     Engine("conftest.py dp_server", 1, 2, "vllm serve, DP=2 (a TP worker each, mp executor), "
-           "two API servers, async scheduling off", 172),
-    Engine("conftest.py small_shm_server", 1, 1, "vllm serve, TP=2, 256 KiB tmpfs", 92),
-    Engine("test_nodes.py runs", 2, 2, "two nodes, PP=2 and TP=4, plugin on; the follower killed", 267),
+           "two API servers, async scheduling off", 109),
+    Engine("conftest.py small_shm_server", 1, 1, "vllm serve, TP=2, 256 KiB tmpfs", 54),
+    Engine("test_nodes.py runs", 2, 2, "two nodes, PP=2 and TP=4, plugin on; the follower killed", 171),
     Engine("test_nodes.py follower_without_plugin", 1, 1,
-           "two nodes, TP=4, plugin on the head only (stock hop 2)", 124),
-    Engine("test_nodes.py dp_run", 1, 2, "two nodes, DP=2, an EngineCore per node", 95),
-    Engine("test_extensions_removed.py", 1, 1, "offline, TP=2, every extension deleted", 59),
+           "two nodes, TP=4, plugin on the head only (stock hop 2)", 57),
+    Engine("test_nodes.py dp_run", 1, 2, "two nodes, DP=2, an EngineCore per node", 50),
+    Engine("test_extensions_removed.py", 1, 1, "offline, TP=2, every extension deleted", 29),
 )
 # Started only when asked (an environment variable, or Ray installed).
 OPT_IN_ENGINES = (
