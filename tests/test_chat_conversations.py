@@ -118,7 +118,8 @@ def test_a_bad_reference_is_refused_and_pins_nothing(shm_env):
                                    "/v1/chat/completions", body, torch.float32, H)
 
     for refs, status in [((wire.PART + "x",), 400), ((wire.PART + "A" * 43 + ".0",), 404),
-                         ((wire.PART + "../../etc.0",), 404)]:
+                         ((wire.PART + "../../etc.0",), 404), ((wire.PART + "A" * 43 + ".²",), 400),
+                         ((wire.PART + "A" * 43 + ".00",), 400)]:
         with pytest.raises(gate.Refused) as e:
             ask(*refs)
         assert e.value.status == status and "etc" not in str(e.value)
@@ -126,6 +127,76 @@ def test_a_bad_reference_is_refused_and_pins_nothing(shm_env):
         ask(keep="-1")
     assert e.value.status == 400
     assert ask() is None and len(local.store()) == 0
+
+
+def _kept_turn(salt, rows=6):
+    """A chat turn kept under ``salt`` (tokens, one part of ``rows``, tokens): its id."""
+    from vllm._shm_embeds.ext.conversations import chat, keeps
+
+    ids = [11, 12, *[PLACEHOLDER] * rows, 13]
+    turn = chat.ChatTurn(keeps.KeepRequest(60, salt), {}, [], None)
+    out, _ = turn.build(ids, [torch.randn(rows, H)], [(2, rows)])
+    turn.rendered({"prompt_embeds": out, "prompt_token_ids": ids})
+    return turn.keep.kid, turn, out
+
+
+def test_a_json_chat_body_finds_a_turn_kept_under_a_long_salt(shm_env):
+    """A cache_salt of 1024 bytes or more is a long string to the JSON path: the turn
+    is looked up under the salt as sent, not its placeholder."""
+    import json
+
+    from vllm._shm_embeds.ext.binary.common import ServerContext
+    from vllm._shm_embeds.ext.conversations import local
+    from vllm._shm_embeds.ext.json import json_body
+    from vllm._shm_embeds.lifetime.transfer import release_streamed
+
+    salt = "s" * 2000
+    kid, turn, out = _kept_turn(salt)
+    ctx = ServerContext(hidden_size=H, max_model_len=64, dtype=torch.float32,
+                        enable_prompt_embeds=True, max_body_bytes=1 << 20)
+    body = json.dumps({"model": "m", "cache_salt": salt, "messages": [{"role": "user", "content": [
+        {"type": "prompt_embeds", "data": f"{wire.PART}{kid}.0"}]}]}).encode()
+    try:
+        prepared = json_body.prepare(body, "/v1/chat/completions", ctx, {"shm-embeds-keep": "5"})
+        assert prepared.turn is not None and prepared.upload is not None
+        assert prepared.turn.part(f"{wire.PART}{kid}.0".encode()).shape == (6, H)
+        prepared.turn.close()
+        prepared.upload.release()
+    finally:
+        turn.close()
+        release_streamed(out)
+        local.store().clear()
+
+
+def test_no_memory_for_a_tip_leaves_the_prompt_to_the_caller_and_nothing_claimed(
+        shm_env, monkeypatch):
+    from vllm._shm_embeds.ext.conversations import chat, local, tips
+    from vllm._shm_embeds.lifetime.transfer import release_streamed
+
+    kid, first, out = _kept_turn(None)
+    nxt = chat.HOOK.chat_turn({"shm-embeds-keep": "5"}, "/v1/chat/completions", {"messages": [
+        {"role": "user", "content": [{"type": "prompt_embeds", "data": f"{wire.PART}{kid}.0"}]}]},
+        torch.float32, H)
+    nxt.wait()
+    tip = local.holder().lookup(out)[0]
+    rows, refs, entries = tip.rows, tip.refs, len(local.store())
+
+    def no_memory(self, rows):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tips.Tip, "ensure", no_memory)
+    part = nxt.part(f"{wire.PART}{kid}.0")
+    ids = [11, 12, *[PLACEHOLDER] * 6, 13, 14, 15]
+    try:
+        assert nxt.build(ids, [part], [(2, 6)]) is None  # (the caller assembles it)
+        # Nothing claimed or used (the file's high-water mark stays charged, as for any
+        # claim given back: store.unclaim).
+        assert (tip.rows, tip.refs, len(local.store())) == (rows, refs, entries)
+    finally:
+        nxt.close()
+        first.close()
+        release_streamed(out)
+        local.store().clear()
 
 
 # -- online, on the main server (TP=2)

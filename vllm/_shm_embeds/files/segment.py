@@ -49,6 +49,18 @@ def fallback_reason(e: OSError) -> str:
 HEADER = MAGIC.ljust(HEADER_BYTES, b"\0")  # a new segment's first page
 
 
+_ZEROS = bytes(1 << 20)
+
+
+def write_zeros(write: Any, nbytes: int) -> None:
+    """``write(chunk)`` of ``nbytes`` zero bytes in chunks of at most 1 MiB (a long gap
+    never allocates its size)."""
+    while nbytes > 0:
+        n = min(nbytes, len(_ZEROS))
+        write(memoryview(_ZEROS)[:n])
+        nbytes -= n
+
+
 def pwrite_all(fd: int, buf: memoryview, offset: int, failed: list | None = None) -> None:
     """Write all of ``buf`` at ``offset``; raises OSError. ``failed``, shared by one
     segment's writers: an error is appended, and the others stop."""

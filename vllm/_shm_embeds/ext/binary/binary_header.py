@@ -29,7 +29,7 @@ from shm_embeds_client import wire
 from starlette.datastructures import Headers
 
 from vllm._shm_embeds.ext.binary.body_limits import byte_count
-from vllm._shm_embeds.ext.binary.common import ServerContext, content_type, embeds_slots
+from vllm._shm_embeds.ext.binary.common import CHAT, ServerContext, content_type, embeds_slots
 from vllm._shm_embeds.ext.binary.gate import Refused
 from vllm._shm_embeds.ext.binary.placeholders import new_token, placeholder
 from vllm._shm_embeds.ext.binary.settings import binary_max_tensors
@@ -294,7 +294,8 @@ def parse_header(
     refs = 0
     for where, container, key in slots:
         value = container.get(key) if isinstance(container, dict) else None
-        if wire.PART in accepted and isinstance(value, str) and value.startswith(wire.PART):
+        if (route == CHAT and wire.PART in accepted and isinstance(value, str)
+                and value.startswith(wire.PART)):
             refs += 1
             continue
         specs.append(parse_spec(container.get(key) if isinstance(container, dict)

@@ -15,6 +15,7 @@ import torch
 
 from vllm._shm_embeds import extensions
 from vllm._shm_embeds.ext.binary.placeholders import current_upload, resolve_placeholder
+from vllm._shm_embeds.files.segment import write_zeros
 from vllm._shm_embeds.lifetime.transfer import is_streamed
 from vllm._shm_embeds.sites.site import Site
 
@@ -104,13 +105,11 @@ def _assemble(tensors: list[torch.Tensor], positions: list[tuple[int, int]],
     def write(segment) -> None:
         at = 0
         for (start, length), t in zip(positions, tensors, strict=True):
-            if start > at:
-                segment.write(bytes((start - at) * row_bytes))
+            write_zeros(segment.write, (start - at) * row_bytes)
             part = t.detach().to(dtype).contiguous().reshape(-1).view(torch.uint8)
             segment.write(memoryview(part.numpy()))
             at = start + length
-        if total > at:
-            segment.write(bytes((total - at) * row_bytes))
+        write_zeros(segment.write, (total - at) * row_bytes)
 
     try:
         return digests.fill_segment(dtype, (total, hidden), write)

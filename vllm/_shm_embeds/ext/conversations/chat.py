@@ -27,6 +27,7 @@ from vllm._shm_embeds.counters import count, count_many, count_reason
 from vllm._shm_embeds.ext.conversations.events import ConversationEvent
 from vllm._shm_embeds.ext.conversations.keeps import KeepRequest
 from vllm._shm_embeds.ext.conversations.local import max_bytes, new_tip, store
+from vllm._shm_embeds.files import segment as seg
 from vllm._shm_embeds.ext.conversations.prefixes import (KEEP_HEADER, Prefix, PrefixNotFound,
                                                          TipSink, keep_ttl, salt_of)
 
@@ -41,13 +42,15 @@ MAX_REFS = 256  # part references one request may make (each is a pin)
 
 @dataclasses.dataclass(frozen=True)
 class Rendered:
-    """A kept chat turn's prompt: ``token_ids`` (vLLM's expanded ids, the placeholder
-    id on embeds rows; ``array('i')``, 4 bytes a row) and ``positions`` (``(start,
+    """A kept chat turn's prompt: its ``rows`` first ``token_ids`` (vLLM's expanded ids,
+    the placeholder id on embeds rows; ``array('i')``, 4 bytes a row, one array for the
+    turns of one tip: a grown turn extends its base's) and ``positions`` (``(start,
     rows)`` of each embeds part, in order), as vllm/renderers/hf.py (0.32) passes them
     to ``_build_mixed_prompt_embeds``."""
 
     token_ids: array.array
     positions: tuple[tuple[int, int], ...]
+    rows: int
 
 
 def is_ref(value: Any) -> bool:
@@ -58,7 +61,7 @@ def is_ref(value: Any) -> bool:
 def _parse(value: str) -> tuple[str, int]:
     """``(id, index)`` of a reference. Raises Refused (400): not id.index."""
     kid, dot, k = value[len(wire.PART):].rpartition(".")
-    if not dot or not k.isdigit() or len(k) > 6:
+    if not dot or not (k.isascii() and k.isdigit()) or len(k) > 6 or k != str(int(k)):
         raise _gate.Refused(400, "part_ref", f"a kept part is named {wire.PART}<id>.<index>")
     return kid, int(k)
 
@@ -79,7 +82,8 @@ class ChatTurn:
                  refs: list[tuple[str, int]], base: str | None) -> None:
         self.keep, self._pins, self._refs, self._base = keep, pins, refs, base
         self._parts: dict[str, torch.Tensor] = {}
-        self._grown: tuple[torch.Tensor, Any, int] | None = None  # tensor, digests, rows
+        # a grown prompt: (tensor, the kept digests, kept rows, the kept token ids' array)
+        self._grown: tuple[torch.Tensor, Any, int, array.array] | None = None
         self._positions: tuple[tuple[int, int], ...] = ()
 
     async def ready(self) -> None:
@@ -117,45 +121,49 @@ class ChatTurn:
         tip: after the kept turn's rows when this prompt begins with them (only the new
         rows written; :meth:`hash` then hashes only them), else a new tip when the turn
         is kept; None: not ours to build (the caller assembles it in a segment)."""
-        self._positions = tuple((int(s), int(n)) for s, n in positions)
+        self._positions = ()  # (kept only with positions that are vLLM's own and valid)
+        spans = tuple((int(s), int(n)) for s, n in positions)
         total = len(token_ids)
-        if not tensors or any(t.dim() != 2 or t.shape[1] != tensors[0].shape[1]
-                              or t.dtype != tensors[0].dtype for t in tensors):
+        if not tensors or len(spans) != len(tensors) or any(
+                t.dim() != 2 or t.shape[1] != tensors[0].shape[1]
+                or t.dtype != tensors[0].dtype for t in tensors):
             return None
         dtype, hidden = tensors[0].dtype, tensors[0].shape[1]
         at = 0
-        for (start, rows), t in zip(self._positions, tensors, strict=True):
+        for (start, rows), t in zip(spans, tensors, strict=True):
             if start < at or t.shape[0] != rows or start + rows > total:
                 return None
             at = start + rows
-        sink, start = self._grow(token_ids, tensors, dtype, total), 0
-        if sink is not None:
-            start = sink.start
-        else:  # the kept parts are copied: into a new tip here, or by the caller
-            count(ConversationEvent.KEPT_COPIED_BYTES, sum(p.nbytes for p in self._parts.values()))
-            if self.keep is not None and (tip := new_tip(dtype, total, hidden)) is not None:
-                sink = TipSink(tip, 0, total)
-        if sink is None:
-            return None
-        row = hidden * dtype.itemsize
+        self._positions = spans
+        sink = None
         try:
-            at = start
+            sink, start = self._grow(token_ids, tensors, dtype, total), 0
+            if sink is not None:
+                start = sink.start
+            else:  # the kept parts are copied: into a new tip here, or by the caller
+                count(ConversationEvent.KEPT_COPIED_BYTES,
+                      sum(p.nbytes for p in self._parts.values()))
+                if self.keep is not None and (tip := new_tip(dtype, total, hidden)) is not None:
+                    sink = TipSink(tip, 0, total)
+            if sink is None:
+                return None
+            row, at = hidden * dtype.itemsize, start
             for (s, rows), t in zip(self._positions, tensors, strict=True):
                 if s < start:
                     continue  # (a kept part, in the tip already)
-                if s > at:
-                    sink.write(bytes((s - at) * row))
+                seg.write_zeros(sink.write, (s - at) * row)
                 sink.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
                 at = s + rows
-            if total > at:
-                sink.write(bytes((total - at) * row))
+            seg.write_zeros(sink.write, (total - at) * row)
             out = sink.finish()
         except Exception:  # e.g. no memory: the caller assembles it (a segment, or vLLM's)
-            sink.abort()
+            if sink is not None:  # (TipSink gives back what it claimed; finish did too)
+                sink.abort()
             logger.debug("shm-embeds: a chat prompt's tip failed", exc_info=True)
             return None
         if start:
-            self._grown = (out, self._pins[self._base].digests, start)
+            base = self._pins[self._base]
+            self._grown = (out, base.digests, start, base.chat.token_ids)
         mask = [True] * total
         for s, rows in self._positions:
             mask[s:s + rows] = [False] * rows
@@ -164,7 +172,7 @@ class ChatTurn:
     def _grow(self, token_ids: list[int], tensors: list[torch.Tensor], dtype: torch.dtype,
               total: int) -> TipSink | None:
         """A sink after the kept turn's rows, if this prompt begins with that turn's."""
-        if self._base is None:
+        if self._base not in self._pins:  # (none, or unpinned: a build after rendering)
             return None
         prefix = self._pins[self._base]
         chat: Rendered = prefix.chat
@@ -177,10 +185,10 @@ class ChatTurn:
               or self._positions[:m] != chat.positions
               or (len(tensors) > m and self._positions[m][0] < kept_rows)):
             why = "parts"
-        elif _ids(token_ids[:kept_rows]) != chat.token_ids:
+        elif _ids(token_ids[:kept_rows]) != chat.token_ids[:kept_rows]:
             why = "tokens"  # e.g. a template that drops or rewrites earlier turns
-        elif store().claim(prefix.tip, kept_rows, total, max_bytes()) is not None:
-            why = "taken"  # another branch grew it first, or no room
+        elif (got := store().claim(prefix.tip, kept_rows, total, max_bytes())) is not None:
+            why = got  # "taken": another branch grew it first; "full": no room
         if why is not None:
             count_reason(ConversationEvent.CHAT_REBUILT, why)
             return None
@@ -192,7 +200,7 @@ class ChatTurn:
         the rest hashed on the hash pool; None for any other tensor (hash it all)."""
         if self._grown is None or self._grown[0] is not tensor:
             return None
-        _, kept, rows = self._grown
+        _, kept, rows, _ = self._grown
         reused = rows // block if kept is not None and kept.block_tokens == block else 0
         found = await asyncio.wrap_future(_digests.hash_tensor(tensor[reused * block:], block))
         if not reused:
@@ -202,7 +210,15 @@ class ChatTurn:
 
     def rendered(self, prompt: Any) -> None:
         """vLLM rendered the prompt (digests attached): keep it if asked (a prompt in a
-        tip as it is, any other copied into one on a thread)."""
+        tip as it is, any other copied into one on a thread). The kept turns it named
+        are unpinned now (their rows are fixed bytes; a part's view stays mapped), so
+        that a long generation holds no entry from eviction."""
+        try:
+            self._keep(prompt)
+        finally:
+            self._unpin()
+
+    def _keep(self, prompt: Any) -> None:
         tensor = prompt.get("prompt_embeds") if isinstance(prompt, dict) else None
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
         if (self.keep is None or not isinstance(tensor, torch.Tensor) or ids is None
@@ -211,8 +227,20 @@ class ChatTurn:
         token_ids = _ids(ids)
         if token_ids is None:
             return
-        self.keep.chat = Rendered(token_ids, self._positions)
+        if self._grown is not None and self._grown[0] is tensor:
+            # One array for the tip: only this request claimed the rows after the
+            # kept ones, and no entry of this tip reaches past them.
+            rows, shared = self._grown[2], self._grown[3]
+            del shared[rows:]
+            shared.extend(token_ids[rows:])
+            token_ids = shared
+        self.keep.chat = Rendered(token_ids, self._positions, len(ids))
         self.keep.start(tensor)
+
+    def _unpin(self) -> None:
+        pins, self._pins = self._pins, {}
+        for p in pins.values():
+            p.release()
 
     async def response_headers(self, status: int) -> list[tuple[bytes, bytes]]:
         return [] if self.keep is None else await self.keep.response_headers(status)
@@ -225,10 +253,8 @@ class ChatTurn:
         """The request has ended: its keep closed, its pins let go (idempotent)."""
         if self.keep is not None:
             self.keep.close()
-        pins, self._pins = self._pins, {}
         self._parts.clear()
-        for p in pins.values():
-            p.release()
+        self._unpin()
 
 
 class Hook:

@@ -212,9 +212,6 @@ def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext,
         index = {name: i for i, name in enumerate(names)}
         values = [container[key] for _, container, key in embeds_slots(route, body)
                   if not isinstance(container, dict) or key in container]
-        if chat is not None:
-            turn = _chat_turn(chat, headers, route, body, ctx)
-            values = [v for v in values if not (isinstance(v, str) and v.startswith(wire.PART))]
         hooks = _common.prefix_hooks() if headers is not None else {}
         salt = body.get("cache_salt")
         if hooks and isinstance(salt, str) and salt in index:  # a long one: as it was sent
@@ -223,6 +220,9 @@ def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext,
                 body["cache_salt"] = bytes(view[a:b]).decode()
             except UnicodeDecodeError:
                 raise Fallback("not_json") from None
+        if chat is not None:  # (after the salt: a long one is a span of its own)
+            turn = _chat_turn(chat, headers, route, body, ctx)
+            values = [v for v in values if not (isinstance(v, str) and v.startswith(wire.PART))]
         keeping = next((k for hook in hooks.values() if (k := hook.keep_request(
             headers, route, body, len(values))) is not None), None)
         cont = body.get("prompt_embeds") if route == _common.COMPLETIONS else None
@@ -396,6 +396,19 @@ def _close(buf: mmap.mmap) -> None:
         logger.debug("shm-embeds: a body buffer is still referenced; freed later")
 
 
+def _abandon(fut: Any, raw: Any) -> None:
+    """A :func:`prepare` whose request was cancelled has finished: close its buffer and
+    let go of what it made (segments, a chat turn's pins)."""
+    _close(raw)
+    if fut.cancelled() or fut.exception() is not None:
+        return
+    prepared = fut.result()
+    if prepared.upload is not None:
+        prepared.upload.release()
+    if prepared.turn is not None:
+        prepared.turn.close()
+
+
 def max_json_body_bytes(ctx: ServerContext) -> int:
     """Largest ``Content-Length`` the JSON path takes (bytes): the base64 of
     :attr:`ServerContext.max_body_bytes` (binary's ``settings.binary_max_bytes``,
@@ -437,16 +450,23 @@ class JsonFormat:
         if isinstance(raw, bytes):
             count_reason(JsonEvent.JSON_FALLBACK, "body")
             return Outcome(raw)
+        fut = asyncio.get_running_loop().run_in_executor(None, prepare, raw, path, ctx,
+                                                          claim.state)
+        abandoned = False
         try:
-            prepared = await asyncio.get_running_loop().run_in_executor(
-                None, prepare, raw, path, ctx, claim.state)
+            prepared = await asyncio.shield(fut)
+        except asyncio.CancelledError:  # (the client left): undone once the thread is done
+            abandoned = True
+            fut.add_done_callback(lambda f: _abandon(f, raw))
+            raise
         except _gate.Refused:  # a conversation's request answered here (404, 400)
             raise
         except Exception:  # a bug of ours must not cost the request: stock path
             logger.exception("shm-embeds: JSON body path failed; vLLM decodes this body")
             prepared = Prepared(raw[:], None, "error")
         finally:
-            _close(raw)
+            if not abandoned:  # (the thread may still read it otherwise)
+                _close(raw)
         if prepared.reason is not None:
             count_reason(JsonEvent.JSON_FALLBACK, prepared.reason)
         upload = prepared.upload
