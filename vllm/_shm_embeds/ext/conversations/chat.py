@@ -87,7 +87,8 @@ class ChatTurn:
         self._positions: tuple[tuple[int, int], ...] = ()
 
     async def ready(self) -> None:
-        """Wait for kept turns whose copy still runs. Raises PrefixNotFound (it failed)."""
+        """Wait for kept turns whose copy still runs. Raises Refused: PrefixNotFound (the
+        copy failed), 400 (no such part), 503 (the rows cannot be mapped)."""
         for p in self._pins.values():
             await p.ready()
         self._map()
@@ -105,7 +106,11 @@ class ChatTurn:
                 raise _gate.Refused(400, "part_ref", "a kept turn has no embeds part of "
                                     "that index")
             start, rows = chat.positions[k]
-            self._parts[f"{wire.PART}{kid}.{k}"] = self._pins[kid].tensor[start:start + rows]
+            try:
+                view = self._pins[kid].tensor  # (mapped on first use)
+            except OSError:
+                raise _gate.Refused(503, "no_memory", "the server is out of memory") from None
+            self._parts[f"{wire.PART}{kid}.{k}"] = view[start:start + rows]
         count_many({ConversationEvent.CHAT_PARTS: len(self._refs),
                     ConversationEvent.PREFIX_ROWS: sum(p.shape[0] for p in self._parts.values())})
 
