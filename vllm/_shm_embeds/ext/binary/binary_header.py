@@ -293,13 +293,12 @@ def parse_header(
                    f"than the server's limit of {binary_max_tensors()}")
     refs = 0
     for where, container, key in slots:
-        value = container.get(key) if isinstance(container, dict) else None
+        value = container.get(key) if isinstance(container, dict) else container[key]
         if (route == CHAT and wire.PART in accepted and isinstance(value, str)
                 and value.startswith(wire.PART)):
             refs += 1
             continue
-        specs.append(parse_spec(container.get(key) if isinstance(container, dict)
-                                else container[key], limits, where, accepted))
+        specs.append(parse_spec(value, limits, where, accepted))
         container[key] = placeholder(token, len(specs) - 1)
     if not specs and not refs:
         raise _bad("no_tensor", "a binary request body needs at least one "

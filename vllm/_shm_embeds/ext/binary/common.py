@@ -163,7 +163,26 @@ def embeds_slots(route: str, body: Any) -> Iterator[tuple[str, Any, Any]]:
                 yield f"messages[{i}].content[{j}].data", part, "data"
 
 
-_HOOKS: dict[str, Any] | None = None
+_LOADED: dict[str, list[Any]] = {}
+_PREFIX_HOOKS: dict[str, Any] | None = None
+
+
+def _hooks_of(registry: str) -> list[Any]:
+    """The hooks the loaded extensions provide to ``registry`` (entries
+    ``{"target": "<module>:<attr>"}``), imported once; one that fails to load is
+    left out (and logged)."""
+    if registry not in _LOADED:
+        hooks = []
+        for ext, entry in extensions.provided(registry):
+            module, _, attr = entry["target"].partition(":")
+            try:
+                hooks.append(getattr(importlib.import_module(
+                    f"{extensions.package_of(ext)}.{module}"), attr))
+            except Exception:
+                logger.warning("shm-embeds: extension %s's %s hook not loaded", ext,
+                               registry, exc_info=True)
+        _LOADED[registry] = hooks
+    return _LOADED[registry]
 
 
 def prefix_hooks() -> dict[str, Any]:
@@ -178,23 +197,10 @@ def prefix_hooks() -> dict[str, Any]:
     path, body, ntensors)`` (None, or ``.start(tensor)``, then ``async settled()`` (its
     work on the tensor's bytes done), ``async response_headers(status)``,
     ``.close()``). One that fails to load is left out (its parameter is then refused)."""
-    global _HOOKS
-    if _HOOKS is None:
-        _HOOKS = {}
-        for ext, entry in extensions.provided("binary_prefixes"):
-            module, _, attr = entry["target"].partition(":")
-            try:
-                hook = getattr(importlib.import_module(
-                    f"{extensions.package_of(ext)}.{module}"), attr)
-            except Exception:
-                logger.warning("shm-embeds: extension %s's binary hook not loaded", ext,
-                               exc_info=True)
-                continue
-            _HOOKS[hook.parameter] = hook
-    return _HOOKS
-
-
-_CHAT: list[Any] | None = None
+    global _PREFIX_HOOKS
+    if _PREFIX_HOOKS is None:
+        _PREFIX_HOOKS = {hook.parameter: hook for hook in _hooks_of("binary_prefixes")}
+    return _PREFIX_HOOKS
 
 
 def chat_hook() -> Any:
@@ -204,15 +210,5 @@ def chat_hook() -> Any:
     ``async hash(tensor, block)``, ``rendered(prompt)`` and the keep interface of
     :func:`prefix_hooks` (``response_headers``, ``settled``, ``close``); raises
     ``gate.Refused``. Parts it names are strings ``wire.PART...`` in a part's ``data``."""
-    global _CHAT
-    if _CHAT is None:
-        _CHAT = []
-        for ext, entry in extensions.provided("chat_turns"):
-            module, _, attr = entry["target"].partition(":")
-            try:
-                _CHAT.append(getattr(importlib.import_module(
-                    f"{extensions.package_of(ext)}.{module}"), attr))
-            except Exception:
-                logger.warning("shm-embeds: extension %s's chat hook not loaded", ext,
-                               exc_info=True)
-    return _CHAT[0] if _CHAT else None
+    hooks = _hooks_of("chat_turns")
+    return hooks[0] if hooks else None
