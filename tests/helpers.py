@@ -550,26 +550,35 @@ def asgi_peer(messages: list[dict]):
     return receive, send, sent
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    """A free TCP port. Under pytest-xdist, one from a range of the worker's
-    own, so that two workers starting servers at the same moment never pick
-    the same one (bind(0) hands out recently freed ports; on Linux it also
-    prefers even ones, so no filter on its result may loop on it)."""
+    """A free TCP port, never one this process handed out before. Under
+    pytest-xdist, one from a range of the worker's own, so that two workers
+    starting servers at the same moment never pick the same one (bind(0)
+    hands out recently freed ports; on Linux it also prefers even ones, so no
+    filter on its result may loop on it). Never twice: a node pair's HTTP port
+    once equalled its ``--data-parallel-rpc-port``, vLLM's ZMQ handshake
+    bound it beside the HTTP socket (both SO_REUSEADDR, neither listening
+    yet), and the ``/health`` poll reached the handshake ("Message from
+    engine with unexpected data parallel rank": ZMTP 1.0 read ``GET /...`` as
+    an identity)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    if worker[2:].isdigit():
-        index = int(worker[2:])
-        rng = random.Random()
-        for _ in range(200):
-            port = 20000 + 2000 * (index % 10) + rng.randrange(2000)
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-                return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    index = int(worker[2:]) if worker[2:].isdigit() else None
+    rng = random.Random()
+    for _ in range(200):
+        port = 0 if index is None else 20000 + 2000 * (index % 10) + rng.randrange(2000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        if port not in _PORTS_GIVEN:
+            _PORTS_GIVEN.add(port)
+            return port
+    raise RuntimeError("no free port in 200 tries")
 
 
 # The tiny model has no chat template; this one renders the messages' content
