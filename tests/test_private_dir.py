@@ -37,12 +37,30 @@ def test_made_private_with_one_name_at_the_top(mount):
 
 
 def test_a_child_inherits_it(mount):
+    """A process this one starts (vLLM's EngineCore and workers) gets the same
+    directory: the path is in the environment an exec'd child gets (``printenv``),
+    and ``resolve`` in a child with none of this module's state (forked, its
+    cache cleared: a fresh interpreter's import of vLLM costs seconds) finds it."""
     seg_dir = private_dir.resolve(mount)
-    code = ("import sys; from vllm._shm_embeds import private_dir; "
-            "print(private_dir.resolve(sys.argv[1]))")
-    out = subprocess.run([sys.executable, "-c", code, mount], capture_output=True,
-                         text=True, check=True, env=dict(os.environ)).stdout.strip()
-    assert out == seg_dir
+    outer = os.path.dirname(seg_dir)
+    assert subprocess.run(["printenv", private_dir.ENV], capture_output=True, text=True,
+                          check=True).stdout.strip() == outer
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        code = 1
+        try:
+            private_dir._resolved.clear()
+            private_dir._made.clear()
+            os.write(w, private_dir.resolve(mount).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        out = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert status == 0 and out == seg_dir
     assert len(os.listdir(mount)) == 1
 
 
