@@ -13,6 +13,7 @@ The soak runs ``SHM_EMBEDS_SOAK`` requests (default 200 in CI; the figure in
 docs/figures.md uses 1000: ``SHM_EMBEDS_SOAK=1000 bash scripts/test.sh -k soak -s``).
 """
 
+import contextlib
 import os
 import random
 import signal
@@ -98,17 +99,31 @@ def test_sigkill_engine_core_mid_request_then_next_start_sweeps(small_shm_server
 @pytest.mark.ends_engine
 def test_sigterm_with_requests_in_flight(dp_server):
     bodies = _embeds_bodies(dp_server["model"], 16)
-    proc = dp_server["proc"]
-    with ThreadPoolExecutor(8) as pool:
+    proc, sent = dp_server["proc"], threading.Event()
+
+    def feed(k: int) -> None:
+        # new embeds requests until the signal: a segment is held only while a
+        # request is decoded, sent and prefilled, which the long ones are past
+        # within seconds (one window could be missed on a loaded host)
+        while not sent.is_set():
+            with contextlib.suppress(requests.RequestException):
+                post_completion(dp_server["url"], bodies[k % len(bodies)], 60, 4)
+            k += 1
+
+    with ThreadPoolExecutor(10) as pool:
         # long decodes (1024 tokens each): requests stay in flight while polled
         futures = [pool.submit(post_completion, dp_server["url"], {**b, "ignore_eos": True},
-                               120, 1024) for b in bodies]
+                               120, 1024) for b in bodies[:8]]
+        futures += [pool.submit(feed, k) for k in (0, 5)]
         # SIGTERM to the whole server while one of its processes maps or
         # opens a request's segment (asserted); it handles the signal once
         # it runs again, at the state that was read.
         server_pids = [proc.pid, *(p.pid for p in descendants(proc, ""))]
-        signal_mid_request(server_pids, dp_server["seg_dir"],
-                           lambda: os.killpg(proc.pid, signal.SIGTERM))
+        try:
+            signal_mid_request(server_pids, dp_server["seg_dir"],
+                               lambda: os.killpg(proc.pid, signal.SIGTERM))
+        finally:
+            sent.set()
         assert proc.wait(180) is not None
         for f in futures:
             try:
