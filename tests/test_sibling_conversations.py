@@ -87,6 +87,39 @@ def _miss(conn, kid: str, salt: str | None) -> None:
         conn.send(repr(e))
 
 
+def _starved(conn, kid: str) -> None:
+    """A continuation's pin while the event loop's default executor is busy (one
+    thread, blocked): it runs on the sibling round trips' own threads."""
+    import threading
+    import types
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vllm._shm_embeds.ext.binary import binary
+    from vllm._shm_embeds.ext.conversations import prefixes
+
+    _several()
+
+    async def main():
+        loop, gate = asyncio.get_running_loop(), threading.Event()
+        loop.set_default_executor(ThreadPoolExecutor(1))
+        blocker = loop.run_in_executor(None, gate.wait)
+        spec = types.SimpleNamespace(dtype=torch.float32, shape=(ROWS + NEW, HIDDEN))
+        try:
+            prefix = await asyncio.wait_for(
+                binary._resolve(prefixes.HOOK, kid, {"cache_salt": SALT}, spec), 30)
+        finally:
+            gate.set()
+        await blocker
+        rows = prefix.tensor.shape[0]
+        prefix.release()
+        return rows
+
+    try:
+        conn.send(asyncio.run(main()))
+    except BaseException as e:
+        conn.send(repr(e))
+
+
 @pytest.fixture
 def owner():
     ctx = multiprocessing.get_context("fork")
@@ -134,6 +167,15 @@ def test_a_sibling_grows_the_owners_tip_in_place(owner):
     # the next turn continues the owner's new id from another sibling
     got2, _, proc = _run(_miss, new_id, SALT)
     assert got2 == "hit", got2
+
+
+def test_a_pin_never_waits_for_the_default_executor(owner):
+    """Sibling round trips have threads of their own (``remote.round_trips``): a
+    pin is served while every thread of the loop's default executor is busy."""
+    kid, _, _ = owner
+    got, _, proc = _run(_starved, kid)
+    proc.join(30)
+    assert got == ROWS, got
 
 
 def test_misses_are_one_404(owner):

@@ -95,10 +95,11 @@ def _open_sink(spec: TensorSpec) -> StreamedSegment | _Private:
         return _fall_back(None, spec, e)
 
 
-async def _off_loop(undo: Any, fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` on a thread; if the awaiting task is cancelled, what it returns
-    (not None) is handed to ``undo`` once it does (nothing it took is left held)."""
-    fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+async def _off_loop(undo: Any, fn: Any, *args: Any, executor: Any = None) -> Any:
+    """``fn(*args)`` on a thread (of ``executor``, else the loop's default); if the
+    awaiting task is cancelled, what it returns (not None) is handed to ``undo`` once
+    it does (nothing it took is left held)."""
+    fut = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
@@ -109,10 +110,12 @@ async def _off_loop(undo: Any, fn: Any, *args: Any) -> Any:
 
 async def _resolve(hook: Any, value: Any, body: dict, spec: TensorSpec) -> Any:
     """``hook.resolve``; on a thread when it is a round trip to a sibling API server
-    (``hook.is_remote``), so that the event loop never waits on another process."""
+    (``hook.is_remote``), so that the event loop never waits on another process: the
+    hook's own threads where it has them (``hook.round_trips``)."""
     if getattr(hook, "is_remote", None) is not None and hook.is_remote(value):
+        executor = hook.round_trips() if hasattr(hook, "round_trips") else None
         return await _off_loop(lambda p: p.release(), hook.resolve, value, body, spec.dtype,
-                               spec.shape[1])
+                               spec.shape[1], executor=executor)
     return hook.resolve(value, body, spec.dtype, spec.shape[1])
 
 

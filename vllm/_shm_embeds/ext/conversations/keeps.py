@@ -164,8 +164,8 @@ class KeepRequest:
                 lease.let_go()
                 return []
             salt = self.salt
-            fut = asyncio.get_running_loop().run_in_executor(None, lease.commit, rows, d,
-                                                             salt, self.ttl_s)
+            fut = asyncio.get_running_loop().run_in_executor(
+                remote.round_trips(), lease.commit, rows, d, salt, self.ttl_s)
 
             def orphaned(f: asyncio.Future) -> None:  # cancelled: the id is never sent
                 if not f.cancelled() and f.exception() is None and f.result() is not None:

@@ -230,6 +230,10 @@ class Hook:
         count_many({ConversationEvent.PREFIX_HITS: 1, ConversationEvent.PREFIX_ROWS: prefix.rows})
         return prefix
 
+    def round_trips(self) -> Any:
+        """The executor a caller runs a remote :meth:`resolve` on (``remote.round_trips``)."""
+        return remote.round_trips()
+
     def is_remote(self, value: Any) -> bool:
         """``value`` names an id another API server of this ``vllm serve`` made:
         resolving it is a round trip (callers keep it off the event loop)."""

@@ -10,12 +10,14 @@ a keep of the grown tensor is made there (:meth:`Remote.commit`: an id of the
 sibling, so every turn of a conversation stays with the server that kept it and
 its rows are in memory once). The connection is the lease: closing it (the last
 :meth:`Remote.let_go`, or this process's end) ends every pin and claim it held.
-Round trips block (at most ``TIMEOUT_S`` each): callers keep them off the event loop.
+Round trips block (at most ``TIMEOUT_S`` each): callers run them on
+:func:`round_trips`' threads, never on the event loop.
 Knows sockets and tips, not vLLM and not HTTP.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import socket
 import threading
@@ -31,6 +33,31 @@ from vllm._shm_embeds.files.sockets import close_unasked, is_memfd, peer_is_sibl
 logger = init_logger(__name__)
 
 TIMEOUT_S = 5.0  # a round trip (a pin: the owner's wait for a keep's copy too)
+ROUND_TRIP_THREADS = 8  # this API server's sibling round trips at once; more queue
+
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def round_trips() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads sibling round trips (pins, commits) run on: not the event loop's
+    default executor, which vLLM and the body paths share, since a pin may wait for
+    an owner's copy (``siblings.READY_WAIT_S``): a busy owner then delays sibling
+    continuations only, never another request's body."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(
+                ROUND_TRIP_THREADS, thread_name_prefix="shm-embeds-sibling")
+        return _pool
+
+
+def _after_fork_in_child() -> None:
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()  # the parent's threads are not the child's
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Remote:
