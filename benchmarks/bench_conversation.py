@@ -47,6 +47,11 @@ A non-200 answer fails the run at once.
     .venv/bin/python benchmarks/bench_conversation.py            # 10 turns x 1024 rows, 2 reps: ~10 min
     .venv/bin/python benchmarks/bench_conversation.py --quick    # 4 turns x 256 rows, 1 rep: ~2 min
     .venv/bin/python benchmarks/bench_conversation.py --modes text,plugin_kept --turns 6
+    .venv/bin/python benchmarks/bench_conversation.py --modes text,plugin_kept --data-parallel 2
+
+``--api-servers N`` runs both servers with ``--api-server-count N``; ``--data-parallel
+N`` with ``--data-parallel-size N`` instead (TP=1 per rank, N API servers). With
+several API servers each kept turn opens a new connection, so turns spread.
 
 Writes ``benchmarks/results/conversation.json`` (``--out``): the command line,
 the date, ``machine_info``, every sample, the per-turn medians and the
@@ -108,17 +113,18 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
-def server_procs(server, api_servers: int = 1) -> dict[str, list[int]]:
+def server_procs(server, api_servers: int = 1, engines: int = 1) -> dict[str, list[int]]:
     """The API servers' pids (``vllm serve``'s ``APIServer`` children when there are
-    several, else the server's own), the EngineCore's and the TP workers'."""
+    several, else the server's own), the EngineCores' (one per DP rank) and the
+    workers'."""
     from helpers import descendants
 
     engine = [p.pid for p in descendants(server.proc, "EngineCore")]
     workers = [p.pid for p in descendants(server.proc, "Worker") if p.pid not in engine]
     api = ([p.pid for p in descendants(server.proc, "APIServer")] if api_servers > 1
            else [server.proc.pid])
-    if len(engine) != 1 or not workers or len(api) != api_servers:
-        raise BenchError(f"expected one EngineCore, TP workers and {api_servers} API "
+    if len(engine) != engines or not workers or len(api) != api_servers:
+        raise BenchError(f"expected {engines} EngineCore(s), workers and {api_servers} API "
                          f"servers under the server, found EngineCore {engine}, workers "
                          f"{workers}, API servers {api}")
     return {"api": api, "engine": engine, "workers": workers}
@@ -239,7 +245,7 @@ def run_conversation(mode: str, rep: int, server, procs, turns: Turns, args,
     client = httpx.Client(timeout=600, event_hooks={"request": [
         lambda req: sent.append(int(req.headers.get("Content-Length", 0)))]})
     # Several API servers: a new connection each turn, so that turns spread over them.
-    spread = {"Connection": "close"} if args.api_servers > 1 else None
+    spread = {"Connection": "close"} if api_server_count(args) > 1 else None
     conv = (sec.Conversation(url, MODEL, ttl_s=args.ttl_s, cache_salt=salt, client=client,
                              body="json" if mode == "plugin_kept_json" else "binary",
                              headers=spread)
@@ -339,14 +345,23 @@ def warm_up(server, turns: Turns, plugin: bool) -> None:
     time.sleep(1.5)
 
 
+def api_server_count(args) -> int:
+    """API servers per server: ``--data-parallel`` N starts N (vLLM's default)."""
+    return args.data_parallel if args.data_parallel > 1 else args.api_servers
+
+
 def run_server(plugin: bool, modes: list[str], args, turns: Turns, tmp: pathlib.Path,
                nonce: str, leftovers: dict) -> list[dict]:
     from helpers import Server, ours_in, private_dirs_in
 
     name = "plugin" if plugin else "stock"
-    several = ("--api-server-count", str(args.api_servers)) if args.api_servers > 1 else ()
-    server = Server(tmp / name, "-tp", "2", *several, shm_on=plugin, check_clean=False,
-                    serve_cli=bool(several),
+    if args.data_parallel > 1:  # as tests/conftest.py's dp_server: a TP=1 engine per rank
+        topology = ("--data-parallel-size", str(args.data_parallel), "--no-async-scheduling")
+    else:
+        topology = ("-tp", "2", *(("--api-server-count", str(args.api_servers))
+                                  if args.api_servers > 1 else ()))
+    server = Server(tmp / name, *topology, shm_on=plugin, check_clean=False,
+                    serve_cli=api_server_count(args) > 1,
                     model=os.path.join(ROOT, ".models", "wide"),
                     max_model_len=args.turns * args.new_rows + 64,
                     env_extra={"VLLM_SHM_EMBEDS_MIN_BYTES": str(1 << 20)})
@@ -356,7 +371,7 @@ def run_server(plugin: bool, modes: list[str], args, turns: Turns, tmp: pathlib.
     pids: list[int] = []
     try:
         server.start()
-        procs = server_procs(server, args.api_servers)
+        procs = server_procs(server, api_server_count(args), args.data_parallel)
         pids = [p for v in procs.values() for p in v]
         print(f"[{name}] server up in {time.monotonic() - t:.0f} s: API {procs['api']}, "
               f"EngineCore {procs['engine']}, workers {procs['workers']}", flush=True)
@@ -452,6 +467,9 @@ def main() -> None:
     ap.add_argument("--api-servers", type=int, default=1,
                     help="--api-server-count of both servers; above 1 each kept turn opens "
                          "a new connection (turns spread over the API servers)")
+    ap.add_argument("--data-parallel", type=int, default=1,
+                    help="--data-parallel-size of both servers (TP=1 per rank; vLLM then "
+                         "starts that many API servers, and --api-servers is ignored)")
     ap.add_argument("--seed", type=int, default=37)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                   "conversation.json"))
@@ -512,7 +530,8 @@ def main() -> None:
     print(f"\nmarkdown for docs/figures.md:\n\n{md}\n")
     payload = {
         "command": [sys.executable, *sys.argv], "date": info["time"], "machine": info,
-        "config": {**vars(args), "hidden": weights.shape[1], "dtype": "float32", "tp": 2,
+        "config": {**vars(args), "hidden": weights.shape[1], "dtype": "float32",
+                   "tp": 1 if args.data_parallel > 1 else 2,
                    "prefix_caching": "on (vLLM default)", "reference_mode": ref_mode,
                    "noise_std": turns.noise_std},
         "samples": samples, "rows": rows, "summary": summary, "markdown": md,
