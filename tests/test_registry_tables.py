@@ -399,7 +399,7 @@ class Layer(NamedTuple):
 # No layer names one above it; the mechanism (base to regions) imports nothing
 # of http or sites, no HTTP library, and of vLLM only its logger.
 BASE = ("config", "handle", "counters", "procfs", "private_dir",  # at the package's top
-        "extensions")
+        "extensions", "pools")
 ENTRY = ("__init__", "plugin")  # at the package's top: what vLLM and users load
 HTTP_LIBS = ("starlette", "fastapi", "uvicorn", "httpx", "aiohttp", "h11")
 LOGGER = ("vllm.logger",)

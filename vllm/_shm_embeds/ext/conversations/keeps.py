@@ -24,6 +24,7 @@ from vllm._shm_embeds.ext.conversations.events import ConversationEvent
 from vllm._shm_embeds.ext.conversations.local import holder, max_entries, new_tip, store
 from vllm._shm_embeds.ext.conversations.store import Kept
 from vllm._shm_embeds.files import segment as seg
+from vllm._shm_embeds.pools import LazyPool
 
 logger = init_logger(__name__)
 
@@ -32,7 +33,7 @@ _digests = extensions.require("digests", "digests")
 KEPT_HEADER = wire.KEPT_HEADER.lower().encode()
 
 
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_COPIER = LazyPool(1, "shm-embeds-keep")
 _timer: asyncio.TimerHandle | None = None  # the one sweep timer: at the next expiry
 
 
@@ -54,16 +55,9 @@ def _swept(loop: asyncio.AbstractEventLoop) -> None:
     _schedule_sweep(loop)
 
 
-def _copier() -> concurrent.futures.ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        _pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shm-embeds-keep")
-    return _pool
-
-
 def _after_fork_in_child() -> None:
-    global _pool, _timer
-    _pool = _timer = None
+    global _timer
+    _timer = None
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -107,7 +101,7 @@ class KeepRequest:
             return
         kid, kept = reserved
         try:
-            self.future = _copier().submit(self._copy, tensor, _digests.attached(tensor), kept)
+            self.future = _COPIER.get().submit(self._copy, tensor, _digests.attached(tensor), kept)
         except RuntimeError:  # the pool is shut down (exit): no id
             store().fill(kept, None)
             return

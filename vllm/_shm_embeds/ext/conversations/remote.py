@@ -29,14 +29,14 @@ from vllm.logger import init_logger
 from vllm._shm_embeds.ext.conversations import siblings
 from vllm._shm_embeds.ext.conversations.tips import Tip
 from vllm._shm_embeds.files.sockets import close_unasked, is_memfd, peer_is_sibling
+from vllm._shm_embeds.pools import LazyPool
 
 logger = init_logger(__name__)
 
 TIMEOUT_S = 5.0  # a round trip (a pin: the owner's wait for a keep's copy too)
 ROUND_TRIP_THREADS = 8  # this API server's sibling round trips at once; more queue
 
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
+_ROUND_TRIPS = LazyPool(ROUND_TRIP_THREADS, "shm-embeds-sibling")
 
 
 def round_trips() -> concurrent.futures.ThreadPoolExecutor:
@@ -44,20 +44,7 @@ def round_trips() -> concurrent.futures.ThreadPoolExecutor:
     default executor, which vLLM and the body paths share, since a pin may wait for
     an owner's copy (``siblings.READY_WAIT_S``): a busy owner then delays sibling
     continuations only, never another request's body."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(
-                ROUND_TRIP_THREADS, thread_name_prefix="shm-embeds-sibling")
-        return _pool
-
-
-def _after_fork_in_child() -> None:
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()  # the parent's threads are not the child's
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+    return _ROUND_TRIPS.get()
 
 
 class Remote:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import hashlib
-import os
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -31,6 +30,7 @@ from vllm._shm_embeds.config import writers
 from vllm._shm_embeds.counters import Event, count, count_many
 from vllm._shm_embeds.ext.digests.events import DigestEvent
 from vllm._shm_embeds.ext.digests.streamed import StreamedSegment
+from vllm._shm_embeds.pools import LazyPool
 
 logger = init_logger(__name__)
 
@@ -39,26 +39,12 @@ META_FIELD = "block_sha256"  # key inside the hop-1 handle metadata
 DIGEST_BYTES = 32
 CHUNK_BYTES = 16 << 20  # bytes written, then hashed, per step
 
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _forget_pool() -> None:  # a forked child has none of its parent's threads
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_pool)
+_HASHERS = LazyPool(writers, "shm-embeds-hash")
 
 
 def hash_pool() -> concurrent.futures.ThreadPoolExecutor:
     """This process's threads that hash blocks (``config.writers()`` of them)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(
-                writers(), thread_name_prefix="shm-embeds-hash")
-        return _pool
+    return _HASHERS.get()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import concurrent.futures
 import os
 import re
 import shutil
@@ -34,6 +33,7 @@ from vllm._shm_embeds.files import segment_dir
 from vllm._shm_embeds.lifetime import process
 from vllm._shm_embeds.lifetime.process import NO_SPACE_MARKER
 from vllm._shm_embeds.procfs import pid_namespace, proc_start_time
+from vllm._shm_embeds.pools import LazyPool
 
 logger = init_logger(__name__)
 
@@ -320,7 +320,7 @@ def exposition() -> bytes:
 
 
 CACHE_S = 0.2  # scrapes within this many seconds of a computation share it
-_scrape_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_SCRAPES = LazyPool(1, "shm-embeds-metrics")
 _cached: tuple[float, bytes] | None = None  # (monotonic time computed, exposition)
 
 
@@ -338,11 +338,7 @@ async def scrape() -> bytes:
     """The exposition for one scrape, computed on a thread of its own: never on
     the event loop, never on the executor that request paths share (a scrape
     reads the counter files and the segment directory)."""
-    global _scrape_pool
-    if _scrape_pool is None:
-        _scrape_pool = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="shm-embeds-metrics")
-    return await asyncio.get_running_loop().run_in_executor(_scrape_pool, _cached_exposition)
+    return await asyncio.get_running_loop().run_in_executor(_SCRAPES.get(), _cached_exposition)
 
 
 class MetricsMiddleware:
