@@ -111,12 +111,10 @@ except ImportError:  # pragma: no cover - the test extra installs it
     pass
 
 
-@pytest.fixture
-def shm_env(monkeypatch):
-    """Point the mechanism at a fresh directory in /dev/shm; yield its path.
-
-    Fails the test if anything is left in it afterwards.
-    """
+@contextlib.contextmanager
+def shm_environment(monkeypatch):
+    """Point the mechanism at a fresh directory in /dev/shm, with fresh process
+    state; yield its path. Fails if anything is left in it afterwards."""
     seg_dir = tempfile.mkdtemp(prefix="shm-embeds-test-", dir="/dev/shm")
     stats_dir = tempfile.mkdtemp(prefix="shm-embeds-stats-")
     monkeypatch.setenv("VLLM_SHM_EMBEDS", "1")
@@ -137,6 +135,13 @@ def shm_env(monkeypatch):
     finally:
         shutil.rmtree(seg_dir, ignore_errors=True)
         shutil.rmtree(stats_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def shm_env(monkeypatch):
+    """:func:`shm_environment` for one test."""
+    with shm_environment(monkeypatch) as seg_dir:
+        yield seg_dir
 
 
 @pytest.fixture(autouse=True)

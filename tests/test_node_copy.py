@@ -182,28 +182,14 @@ SUMS = [float(t.double().sum()) for t in TENSORS]
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory):
     """Every mode's step (:func:`_steps`) and what the segment directory held
-    after them, in an environment of their own (as ``shm_env`` makes one)."""
-    import shutil
-    import tempfile
+    after them, in an environment of their own (``conftest.shm_environment``, as
+    ``shm_env`` makes one: it also fails if anything is left)."""
+    from conftest import shm_environment
 
-    from vllm._shm_embeds import counters
-
-    seg_dir = tempfile.mkdtemp(prefix="shm-embeds-test-", dir="/dev/shm")
-    stats_dir = tempfile.mkdtemp(prefix="shm-embeds-stats-")
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            for k, v in {"VLLM_SHM_EMBEDS": "1", "VLLM_SHM_EMBEDS_DIR": seg_dir,
-                         "VLLM_SHM_EMBEDS_STATS_DIR": stats_dir,
-                         "VLLM_SHM_EMBEDS_MIN_BYTES": "0"}.items():
-                mp.setenv(k, v)
-            mp.setattr(process, "_state", process.Process())
-            mp.setattr(counters, "_state", counters._Counters())
-            got = _steps(tmp_path_factory.mktemp("node-steps"), TENSORS)
+    with pytest.MonkeyPatch.context() as mp, shm_environment(mp) as seg_dir:
+        got = _steps(tmp_path_factory.mktemp("node-steps"), TENSORS)
         got["left"] = os.listdir(seg_dir)
-        yield got
-    finally:
-        shutil.rmtree(seg_dir, ignore_errors=True)
-        shutil.rmtree(stats_dir, ignore_errors=True)
+    yield got
 
 
 def test_nothing_left_after_the_steps(steps):
