@@ -82,8 +82,10 @@ def run_chat(mode: str, rep: int, server, procs, turns: B.Turns, texts: list[str
     sent: list[int] = []
     client = httpx.Client(timeout=600, event_hooks={"request": [
         lambda req: sent.append(int(req.headers.get("Content-Length", 0)))]})
+    # Several API servers: a new connection each turn, so that turns spread over them.
+    spread = {"Connection": "close"} if args.api_servers > 1 else None
     conv = (sec.ChatConversation(server.url, B.MODEL, ttl_s=args.ttl_s, cache_salt=salt,
-                                 client=client,
+                                 client=client, headers=spread,
                                  body="json" if mode == "plugin_kept_json" else "binary")
             if mode in KEPT else None)
     counters, samples = B.prefix_counters(server.url), []
@@ -123,7 +125,8 @@ def run_chat(mode: str, rep: int, server, procs, turns: B.Turns, texts: list[str
                     body = json.dumps({**fields, "messages": msgs}).encode()
                     out = B._check(requests.post(server.url + "/v1/chat/completions",
                                                  data=body, timeout=600, headers={
-                                                     "Content-Type": "application/json"}),
+                                                     "Content-Type": "application/json",
+                                                     **(spread or {})}),
                                    mode, turn)
                     wire = len(body)
             except (httpx.HTTPError, requests.RequestException) as e:
@@ -142,6 +145,7 @@ def run_chat(mode: str, rep: int, server, procs, turns: B.Turns, texts: list[str
                 from helpers import delta
 
                 s["plugin_counters"] = delta(stats0, server.totals())
+                s["sibling_hits"] = s["plugin_counters"].get("sibling_hits", 0)
                 s["shm_bytes"] = sum(b for p in procs["api"] for i, b in B.memfds(p).items()
                                      if i not in before_memfds)
             if conv is not None:
@@ -158,15 +162,16 @@ def run_server(plugin: bool, modes: list[str], args, turns, texts, tmp, nonce,
     from helpers import Server, ours_in, private_dirs_in
 
     name = "plugin" if plugin else "stock"
-    server = Server(tmp / name, "-tp", "2", shm_on=plugin, check_clean=False,
-                    model=os.path.join(ROOT, ".models", "wide"),
+    several = ("--api-server-count", str(args.api_servers)) if args.api_servers > 1 else ()
+    server = Server(tmp / name, "-tp", "2", *several, shm_on=plugin, check_clean=False,
+                    serve_cli=args.api_servers > 1, model=os.path.join(ROOT, ".models", "wide"),
                     max_model_len=min(16384, args.turns * (2 * args.new_rows + 64) + 64),
                     env_extra={"VLLM_SHM_EMBEDS_MIN_BYTES": str(1 << 20)})
     (tmp / name).mkdir(parents=True, exist_ok=True)
     samples, pids = [], []
     try:
         server.start()
-        procs = B.server_procs(server)
+        procs = B.server_procs(server, args.api_servers)
         pids = [p for v in procs.values() for p in v]
         B.warm_up(server, turns, plugin)
         for rep in range(args.reps):
@@ -192,11 +197,13 @@ def main() -> None:
     ap.add_argument("--noise", type=float, default=1e-3)
     ap.add_argument("--gap", type=float, default=1.5)
     ap.add_argument("--ttl-s", type=float, default=120.0)
+    ap.add_argument("--api-servers", type=int, default=1,
+                    help="--api-server-count of both servers; above 1 each turn opens a new "
+                         "connection (turns spread over the API servers)")
     ap.add_argument("--seed", type=int, default=41)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "chat.json"))
     args = ap.parse_args()
     C.check_modes(ap, args, MODES)
-    args.api_servers = 1
     if args.quick:
         args.turns, args.new_rows = 4, 256
     from transformers import AutoTokenizer

@@ -248,7 +248,7 @@ def dp_server(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("dp-server")
     with Server(tmp, "--data-parallel-size", "2", "--no-async-scheduling",
-                serve_cli=True, own_stats_dir=True,
+                "--trust-request-chat-template", serve_cli=True, own_stats_dir=True,
                 # DP rank r's worker binds entry r (vllm/utils/ompmultiprocessing.py)
                 env_extra={"VLLM_CPU_OMP_THREADS_BIND": "0|1",
                            "VLLM_SHM_EMBEDS_REGIONS": str(tmp / "regions.sock")}) as server:

@@ -120,6 +120,84 @@ def _starved(conn, kid: str) -> None:
         conn.send(repr(e))
 
 
+CHAT_IDS = [11, 12, *[7] * (ROWS - 3), 13]  # a kept chat turn: one embeds part
+CHAT_PART = (2, ROWS - 3)
+
+
+def _chat_owner(conn) -> None:
+    """An owner whose entry is a kept chat turn (``rendered.Rendered``)."""
+    import array
+
+    from vllm._shm_embeds.ext.conversations import prefixes
+    from vllm._shm_embeds.ext.conversations.rendered import Rendered
+
+    _several()
+    try:
+        tensor = torch.arange(ROWS * HIDDEN, dtype=torch.float32).view(ROWS, HIDDEN)
+        tip = prefixes.new_tip(tensor.dtype, ROWS, HIDDEN)
+        tip.ensure(ROWS)
+        tip.write(memoryview(tensor.view(-1).view(torch.uint8).numpy()), 0)
+        kid = prefixes.store().put(tip, ROWS, None, SALT, 60, 16,
+                                   Rendered(array.array("i", CHAT_IDS), (CHAT_PART,), ROWS))
+        prefixes.store().let_go(tip)
+        conn.send(kid)
+        while conn.recv() != "exit":
+            store = prefixes.store()
+            with store._lock:
+                entries = [(k.shape[0], k.tip.inode, k.pins, list(k.chat.token_ids[:k.shape[0]]),
+                            k.chat.positions) for k in store._entries.values()]
+            conn.send((entries, store.nbytes, tip.rows))
+    except BaseException as e:  # the test reads it
+        conn.send(repr(e))
+
+
+def _chat_continue(conn, kid: str, max_rows: int) -> None:
+    """A sibling's chat turn: the kept turn's part, then 3 token rows and NEW rows."""
+    from shm_embeds_client import wire
+
+    from vllm._shm_embeds import counters
+    from vllm._shm_embeds.ext.conversations import chat, local
+    from vllm._shm_embeds.lifetime.transfer import release_streamed
+
+    _several()
+    try:
+        ref = f"{wire.PART}{kid}.0"
+        body = {"cache_salt": SALT, "messages": [
+            {"role": "user", "content": [{"type": "prompt_embeds", "data": ref}]},
+            {"role": "user", "content": [{"type": "prompt_embeds", "data": "new"}]}]}
+        turn = chat.HOOK.chat_turn({"shm-embeds-keep": "60"}, "/v1/chat/completions", body,
+                                   torch.float32, HIDDEN, NEW, max_rows)
+        turn.wait()
+        ids = [*CHAT_IDS, 14, 15, *[7] * NEW, 16]
+        new = -torch.ones(NEW, HIDDEN)
+        out, _ = turn.build(ids, [turn.part(ref), new], [CHAT_PART, (ROWS + 2, NEW)])
+        turn.rendered({"prompt_embeds": out, "prompt_token_ids": ids})
+        headers = asyncio.run(turn.response_headers(200))
+        asyncio.run(turn.settled())
+        grown = local.holder().lookup(out) is not None and local.holder().lookup(
+            out)[0].remote is not None
+        values = out.tolist()
+        turn.close()
+        release_streamed(out)
+        conn.send((values, dict(headers), grown, counters.stats()))
+    except BaseException as e:
+        conn.send(repr(e))
+
+
+@pytest.fixture
+def chat_owner():
+    ctx = multiprocessing.get_context("fork")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_chat_owner, args=(there,), daemon=True)
+    proc.start()
+    kid = here.recv()
+    assert isinstance(kid, str) and len(kid) == 43, kid
+    yield kid, here, proc
+    if proc.is_alive():
+        here.send("exit")
+        proc.join(30)
+
+
 @pytest.fixture
 def owner():
     ctx = multiprocessing.get_context("fork")
@@ -167,6 +245,52 @@ def test_a_sibling_grows_the_owners_tip_in_place(owner):
     # the next turn continues the owner's new id from another sibling
     got2, _, proc = _run(_miss, new_id, SALT)
     assert got2 == "hit", got2
+
+
+def test_a_siblings_chat_turn_grows_the_owners_tip_and_is_kept_there(chat_owner):
+    """The turn's rows are claimed at the owner before the prompt is rendered (an
+    upper bound), trimmed to the rendered size (charged once, exactly), written in
+    the owner's memfd, and kept there with the grown prompt's token ids and parts."""
+    kid, conn, _ = chat_owner
+    (out, headers, grown, stats), _, proc = _run(_chat_continue, kid, 4096)
+    proc.join(30)
+    total = ROWS + 3 + NEW
+    kept = torch.arange(ROWS * HIDDEN, dtype=torch.float32).view(ROWS, HIDDEN)
+    want = torch.cat([kept, torch.zeros(2, HIDDEN), -torch.ones(NEW, HIDDEN),
+                      torch.zeros(1, HIDDEN)])
+    assert grown and out == want.tolist(), stats
+    assert stats.get("chat_grown") == 1 and stats.get("sibling_hits") == 1, stats
+    assert not any(k.startswith("chat_rebuilt") for k in stats) and not stats.get(
+        "kept_copied_bytes"), stats
+    new_id = headers[b"shm-embeds-kept"].decode()
+    assert new_id[:8] == kid[:8]
+    entries, nbytes, tip_rows = _stats(conn)
+    assert nbytes == total * HIDDEN * 4 and tip_rows == total  # the bound given back
+    assert len({e[1] for e in entries}) == 1 and all(e[2] == 0 for e in entries)
+    (_, _, _, ids, parts), = [e for e in entries if e[0] == total]
+    assert ids == [*CHAT_IDS, 14, 15, *[7] * NEW, 16]
+    assert parts == (CHAT_PART, (ROWS + 2, NEW))
+    # the next turn, from another sibling, names the owner's new id
+    (_, headers2, _, stats2), _, proc = _run(_chat_continue, new_id, 4096)
+    proc.join(30)
+    assert stats2.get("sibling_hits") == 1 and b"shm-embeds-kept" in headers2, stats2
+
+
+def test_a_chat_turn_past_its_bound_gives_the_claim_back(chat_owner):
+    """A prompt rendered longer than the claim made before it: built whole here
+    (``chat_rebuilt.bound``), the rows claimed at the owner given back."""
+    kid, conn, _ = chat_owner
+    (out, headers, grown, stats), _, proc = _run(_chat_continue, kid, 1)
+    proc.join(30)
+    assert stats.get("chat_rebuilt.bound") == 1 and not grown, stats
+    kept = torch.arange(ROWS * HIDDEN, dtype=torch.float32).view(ROWS, HIDDEN)
+    a, n = CHAT_PART
+    assert out[a:a + n] == kept[a:a + n].tolist() and out[ROWS + 2:ROWS + 2 + NEW] == (
+        -torch.ones(NEW, HIDDEN)).tolist()
+    assert headers[b"shm-embeds-kept"][:8] != kid[:8].encode()  # kept here: a new tip
+    entries, nbytes, tip_rows = _stats(conn)
+    assert tip_rows == ROWS and [e[0] for e in entries] == [ROWS]
+    assert nbytes == ROWS * HIDDEN * 4  # (never written: its charge given back too)
 
 
 def test_a_pin_never_waits_for_the_default_executor(owner):
@@ -262,6 +386,45 @@ def test_turns_that_reach_either_api_server_never_miss(dp_server, body):
     assert d.get("hash_reused_blocks", 0) > 0 and "hash_engine_blocks" not in d, d
 
 
+@pytest.mark.integration
+@pytest.mark.online
+@pytest.mark.parametrize("body", ["binary", "json"])
+def test_chat_turns_that_reach_either_api_server_never_miss(dp_server, body):
+    """A chat conversation whose turns land on either API server (``Connection:
+    close``): every turn's kept parts are served (no 404, no resend), the answer
+    (greedy, logprobs) is the whole conversation's, and a turn on the API server
+    that did not keep them grows the owner's memfd in place: its rows claimed
+    there up front and trimmed to the rendered prompt (``chat_grown`` every
+    continuation, nothing rebuilt or copied)."""
+    from helpers import delta, embed_weights
+    from test_chat_conversations import ZEPHYR, _same
+
+    import shm_embeds_client as sec
+
+    url, server = dp_server["url"], dp_server
+    kw = {"max_tokens": 4, "temperature": 0.0, "logprobs": True, "chat_template": ZEPHYR}
+    salt = f"dp-chat-{body}"
+    w = embed_weights(server.model)
+    g = torch.Generator().manual_seed(6)
+    before = server.totals()
+    conv = sec.ChatConversation(url, "tiny", ttl_s=30, cache_salt=salt, body=body,
+                                headers={"Connection": "close"})
+    for turn in range(12):
+        part = w[torch.randint(3, 1000, (40 + turn,), generator=g)].contiguous()
+        out = conv.send(part if turn % 3 else ["a text part", part], **kw)
+        assert conv.misses == 0 and conv.last_sent_rows == part.shape[0], turn
+        whole = sec.chat_openai_json(url, "tiny", None, messages=conv.messages[:-1],
+                                     cache_salt=salt, **kw)
+        _same(out, whole)
+        d = delta(before, server.totals())
+        if turn >= 3 and d.get("sibling_hits", 0) >= 2:
+            break
+    assert d.get("sibling_hits", 0) >= 1, f"no turn reached the other API server: {d}"
+    assert d.get("sibling_kept") == d.get("sibling_hits") == d.get("sibling_served"), d
+    assert "prefix_misses" not in d and not d.get("kept_copied_bytes"), d
+    assert d.get("chat_grown") == turn and not any(k.startswith("chat_rebuilt") for k in d), d
+
+
 def _replay(conn, kid: str) -> None:
     """A sibling that gives back a claim it already kept (and keeps one it gave back)."""
     from vllm._shm_embeds.ext.conversations import remote, store
@@ -269,7 +432,7 @@ def _replay(conn, kid: str) -> None:
     try:
         pinned = remote.pin(kid, SALT, store.tag_of)
         assert pinned is not None, "the first pin"
-        lease, rows, _ = pinned
+        lease, rows = pinned.remote, pinned.rows
         assert lease.claim(rows + 20) == "ok"
         lease.tip.ensure(rows + 20)  # (the rows' bytes: zeros here)
         new = lease.commit(rows + 20, None, SALT, 60)
@@ -277,7 +440,7 @@ def _replay(conn, kid: str) -> None:
         assert new is not None, "the commit"
         pinned = remote.pin(new, SALT, store.tag_of)
         assert pinned is not None, "the second pin"
-        lease2, rows2, _ = pinned
+        lease2, rows2 = pinned.remote, pinned.rows
         assert lease2.claim(rows2 + 5) == "ok"
         lease2.unclaim(rows2 + 5)
         late = lease2.commit(rows2 + 5, None, SALT, 60)  # refused: given back

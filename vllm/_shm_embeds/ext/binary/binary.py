@@ -226,7 +226,8 @@ class BinaryFormat:
                 keeps = [k for hook in hooks.values() if (k := hook.keep_request(
                     h, path, parsed.body, len(parsed.specs))) is not None]
                 if chat is not None and (turn := chat.chat_turn(
-                        h, path, parsed.body, ctx.dtype, ctx.hidden_size)) is not None:
+                        h, path, parsed.body, ctx.dtype, ctx.hidden_size,
+                        sum(s.shape[0] for s in parsed.specs), ctx.max_model_len)) is not None:
                     await turn.ready()
                 fulls = []
                 for spec in parsed.specs:

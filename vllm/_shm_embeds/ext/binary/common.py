@@ -205,7 +205,8 @@ def prefix_hooks() -> dict[str, Any]:
 
 def chat_hook() -> Any:
     """The hook of the extension that provides ``chat_turns`` (conversations), or None:
-    ``chat_turn(headers, path, body, dtype, hidden)`` -> None or a turn with ``async
+    ``chat_turn(headers, path, body, dtype, hidden, new_rows, max_rows)`` (``new_rows``:
+    at most the rows of the body's own parts) -> None or a turn with ``async
     ready()``/``wait()``, ``part(data)``, ``build(token_ids, tensors, positions)``,
     ``async hash(tensor, block)``, ``rendered(prompt)`` and the keep interface of
     :func:`prefix_hooks` (``response_headers``, ``settled``, ``close``); raises

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import array
 import asyncio
-import dataclasses
+import json
+import threading
 from typing import Any
 
 import torch
@@ -25,11 +26,16 @@ from vllm.logger import init_logger
 from vllm._shm_embeds import extensions
 from vllm._shm_embeds.counters import count, count_many, count_reason
 from vllm._shm_embeds.ext.conversations.events import ConversationEvent
+from vllm._shm_embeds.ext.conversations import remote
 from vllm._shm_embeds.ext.conversations.keeps import KeepRequest
-from vllm._shm_embeds.ext.conversations.local import max_bytes, new_tip, store
+from vllm._shm_embeds.ext.conversations.local import block_digests, max_bytes, new_tip, store
+from vllm._shm_embeds.ext.conversations.rendered import Rendered
 from vllm._shm_embeds.files import segment as seg
+from vllm._shm_embeds.ext.conversations.prefixes import HOOK as _prefixes
 from vllm._shm_embeds.ext.conversations.prefixes import (KEEP_HEADER, Prefix, PrefixNotFound,
-                                                         TipSink, keep_ttl, salt_of)
+                                                         SiblingPrefix, TipSink, keep_ttl,
+                                                         salt_of)
+from vllm._shm_embeds.ext.conversations.store import tag_of
 
 logger = init_logger(__name__)
 
@@ -38,19 +44,7 @@ _gate = extensions.require("binary", "gate")
 _digests = extensions.require("digests", "digests")
 
 MAX_REFS = 256  # part references one request may make (each is a pin)
-
-
-@dataclasses.dataclass(frozen=True)
-class Rendered:
-    """A kept chat turn's prompt: its ``rows`` first ``token_ids`` (vLLM's expanded ids,
-    the placeholder id on embeds rows; ``array('i')``, 4 bytes a row, one array for the
-    turns of one tip: a grown turn extends its base's) and ``positions`` (``(start,
-    rows)`` of each embeds part, in order), as vllm/renderers/hf.py (0.32) passes them
-    to ``_build_mixed_prompt_embeds``."""
-
-    token_ids: array.array
-    positions: tuple[tuple[int, int], ...]
-    rows: int
+TEMPLATE_ROWS = 256  # rows a chat template may add beyond its messages' text (_bound)
 
 
 def is_ref(value: Any) -> bool:
@@ -76,28 +70,81 @@ def _ids(token_ids: Any) -> array.array | None:
 
 class ChatTurn:
     """One chat request's kept parts (pinned until :meth:`close`) and keep; in the
-    upload as ``Upload.turn`` and among ``Upload.keeps``."""
+    upload as ``Upload.turn`` and among ``Upload.keeps``. Turns a sibling API server
+    kept (``far``) are pinned there by :meth:`ready` / :meth:`wait`; when the first
+    is the base, rows after it are claimed there at once, up to ``bound`` more rows
+    (what this prompt may add, :func:`_bound`): :meth:`build` runs on the event loop,
+    where no round trip may wait, and trims the claim to the rendered size."""
 
     def __init__(self, keep: KeepRequest | None, pins: dict[str, Prefix],
-                 refs: list[tuple[str, int]], base: str | None) -> None:
-        self.keep, self._pins, self._refs, self._base = keep, pins, refs, base
+                 refs: list[tuple[str, int]], far: list[str],
+                 need: tuple[str | None, torch.dtype, int, int]) -> None:
+        self.keep, self._pins, self._refs, self._far = keep, pins, refs, far
+        self._need = need  # (salt, dtype, hidden, bound)
+        self._base = _base_of(refs, pins)
         self._parts: dict[str, torch.Tensor] = {}
         # a grown prompt: (tensor, the kept digests, kept rows, the kept token ids' array)
         self._grown: tuple[torch.Tensor, Any, int, array.array] | None = None
         self._positions: tuple[tuple[int, int], ...] = ()
+        self._claimed: int | None = None  # a sibling base's claim: its end (rows)
+        self._lock = threading.Lock()
+        self._closed = False
 
     async def ready(self) -> None:
-        """Wait for kept turns whose copy still runs. Raises Refused: PrefixNotFound (the
-        copy failed), 400 (no such part), 503 (the rows cannot be mapped)."""
-        for p in self._pins.values():
+        """Wait for kept turns whose copy still runs, and pin those of siblings (on
+        ``remote.round_trips``, never the event loop). Raises Refused: PrefixNotFound
+        (the copy failed, not held), 400 (no such part, another datatype or hidden
+        size), 503 (the rows cannot be mapped)."""
+        for p in list(self._pins.values()):
             await p.ready()
+        if self._far:  # (cancelled: close() lets go of what the thread pinned)
+            await asyncio.shield(asyncio.get_running_loop().run_in_executor(
+                remote.round_trips(), self._pin_far))
         self._map()
 
     def wait(self) -> None:
         """:meth:`ready` on this thread."""
-        for p in self._pins.values():
+        for p in list(self._pins.values()):
             p.wait()
+        self._pin_far()
         self._map()
+
+    def _pin_far(self) -> None:
+        far, self._far = self._far, []
+        salt, dtype, hidden, bound = self._need
+        for kid in far:
+            pinned = remote.pin(kid, salt, tag_of, chat=True)
+            if pinned is None:
+                count(ConversationEvent.PREFIX_MISSES)
+                raise PrefixNotFound()
+            d = pinned.digests
+            prefix = SiblingPrefix(pinned.remote, pinned.rows,
+                                   block_digests(*d) if d else None, pinned.chat)
+            if not self._hold(kid, prefix):
+                raise PrefixNotFound()  # (closed meanwhile: nobody reads this)
+            count_many({ConversationEvent.PREFIX_HITS: 1, ConversationEvent.SIBLING_HITS: 1})
+            if prefix.tip.dtype != dtype or prefix.tip.hidden != hidden:
+                raise _dtype_refused()
+            if self._base is None and (base := _base_of(self._refs, self._pins)) == kid:
+                self._base = base
+                if bound > 0 and pinned.remote.claim(pinned.rows + bound) == "ok":
+                    if not self._hold_claim(pinned.rows + bound):
+                        pinned.remote.unclaim(pinned.rows + bound)
+                        pinned.remote.let_go()
+
+    def _hold(self, kid: str, prefix: Prefix) -> bool:
+        with self._lock:
+            if not self._closed:
+                self._pins[kid] = prefix
+                return True
+        prefix.release()
+        return False
+
+    def _hold_claim(self, end: int) -> bool:
+        with self._lock:
+            if not self._closed:
+                self._claimed = end
+            return not self._closed
 
     def _map(self) -> None:
         for kid, k in self._refs:
@@ -192,7 +239,20 @@ class ChatTurn:
             why = "parts"
         elif _ids(token_ids[:kept_rows]) != chat.token_ids[:kept_rows]:
             why = "tokens"  # e.g. a template that drops or rewrites earlier turns
-        elif (got := store().claim(prefix.tip, kept_rows, total, max_bytes())) is not None:
+        lease = prefix.tip.remote
+        if lease is not None:  # a sibling's turn: its rows claimed by ready()
+            claimed, self._claimed = self._claimed, None
+            if why is None and claimed is None:
+                why = "full"  # (or taken: another branch grew it first)
+            elif why is None and total > claimed:
+                why = "bound"  # rendered longer than the bound the claim allowed
+            if why is None and total < claimed:
+                lease.trim(claimed, total)
+            elif why is not None and claimed is not None:
+                lease.unclaim(claimed)
+                lease.let_go()
+        elif why is None and (got := store().claim(prefix.tip, kept_rows, total,
+                                                   max_bytes())) is not None:
             why = got  # "taken": another branch grew it first; "full": no room
         if why is not None:
             count_reason(ConversationEvent.CHAT_REBUILT, why)
@@ -243,7 +303,13 @@ class ChatTurn:
         self.keep.start(tensor)
 
     def _unpin(self) -> None:
-        pins, self._pins = self._pins, {}
+        with self._lock:
+            pins, self._pins = self._pins, {}
+            claimed, self._claimed = self._claimed, None
+        if claimed is not None:  # a sibling's claim no prompt was written into
+            lease = pins[self._base].tip.remote
+            lease.unclaim(claimed)
+            lease.let_go()
         for p in pins.values():
             p.release()
 
@@ -256,6 +322,8 @@ class ChatTurn:
 
     def close(self) -> None:
         """The request has ended: its keep closed, its pins let go (idempotent)."""
+        with self._lock:
+            self._closed = True  # (a pin still on its thread lets go by itself)
         if self.keep is not None:
             self.keep.close()
         self._parts.clear()
@@ -266,11 +334,14 @@ class Hook:
     """The binary extension's ``chat_turns`` hook (see the module docstring)."""
 
     def chat_turn(self, headers: Any, path: str, body: dict, dtype: torch.dtype,
-                  hidden: int) -> ChatTurn | None:
+                  hidden: int, new_rows: int = 0, max_rows: int | None = None
+                  ) -> ChatTurn | None:
         """The chat turn of a request that keeps or names kept parts, its references
-        pinned (their bytes after ``ready``/``wait``), or None. Raises Refused: 404
-        ``PrefixNotFound`` (a turn not held, one message for every cause), 400 (a bad
-        keep header or reference, another datatype or hidden size, too many)."""
+        pinned (their bytes after ``ready``/``wait``; a sibling's pinned there), or
+        None. ``new_rows``: at most the rows of the body's own embeds parts;
+        ``max_rows``: ``--max-model-len``. Raises Refused: 404 ``PrefixNotFound`` (a
+        turn not held, one message for every cause), 400 (a bad keep header or
+        reference, another datatype or hidden size, too many)."""
         if path != _common.CHAT:
             return None
         raw = headers.get(KEEP_HEADER)
@@ -281,29 +352,58 @@ class Hook:
         if len(refs) > MAX_REFS:
             raise _gate.Refused(400, "part_ref", f"at most {MAX_REFS} kept parts a request")
         keep = None if raw is None else KeepRequest(keep_ttl(raw), salt_of(body))
-        salt, pins = salt_of(body), {}
+        salt, pins, far = salt_of(body), {}, []
         try:
             for kid, _ in refs:
-                if kid in pins:
+                if kid in pins or kid in far:
                     continue
                 kept = store().pin(kid, salt, chat=True)
+                if kept is None and _prefixes.is_remote(kid):
+                    far.append(kid)  # a sibling's: pinned there by ready() / wait()
+                    continue
                 if kept is None:
                     count(ConversationEvent.PREFIX_MISSES)
                     raise PrefixNotFound()
                 pins[kid] = Prefix(kept)
                 if kept.dtype != dtype or kept.shape[1] != hidden:
-                    raise _gate.Refused(400, "prefix_dtype", "a kept part must have the "
-                                        "served model's datatype and hidden size")
+                    raise _dtype_refused()
         except BaseException:
             for p in pins.values():
                 p.release()
             raise
-        first = refs[0][0] if refs else None
-        m = len(pins[first].chat.positions) if first else 0
-        base = first if first and refs[:m] == [(first, k) for k in range(m)] else None
-        if refs:
+        if pins:
             count(ConversationEvent.PREFIX_HITS, len(pins))
-        return ChatTurn(keep, pins, refs, base)
+        bound = _bound(body, new_rows) if far and refs[0][0] in far else 0
+        if max_rows is not None:
+            bound = min(bound, max_rows)
+        return ChatTurn(keep, pins, refs, far, (salt, dtype, hidden, bound))
+
+
+def _dtype_refused() -> Exception:
+    return _gate.Refused(400, "prefix_dtype", "a kept part must have the served model's "
+                         "datatype and hidden size")
+
+
+def _base_of(refs: list[tuple[str, int]], pins: dict[str, Prefix]) -> str | None:
+    """The kept turn this prompt may grow: the first one named, if the request names
+    all its parts first, in order (None: not pinned yet, or none)."""
+    first = refs[0][0] if refs else None
+    if first not in pins:
+        return None
+    m = len(pins[first].chat.positions)
+    return first if refs[:m] == [(first, k) for k in range(m)] else None
+
+
+def _bound(body: dict, new_rows: int) -> int:
+    """At most the rows a prompt adds after its kept turn's: the body's own embeds
+    rows, a token per character of its messages as JSON (every text a template
+    renders comes from them: no tokenizer makes more tokens than UTF-8 bytes) and
+    :data:`TEMPLATE_ROWS` for the template's own text."""
+    try:
+        text = len(json.dumps(body.get("messages"), default=str))
+    except (TypeError, ValueError, RecursionError):
+        return 0  # (vLLM refuses such messages; nothing claimed up front)
+    return new_rows + text + TEMPLATE_ROWS
 
 
 HOOK = Hook()

@@ -71,7 +71,7 @@ class KeepRequest:
 
     def __init__(self, ttl_s: float, salt: str | None) -> None:
         self.ttl_s, self.salt = ttl_s, salt
-        self.chat: Any = None  # a chat turn's rendered prompt (``chat.Rendered``), kept with it
+        self.chat: Any = None  # a chat turn's rendered prompt (``rendered.Rendered``), kept with it
         self.future: concurrent.futures.Future | None = None
         self.kid: str | None = None
         self.answered = False
@@ -159,7 +159,7 @@ class KeepRequest:
                 return []
             salt = self.salt
             fut = asyncio.get_running_loop().run_in_executor(
-                remote.round_trips(), lease.commit, rows, d, salt, self.ttl_s)
+                remote.round_trips(), lease.commit, rows, d, salt, self.ttl_s, self.chat)
 
             def orphaned(f: asyncio.Future) -> None:  # cancelled: the id is never sent
                 if not f.cancelled() and f.exception() is None and f.result() is not None:

@@ -86,7 +86,7 @@ class Prefix:
 
     def __init__(self, kept: Kept) -> None:
         self._kept = kept
-        self.chat = kept.chat  # a chat turn's ``chat.Rendered``, else None
+        self.chat = kept.chat  # a chat turn's ``rendered.Rendered``, else None
         self.rows = kept.shape[0]
         self.row_bytes = kept.nbytes // max(1, self.rows)
         self.tip: tips.Tip | None = None
@@ -129,9 +129,10 @@ class SiblingPrefix(Prefix):
     """Kept rows a sibling API server holds (``remote.pin``), pinned there until
     :meth:`release`; ready at once."""
 
-    def __init__(self, lease: remote.Remote, rows: int, digests: Any) -> None:
+    def __init__(self, lease: remote.Remote, rows: int, digests: Any,
+                 chat: Any = None) -> None:
         self._lease = lease
-        self.chat = None
+        self.chat = chat
         self.rows, self.tip = rows, lease.tip
         self.row_bytes = lease.tip.row_bytes
         self.digests = digests
@@ -250,7 +251,7 @@ class Hook:
         if pinned is None:
             count(ConversationEvent.PREFIX_MISSES)
             raise PrefixNotFound()
-        lease, rows, sent = pinned
+        lease, rows, sent = pinned.remote, pinned.rows, pinned.digests
         prefix = SiblingPrefix(lease, rows, block_digests(*sent) if sent else None)
         if lease.tip.dtype != dtype or lease.tip.hidden != hidden:
             prefix.release()

@@ -22,11 +22,12 @@ import os
 import socket
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm.logger import init_logger
 
 from vllm._shm_embeds.ext.conversations import siblings
+from vllm._shm_embeds.ext.conversations.rendered import Rendered, pack, unpack
 from vllm._shm_embeds.ext.conversations.tips import Tip
 from vllm._shm_embeds.files.sockets import close_unasked, is_memfd, peer_is_sibling
 from vllm._shm_embeds.pools import LazyPool
@@ -102,12 +103,21 @@ class Remote:
         """Forget ``kid``, which :meth:`commit` made and nobody was told."""
         self._tell({"op": "drop", "id": kid, "salt": salt})
 
-    def commit(self, rows: int, digests: Any, salt: str | None, ttl_s: float) -> str | None:
+    def trim(self, rows: int, to: int) -> None:
+        """Cut this lease's claim up to ``rows`` to end at ``to`` (its rows after are
+        given back there); never blocks."""
+        self._tell({"op": "trim", "rows": rows, "to": to})
+
+    def commit(self, rows: int, digests: Any, salt: str | None, ttl_s: float,
+               chat: Rendered | None = None) -> str | None:
         """Keep the first ``rows`` rows (claimed by this lease) there, with
-        ``digests`` (``BlockDigests`` or None): the sibling's new id, or None."""
+        ``digests`` (``BlockDigests`` or None) and a chat turn's rendered prompt
+        (``chat``, beginning with the pinned turn's): the sibling's new id, or None."""
+        d = digests.digests if digests is not None else b""
         msg = {"op": "commit", "rows": rows, "salt": salt, "ttl": ttl_s,
-               "block": digests.block_tokens if digests is not None else None}
-        kid = (self._ask(msg, digests.digests if digests is not None else b"") or {}).get("id")
+               "block": digests.block_tokens if digests is not None else None,
+               "digest_bytes": len(d), "parts": len(chat.positions) if chat else None}
+        kid = (self._ask(msg, d + (pack(chat) if chat else b"")) or {}).get("id")
         return kid if isinstance(kid, str) else None
 
     def hold(self) -> None:
@@ -128,11 +138,20 @@ class Remote:
             self.tip.close()
 
 
-def pin(kid: str, salt: str | None, tag_of: Callable[[str], str]) -> tuple[Remote, int, Any] | None:
-    """Pin ``kid`` under ``salt`` at the sibling API server its tag names:
-    ``(remote, rows, (block_tokens, rows, digests bytes) or None)`` with ``remote.tip``
-    the kept rows' file here, or None: no such sibling (or not one), not held
-    there, or any failure (the same miss for all)."""
+class Pinned(NamedTuple):
+    """A pinned kept tensor of a sibling: ``remote.tip`` is its file here."""
+
+    remote: Remote
+    rows: int
+    digests: tuple[int, int, bytes] | None  # (block_tokens, rows, digests bytes)
+    chat: Rendered | None  # a chat turn's rendered prompt
+
+
+def pin(kid: str, salt: str | None, tag_of: Callable[[str], str],
+        chat: bool = False) -> Pinned | None:
+    """Pin ``kid`` under ``salt`` (a chat turn's for ``chat``) at the sibling API
+    server its tag names, or None: no such sibling (or not one), not held there,
+    or any failure (the same miss for all)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     remote = Remote(sock)
     fds: list[int] = []
@@ -141,7 +160,7 @@ def pin(kid: str, salt: str | None, tag_of: Callable[[str], str]) -> tuple[Remot
         sock.connect(siblings.address(tag_of(kid)))
         if not peer_is_sibling(sock):  # never tell another process an id
             raise ConnectionRefusedError("not a sibling")
-        siblings.send(sock, {"op": "pin", "id": kid, "salt": salt})
+        siblings.send(sock, {"op": "pin", "id": kid, "salt": salt, "chat": chat})
         sock.settimeout(siblings.READY_WAIT_S + TIMEOUT_S)  # its keep may still copy
         answer, blob, fds = siblings.recv(sock)
         sock.settimeout(TIMEOUT_S)
@@ -152,10 +171,17 @@ def pin(kid: str, salt: str | None, tag_of: Callable[[str], str]) -> tuple[Remot
                 or not is_memfd(fds[0]) or os.fstat(fds[0]).st_size < rows * hidden
                 * dtype.itemsize):
             return None
+        n, parts = answer.get("digest_bytes"), answer.get("parts")
+        if type(n) is not int or not 0 <= n <= len(blob):
+            return None
+        rendered = unpack(blob[n:], rows, parts) if chat else None
+        if chat and rendered is None:
+            return None
         remote.tip = Tip(dtype, hidden, fds.pop())
         remote.tip.remote = remote
         block = answer.get("block")
-        return remote, rows, (block, rows, blob) if block is not None else None
+        return Pinned(remote, rows, (block, rows, blob[:n]) if block is not None else None,
+                      rendered)
     except (OSError, EOFError, ValueError, AttributeError):
         return None
     finally:

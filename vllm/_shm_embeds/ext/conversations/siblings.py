@@ -4,15 +4,15 @@
 Each API server keeps its own conversations; its ids start with its *tag* (8
 random characters, ``store.TAG_CHARS``), and it answers for them on the abstract
 ``AF_UNIX`` ``SOCK_SEQPACKET`` socket named by that tag (:func:`listen`; no file,
-gone with the process). Only a sibling (same uid and parent: another API server
-of this ``vllm serve``, ``files/sockets.py`` as the regions socket checks it) is
-served; any other peer is closed unread. One connection is one continuation's
-lease (``remote.py`` is the asking side): ``pin`` (the kept rows' memfd fd by
-``SCM_RIGHTS``, rows, dtype, digests), ``claim`` (rows after them, to write in
-place), ``unclaim``, ``commit`` (the grown rows kept under a new id of this
-server). Whatever the connection held ends with it (a sibling's crash too).
-Messages: :func:`send` / :func:`recv` (one JSON object, then its blob in parts).
-Knows sockets and the store (``store.py``), not vLLM and not HTTP.
+gone with the process), only to a sibling (same uid and parent, as the regions
+socket checks it, ``files/sockets.py``); any other peer is closed unread. One
+connection is one continuation's lease (``remote.py`` asks): ``pin`` (the memfd by
+``SCM_RIGHTS``, rows, dtype, digests, a chat turn's ``rendered.Rendered``), ``claim``
+(rows after them, written in place), ``trim`` (a claim cut to its size), ``unclaim``,
+``commit`` (the grown rows kept under a new id of this server). Whatever the
+connection held ends with it (a sibling's crash too). Messages: :func:`send` /
+:func:`recv` (one JSON object, then its blob in parts). Knows sockets and the
+store (``store.py``), not vLLM and not HTTP.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from vllm.logger import init_logger
 
 from vllm._shm_embeds.counters import count
 from vllm._shm_embeds.ext.conversations.events import ConversationEvent
+from vllm._shm_embeds.ext.conversations.rendered import Rendered, pack, unpack
 from vllm._shm_embeds.files.sockets import (ANC_BYTES, close_unasked, is_sibling, peer_cred,
                                             received_fds)
 
@@ -216,7 +217,7 @@ class _Lease:
         """The answer to one message (None: none). Raises ValueError, TypeError."""
         op = msg.get("op")
         if op == "pin" and self.kept is None:
-            return self._pin(msg.get("id"), msg.get("salt"))
+            return self._pin(msg.get("id"), msg.get("salt"), msg.get("chat") is True)
         tip = self.kept.tip if self.kept is not None else None
         rows = msg.get("rows")
         if tip is None or type(rows) is not int:
@@ -233,14 +234,25 @@ class _Lease:
             self.store.unclaim(tip, start, rows)
             self.store.let_go(tip)
             return None
+        if op == "trim" and self.claims.get(rows) is False and type(to := msg.get("to")) is int \
+                and start < to < rows and self.store.trim(tip, rows, to):
+            del self.claims[rows]
+            self.claims[to] = False
+            return None
         if op == "drop" and (kid := msg.get("id"), salt := msg.get("salt")) in self.made:
             self.store.drop(kid, salt, "unanswered")  # the sibling never sent it
             return None
         ttl, salt, block = msg.get("ttl"), msg.get("salt"), msg.get("block")
         if op == "commit" and self.claims.get(rows) is False and type(ttl) in (int, float) and (
                 math.isfinite(ttl) and ttl > 0 and (salt is None or isinstance(salt, str))):
-            kid = self.store.put(tip, rows, self.block_digests(block, rows, blob), salt,
-                                 min(ttl, self.max_s()), self.max_entries())
+            n = msg.get("digest_bytes", len(blob))
+            if type(n) is not int or not 0 <= n <= len(blob):
+                raise ValueError("digest_bytes")
+            chat = self._rendered(rows, msg.get("parts"), blob[n:])
+            if (self.kept.chat is None) != (chat is None):  # (a turn of the pinned kind)
+                raise ValueError("chat")
+            kid = self.store.put(tip, rows, self.block_digests(block, rows, blob[:n]), salt,
+                                 min(ttl, self.max_s()), self.max_entries(), chat)
             self.claims[rows] = True
             if kid is not None:
                 self.made.append((kid, salt))
@@ -248,10 +260,25 @@ class _Lease:
             return ({"id": kid},)
         raise ValueError("unknown op")
 
-    def _pin(self, kid: Any, salt: Any) -> tuple:
+    def _rendered(self, rows: int, parts: Any, blob: bytes) -> Rendered | None:
+        """A chat turn's rendered prompt a commit sent (None: not a chat turn's), over
+        the pinned turn's token ids array (one for the tip: this lease claimed the
+        rows after them). Raises ValueError: malformed, or not beginning with them."""
+        if parts is None and not blob:
+            return None
+        got, base = unpack(blob, rows, parts), self.kept.chat
+        start = self.kept.shape[0]
+        if got is None or base is None or got.token_ids[:start] != base.token_ids[:start]:
+            raise ValueError("rendered")
+        shared = base.token_ids
+        del shared[start:]
+        shared.extend(got.token_ids[start:])
+        return Rendered(shared, got.positions, rows)
+
+    def _pin(self, kid: Any, salt: Any, chat: bool) -> tuple:
         if salt is not None and not isinstance(salt, str):
             raise ValueError("salt")
-        kept = self.store.pin(kid, salt)
+        kept = self.store.pin(kid, salt, chat)
         if kept is not None:
             try:
                 kept.ready.result(READY_WAIT_S)
@@ -265,10 +292,13 @@ class _Lease:
         self.kept, self.pinned = kept, True
         count(ConversationEvent.SIBLING_SERVED)
         d = kept.digests
+        digests = d.digests if d is not None else b""
         return ({"rows": kept.shape[0], "hidden": kept.shape[1],
                  "dtype": str(kept.dtype).removeprefix("torch."),
-                 "block": d.block_tokens if d is not None else None},
-                d.digests if d is not None else b"", (kept.tip.fd,))
+                 "block": d.block_tokens if d is not None else None,
+                 "digest_bytes": len(digests),
+                 "parts": len(kept.chat.positions) if kept.chat is not None else None},
+                digests + (pack(kept.chat) if kept.chat is not None else b""), (kept.tip.fd,))
 
     def _unpin(self) -> None:
         if self.pinned:

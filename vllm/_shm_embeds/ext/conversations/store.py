@@ -53,7 +53,7 @@ class Kept:
     ``dtype``, ``nbytes`` bytes, and ``digests`` (its prefix-cache block digests,
     ``digests.BlockDigests``, or None) once ``ready`` is done (``tip`` None then:
     the copy failed or the entry went first); ``expires`` (monotonic s); ``chat``: a
-    chat turn's rendered prompt (``chat.Rendered``), None for a completions tensor."""
+    chat turn's rendered prompt (``rendered.Rendered``), None for a completions tensor."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -129,11 +129,29 @@ class Store:
     def unclaim(self, tip: Any, start: int, rows: int) -> None:
         """Give back the rows a :meth:`claim` took that no one has read (its body was
         cut short): the next continuation of ``start`` rows grows the tip in place
-        again. The bytes stay charged (the file keeps its size; claims charge
+        again. Bytes the file holds stay charged (it keeps its size; claims charge
         only past it)."""
+        self.trim(tip, rows, start)
+
+    def trim(self, tip: Any, rows: int, to: int) -> bool:
+        """Cut a claim up to ``rows`` to end at ``to`` (:meth:`unclaim`, or a claim
+        made before its size was known: a sibling's chat turn): the rows after are
+        given back, and their charge down to the file's size. False if ``tip`` is
+        not claimed to ``rows``."""
         with self._lock:
-            if tip.rows == rows:
-                tip.rows = start
+            if tip.rows != rows or not 0 <= to <= rows:
+                return False
+            tip.rows = to
+            try:  # (a tip without a file: nothing to give back)
+                fd = getattr(tip, "fd", None)
+                size = os.fstat(fd).st_size if fd is not None else tip.charged
+            except OSError:
+                size = tip.charged
+            keep = max(to * tip.row_bytes, size)
+            if keep < tip.charged:
+                self._bytes -= tip.charged - keep
+                tip.charged = keep
+        return True
 
     def let_go(self, tip: Any) -> None:
         """A use of ``tip`` (a claim, :meth:`use`) ended."""

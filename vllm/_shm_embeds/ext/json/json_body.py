@@ -196,7 +196,7 @@ def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext,
     try:
         spans = find_long_strings(raw)
         if not spans and chat is not None:  # e.g. a chat turn naming kept parts only
-            turn = _chat_turn(chat, headers, route, _small_body(raw), ctx)
+            turn = _chat_turn(chat, headers, route, _small_body(raw), ctx, 0)
         if not spans:
             raise Fallback("no_embeds")
         if len(raw) - sum(b - a for a, b in spans) > JSON_SLACK_BYTES:
@@ -221,7 +221,9 @@ def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext,
             except UnicodeDecodeError:
                 raise Fallback("not_json") from None
         if chat is not None:  # (after the salt: a long one is a span of its own)
-            turn = _chat_turn(chat, headers, route, body, ctx)
+            # (a part's rows: at most its base64's bytes over 2-byte values)
+            turn = _chat_turn(chat, headers, route, body, ctx, sum(
+                (b - a) * 3 // 4 for a, b in spans) // (2 * ctx.hidden_size))
             values = [v for v in values if not (isinstance(v, str) and v.startswith(wire.PART))]
         keeping = next((k for hook in hooks.values() if (k := hook.keep_request(
             headers, route, body, len(values))) is not None), None)
@@ -322,12 +324,14 @@ def _small_body(raw: bytes | mmap.mmap) -> Any:
         return None
 
 
-def _chat_turn(chat: Any, headers: Any, route: str, body: Any, ctx: ServerContext) -> Any:
-    """The chat turn of ``body`` (``chat.chat_turn``), its kept parts ready, or None.
-    Raises gate.Refused (404, 400)."""
+def _chat_turn(chat: Any, headers: Any, route: str, body: Any, ctx: ServerContext,
+               new_rows: int) -> Any:
+    """The chat turn of ``body`` (``chat.chat_turn``; ``new_rows``: at most its own
+    parts' rows), its kept parts ready, or None. Raises gate.Refused (404, 400)."""
     if not isinstance(body, dict):
         return None
-    turn = chat.chat_turn(headers, route, body, ctx.dtype, ctx.hidden_size)
+    turn = chat.chat_turn(headers, route, body, ctx.dtype, ctx.hidden_size, new_rows,
+                          ctx.max_model_len)
     if turn is not None:
         try:
             turn.wait()
