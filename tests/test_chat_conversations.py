@@ -57,7 +57,7 @@ def test_a_chat_prompt_in_a_tip_equals_vllms_first_and_grown(shm_env, first, mor
 
     g = torch.Generator().manual_seed(seed)
     ids, tensors, positions = _prompt(first, g)
-    turn = chat.ChatTurn(keeps.KeepRequest(60, None), {}, [], [], (None, torch.float32, H, 0))
+    turn = chat.ChatTurn(keeps.KeepRequest(60, None), {}, [], [], (None, torch.float32, H, 0, 1 << 20))
     made = []
     try:
         out, mask = turn.build(ids, tensors, positions)
@@ -134,7 +134,7 @@ def _kept_turn(salt, rows=6):
     from vllm._shm_embeds.ext.conversations import chat, keeps
 
     ids = [11, 12, *[PLACEHOLDER] * rows, 13]
-    turn = chat.ChatTurn(keeps.KeepRequest(60, salt), {}, [], [], (salt, torch.float32, H, 0))
+    turn = chat.ChatTurn(keeps.KeepRequest(60, salt), {}, [], [], (salt, torch.float32, H, 0, 1 << 20))
     out, _ = turn.build(ids, [torch.randn(rows, H)], [(2, rows)])
     turn.rendered({"prompt_embeds": out, "prompt_token_ids": ids})
     return turn.keep.kid, turn, out

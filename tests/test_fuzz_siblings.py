@@ -10,6 +10,7 @@ the connection ends (no pin, use or charge left behind).
 
 import array
 import json
+import os
 import socket
 
 import torch
@@ -113,6 +114,8 @@ def test_any_messages_to_a_lease_leave_the_store_as_it_was(msgs, blob, use_real_
         assert tip.refs == refs and not closed
         assert all(e.pins == 0 for e in store._entries.values())
         assert store.nbytes >= charged  # (rows claimed stay charged: the file keeps them)
+        # no row past the file's end stays claimed: nobody wrote or read it
+        assert tip.rows <= os.fstat(tip.fd).st_size // tip.row_bytes
     finally:
         store.clear()  # (its close only records: the tip is closed here)
         tip.close()

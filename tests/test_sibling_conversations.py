@@ -280,7 +280,7 @@ def test_a_chat_turn_past_its_bound_gives_the_claim_back(chat_owner):
     """A prompt rendered longer than the claim made before it: built whole here
     (``chat_rebuilt.bound``), the rows claimed at the owner given back."""
     kid, conn, _ = chat_owner
-    (out, headers, grown, stats), _, proc = _run(_chat_continue, kid, 1)
+    (out, headers, grown, stats), _, proc = _run(_chat_continue, kid, ROWS + 2)
     proc.join(30)
     assert stats.get("chat_rebuilt.bound") == 1 and not grown, stats
     kept = torch.arange(ROWS * HIDDEN, dtype=torch.float32).view(ROWS, HIDDEN)

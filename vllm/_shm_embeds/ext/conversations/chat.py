@@ -44,7 +44,8 @@ _gate = extensions.require("binary", "gate")
 _digests = extensions.require("digests", "digests")
 
 MAX_REFS = 256  # part references one request may make (each is a pin)
-TEMPLATE_ROWS = 256  # rows a chat template may add beyond its messages' text (_bound)
+MAX_TURNS = 16  # kept turns one request may name (each a pin, a sibling's a connection)
+TEMPLATE_ROWS = 128  # rows a chat template may add beyond its messages' text (_bound)
 
 
 def is_ref(value: Any) -> bool:
@@ -78,9 +79,9 @@ class ChatTurn:
 
     def __init__(self, keep: KeepRequest | None, pins: dict[str, Prefix],
                  refs: list[tuple[str, int]], far: list[str],
-                 need: tuple[str | None, torch.dtype, int, int]) -> None:
+                 need: tuple[str | None, torch.dtype, int, int, int]) -> None:
         self.keep, self._pins, self._refs, self._far = keep, pins, refs, far
-        self._need = need  # (salt, dtype, hidden, bound)
+        self._need = need  # (salt, dtype, hidden, bound, --max-model-len)
         self._base = _base_of(refs, pins)
         self._parts: dict[str, torch.Tensor] = {}
         # a grown prompt: (tensor, the kept digests, kept rows, the kept token ids' array)
@@ -111,7 +112,7 @@ class ChatTurn:
 
     def _pin_far(self) -> None:
         far, self._far = self._far, []
-        salt, dtype, hidden, bound = self._need
+        salt, dtype, hidden, bound, max_rows = self._need
         for kid in far:
             pinned = remote.pin(kid, salt, tag_of, chat=True)
             if pinned is None:
@@ -125,12 +126,15 @@ class ChatTurn:
             count_many({ConversationEvent.PREFIX_HITS: 1, ConversationEvent.SIBLING_HITS: 1})
             if prefix.tip.dtype != dtype or prefix.tip.hidden != hidden:
                 raise _dtype_refused()
-            if self._base is None and (base := _base_of(self._refs, self._pins)) == kid:
-                self._base = base
-                if bound > 0 and pinned.remote.claim(pinned.rows + bound) == "ok":
-                    if not self._hold_claim(pinned.rows + bound):
-                        pinned.remote.unclaim(pinned.rows + bound)
-                        pinned.remote.let_go()
+        base = self._base = self._base or _base_of(self._refs, self._pins)
+        if base in far and bound > 0:  # (every turn pinned: their parts count too)
+            lease, rows = self._pins[base].tip.remote, self._pins[base].rows
+            end = min(max_rows, rows + bound + sum(
+                self._pins[kid].chat.positions[k][1] for kid, k in self._refs
+                if kid != base and k < len(self._pins[kid].chat.positions)))
+            if end > rows and lease.claim(end) == "ok" and not self._hold_claim(end):
+                lease.unclaim(end)
+                lease.let_go()
 
     def _hold(self, kid: str, prefix: Prefix) -> bool:
         with self._lock:
@@ -241,7 +245,8 @@ class ChatTurn:
             why = "tokens"  # e.g. a template that drops or rewrites earlier turns
         lease = prefix.tip.remote
         if lease is not None:  # a sibling's turn: its rows claimed by ready()
-            claimed, self._claimed = self._claimed, None
+            with self._lock:
+                claimed, self._claimed = self._claimed, None
             if why is None and claimed is None:
                 why = "full"  # (or taken: another branch grew it first)
             elif why is None and total > claimed:
@@ -349,8 +354,9 @@ class Hook:
                 if is_ref(v := c.get(key))]
         if raw is None and not refs:
             return None
-        if len(refs) > MAX_REFS:
-            raise _gate.Refused(400, "part_ref", f"at most {MAX_REFS} kept parts a request")
+        if len(refs) > MAX_REFS or len({kid for kid, _ in refs}) > MAX_TURNS:
+            raise _gate.Refused(400, "part_ref", f"at most {MAX_REFS} kept parts of "
+                                f"{MAX_TURNS} kept turns a request")
         keep = None if raw is None else KeepRequest(keep_ttl(raw), salt_of(body))
         salt, pins, far = salt_of(body), {}, []
         try:
@@ -373,10 +379,9 @@ class Hook:
             raise
         if pins:
             count(ConversationEvent.PREFIX_HITS, len(pins))
-        bound = _bound(body, new_rows) if far and refs[0][0] in far else 0
-        if max_rows is not None:
-            bound = min(bound, max_rows)
-        return ChatTurn(keep, pins, refs, far, (salt, dtype, hidden, bound))
+        bound = _bound(body, refs[0][0], new_rows) if far and refs[0][0] in far else 0
+        return ChatTurn(keep, pins, refs, far, (salt, dtype, hidden, bound,
+                                                max_rows if max_rows is not None else 1 << 62))
 
 
 def _dtype_refused() -> Exception:
@@ -394,15 +399,26 @@ def _base_of(refs: list[tuple[str, int]], pins: dict[str, Prefix]) -> str | None
     return first if refs[:m] == [(first, k) for k in range(m)] else None
 
 
-def _bound(body: dict, new_rows: int) -> int:
-    """At most the rows a prompt adds after its kept turn's: the body's own embeds
-    rows, a token per character of its messages as JSON (every text a template
-    renders comes from them: no tokenizer makes more tokens than UTF-8 bytes) and
-    :data:`TEMPLATE_ROWS` for the template's own text."""
+def _bound(body: dict, base: str, new_rows: int) -> int:
+    """About the most rows a prompt adds after its kept turn ``base``'s (not counting
+    other kept turns' parts): the body's own embeds rows, a token per character (no
+    tokenizer makes more tokens than UTF-8 bytes) of the body as JSON from the last
+    message naming a part of ``base`` on (the messages before it are rendered in the
+    kept rows; the other fields, ``tools`` say, a template may render anywhere), and
+    :data:`TEMPLATE_ROWS` for the template's own text. A prompt longer than that is
+    built whole (``chat_rebuilt.bound``), never wrong."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return 0  # (vLLM refuses it; nothing claimed up front)
+    last = max((i for i, m in enumerate(messages) if isinstance(m, dict) and isinstance(
+        m.get("content"), list) and any(isinstance(p, dict) and isinstance(
+            d := p.get("data"), str) and d.startswith(f"{wire.PART}{base}.")
+            for p in m["content"])), default=0)
+    rest = {k: v for k, v in body.items() if k != "messages"}
     try:
-        text = len(json.dumps(body.get("messages"), default=str))
+        text = len(json.dumps([rest, messages[last:]], default=str))
     except (TypeError, ValueError, RecursionError):
-        return 0  # (vLLM refuses such messages; nothing claimed up front)
+        return 0
     return new_rows + text + TEMPLATE_ROWS
 
 

@@ -54,8 +54,10 @@ class Remote:
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock: socket.socket | None = sock
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the socket's: held for a whole round trip
+        self._uses_lock = threading.Lock()  # the uses': never held while waiting
         self._uses = 1
+        self._ended = False
         self.tip: Tip | None = None
 
     def _ask(self, msg: dict, blob: bytes = b"") -> dict | None:
@@ -71,18 +73,33 @@ class Remote:
                 close_unasked(fds)
                 return answer
             except (OSError, EOFError, ValueError):
-                self._sock.close()
-                self._sock = None
+                self._close()
                 return None
+            finally:
+                if self._ended:  # (the last use went while this round trip ran)
+                    self._close()
+
+    def _close(self) -> None:
+        """Close the socket (``_lock`` held)."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
     def _tell(self, msg: dict) -> None:
-        """A message no answer is waited for; never blocks (the event loop's)."""
-        with self._lock:
+        """A message no answer is waited for; never blocks (the event loop's): with
+        a round trip in flight, or the socket full, it is dropped (what it would
+        give back then goes with the lease, ``siblings._Lease.end``)."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
             if self._sock is not None:
-                try:
-                    siblings.send(self._sock, msg, flags=socket.MSG_DONTWAIT)
-                except OSError:  # (full: the sibling is not reading) it ends with the lease
-                    pass
+                siblings.send(self._sock, msg, flags=socket.MSG_DONTWAIT)
+        except OSError:
+            pass
+        finally:
+            if self._ended:
+                self._close()
+            self._lock.release()
 
     def claim(self, rows: int) -> str:
         """Claim rows up to ``rows`` after the pinned ones: ``"ok"`` (one more use
@@ -90,8 +107,7 @@ class Remote:
         it first) or ``"full"`` (no room there, or the sibling is gone)."""
         got = (self._ask({"op": "claim", "rows": rows}) or {}).get("got")
         if got == "ok":
-            with self._lock:
-                self._uses += 1
+            self.hold()
             return got
         return "taken" if got == "taken" else "full"
 
@@ -121,19 +137,28 @@ class Remote:
         return kid if isinstance(kid, str) else None
 
     def hold(self) -> None:
-        with self._lock:
+        with self._uses_lock:
             self._uses += 1
 
     def let_go(self, _: Any = None) -> None:
         """One use ended; the last closes the connection (the sibling ends the pin
-        and claims) and this process's descriptor of the file (mappings stay)."""
-        with self._lock:
+        and claims) and this process's descriptor of the file (mappings stay).
+        Never waits: a round trip in flight is cut short (it closes the socket)."""
+        with self._uses_lock:
             self._uses -= 1
             if self._uses:
                 return
-            sock, self._sock = self._sock, None
-        if sock is not None:
-            sock.close()
+            self._ended = True
+        if self._lock.acquire(blocking=False):
+            try:
+                self._close()
+            finally:
+                self._lock.release()
+        elif (sock := self._sock) is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # (its recv ends: EOF)
+            except OSError:
+                pass
         if self.tip is not None:
             self.tip.close()
 

@@ -139,7 +139,7 @@ class Store:
         given back, and their charge down to the file's size. False if ``tip`` is
         not claimed to ``rows``."""
         with self._lock:
-            if tip.rows != rows or not 0 <= to <= rows:
+            if tip.rows != rows or not 0 <= to <= rows or tip not in self._tips:
                 return False
             tip.rows = to
             try:  # (a tip without a file: nothing to give back)

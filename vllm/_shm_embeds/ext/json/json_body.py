@@ -221,9 +221,12 @@ def prepare(raw: bytes | mmap.mmap, route: str, ctx: ServerContext,
             except UnicodeDecodeError:
                 raise Fallback("not_json") from None
         if chat is not None:  # (after the salt: a long one is a span of its own)
-            # (a part's rows: at most its base64's bytes over 2-byte values)
+            # (an embeds part's rows: at most its base64's bytes over 2-byte values;
+            # any other long string, a text say: a token per byte)
+            parts = {index[v] for v in values if isinstance(v, str) and v in index}
             turn = _chat_turn(chat, headers, route, body, ctx, sum(
-                (b - a) * 3 // 4 for a, b in spans) // (2 * ctx.hidden_size))
+                (b - a) * 3 // 4 // (2 * ctx.hidden_size) if i in parts else b - a
+                for i, (a, b) in enumerate(spans)))
             values = [v for v in values if not (isinstance(v, str) and v.startswith(wire.PART))]
         keeping = next((k for hook in hooks.values() if (k := hook.keep_request(
             headers, route, body, len(values))) is not None), None)
