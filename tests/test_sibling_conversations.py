@@ -461,3 +461,29 @@ def test_the_owner_never_rewinds_kept_rows(owner):
     entries, _, tip_rows = _stats(conn)
     assert tip_rows == ROWS + 20, "the kept rows were given back"
     assert sorted(e[0] for e in entries) == [ROWS, ROWS + 20]
+
+
+def test_the_last_let_go_never_waits_for_a_round_trip_in_flight():
+    """The event loop lets go of a lease (a request cancelled) while a sibling round
+    trip runs on another thread and the sibling does not answer: ``let_go`` returns
+    at once, the round trip ends as a miss, and the socket is closed."""
+    import socket
+    import threading
+
+    from vllm._shm_embeds.ext.conversations import remote
+
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    lease = remote.Remote(mine)
+    lease.hold()  # (the claim's use; the pin's is the first)
+    got = []
+    asking = threading.Thread(target=lambda: got.append(lease.claim(10)))
+    asking.start()
+    assert theirs.recv(1 << 16), "the claim was not sent"
+    lease.let_go()
+    t = time.monotonic()
+    lease.let_go()  # the last use, with the claim's round trip unanswered
+    assert time.monotonic() - t < 1.0
+    asking.join(5)
+    assert not asking.is_alive() and got == ["full"]
+    assert mine.fileno() == -1
+    theirs.close()
