@@ -151,8 +151,10 @@ def _chat_owner(conn) -> None:
         conn.send(repr(e))
 
 
-def _chat_continue(conn, kid: str, max_rows: int) -> None:
-    """A sibling's chat turn: the kept turn's part, then 3 token rows and NEW rows."""
+def _chat_continue(conn, kid: str, max_rows: int, rewrite: bool = False) -> None:
+    """A sibling's chat turn: the kept turn's part, then 3 token rows and NEW rows
+    (``rewrite``: its first token other than the kept turn's, as a template that
+    rewrites earlier turns)."""
     from shm_embeds_client import wire
 
     from vllm._shm_embeds import counters
@@ -169,6 +171,8 @@ def _chat_continue(conn, kid: str, max_rows: int) -> None:
                                    torch.float32, HIDDEN, NEW, max_rows)
         turn.wait()
         ids = [*CHAT_IDS, 14, 15, *[7] * NEW, 16]
+        if rewrite:
+            ids[0] += 1
         new = -torch.ones(NEW, HIDDEN)
         out, _ = turn.build(ids, [turn.part(ref), new], [CHAT_PART, (ROWS + 2, NEW)])
         turn.rendered({"prompt_embeds": out, "prompt_token_ids": ids})
@@ -276,13 +280,16 @@ def test_a_siblings_chat_turn_grows_the_owners_tip_and_is_kept_there(chat_owner)
     assert stats2.get("sibling_hits") == 1 and b"shm-embeds-kept" in headers2, stats2
 
 
-def test_a_chat_turn_past_its_bound_gives_the_claim_back(chat_owner):
-    """A prompt rendered longer than the claim made before it: built whole here
-    (``chat_rebuilt.bound``), the rows claimed at the owner given back."""
+@pytest.mark.parametrize("why", ["bound", "tokens"])
+def test_a_chat_turn_built_whole_gives_the_claim_back(chat_owner, why):
+    """A prompt rendered longer than the claim made before it, or one whose tokens
+    do not begin with the kept turn's: built whole here (``chat_rebuilt.<why>``), the
+    rows claimed at the owner, and their charge, given back."""
     kid, conn, _ = chat_owner
-    (out, headers, grown, stats), _, proc = _run(_chat_continue, kid, ROWS + 2)
+    (out, headers, grown, stats), _, proc = _run(
+        _chat_continue, kid, ROWS + 2 if why == "bound" else 4096, why == "tokens")
     proc.join(30)
-    assert stats.get("chat_rebuilt.bound") == 1 and not grown, stats
+    assert stats.get(f"chat_rebuilt.{why}") == 1 and not grown, stats
     kept = torch.arange(ROWS * HIDDEN, dtype=torch.float32).view(ROWS, HIDDEN)
     a, n = CHAT_PART
     assert out[a:a + n] == kept[a:a + n].tolist() and out[ROWS + 2:ROWS + 2 + NEW] == (
