@@ -424,7 +424,7 @@ def test_chat_turns_that_reach_either_api_server_never_miss(dp_server, body):
                                      cache_salt=salt, **kw)
         _same(out, whole)
         d = delta(before, server.totals())
-        if turn >= 3 and d.get("sibling_hits", 0) >= 2:
+        if turn >= 3 and d.get("sibling_hits", 0) >= 1:  # (a text part at turns 0 and 3)
             break
     assert d.get("sibling_hits", 0) >= 1, f"no turn reached the other API server: {d}"
     assert d.get("sibling_kept") == d.get("sibling_hits") == d.get("sibling_served"), d
