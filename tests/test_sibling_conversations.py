@@ -27,8 +27,19 @@ def _several() -> None:
     common._api_servers = 2
 
 
-def _owner(conn) -> None:
+CHAT_IDS = [11, 12, *[7] * (ROWS - 3), 13]  # a kept chat turn: one embeds part
+CHAT_PART = (2, ROWS - 3)
+
+
+def _owner(conn, chat: bool = False) -> None:
+    """The owner of one kept tensor of ROWS rows (``chat``: a kept chat turn's,
+    ``rendered.Rendered``); answers each "stats" with its store's books: per entry
+    ``(rows, inode, pins, tip refs)``, or for a chat turn ``(rows, inode, pins,
+    token ids, parts)``."""
+    import array
+
     from vllm._shm_embeds.ext.conversations import prefixes
+    from vllm._shm_embeds.ext.conversations.rendered import Rendered
 
     _several()
     try:
@@ -36,14 +47,16 @@ def _owner(conn) -> None:
         tip = prefixes.new_tip(tensor.dtype, ROWS, HIDDEN)
         tip.ensure(ROWS)
         tip.write(memoryview(tensor.view(-1).view(torch.uint8).numpy()), 0)
-        kid = prefixes.store().put(tip, ROWS, None, SALT, 60, 16)
+        turn = Rendered(array.array("i", CHAT_IDS), (CHAT_PART,), ROWS) if chat else None
+        kid = prefixes.store().put(tip, ROWS, None, SALT, 60, 16, turn)
         prefixes.store().let_go(tip)
         conn.send(kid)
         while conn.recv() != "exit":
             store = prefixes.store()
             with store._lock:
-                entries = [(k.shape[0], k.tip.inode, k.pins, k.tip.refs)
-                           for k in store._entries.values()]
+                entries = [(k.shape[0], k.tip.inode, k.pins, *(
+                    (list(k.chat.token_ids[:k.shape[0]]), k.chat.positions) if chat
+                    else (k.tip.refs,))) for k in store._entries.values()]
             conn.send((entries, store.nbytes, tip.rows))
     except BaseException as e:  # the test reads it
         conn.send(repr(e))
@@ -120,37 +133,6 @@ def _starved(conn, kid: str) -> None:
         conn.send(repr(e))
 
 
-CHAT_IDS = [11, 12, *[7] * (ROWS - 3), 13]  # a kept chat turn: one embeds part
-CHAT_PART = (2, ROWS - 3)
-
-
-def _chat_owner(conn) -> None:
-    """An owner whose entry is a kept chat turn (``rendered.Rendered``)."""
-    import array
-
-    from vllm._shm_embeds.ext.conversations import prefixes
-    from vllm._shm_embeds.ext.conversations.rendered import Rendered
-
-    _several()
-    try:
-        tensor = torch.arange(ROWS * HIDDEN, dtype=torch.float32).view(ROWS, HIDDEN)
-        tip = prefixes.new_tip(tensor.dtype, ROWS, HIDDEN)
-        tip.ensure(ROWS)
-        tip.write(memoryview(tensor.view(-1).view(torch.uint8).numpy()), 0)
-        kid = prefixes.store().put(tip, ROWS, None, SALT, 60, 16,
-                                   Rendered(array.array("i", CHAT_IDS), (CHAT_PART,), ROWS))
-        prefixes.store().let_go(tip)
-        conn.send(kid)
-        while conn.recv() != "exit":
-            store = prefixes.store()
-            with store._lock:
-                entries = [(k.shape[0], k.tip.inode, k.pins, list(k.chat.token_ids[:k.shape[0]]),
-                            k.chat.positions) for k in store._entries.values()]
-            conn.send((entries, store.nbytes, tip.rows))
-    except BaseException as e:  # the test reads it
-        conn.send(repr(e))
-
-
 def _chat_continue(conn, kid: str, max_rows: int, rewrite: bool = False) -> None:
     """A sibling's chat turn: the kept turn's part, then 3 token rows and NEW rows
     (``rewrite``: its first token other than the kept turn's, as a template that
@@ -188,11 +170,10 @@ def _chat_continue(conn, kid: str, max_rows: int, rewrite: bool = False) -> None
         conn.send(repr(e))
 
 
-@pytest.fixture
-def chat_owner():
+def _owned(chat: bool):
     ctx = multiprocessing.get_context("fork")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=_chat_owner, args=(there,), daemon=True)
+    proc = ctx.Process(target=_owner, args=(there, chat), daemon=True)
     proc.start()
     kid = here.recv()
     assert isinstance(kid, str) and len(kid) == 43, kid
@@ -204,16 +185,12 @@ def chat_owner():
 
 @pytest.fixture
 def owner():
-    ctx = multiprocessing.get_context("fork")
-    here, there = ctx.Pipe()
-    proc = ctx.Process(target=_owner, args=(there,), daemon=True)
-    proc.start()
-    kid = here.recv()
-    assert isinstance(kid, str) and len(kid) == 43, kid
-    yield kid, here, proc
-    if proc.is_alive():
-        here.send("exit")
-        proc.join(30)
+    yield from _owned(False)
+
+
+@pytest.fixture
+def chat_owner():
+    yield from _owned(True)
 
 
 def _run(target, *args, timeout: float = 60):

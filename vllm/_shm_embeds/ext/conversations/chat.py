@@ -28,14 +28,12 @@ from vllm._shm_embeds.counters import count, count_many, count_reason
 from vllm._shm_embeds.ext.conversations.events import ConversationEvent
 from vllm._shm_embeds.ext.conversations import remote
 from vllm._shm_embeds.ext.conversations.keeps import KeepRequest
-from vllm._shm_embeds.ext.conversations.local import block_digests, max_bytes, new_tip, store
+from vllm._shm_embeds.ext.conversations.local import max_bytes, new_tip, store
 from vllm._shm_embeds.ext.conversations.rendered import Rendered
 from vllm._shm_embeds.files import segment as seg
 from vllm._shm_embeds.ext.conversations.prefixes import HOOK as _prefixes
 from vllm._shm_embeds.ext.conversations.prefixes import (KEEP_HEADER, Prefix, PrefixNotFound,
-                                                         SiblingPrefix, TipSink, keep_ttl,
-                                                         salt_of)
-from vllm._shm_embeds.ext.conversations.store import tag_of
+                                                         TipSink, keep_ttl, salt_of)
 
 logger = init_logger(__name__)
 
@@ -114,13 +112,7 @@ class ChatTurn:
         far, self._far = self._far, []
         salt, dtype, hidden, bound, max_rows = self._need
         for kid in far:
-            pinned = remote.pin(kid, salt, tag_of, chat=True)
-            if pinned is None:
-                count(ConversationEvent.PREFIX_MISSES)
-                raise PrefixNotFound()
-            d = pinned.digests
-            prefix = SiblingPrefix(pinned.remote, pinned.rows,
-                                   block_digests(*d) if d else None, pinned.chat)
+            prefix = _prefixes.pin_sibling(kid, salt, chat=True)
             if not self._hold(kid, prefix):
                 raise PrefixNotFound()  # (closed meanwhile: nobody reads this)
             count_many({ConversationEvent.PREFIX_HITS: 1, ConversationEvent.SIBLING_HITS: 1})

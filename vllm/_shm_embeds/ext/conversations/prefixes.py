@@ -245,20 +245,27 @@ class Hook:
         return (_common.api_servers() > 1 and well_formed(value)
                 and tag_of(value) != store().tag)
 
-    def _resolve_sibling(self, value: str, salt: str | None, dtype: torch.dtype,
-                         hidden: int) -> SiblingPrefix:
-        pinned = remote.pin(value, salt, tag_of)
+    def pin_sibling(self, value: str, salt: str | None, chat: bool = False) -> SiblingPrefix:
+        """The kept rows (a chat turn's for ``chat``) a sibling API server holds under
+        ``salt``, pinned there (a round trip: off the event loop). Raises
+        PrefixNotFound (counted)."""
+        pinned = remote.pin(value, salt, tag_of, chat)
         if pinned is None:
             count(ConversationEvent.PREFIX_MISSES)
             raise PrefixNotFound()
-        lease, rows, sent = pinned.remote, pinned.rows, pinned.digests
-        prefix = SiblingPrefix(lease, rows, block_digests(*sent) if sent else None)
-        if lease.tip.dtype != dtype or lease.tip.hidden != hidden:
+        d = pinned.digests
+        return SiblingPrefix(pinned.remote, pinned.rows, block_digests(*d) if d else None,
+                             pinned.chat)
+
+    def _resolve_sibling(self, value: str, salt: str | None, dtype: torch.dtype,
+                         hidden: int) -> SiblingPrefix:
+        prefix = self.pin_sibling(value, salt)
+        if prefix.tip.dtype != dtype or prefix.tip.hidden != hidden:
             prefix.release()
             raise _bad("prefix_dtype", "a continuation must have the datatype and hidden "
                        "size of the prompt_embeds it continues")
         count_many({ConversationEvent.PREFIX_HITS: 1, ConversationEvent.SIBLING_HITS: 1,
-                    ConversationEvent.PREFIX_ROWS: rows})
+                    ConversationEvent.PREFIX_ROWS: prefix.rows})
         return prefix
 
     def open_sink(self, prefix: Prefix | None, dtype: torch.dtype, shape: tuple[int, ...],

@@ -196,14 +196,6 @@ class Owner:
             self._slots.release()
 
 
-def _rows_in(tip: Any) -> int:
-    """Whole rows ``tip``'s file holds (0 if it cannot be told)."""
-    try:
-        return os.fstat(tip.fd).st_size // tip.row_bytes if tip.fd is not None else 0
-    except OSError:
-        return 0
-
-
 class _Lease:
     """What one sibling connection holds in the store: one pinned entry (unpinned once
     rows after it are claimed: the claim holds the tip), and the claims, each one
@@ -253,7 +245,7 @@ class _Lease:
         ttl, salt, block = msg.get("ttl"), msg.get("salt"), msg.get("block")
         if op == "commit" and self.claims.get(rows) is False and type(ttl) in (int, float) and (
                 math.isfinite(ttl) and ttl > 0 and (salt is None or isinstance(salt, str))
-                and _rows_in(tip) >= rows):  # (the rows are in the file: mapping them is safe)
+                and tip.file_bytes() >= rows * tip.row_bytes):  # (mapping them is safe)
             n = msg.get("digest_bytes", len(blob))
             if type(n) is not int or not 0 <= n <= len(blob):
                 raise ValueError("digest_bytes")
@@ -325,6 +317,6 @@ class _Lease:
         self.kept = None
         for rows, committed in self.claims.items():
             if not committed:
-                self.store.trim(tip, rows, max(start, min(rows, _rows_in(tip))))
+                self.store.trim(tip, rows, max(start, min(rows, tip.file_bytes() // tip.row_bytes)))
             self.store.let_go(tip)
 

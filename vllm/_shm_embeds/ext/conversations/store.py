@@ -142,12 +142,7 @@ class Store:
             if tip.rows != rows or not 0 <= to <= rows or tip not in self._tips:
                 return False
             tip.rows = to
-            try:  # (a tip without a file: nothing to give back)
-                fd = getattr(tip, "fd", None)
-                size = os.fstat(fd).st_size if fd is not None else tip.charged
-            except OSError:
-                size = tip.charged
-            keep = max(to * tip.row_bytes, size)
+            keep = max(to * tip.row_bytes, tip.file_bytes())
             if keep < tip.charged:
                 self._bytes -= tip.charged - keep
                 tip.charged = keep

@@ -55,6 +55,13 @@ class Tip:
             if size < rows * self.row_bytes:
                 os.posix_fallocate(self.fd, size, rows * self.row_bytes - size)
 
+    def file_bytes(self) -> int:
+        """Bytes the file holds (0 once closed, or if it cannot be told)."""
+        try:
+            return os.fstat(self.fd).st_size if self.fd is not None else 0
+        except OSError:
+            return 0
+
     def write(self, data: memoryview, offset: int) -> None:
         """``data`` at byte ``offset`` (rows this caller claimed). Raises OSError."""
         pwrite_all(self.fd, data, offset)
